@@ -1,0 +1,43 @@
+"""Build and install specdec: the Python package, the Triton kernels (as specdec.kernels) and the
+C++ CPU ops (specdec._C). Build against the torch already installed:
+
+    pip install --no-build-isolation -e .
+
+Set SPECDEC_NO_CPP=1 to skip the C++ extension (the package then runs on the reference backend).
+"""
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("SPECDEC_NO_CPP") != "1":
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        sys.stderr.write("setup.py: torch not importable, building without the C++ extension\n")
+    else:
+        sources = sorted(glob.glob("csrc/*.cpp"))
+        if sources:
+            openmp = ["-fopenmp"]  # without it at::parallel_for silently runs on one thread
+            ext_modules.append(CppExtension(
+                "specdec._C", sources,
+                extra_compile_args=["-O3", *openmp],
+                extra_link_args=openmp))
+            cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=False)
+
+setup(
+    name="specdec",
+    version="0.1.0",
+    description="Fused Triton/C++ kernels for speculative decoding: tree attention, lossless acceptance, KV rollback",
+    packages=["specdec", "specdec.kernels", "specdec.models", "specdec.drafters"],
+    package_dir={"specdec": "specdec", "specdec.kernels": "kernels"},
+    package_data={"specdec": ["assets/*/*"]},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={"triton": ["triton>=3.0"], "test": ["pytest", "scipy", "pytest-benchmark"],
+                    "bench": ["pytest-benchmark", "transformers"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,314 @@
+"""Input validation shared by every backend's entry point.
+
+Two kinds of checks:
+  * metadata checks (shapes, dtypes, devices): free, always on;
+  * value checks (index ranges, NaN logits, capacity, path shape): they read device data on the host,
+    so they cost a sync on GPU. They are ON by default and switched off for the GPU hot path with
+    `specdec.set_value_checks(False)` or the environment variable `SPECDEC_VALUE_CHECKS=0`. They are
+    also skipped while torch.compile traces (they cannot run on fake tensors).
+
+Every error is a ValueError or TypeError whose message starts with the offending argument's name, and
+every check runs before anything is written, so a failed call never leaves a cache half-updated.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_value_checks = os.environ.get("SPECDEC_VALUE_CHECKS", "1") not in ("0", "false", "False", "")
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turn the host-syncing value checks on or off for every op (default: on)."""
+    global _value_checks
+    _value_checks = bool(enabled)
+
+
+def value_checks_enabled() -> bool:
+    return _value_checks and not torch.compiler.is_compiling()
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------
+def _tensor(name, x, *, dim=None, dtypes=None, device=None):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if dim is not None and x.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(x.shape)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: dtype {str(x.dtype).replace('torch.', '')} not supported (expected one of {names})")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: on {x.device}, expected {device} like the other inputs")
+
+
+def _shape(name, x, expected):
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(x.shape)}")
+
+
+def _fail_if(name, cond, message):
+    """Raise ValueError(name: message) when the boolean tensor `cond` has any True (host sync)."""
+    if bool(cond.any()):
+        raise ValueError(f"{name}: {message}")
+
+
+# ----------------------------------------------------------------------------------------------
+# trees
+# ----------------------------------------------------------------------------------------------
+def check_parents(parents, num_nodes, *, name="parents"):
+    B, T = parents.shape
+    if T < 1:
+        raise ValueError(f"{name}: needs at least one node (the root), got shape {tuple(parents.shape)}")
+    if not value_checks_enabled():
+        return
+    nn = num_nodes.to(parents.device).long()
+    _fail_if("num_nodes", (nn < 1) | (nn > T), f"every entry must be in [1, {T}]")
+    _fail_if(name, parents[:, 0] != -1, "parents[:, 0] must be -1 (node 0 is the root)")
+    idx = torch.arange(T, device=parents.device)
+    real = (idx > 0) & (idx < nn.unsqueeze(1))
+    bad = real & ((parents < 0) | (parents >= idx))
+    _fail_if(name, bad, "every real node i > 0 needs 0 <= parents[b, i] < i")
+
+
+def normalize_num_nodes(num_nodes, B, T, device, *, name="num_nodes"):
+    if num_nodes is None:
+        return torch.full((B,), T, dtype=torch.int32, device=device)
+    _tensor(name, num_nodes, dim=1, dtypes=INT_DTYPES, device=device)
+    _shape(name, num_nodes, (B,))
+    return num_nodes.to(torch.int32)
+
+
+def check_build_tree(parents, num_nodes):
+    _tensor("parents", parents, dim=2, dtypes=INT_DTYPES)
+    B, T = parents.shape
+    num_nodes = normalize_num_nodes(num_nodes, B, T, parents.device)
+    check_parents(parents, num_nodes)
+    return num_nodes
+
+
+# ----------------------------------------------------------------------------------------------
+# caches
+# ----------------------------------------------------------------------------------------------
+def check_cache_pair(k_cache, v_cache, block_table, B, *, k_name="k_cache", v_name="v_cache"):
+    """Checks one layer's (4-D) or a stacked (5-D) K/V pair; returns (Hkv, D)."""
+    _tensor(k_name, k_cache, dtypes=FLOAT_DTYPES)
+    _tensor(v_name, v_cache, dtypes=FLOAT_DTYPES, device=k_cache.device)
+    if k_cache.dim() not in (4, 5):
+        raise ValueError(f"{k_name}: expected (B, L_max, Hkv, D), (num_blocks, block_size, Hkv, D) or a stack of "
+                         f"those with a leading layer dimension, got shape {tuple(k_cache.shape)}")
+    _shape(v_name, v_cache, k_cache.shape)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"{v_name}: dtype {v_cache.dtype} differs from {k_name} dtype {k_cache.dtype}")
+    if block_table is None and k_cache.shape[-4] != B:
+        raise ValueError(f"{k_name}: a contiguous cache needs one row per request ({B}), got {k_cache.shape[-4]}")
+    return k_cache.shape[-2], k_cache.shape[-1]
+
+
+def check_block_table(block_table, B, device):
+    if block_table is None:
+        return
+    _tensor("block_table", block_table, dim=2, dtypes=(torch.int32,), device=device)
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table: expected {B} rows (one per request), got shape {tuple(block_table.shape)}")
+
+
+def check_cache_lens(cache_lens, B, device):
+    _tensor("cache_lens", cache_lens, dim=1, dtypes=(torch.int32,), device=device)
+    _shape("cache_lens", cache_lens, (B,))
+
+
+def capacity(cache_shape, block_table) -> int:
+    """Logical positions a request can address."""
+    if block_table is None:
+        return cache_shape[-3]
+    return block_table.shape[1] * cache_shape[-3]
+
+
+def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T new tokens"):
+    """Value check: positions [cache_lens[b], cache_lens[b] + extent[b]) exist and map to valid blocks."""
+    if not value_checks_enabled():
+        return
+    cap = capacity(cache_shape, block_table)
+    lens = cache_lens.long()
+    _fail_if("cache_lens", lens < 0, "must be >= 0")
+    end = lens + extent
+    _fail_if("cache_lens", end > cap, f"no room for {what}: cache_lens + count exceeds the capacity {cap}")
+    if block_table is not None:
+        block_size = cache_shape[-3]
+        used = (end + block_size - 1) // block_size  # blocks covering [0, end)
+        cols = torch.arange(block_table.shape[1], device=block_table.device)
+        in_use = cols.unsqueeze(0) < used.unsqueeze(1)
+        num_blocks = cache_shape[-4]
+        bad = in_use & ((block_table < 0) | (block_table >= num_blocks))
+        _fail_if("block_table", bad, f"block ids in use must be in [0, {num_blocks})")
+
+
+def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale):
+    _tensor("q", q, dim=4, dtypes=FLOAT_DTYPES)
+    B, T, Hq, D = q.shape
+    dev = q.device
+    _tensor("k_cache", k_cache, dim=4, device=dev)
+    Hkv, Dk = check_cache_pair(k_cache, v_cache, block_table, B)
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache: dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    if Dk != D:
+        raise ValueError(f"k_cache: head dim {Dk} differs from q head dim {D}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"q: {Hq} query heads is not a multiple of the {Hkv} KV heads")
+    check_cache_lens(cache_lens, B, dev)
+    check_block_table(block_table, B, dev)
+    _tensor("tree_mask", tree_mask, dim=3, dtypes=(torch.int32,), device=dev)
+    _shape("tree_mask", tree_mask, (B, T, (T + 31) // 32))
+    num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
+    if scale is None:
+        scale = D ** -0.5
+    if not isinstance(scale, (float, int)) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    if value_checks_enabled():
+        nn = num_nodes.long()
+        _fail_if("num_nodes", (nn < 1) | (nn > T), f"every entry must be in [1, {T}]")
+        check_positions(k_cache.shape, cache_lens, block_table, T)
+        from .reference import unpack_bits
+        bits = unpack_bits(tree_mask, T)  # (B, T, T)
+        idx = torch.arange(T, device=dev)
+        real = idx.unsqueeze(0) < nn.unsqueeze(1)
+        no_self = real & ~bits[:, idx, idx]
+        _fail_if("tree_mask", no_self, "every real node must have its own bit set")
+        future = bits & (idx.view(1, 1, T) > idx.view(1, T, 1))
+        _fail_if("tree_mask", future.any(-1) & real, "node i may only see nodes j <= i (ancestors and itself)")
+    return num_nodes, float(scale)
+
+
+def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table):
+    _tensor("k_new", k_new, dim=4, dtypes=FLOAT_DTYPES)
+    B, T, Hkv, D = k_new.shape
+    dev = k_new.device
+    _tensor("v_new", v_new, device=dev)
+    _shape("v_new", v_new, k_new.shape)
+    _tensor("k_cache", k_cache, dim=4, device=dev)
+    Hc, Dc = check_cache_pair(k_cache, v_cache, block_table, B)
+    if (Hc, Dc) != (Hkv, D):
+        raise ValueError(f"k_new: (Hkv, D) = {(Hkv, D)} differs from the cache's {(Hc, Dc)}")
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if x.dtype != k_cache.dtype:
+            raise TypeError(f"{name}: dtype {x.dtype} differs from cache dtype {k_cache.dtype}")
+    check_cache_lens(cache_lens, B, dev)
+    check_block_table(block_table, B, dev)
+    check_positions(k_cache.shape, cache_lens, block_table, T)
+
+
+def as_layer_list(name, caches):
+    """One tensor (4-D layer or 5-D stack) or a list/tuple of them -> list of tensors."""
+    if isinstance(caches, torch.Tensor):
+        return [caches]
+    if isinstance(caches, (list, tuple)) and len(caches) > 0 and all(isinstance(c, torch.Tensor) for c in caches):
+        return list(caches)
+    raise TypeError(f"{name}: expected a tensor or a non-empty list of tensors")
+
+
+def check_path(accepted_nodes, num_accepted, T_limit=None):
+    """Value check: accepted_nodes[b, :num_accepted[b]+1] is strictly increasing from 0."""
+    if not value_checks_enabled():
+        return
+    B, P = accepted_nodes.shape
+    na = num_accepted.long()
+    _fail_if("num_accepted", (na < 0) | (na >= P), f"every entry must be in [0, {P - 1}]")
+    idx = torch.arange(P, device=accepted_nodes.device)
+    on_path = idx.unsqueeze(0) <= na.unsqueeze(1)
+    path = accepted_nodes.long()
+    _fail_if("accepted_nodes", path[:, 0] != 0, "every path must start at node 0 (the root)")
+    steps = on_path[:, 1:] & (path[:, 1:] <= path[:, :-1])
+    _fail_if("accepted_nodes", steps, "the accepted path must be strictly increasing")
+    if T_limit is not None:
+        _fail_if("accepted_nodes", on_path & (path >= T_limit), f"node indices must be < {T_limit}")
+
+
+def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table):
+    ks = as_layer_list("k_cache", k_caches)
+    vs = as_layer_list("v_cache", v_caches)
+    if len(ks) != len(vs):
+        raise ValueError(f"v_cache: {len(vs)} layer tensors but k_cache has {len(ks)}")
+    _tensor("cache_lens", cache_lens, dim=1, dtypes=(torch.int32,))
+    B = cache_lens.shape[0]
+    dev = cache_lens.device
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        suffix = "" if len(ks) == 1 else f"[{i}]"
+        _tensor(f"k_cache{suffix}", k, device=dev)
+        check_cache_pair(k, v, block_table, B, k_name=f"k_cache{suffix}", v_name=f"v_cache{suffix}")
+        if k.shape[-4:] != ks[0].shape[-4:] or k.dtype != ks[0].dtype:
+            raise ValueError(f"k_cache{suffix}: every layer must share the first layer's shape and dtype")
+    _tensor("accepted_nodes", accepted_nodes, dim=2, dtypes=INT_DTYPES, device=dev)
+    if accepted_nodes.shape[0] != B:
+        raise ValueError(f"accepted_nodes: expected {B} rows, got shape {tuple(accepted_nodes.shape)}")
+    _tensor("num_accepted", num_accepted, dim=1, dtypes=INT_DTYPES, device=dev)
+    _shape("num_accepted", num_accepted, (B,))
+    check_block_table(block_table, B, dev)
+    if value_checks_enabled():
+        check_path(accepted_nodes, num_accepted)
+        # the furthest row read is L + path[num_accepted]; its block must exist
+        last = accepted_nodes.long().gather(1, num_accepted.long().clamp(0, accepted_nodes.shape[1] - 1).unsqueeze(1))
+        check_positions(ks[0].shape, cache_lens, block_table, last.squeeze(1) + 1, what="the tree rows")
+    return ks, vs
+
+
+# ----------------------------------------------------------------------------------------------
+# acceptance
+# ----------------------------------------------------------------------------------------------
+def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset):
+    _tensor("target_logits", target_logits, dim=3, dtypes=FLOAT_DTYPES)
+    B, T, V = target_logits.shape
+    dev = target_logits.device
+    _tensor("tokens", tokens, dim=2, dtypes=INT_DTYPES, device=dev)
+    _shape("tokens", tokens, (B, T))
+    _tensor("parents", parents, dim=2, dtypes=INT_DTYPES, device=dev)
+    _shape("parents", parents, (B, T))
+    if draft_logits is not None:
+        _tensor("draft_logits", draft_logits, dim=3, dtypes=FLOAT_DTYPES, device=dev)
+        _shape("draft_logits", draft_logits, (B, T, V))
+    num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
+    temperature = normalize_temperature(temperature, B, dev)
+    seeds = normalize_seeds(seeds, B, dev)
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise TypeError("offset: expected a non-negative int")
+    check_parents(parents, num_nodes)
+    if value_checks_enabled():
+        idx = torch.arange(T, device=dev)
+        real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
+        _fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")
+        _fail_if("temperature", torch.isnan(temperature) | (temperature < 0) | torch.isinf(temperature),
+                 "must be finite and >= 0")
+        for name, x in (("target_logits", target_logits), ("draft_logits", draft_logits)):
+            if x is None:
+                continue
+            _fail_if(name, torch.isnan(x), "contains NaN")
+            _fail_if(name, x == float("inf"), "contains +inf")
+            rows_real = idx.unsqueeze(0) < num_nodes.long().unsqueeze(1)
+            _fail_if(name, rows_real & (x.amax(-1) == float("-inf")), "a real node's row is entirely -inf")
+    return num_nodes, temperature, seeds
+
+
+def normalize_temperature(temperature, B, device):
+    if temperature is None:
+        return torch.zeros(B, dtype=torch.float32, device=device)
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if not temperature >= 0 or temperature == float("inf"):
+            raise ValueError(f"temperature: must be finite and >= 0, got {temperature}")
+        return torch.full((B,), float(temperature), dtype=torch.float32, device=device)
+    _tensor("temperature", temperature, dim=1, dtypes=FLOAT_DTYPES, device=device)
+    _shape("temperature", temperature, (B,))
+    return temperature.to(torch.float32)
+
+
+def normalize_seeds(seeds, B, device):
+    if seeds is None:
+        # fresh seeds from torch's global generator, drawn on the device: no host sync
+        return torch.randint(0, 2**62, (B,), dtype=torch.int64, device=device)
+    _tensor("seeds", seeds, dim=1, dtypes=INT_DTYPES, device=device)
+    _shape("seeds", seeds, (B,))
+    return seeds.to(torch.int64)

@@ -1,0 +1,242 @@
+"""The public ops, their torch.library registration and backend dispatch.
+
+Every op exists as a torch custom op `torch.ops.specdec.<name>` with a fake (meta) implementation and
+declared mutations, so it traces under `torch.compile(fullgraph=True)` and can be called from C++:
+  * the schemas are defined by the C++ extension (`specdec._C`, csrc/) when it is built, else here;
+  * CPU kernel: the C++ implementation when built, else the PyTorch reference;
+  * CUDA kernel: the Triton implementation (specdec.kernels).
+
+`backend=` picks an implementation explicitly: "torch" (reference), "triton" (also on CPU tensors when
+TRITON_INTERPRET=1 is set), "cpp" (CPU tensors). The default (None) is the registered op for the
+tensors' device; the environment variable SPECDEC_BACKEND overrides that default.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from . import _validation as val
+from . import reference
+from .tree import build_tree_vectorized
+
+BACKENDS = ("torch", "triton", "cpp")
+
+# The op schemas. csrc/ops.cpp declares the same strings (tests/test_registration.py compares them).
+SCHEMAS = {
+    "build_tree": "build_tree(Tensor parents, Tensor num_nodes) -> (Tensor, Tensor)",
+    "tree_attention": "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
+                      "Tensor tree_mask, Tensor? block_table, Tensor num_nodes, float scale) -> (Tensor, Tensor)",
+    "accept": "accept(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, "
+              "Tensor temperature, Tensor seeds, Tensor num_nodes, int offset) -> (Tensor, Tensor, Tensor)",
+    "kv_append": "kv_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
+                 "Tensor cache_lens, Tensor? block_table) -> ()",
+    "kv_rollback": "kv_rollback(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, "
+                   "Tensor accepted_nodes, Tensor num_accepted, Tensor? block_table) -> ()",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# registration
+# ----------------------------------------------------------------------------------------------
+def _load_cpp() -> bool:
+    try:
+        from . import _C  # noqa: F401  (loading the library runs TORCH_LIBRARY(specdec, ...))
+    except ImportError as exc:
+        reason = "not built" if isinstance(exc, ModuleNotFoundError) else f"failed to load: {exc}"
+        warnings.warn(f"specdec: C++ extension specdec._C {reason}; CPU tensors use the PyTorch reference "
+                      "backend. Reinstall with `pip install --no-build-isolation -e .` to build it.", stacklevel=3)
+        return False
+    return True
+
+
+HAS_CPP = _load_cpp()
+
+
+def _triton_impl(name):
+    """The Triton implementation of op `name` (imported lazily: importing triton is slow)."""
+    if name == "build_tree":
+        return build_tree_vectorized
+    if name == "tree_attention":
+        from .kernels.tree_attention import tree_attention as fn
+    elif name == "accept":
+        from .kernels.accept import accept as fn
+    elif name == "kv_append":
+        from .kernels.kv_cache import kv_append as fn
+    else:
+        from .kernels.kv_cache import kv_rollback as fn
+    return fn
+
+
+def _fake_build_tree(parents, num_nodes):
+    B, T = parents.shape
+    return (parents.new_empty((B, T), dtype=torch.int32), parents.new_empty((B, T, (T + 31) // 32), dtype=torch.int32))
+
+
+def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset):
+    B, T, _ = target_logits.shape
+    return (tokens.new_empty((B, T), dtype=torch.int32), tokens.new_empty((B,), dtype=torch.int32),
+            tokens.new_empty((B,), dtype=torch.int64))
+
+
+def _fake_mutating(*args):
+    return None
+
+
+_FAKES = {"build_tree": _fake_build_tree, "tree_attention": _fake_tree_attention, "accept": _fake_accept,
+          "kv_append": _fake_mutating, "kv_rollback": _fake_mutating}
+
+_REFERENCE = {"build_tree": reference.build_tree, "tree_attention": reference.tree_attention,
+              "accept": reference.accept, "kv_append": reference.kv_append, "kv_rollback": reference.kv_rollback}
+
+
+def _register() -> None:
+    for name, schema in SCHEMAS.items():
+        qualname = f"specdec::{name}"
+        if not HAS_CPP:
+            torch.library.define(qualname, schema[len(name):])
+            torch.library.register_kernel(qualname, "cpu", _REFERENCE[name])
+        torch.library.register_fake(qualname, _FAKES[name])
+        torch.library.register_kernel(qualname, "cuda", lambda *a, _n=name: _triton_impl(_n)(*a))
+
+
+_register()
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------
+def resolve_backend(backend: Optional[str], device: torch.device) -> Optional[str]:
+    """The explicit backend to call, or None for the registered op of `device`."""
+    if backend is None:
+        backend = os.environ.get("SPECDEC_BACKEND") or None
+        if backend is None:
+            return None
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+    if backend == "cpp":
+        if device.type != "cpu":
+            raise ValueError(f"backend: 'cpp' runs on CPU tensors, got tensors on {device}")
+        if not HAS_CPP:
+            raise ValueError("backend: 'cpp' requested but the C++ extension specdec._C is not built")
+        return None  # the registered CPU kernel is the C++ one
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend: 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before import")
+    return backend
+
+
+def _call(name: str, backend: Optional[str], device: torch.device, *args):
+    chosen = resolve_backend(backend, device)
+    if chosen is None:
+        return getattr(torch.ops.specdec, name)(*args)
+    if chosen == "torch":
+        return _REFERENCE[name](*args)
+    return _triton_impl(name)(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# public ops
+# ----------------------------------------------------------------------------------------------
+class TreeInfo(NamedTuple):
+    """A batch of draft trees. parents (B, T) int32; depth (B, T) int32 (root 0); mask (B, T, ceil(T/32))
+    int32, bit j % 32 of word j // 32 of mask[b, i] set iff j is i or an ancestor of i; num_nodes (B,)."""
+    parents: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+    num_nodes: torch.Tensor
+
+
+class AcceptResult(NamedTuple):
+    """accepted_nodes (B, T) int32: the accepted path's node indices from 0, padded with -1;
+    num_accepted (B,) int32: accepted draft nodes; next_tokens (B,) int64: correction or bonus token."""
+    accepted_nodes: torch.Tensor
+    num_accepted: torch.Tensor
+    next_tokens: torch.Tensor
+
+
+def build_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None, *,
+               backend: Optional[str] = None) -> TreeInfo:
+    """Depths and packed ancestor masks of a batch of trees.
+
+    parents: (B, T) int, parents[:, 0] == -1 and 0 <= parents[b, i] < i for real nodes.
+    num_nodes: (B,) int or None (all T nodes real). Nodes >= num_nodes[b] are padding.
+    """
+    num_nodes = val.check_build_tree(parents, num_nodes)
+    parents = parents.to(torch.int32)
+    depth, mask = _call("build_tree", backend, parents.device, parents, num_nodes)
+    return TreeInfo(parents, depth, mask, num_nodes)
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
+                   tree_mask: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
+                   num_nodes: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                   return_lse: bool = False, backend: Optional[str] = None):
+    """Attention of T draft-tree queries over the committed prefix plus their ancestors.
+
+    q: (B, T, Hq, D). k_cache, v_cache: (B, L_max, Hkv, D) contiguous, or (num_blocks, block_size, Hkv, D)
+    paged with block_table (B, max_blocks) int32. cache_lens: (B,) int32 committed tokens; the tree's K/V
+    are already stored at logical positions cache_lens[b] .. cache_lens[b] + T - 1. tree_mask:
+    (B, T, ceil(T/32)) int32 (TreeInfo.mask). num_nodes: (B,) or None. scale: default 1/sqrt(D).
+    Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 if return_lse. Padding nodes get
+    out = 0 and lse = -inf.
+    """
+    num_nodes, scale = val.check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table,
+                                                num_nodes, scale)
+    out, lse = _call("tree_attention", backend, q.device, q, k_cache, v_cache, cache_lens, tree_mask,
+                     block_table, num_nodes, scale)
+    return (out, lse) if return_lse else out
+
+
+def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, *,
+           draft_logits: Optional[torch.Tensor] = None,
+           temperature: Union[None, float, torch.Tensor] = None, seeds: Optional[torch.Tensor] = None,
+           num_nodes: Optional[torch.Tensor] = None, offset: int = 0,
+           backend: Optional[str] = None) -> AcceptResult:
+    """Verify draft trees against the target: the longest accepted path plus one next token.
+
+    target_logits: (B, T, V) the target's logits at each node. tokens: (B, T) int, tokens[b, i] is node
+    i's draft token (tokens[:, 0], the root, is unused). parents: (B, T) int. draft_logits: (B, T, V) or
+    None: the drafter's logits at each node, whose softmax at the same temperature is the law node's
+    children were drawn from (i.i.d.); None means the children are given proposals. temperature: None/0
+    (greedy), a float, or (B,) floats, 0 = greedy per request. seeds: (B,) int64, a request's result
+    depends only on its own inputs, seed and `offset` (None draws seeds from torch's generator).
+    Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
+    """
+    num_nodes, temperature, seeds = val.check_accept(target_logits, tokens, parents, draft_logits,
+                                                     temperature, seeds, num_nodes, offset)
+    res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
+                parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset)
+    return AcceptResult(*res)
+
+
+def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+              cache_lens: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
+              backend: Optional[str] = None) -> None:
+    """Write k_new[b, i], v_new[b, i] ((B, T, Hkv, D)) at logical position cache_lens[b] + i of one
+    layer's cache (in place; cache_lens is not changed). Cache layouts as in `tree_attention`."""
+    val.check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table)
+    _call("kv_append", backend, k_cache.device, k_cache, v_cache, k_new, v_new, cache_lens, block_table)
+
+
+CacheArg = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def kv_rollback(k_cache: CacheArg, v_cache: CacheArg, cache_lens: torch.Tensor, accepted_nodes: torch.Tensor,
+                num_accepted: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
+                backend: Optional[str] = None) -> None:
+    """Keep only the accepted path's K/V, for every layer given, then advance cache_lens (in place).
+
+    k_cache/v_cache: one layer (4-D), a stack of layers (layers, ...) (5-D), or a list of either.
+    accepted_nodes: (B, P) int, strictly increasing from 0 (AcceptResult.accepted_nodes); num_accepted (B,).
+    Moves row cache_lens[b] + accepted_nodes[b, i] to cache_lens[b] + i for i <= num_accepted[b], then
+    cache_lens[b] += num_accepted[b] + 1.
+    """
+    ks, vs = val.check_kv_rollback(k_cache, v_cache, cache_lens, accepted_nodes, num_accepted, block_table)
+    _call("kv_rollback", backend, cache_lens.device, ks, vs, cache_lens, accepted_nodes.to(torch.int32),
+          num_accepted.to(torch.int32), block_table)

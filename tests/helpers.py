@@ -1,0 +1,72 @@
+"""Shared test utilities: random trees, caches in both layouts, poisoning, tolerances, backend lists."""
+from __future__ import annotations
+
+import torch
+
+import specdec.ops
+
+# Backends tested against the reference: Triton always (interpreter on CPU), C++ when it is built.
+BACKENDS = ["triton"] + (["cpp"] if specdec.ops.HAS_CPP else [])
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (atol, rtol) for results computed in fp32 and rounded to the dtype, compared with a float64 reference.
+TOL = {torch.float64: (1e-9, 1e-9), torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3),
+       torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def assert_close(actual, expected, dtype=None):
+    atol, rtol = TOL[dtype or actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def random_parents(T: int, kind: str, gen: torch.Generator) -> list[int]:
+    """One tree of T nodes: 'chain', 'star' (all children of the root) or 'random'."""
+    if kind == "chain":
+        return [-1] + list(range(T - 1))
+    if kind == "star":
+        return [-1] + [0] * (T - 1)
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
+
+
+def random_trees(B: int, T: int, gen: torch.Generator, kinds=("chain", "star", "random"), ragged=True):
+    """parents (B, T) int64 and num_nodes (B,) int32; padding nodes' parents are -1."""
+    parents = torch.full((B, T), -1, dtype=torch.int64)
+    num_nodes = torch.full((B,), T, dtype=torch.int32)
+    for b in range(B):
+        n = int(torch.randint(1, T + 1, (1,), generator=gen)) if ragged and b % 2 == 1 else T
+        kind = kinds[b % len(kinds)]
+        parents[b, :n] = torch.tensor(random_parents(n, kind, gen))
+        num_nodes[b] = n
+    return parents, num_nodes
+
+
+def to_paged(logical: torch.Tensor, block_size: int, gen: torch.Generator, spare_blocks: int = 3):
+    """(B, cap, H, D) logical cache -> (num_blocks, block_size, H, D) paged cache with a shuffled block
+    table (B, cap // block_size) int32; spare blocks nobody owns are filled with NaN."""
+    B, cap, H, D = logical.shape
+    assert cap % block_size == 0
+    per = cap // block_size
+    num_blocks = B * per + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen)[: B * per]
+    table = order.view(B, per).to(torch.int32)
+    paged = torch.full((num_blocks, block_size, H, D), float("nan"), dtype=logical.dtype)
+    paged[table.view(-1).long()] = logical.reshape(B * per, block_size, H, D)
+    return paged, table
+
+
+def from_paged(paged: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_paged`: the (B, cap, H, D) logical view."""
+    B, per = table.shape
+    return paged[table.view(-1).long()].reshape(B, per * paged.shape[1], *paged.shape[2:])
+
+
+def random_cache(B: int, cap: int, H: int, D: int, dtype, gen: torch.Generator):
+    """A logical (B, cap, H, D) cache of N(0, 1) values."""
+    return torch.randn(B, cap, H, D, generator=gen).to(dtype)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with values no correct kernel writes (NaN / a sentinel), in place."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(-12345)
