@@ -75,24 +75,22 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
     L + j for every j whose bit is set in tree_mask[b, i]. Padding nodes get out = 0, lse = -inf.
     """
     B, T, Hq, D = q.shape
-    Hkv = k_cache.shape[-2]
-    group = Hq // Hkv
+    group = Hq // k_cache.shape[-2]
     out = torch.zeros(B, T, Hq, D, dtype=torch.float64)
     lse = torch.full((B, T, Hq), -math.inf, dtype=torch.float64)
     allowed_tree = unpack_bits(tree_mask.cpu(), T)  # (B, T, T) bool
     for b in range(B):
-        L = int(cache_lens[b])
-        keys = torch.stack([k_cache[physical_row(k_cache.shape, block_table, b, p)] for p in range(L + T)])
-        vals = torch.stack([v_cache[physical_row(v_cache.shape, block_table, b, p)] for p in range(L + T)])
-        keys, vals = keys.double().cpu(), vals.double().cpu()  # (L+T, Hkv, D)
-        for i in range(int(num_nodes[b])):
-            allowed = torch.cat([torch.ones(L, dtype=torch.bool), allowed_tree[b, i]])
-            for h in range(Hq):
-                kv_head = h // group
-                scores = (keys[:, kv_head] @ q[b, i, h].double().cpu()) * scale
-                scores = scores.masked_fill(~allowed, -math.inf)
-                lse[b, i, h] = torch.logsumexp(scores, 0)
-                out[b, i, h] = torch.softmax(scores, 0) @ vals[:, kv_head]
+        L, n = int(cache_lens[b]), int(num_nodes[b])
+        rows = [physical_row(k_cache.shape, block_table, b, p) for p in range(L + T)]
+        where = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]))
+        # (L+T, Hq, D): query head h reads KV head h // group
+        keys = k_cache.cpu()[where].double().repeat_interleave(group, dim=1)
+        vals = v_cache.cpu()[where].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("ihd,phd->hip", q[b, :n].cpu().double(), keys) * scale  # (Hq, n, L+T)
+        allowed = torch.cat([torch.ones(n, L, dtype=torch.bool), allowed_tree[b, :n]], dim=1)  # (n, L+T)
+        scores = scores.masked_fill(~allowed, -math.inf)
+        lse[b, :n] = torch.logsumexp(scores, -1).T
+        out[b, :n] = torch.einsum("hip,phd->ihd", torch.softmax(scores, -1), vals)
     return out.to(q.dtype).to(q.device), lse.float().to(q.device)
 
 
