@@ -12,6 +12,7 @@ tensors' device; the environment variable SPECDEC_BACKEND overrides that default
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from typing import NamedTuple, Optional, Sequence, Union
@@ -43,9 +44,9 @@ SCHEMAS = {
 # ----------------------------------------------------------------------------------------------
 def _load_cpp() -> bool:
     try:
-        from . import _C  # noqa: F401  (loading the library runs TORCH_LIBRARY(specdec, ...))
+        importlib.import_module("specdec._C")  # loading the library runs TORCH_LIBRARY(specdec, ...)
     except ImportError as exc:
-        reason = "not built" if isinstance(exc, ModuleNotFoundError) else f"failed to load: {exc}"
+        reason = "not built" if getattr(exc, "name", None) == "specdec._C" else f"failed to load: {exc}"
         warnings.warn(f"specdec: C++ extension specdec._C {reason}; CPU tensors use the PyTorch reference "
                       "backend. Reinstall with `pip install --no-build-isolation -e .` to build it.", stacklevel=3)
         return False

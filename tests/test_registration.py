@@ -1,0 +1,95 @@
+"""torch.library registration: schemas, fake impls (opcheck), torch.compile(fullgraph=True), dispatch."""
+import pytest
+import torch
+
+import specdec
+import specdec.ops
+from tests.helpers import random_trees
+
+B, T, Hq, Hkv, D, CAP, V = 2, 4, 4, 2, 8, 16, 12
+
+
+def sample_inputs():
+    gen = torch.Generator().manual_seed(0)
+    parents, num_nodes = random_trees(B, T, gen)
+    info = specdec.build_tree(parents, num_nodes)
+    return dict(
+        parents=info.parents, num_nodes=info.num_nodes, mask=info.mask,
+        q=torch.randn(B, T, Hq, D, generator=gen), k=torch.randn(B, CAP, Hkv, D, generator=gen),
+        v=torch.randn(B, CAP, Hkv, D, generator=gen), lens=torch.tensor([0, 5], dtype=torch.int32),
+        logits=torch.randn(B, T, V, generator=gen), tokens=torch.randint(0, V, (B, T), generator=gen, dtype=torch.int32),
+        temperature=torch.tensor([0.0, 0.9]), seeds=torch.tensor([3, 4]),
+        path=torch.tensor([[0, 1, -1, -1], [0, -1, -1, -1]], dtype=torch.int32),
+        num_accepted=torch.tensor([1, 0], dtype=torch.int32))
+
+
+def op_samples():
+    x = sample_inputs()
+    return {
+        "build_tree": (x["parents"], x["num_nodes"]),
+        "tree_attention": (x["q"], x["k"], x["v"], x["lens"], x["mask"], None, x["num_nodes"], D ** -0.5),
+        "accept": (x["logits"], x["tokens"], x["parents"], None, x["temperature"], x["seeds"], x["num_nodes"], 0),
+        "kv_append": (x["k"], x["v"], torch.randn(B, T, Hkv, D), torch.randn(B, T, Hkv, D), x["lens"], None),
+        "kv_rollback": ([x["k"]], [x["v"]], x["lens"], x["path"], x["num_accepted"], None),
+    }
+
+
+def test_every_schema_is_registered():
+    for name, schema in specdec.ops.SCHEMAS.items():
+        op = getattr(torch.ops.specdec, name).default
+        assert str(op._schema) == f"specdec::{schema}"
+
+
+@pytest.mark.parametrize("name", list(specdec.ops.SCHEMAS))
+def test_opcheck(name):
+    torch.library.opcheck(getattr(torch.ops.specdec, name).default, op_samples()[name])
+
+
+def speculative_step(q, k, v, lens, parents, num_nodes, k_new, v_new, logits, tokens, temperature, seeds):
+    info = specdec.build_tree(parents, num_nodes)
+    specdec.kv_append(k, v, k_new, v_new, lens)
+    out = specdec.tree_attention(q, k, v, lens, info.mask, num_nodes=num_nodes)
+    res = specdec.accept(logits + out.sum(), tokens, parents, temperature=temperature, seeds=seeds,
+                         num_nodes=num_nodes)
+    specdec.kv_rollback(k, v, lens, res.accepted_nodes, res.num_accepted)
+    return out, res
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    x = sample_inputs()
+    k_new, v_new = torch.randn(B, T, Hkv, D), torch.randn(B, T, Hkv, D)
+    args = lambda: (x["q"], x["k"].clone(), x["v"].clone(), x["lens"].clone(), x["parents"], x["num_nodes"],  # noqa: E731
+                    k_new, v_new, x["logits"], x["tokens"], x["temperature"], x["seeds"])
+    eager_args, compiled_args = args(), args()
+    torch._dynamo.reset()
+    compiled = torch.compile(speculative_step, fullgraph=True)
+    out_e, res_e = speculative_step(*eager_args)
+    out_c, res_c = compiled(*compiled_args)
+    torch.testing.assert_close(out_c, out_e)
+    for a, b in zip(res_c, res_e):
+        assert torch.equal(a, b)
+    for i in (1, 2, 3):  # caches and lengths mutated identically
+        assert torch.equal(eager_args[i], compiled_args[i])
+
+
+def test_env_overrides_default_backend(monkeypatch):
+    calls = []
+    original = specdec.ops._REFERENCE["build_tree"]
+    monkeypatch.setitem(specdec.ops._REFERENCE, "build_tree", lambda *a: calls.append(1) or original(*a))
+    specdec.build_tree(torch.tensor([[-1, 0]]))
+    assert calls == [] or not specdec.ops.HAS_CPP  # default: the registered op
+    monkeypatch.setenv("SPECDEC_BACKEND", "torch")
+    n = len(calls)
+    specdec.build_tree(torch.tensor([[-1, 0]]))
+    assert len(calls) == n + 1
+    monkeypatch.setenv("SPECDEC_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="^backend"):
+        specdec.build_tree(torch.tensor([[-1, 0]]))
+
+
+def test_cpp_backend_availability():
+    if specdec.ops.HAS_CPP:
+        specdec.build_tree(torch.tensor([[-1, 0]]), backend="cpp")
+    else:
+        with pytest.raises(ValueError, match="^backend: 'cpp' requested but"):
+            specdec.build_tree(torch.tensor([[-1, 0]]), backend="cpp")

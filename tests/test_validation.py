@@ -1,0 +1,221 @@
+"""Bad input: a clear ValueError/TypeError naming the argument, raised before anything is written."""
+import pytest
+import torch
+
+import specdec
+
+B, T, Hq, Hkv, D, CAP, V = 2, 4, 4, 2, 8, 16, 10
+
+
+def attention_args():
+    parents = torch.tensor([[-1, 0, 0, 1]] * B)
+    return dict(q=torch.randn(B, T, Hq, D), k_cache=torch.randn(B, CAP, Hkv, D), v_cache=torch.randn(B, CAP, Hkv, D),
+                cache_lens=torch.tensor([3, 5], dtype=torch.int32), tree_mask=specdec.build_tree(parents).mask)
+
+
+def paged_attention_args():
+    args = attention_args()
+    args["k_cache"], args["v_cache"] = torch.randn(6, 8, Hkv, D), torch.randn(6, 8, Hkv, D)
+    args["block_table"] = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    return args
+
+
+def call_attention(args):
+    args = dict(args)
+    return specdec.tree_attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("cache_lens"),
+                                  args.pop("tree_mask"), backend="torch", **args)
+
+
+def no_self_bit():
+    args = attention_args()
+    args["tree_mask"] = args["tree_mask"].clone()
+    args["tree_mask"][1, 2, 0] = 0b001
+    return args
+
+
+ATTENTION_CASES = [
+    ("q", TypeError, lambda a: a.update(q=a["q"].to(torch.int32))),
+    ("q", ValueError, lambda a: a.update(q=a["q"][0])),
+    ("q", ValueError, lambda a: a.update(q=torch.randn(B, T, 3, D))),  # 3 heads over 2 KV heads
+    ("k_cache", TypeError, lambda a: a.update(k_cache=a["k_cache"].half(), v_cache=a["v_cache"].half())),
+    ("v_cache", TypeError, lambda a: a.update(v_cache=a["v_cache"].half())),
+    ("k_cache", ValueError, lambda a: a.update(k_cache=torch.randn(B, CAP, Hkv, D + 1), v_cache=torch.randn(B, CAP, Hkv, D + 1))),
+    ("v_cache", ValueError, lambda a: a.update(v_cache=a["v_cache"][:, :8])),
+    ("cache_lens", TypeError, lambda a: a.update(cache_lens=a["cache_lens"].long())),
+    ("cache_lens", ValueError, lambda a: a.update(cache_lens=torch.tensor([-1, 2], dtype=torch.int32))),
+    ("cache_lens", ValueError, lambda a: a.update(cache_lens=torch.tensor([CAP - T + 1, 0], dtype=torch.int32))),
+    ("tree_mask", ValueError, lambda a: a.update(tree_mask=a["tree_mask"][:, :3])),
+    ("tree_mask", TypeError, lambda a: a.update(tree_mask=a["tree_mask"].long())),
+    ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([0, 4], dtype=torch.int32))),
+    ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([5, 4], dtype=torch.int32))),
+    ("scale", TypeError, lambda a: a.update(scale="big")),
+]
+
+
+@pytest.mark.parametrize("name,exc,mutate", ATTENTION_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(ATTENTION_CASES)])
+def test_tree_attention_bad_input(name, exc, mutate):
+    args = attention_args()
+    mutate(args)
+    with pytest.raises(exc, match=f"^{name}"):
+        call_attention(args)
+
+
+def test_tree_attention_mask_checks():
+    with pytest.raises(ValueError, match="^tree_mask: every real node must have its own bit"):
+        call_attention(no_self_bit())
+    args = attention_args()
+    args["tree_mask"] = args["tree_mask"].clone()
+    args["tree_mask"][0, 1, 0] = 0b111  # node 1 sees node 2
+    with pytest.raises(ValueError, match="^tree_mask: node i may only see"):
+        call_attention(args)
+
+
+def test_paged_attention_bad_block_table():
+    args = paged_attention_args()
+    call_attention(args)  # valid
+    args["block_table"] = torch.tensor([[0, 1], [2, 6]], dtype=torch.int32)  # block 6 of 6 does not exist
+    with pytest.raises(ValueError, match=r"^block_table: block ids in use must be in \[0, 6\)"):
+        call_attention(args)
+    args["block_table"] = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^block_table: expected 2 rows"):
+        call_attention(args)
+    args["block_table"] = torch.tensor([[0, 1], [2, 3]], dtype=torch.int64)
+    with pytest.raises(TypeError, match="^block_table"):
+        call_attention(args)
+
+
+def test_value_checks_switch():
+    args = no_self_bit()
+    specdec.set_value_checks(False)
+    try:
+        call_attention(args)  # the prefix keeps the softmax defined: runs without the check
+    finally:
+        specdec.set_value_checks(True)
+    with pytest.raises(ValueError):
+        call_attention(args)
+
+
+def test_bad_backend_name():
+    with pytest.raises(ValueError, match="^backend"):
+        specdec.build_tree(torch.tensor([[-1, 0]]), backend="cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# build_tree / accept
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("parents,name", [
+    ([[0, 0, 1]], "parents"),      # root parent must be -1
+    ([[-1, 1, 0]], "parents"),     # parent not before the node
+    ([[-1, 0, 3]], "parents"),
+    ([[-1, 0, -1]], "parents"),    # a real non-root node without parent
+])
+def test_build_tree_bad_parents(parents, name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        specdec.build_tree(torch.tensor(parents))
+
+
+def test_build_tree_types():
+    with pytest.raises(TypeError, match="^parents"):
+        specdec.build_tree(torch.tensor([[-1.0, 0.0]]))
+    with pytest.raises(TypeError, match="^parents"):
+        specdec.build_tree([[-1, 0]])
+    with pytest.raises(ValueError, match="^num_nodes"):
+        specdec.build_tree(torch.tensor([[-1, 0]]), torch.tensor([3], dtype=torch.int32))
+
+
+def accept_args():
+    return dict(target_logits=torch.randn(B, T, V), tokens=torch.randint(0, V, (B, T)),
+                parents=torch.tensor([[-1, 0, 1, 2]] * B))
+
+
+ACCEPT_CASES = [
+    ("target_logits", TypeError, lambda a: a.update(target_logits=a["target_logits"].long())),
+    ("target_logits", ValueError, lambda a: a["target_logits"].__setitem__((1, 2, 3), float("nan"))),
+    ("target_logits", ValueError, lambda a: a["target_logits"].__setitem__((0, 0, 0), float("inf"))),
+    ("target_logits", ValueError, lambda a: a["target_logits"][1, 3].fill_(float("-inf"))),
+    ("tokens", ValueError, lambda a: a["tokens"].__setitem__((0, 2), V)),
+    ("tokens", ValueError, lambda a: a["tokens"].__setitem__((1, 1), -1)),
+    ("tokens", ValueError, lambda a: a.update(tokens=a["tokens"][:, :2])),
+    ("parents", ValueError, lambda a: a.update(parents=torch.tensor([[-1, 0, 2, 2]] * B))),
+    ("draft_logits", ValueError, lambda a: a.update(draft_logits=torch.randn(B, T, V + 1))),
+    ("draft_logits", ValueError, lambda a: a.update(draft_logits=torch.full((B, T, V), float("nan")))),
+    ("temperature", ValueError, lambda a: a.update(temperature=-0.5)),
+    ("temperature", ValueError, lambda a: a.update(temperature=torch.tensor([1.0, -1.0]))),
+    ("temperature", ValueError, lambda a: a.update(temperature=torch.tensor([1.0]))),
+    ("seeds", TypeError, lambda a: a.update(seeds=torch.tensor([1.0, 2.0]))),
+    ("seeds", ValueError, lambda a: a.update(seeds=torch.tensor([1, 2, 3]))),
+    ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([0, 1], dtype=torch.int32))),
+    ("offset", TypeError, lambda a: a.update(offset=-1)),
+]
+
+
+@pytest.mark.parametrize("name,exc,mutate", ACCEPT_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(ACCEPT_CASES)])
+def test_accept_bad_input(name, exc, mutate):
+    args = accept_args()
+    mutate(args)
+    with pytest.raises(exc, match=f"^{name}"):
+        specdec.accept(args.pop("target_logits"), args.pop("tokens"), args.pop("parents"), backend="torch", **args)
+
+
+def test_accept_padding_tokens_and_rows_are_not_checked():
+    args = accept_args()
+    args["tokens"][0, 3] = 10**6  # padding node of request 0
+    args["target_logits"][0, 3] = float("-inf")
+    specdec.accept(args["target_logits"], args["tokens"], args["parents"], num_nodes=torch.tensor([3, 4]),
+                   backend="torch")
+
+
+# ----------------------------------------------------------------------------------------------
+# KV ops: nothing written on error
+# ----------------------------------------------------------------------------------------------
+def test_kv_append_rejects_before_writing():
+    k, v = torch.randn(B, CAP, Hkv, D), torch.randn(B, CAP, Hkv, D)
+    k0, v0 = k.clone(), v.clone()
+    lens = torch.tensor([0, CAP - 2], dtype=torch.int32)  # request 1 has room for 2 rows, not 3
+    with pytest.raises(ValueError, match="^cache_lens: no room"):
+        specdec.kv_append(k, v, torch.randn(B, 3, Hkv, D), torch.randn(B, 3, Hkv, D), lens, backend="torch")
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    with pytest.raises(TypeError, match="^k_new"):
+        specdec.kv_append(k, v, torch.randn(B, 3, Hkv, D).half(), torch.randn(B, 3, Hkv, D).half(),
+                          torch.zeros(B, dtype=torch.int32), backend="torch")
+    with pytest.raises(ValueError, match="^k_new"):
+        specdec.kv_append(k, v, torch.randn(B, 3, Hkv + 1, D), torch.randn(B, 3, Hkv + 1, D),
+                          torch.zeros(B, dtype=torch.int32), backend="torch")
+    with pytest.raises(ValueError, match="^v_new"):
+        specdec.kv_append(k, v, torch.randn(B, 3, Hkv, D), torch.randn(B, 2, Hkv, D),
+                          torch.zeros(B, dtype=torch.int32), backend="torch")
+
+
+ROLLBACK_CASES = [
+    ("accepted_nodes", "every path must start at node 0", [[1, 2, -1], [0, -1, -1]], [1, 0]),
+    ("accepted_nodes", "strictly increasing", [[0, 2, 2], [0, -1, -1]], [2, 0]),
+    ("accepted_nodes", "strictly increasing", [[0, 3, 1], [0, -1, -1]], [2, 0]),
+    ("num_accepted", r"must be in \[0, 2\]", [[0, 1, 2], [0, -1, -1]], [3, 0]),
+    ("num_accepted", r"must be in \[0, 2\]", [[0, 1, 2], [0, -1, -1]], [-1, 0]),
+    ("cache_lens", "no room", [[0, 1, 2], [0, 1, 9]], [2, 2]),  # row L + 9 beyond the capacity
+]
+
+
+@pytest.mark.parametrize("name,message,path,num", ROLLBACK_CASES)
+def test_kv_rollback_rejects_before_writing(name, message, path, num):
+    layers = torch.randn(3, B, 8, Hkv, D), torch.randn(3, B, 8, Hkv, D)
+    before = [t.clone() for t in layers]
+    lens = torch.tensor([1, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"^{name}: .*{message}"):
+        specdec.kv_rollback(*layers, lens, torch.tensor(path, dtype=torch.int32), torch.tensor(num, dtype=torch.int32),
+                            backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(layers, before))
+    assert lens.tolist() == [1, 0]
+
+
+def test_kv_rollback_layer_lists_must_agree():
+    lens, path, num = torch.zeros(B, dtype=torch.int32), torch.zeros(B, 1, dtype=torch.int32), torch.zeros(B, dtype=torch.int32)
+    ks = [torch.randn(B, 8, Hkv, D) for _ in range(2)]
+    with pytest.raises(ValueError, match="^v_cache: 1 layer tensors but k_cache has 2"):
+        specdec.kv_rollback(ks, ks[:1], lens, path, num, backend="torch")
+    with pytest.raises(ValueError, match=r"^k_cache\[1\]: every layer must share"):
+        specdec.kv_rollback([ks[0], ks[1].half()], [ks[0], ks[1].half()], lens, path, num, backend="torch")
+    with pytest.raises(TypeError, match="^k_cache"):
+        specdec.kv_rollback([], [], lens, path, num, backend="torch")
+    with pytest.raises(TypeError, match="^cache_lens"):
+        specdec.kv_rollback(ks, ks, lens.long(), path, num, backend="torch")
