@@ -1,0 +1,189 @@
+"""KV-cache maintenance for tree verification: append the tree's K/V, roll back to the accepted path.
+
+kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table) -> None
+    One layer. k_new, v_new (B, T, Hkv, D); writes row i of request b at logical position
+    cache_lens[b] + i. K and V in one launch; grid (B, T tiles, head tiles).
+kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table) -> None
+    Every layer given: lists of 4-D (one layer) or 5-D (layers, ...) tensors. For each request b with
+    L = cache_lens[b], moves row L + accepted_nodes[b, i] to L + i for i <= num_accepted[b], then
+    cache_lens[b] += num_accepted[b] + 1 (on the device, no host sync). Grid (B, K/V layers, head tiles).
+
+Caches: contiguous (B, L_max, Hkv, D) or paged (num_blocks, block_size, Hkv, D) with block_table
+(B, max_blocks) int32. One code path: a contiguous cache is a paged one with a single block of
+L_max rows per request and the identity block table (block_table[b] = [b]).
+
+Rollback, every layer in one launch: a device table holds each (K or V, layer) base as an element
+offset from the lowest-addressed cache tensor, so a stacked tensor and a list of per-layer tensors are
+launched alike (the table is built once per cache set and reused). Tensors with different stride
+layouts cannot share one set of strides: they are launched once per distinct layout (in practice
+every layer shares one layout, so one launch). Pure copies (no arithmetic): every float dtype is exact.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+TILE_ELEMENTS = 4096  # elements one program copies per step: enough bytes in flight, few registers
+MAX_ROWS_PER_STEP = 8  # path nodes (or new rows) per step; accepted paths are short
+MAX_TABLES = 64  # entry tables kept (one per set of cache tensors an engine uses)
+
+
+@triton.jit
+def _physical_rows(table_row, pos, block_size, s_blk, s_row, mask):
+    """int64 element offsets of the rows holding logical positions `pos` (int64) of one request."""
+    block = tl.load(table_row + pos // block_size, mask=mask, other=0).to(tl.int64)
+    return block * s_blk + (pos % block_size) * s_row
+
+
+@triton.jit
+def _within_row(h, d, s_h, s_d):
+    """(1, BLOCK_H, BLOCK_D) int64 offsets of heads h and dims d inside a row."""
+    return h.to(tl.int64)[None, :, None] * s_h + d.to(tl.int64)[None, None, :] * s_d
+
+
+@triton.jit
+def _append_rows(cache, new, table_row, pos, b, t, h, d, rows, mask, block_size,
+                 sc_blk, sc_row, sc_h, sc_d, sn_b, sn_t, sn_h, sn_d):
+    """cache at logical positions pos[j] <- new[b, t[j]], for the (t, h, d) tile under `mask`."""
+    dst = _physical_rows(table_row, pos, block_size, sc_blk, sc_row, rows)
+    src = b * sn_b + t.to(tl.int64) * sn_t
+    vals = tl.load(new + (src[:, None, None] + _within_row(h, d, sn_h, sn_d)), mask=mask)
+    tl.store(cache + (dst[:, None, None] + _within_row(h, d, sc_h, sc_d)), vals, mask=mask)
+
+
+@triton.jit
+def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table,
+                      T, H, D, block_size, s_table,
+                      skc_blk, skc_row, skc_h, skc_d, svc_blk, svc_row, svc_h, svc_d,
+                      skn_b, skn_t, skn_h, skn_d, svn_b, svn_t, svn_h, svn_d,
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    rows = t < T
+    mask = rows[:, None, None] & (h < H)[None, :, None] & (d < D)[None, None, :]
+    pos = tl.load(cache_lens + b).to(tl.int64) + t
+    table_row = block_table + b * s_table
+    _append_rows(k_cache, k_new, table_row, pos, b, t, h, d, rows, mask, block_size,
+                 skc_blk, skc_row, skc_h, skc_d, skn_b, skn_t, skn_h, skn_d)
+    _append_rows(v_cache, v_new, table_row, pos, b, t, h, d, rows, mask, block_size,
+                 svc_blk, svc_row, svc_h, svc_d, svn_b, svn_t, svn_h, svn_d)
+
+
+@triton.jit
+def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_accepted, block_table,
+                        P, H, D, block_size, s_path, s_table, s_blk, s_row, s_h, s_d,
+                        ENTRY_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    # this program's layer of K or V; offsets are stored divided by ENTRY_ALIGN so the compiler
+    # knows the base stays aligned (vectorized loads)
+    cache = caches + tl.load(entry_offsets + tl.program_id(1)) * ENTRY_ALIGN
+    h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    in_row = (h < H)[None, :, None] & (d < D)[None, None, :]
+    within = _within_row(h, d, s_h, s_d)
+    L = tl.load(cache_lens + b).to(tl.int64)
+    n = tl.minimum(tl.load(num_accepted + b) + 1, P)  # path length
+    path_row = accepted_nodes + b * s_path
+    table_row = block_table + b * s_table
+    # Ascending blocks of the path. A source L + path[j] (path[j] >= j) is never an earlier block's
+    # destination, so only the moves inside a block can overlap (e.g. path 0,2,3 moves 2->1, 3->2):
+    # the barrier makes every source of the block read before any destination is written.
+    for p0 in range(0, n, BLOCK_P):
+        i = p0 + tl.arange(0, BLOCK_P)
+        node = tl.load(path_row + i, mask=i < n, other=0)
+        moves = (i < n) & (node != i)  # rows already in place are not touched
+        src = _physical_rows(table_row, L + node, block_size, s_blk, s_row, moves)
+        dst = _physical_rows(table_row, L + i, block_size, s_blk, s_row, moves)
+        mask = moves[:, None, None] & in_row
+        vals = tl.load(cache + (src[:, None, None] + within), mask=mask)
+        tl.debug_barrier()
+        tl.store(cache + (dst[:, None, None] + within), vals, mask=mask)
+
+
+def _tile(rows: int, H: int, D: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_H, BLOCK_D): whole head dim, about TILE_ELEMENTS elements per step."""
+    block_d = triton.next_power_of_2(D)
+    block_rows = min(triton.next_power_of_2(rows), MAX_ROWS_PER_STEP)
+    block_h = max(1, min(triton.next_power_of_2(H), TILE_ELEMENTS // (block_rows * block_d)))
+    return block_rows, block_h, block_d
+
+
+@lru_cache(maxsize=None)
+def _identity_table(B: int, device: torch.device) -> torch.Tensor:
+    """block_table[b] = [b]: a contiguous cache seen as one block of L_max rows per request."""
+    return torch.arange(B, dtype=torch.int32, device=device).view(B, 1)
+
+
+def _paging(cache: torch.Tensor, block_table, B: int):
+    """(block_table, block_size) addressing `cache` (4-D or 5-D) in both layouts."""
+    if block_table is None:
+        return _identity_table(B, cache.device), cache.shape[-3]
+    return block_table.contiguous(), cache.shape[-3]
+
+
+def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table) -> None:
+    B, T, H, D = k_new.shape
+    table, block_size = _paging(k_cache, block_table, B)
+    BLOCK_T, BLOCK_H, BLOCK_D = _tile(T, H, D)
+    grid = (B, triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
+    _kv_append_kernel[grid](k_cache, v_cache, k_new, v_new, cache_lens.contiguous(), table,
+                            T, H, D, block_size, table.stride(0),
+                            *k_cache.stride(), *v_cache.stride(), *k_new.stride(), *v_new.stride(),
+                            BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D)
+
+
+_entry_tables: OrderedDict = OrderedDict()  # (device, dtype, layers) -> (anchor index, offsets, align)
+
+
+def _entry_table(stacks: list[torch.Tensor]):
+    """For 5-D caches sharing one stride layout: (anchor, offsets, align) with every (tensor, layer)
+    base = anchor + offsets[e] * align elements; anchor is the lowest-addressed tensor so offsets are
+    >= 0, align the largest power of two <= 16 dividing them all. Built once per set of tensors (the
+    host-to-device copy is asynchronous) and reused: an engine passes the same caches every step."""
+    key = (stacks[0].device, stacks[0].dtype, tuple((c.data_ptr(), c.shape[0], c.stride(0)) for c in stacks))
+    if key in _entry_tables:
+        _entry_tables.move_to_end(key)
+        anchor_idx, offsets, align = _entry_tables[key]
+        return stacks[anchor_idx], offsets, align
+    size = stacks[0].element_size()
+    anchor_idx = min(range(len(stacks)), key=lambda j: stacks[j].data_ptr())
+    base = stacks[anchor_idx].data_ptr()
+    assert all((c.data_ptr() - base) % size == 0 for c in stacks), "cache tensors must be element-aligned"
+    offsets = [(c.data_ptr() - base) // size + layer * c.stride(0) for c in stacks for layer in range(c.shape[0])]
+    common = math.gcd(*offsets)
+    align = min(common & -common, 16) if common else 16
+    host = torch.tensor([o // align for o in offsets], dtype=torch.int64,
+                        pin_memory=stacks[0].is_cuda)
+    entry = (anchor_idx, host.to(stacks[0].device, non_blocking=True), align)
+    _entry_tables[key] = entry
+    if len(_entry_tables) > MAX_TABLES:
+        _entry_tables.popitem(last=False)
+    return stacks[anchor_idx], entry[1], align
+
+
+def kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table) -> None:
+    B, P = accepted_nodes.shape
+    stacks = [c if c.dim() == 5 else c.unsqueeze(0) for c in list(k_caches) + list(v_caches)]
+    H, D = stacks[0].shape[-2:]
+    table, block_size = _paging(stacks[0], block_table, B)
+    BLOCK_P, BLOCK_H, BLOCK_D = _tile(P, H, D)
+    lens, path, num_acc = cache_lens.contiguous(), accepted_nodes.contiguous(), num_accepted.contiguous()
+    layouts: dict = {}
+    for c in stacks:
+        layouts.setdefault(c.stride()[1:], []).append(c)
+    for (s_blk, s_row, s_h, s_d), group in layouts.items():
+        anchor, offsets, align = _entry_table(group)
+        grid = (B, offsets.shape[0], triton.cdiv(H, BLOCK_H))
+        _kv_rollback_kernel[grid](anchor, offsets, lens, path, num_acc, table,
+                                  P, H, D, block_size, path.stride(0), table.stride(0), s_blk, s_row, s_h, s_d,
+                                  ENTRY_ALIGN=align, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D)
+    # after every move is issued (the kernels read cache_lens): a separate device op, no host sync
+    cache_lens.add_(num_accepted + 1)
