@@ -1,0 +1,273 @@
+"""Tree-attention verification kernel: T draft-tree queries over a (paged) KV cache, GQA, split-KV.
+
+    tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale)
+        -> out (B, T, Hq, D) in q.dtype, lse (B, T, Hq) float32 (natural log)
+
+q (B, T, Hq, D); caches (B, L_max, Hkv, D) contiguous when block_table is None, else
+(num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32; cache_lens (B,) int32;
+tree_mask (B, T, ceil(T/32)) int32 packed ancestor-or-self bits; num_nodes (B,) int32. Node i attends
+to the committed prefix [0, cache_lens[b]) unmasked and to tree position cache_lens[b] + j iff bit j of
+tree_mask[b, i] is set. Padding nodes (i >= num_nodes[b]) get out = 0, lse = -inf.
+
+Design (decode verification is memory-bound: the prefix K/V are nearly all the bytes):
+  * One code path for both layouts: a contiguous cache is a paged cache with block_size = L_max and
+    block_table[b] = [b] (a (B, 1) index tensor, the cache itself is not copied).
+  * One program owns one KV head of one request and a tile of BLOCK_M query rows, where a row is a
+    (tree node, query head of that KV head's group) pair, so every K/V tile is loaded once for all T
+    nodes and all Hq/Hkv heads sharing it (once per row tile when T * group > BLOCK_M).
+  * Split-KV (flash-decoding): the prefix is cut into `num_splits` ranges (the count is a function of
+    shapes only, so there is no host sync and the op is CUDA-graph capturable; each range's bounds are
+    computed on the device from cache_lens). Partial results are merged by LSE weight in a second
+    kernel. The tree part is handled by the last split.
+  * Online softmax in fp32 (exp2 with log2(e) folded into the scale); dots accumulate in fp32 from
+    fp16/bf16 operands on GPU (fp32 operands in IEEE precision, not TF32). The CPU interpreter upcasts
+    every tile to fp32 right after the load (its bf16 arithmetic is wrong).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.0 / math.log(2.0)
+_LN2 = tl.constexpr(math.log(2.0))  # the kernel works in log2; the op returns a natural-log LSE
+
+# Split-KV heuristic (shapes only). Aim for PROGRAMS_PER_SM resident programs per SM, give each split
+# at least MIN_TOKENS_PER_SPLIT positions of the cache's capacity, and never more than MAX_SPLITS.
+PROGRAMS_PER_SM = 2
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# Stand-in for the SM count off GPU (the interpreter runs programs one after another: no gain in splitting).
+CPU_SM_COUNT = 1
+
+
+class TileConfig(NamedTuple):
+    """Launch parameters of the attention kernel: query rows and KV positions per tile, warps, stages."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(num_rows: int, head_dim: int) -> TileConfig:
+    """Tile sizes for T * group query rows of head dim D (a pure function of shapes).
+
+    BLOCK_M covers all rows when it can (K/V then read once), up to 128 rows; tl.dot needs >= 16.
+    BLOCK_N = 64 keys (32 at D = 256 to bound registers and shared memory per pipeline stage).
+    """
+    block_m = min(128, max(16, triton.next_power_of_2(num_rows)))
+    block_n = 64 if head_dim <= 128 else 32
+    num_warps = 4 if block_m * head_dim <= 64 * 128 else 8
+    num_stages = 3 if head_dim <= 128 else 2
+    return TileConfig(block_m, block_n, num_warps, num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_SM_COUNT
+
+
+def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, capacity: int, sm_count: int) -> int:
+    """Number of prefix splits: enough programs to fill the GPU, from shapes only (never cache_lens)."""
+    programs = batch * kv_heads * row_tiles
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, programs)
+    return max(1, min(wanted, triton.cdiv(capacity, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+
+
+@triton.jit
+def _load_kv_tile(k_ptr, v_ptr, table_row_ptr, stride_table, pos, key_ok, block_size,
+                  stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
+                  HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """K^T (D, BLOCK_N) and V (BLOCK_N, D) of logical positions `pos` (k_ptr/v_ptr already at the KV head).
+    Masked-off keys read as 0 (never garbage: a NaN in V would survive a zero softmax weight)."""
+    d = tl.arange(0, HEAD_DIM)
+    page = tl.load(table_row_ptr + (pos // block_size) * stride_table, mask=key_ok, other=0).to(tl.int64)
+    row = (pos % block_size).to(tl.int64)
+    k_t = tl.load(k_ptr + (page * stride_kn + row * stride_kp)[None, :] + d[:, None] * stride_kd,
+                  mask=key_ok[None, :], other=0.0)
+    v = tl.load(v_ptr + (page * stride_vn + row * stride_vp)[:, None] + d[None, :] * stride_vd,
+                mask=key_ok[:, None], other=0.0)
+    if UPCAST:
+        k_t = k_t.to(tl.float32)
+        v = v.to(tl.float32)
+    return k_t, v
+
+
+@triton.jit
+def _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Fold one KV tile into the running (max, sum, accumulator), all in the log2 domain.
+    A row with no allowed key so far keeps m = -inf; m_safe = 0 then makes its weights exp2(-inf) = 0."""
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr, k_ptr, v_ptr, cache_lens_ptr, tree_mask_ptr, block_table_ptr, num_nodes_ptr,
+    out_ptr, lse_ptr,  # final outputs (NUM_SPLITS == 1) or per-split partials (fp32)
+    qk_scale, T, block_size,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kn, stride_kp, stride_kh, stride_kd,
+    stride_vn, stride_vp, stride_vh, stride_vd,
+    stride_mb, stride_mt, stride_mw,
+    stride_tb, stride_tc,
+    stride_ob, stride_os, stride_ot, stride_oh, stride_od,
+    stride_lb, stride_ls, stride_lt, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    row_tile = tl.program_id(0)
+    kv_head = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    b = tl.program_id(2).to(tl.int64)
+    prefix_len = tl.load(cache_lens_ptr + b)
+    real_nodes = tl.load(num_nodes_ptr + b)
+
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    node = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = node < T
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + node[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
+    table_row_ptr = block_table_ptr + b * stride_tb
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # Prefix: this split's share of [0, prefix_len), whole tiles per split; every key is visible.
+    chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, prefix_len)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        key_ok = pos < hi
+        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, pos, key_ok, block_size,
+                               stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd, HEAD_DIM, UPCAST)
+        m_i, l_i, acc = _online_softmax_step(q, k_t, v, key_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    # Tree: nodes j < min(real nodes, last node of this row tile + 1) at positions prefix_len + j,
+    # visible to row (i, h) iff bit j % 32 of word j // 32 of tree_mask[b, i] is set. Last split only.
+    tree_end = tl.minimum(real_nodes, tl.minimum((row_tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1, T))
+    tree_end = tl.where(split == NUM_SPLITS - 1, tree_end, 0)
+    for j0 in range(0, tree_end, BLOCK_N):
+        j = j0 + offs_n
+        key_ok = j < tree_end
+        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, prefix_len + j, key_ok, block_size,
+                               stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd, HEAD_DIM, UPCAST)
+        words = tl.load(tree_mask_ptr + b * stride_mb + node[:, None] * stride_mt + (j // 32)[None, :] * stride_mw,
+                        mask=row_ok[:, None] & key_ok[None, :], other=0)
+        allowed = ((words >> (j % 32)[None, :]) & 1) != 0
+        m_i, l_i, acc = _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    # Rows that saw no key (an empty split, a padding node) end with l = 0: out 0, lse -inf.
+    seen = (l_i > 0) & (node < real_nodes)
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+    out_rows = out_ptr + b * stride_ob + split * stride_os + node * stride_ot + head * stride_oh
+    tl.store(out_rows[:, None] + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + b * stride_lb + split * stride_ls + node * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+                         stride_pb, stride_ps, stride_pt, stride_ph, stride_pd,
+                         stride_qb, stride_qs, stride_qt, stride_qh,
+                         stride_ob, stride_ot, stride_oh, stride_od,
+                         stride_lb, stride_lt, stride_lh,
+                         NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, for one (request, node, head).
+    Empty splits carry lse_s = -inf (weight 0); if every split is empty the row is padding: 0 / -inf."""
+    head = tl.program_id(0)
+    node = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    s = tl.arange(0, SPLITS_POW2)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, HEAD_DIM)
+    part_lse = tl.load(part_lse_ptr + b * stride_qb + s * stride_qs + node * stride_qt + head * stride_qh,
+                       mask=s_ok, other=float("-inf"))
+    m = tl.max(part_lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    weight = tl.exp(part_lse - m_safe)
+    total = tl.sum(weight, 0)
+    part_out = tl.load(part_out_ptr + b * stride_pb + node * stride_pt + head * stride_ph
+                       + s[:, None] * stride_ps + d[None, :] * stride_pd, mask=s_ok[:, None], other=0.0)
+    total_safe = tl.where(total > 0, total, 1.0)
+    out = tl.sum(weight[:, None] * part_out, 0) / total_safe
+    lse = tl.where(total > 0, m_safe + tl.log(total_safe), float("-inf"))
+    tl.store(out_ptr + b * stride_ob + node * stride_ot + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + b * stride_lb + node * stride_lt + head * stride_lh, lse)
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
+                   tree_mask: torch.Tensor, block_table: Optional[torch.Tensor], num_nodes: torch.Tensor,
+                   scale: float, *, num_splits: Optional[int] = None, config: Optional[TileConfig] = None,
+                   out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+    """Launcher (normalized args of the `specdec::tree_attention` schema); returns (out, lse).
+
+    Keyword-only extras for tests, benchmarks and engines: `num_splits` overrides the split-KV heuristic
+    (`choose_num_splits`), `config` the tile heuristic (`choose_config`), and `out` (B, T, Hq, D) q.dtype /
+    `lse` (B, T, Hq) float32 are preallocated outputs to write into. Every element of them is written.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q: dtype {q.dtype} not supported by the triton backend (float16, bfloat16, float32); "
+                        "use backend='torch'")
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"q: head dim {D} not supported by the triton backend (16, 32, 64, 128 or 256)")
+    group = Hq // Hkv
+    if block_table is None:  # contiguous = paged with one block of L_max rows per request
+        block_table = torch.arange(B, dtype=torch.int32, device=q.device).view(B, 1)
+    block_size = k_cache.shape[1]
+    config = config or choose_config(T * group, D)
+    row_tiles = triton.cdiv(T * group, config.block_m)
+    if num_splits is None:
+        capacity = block_table.shape[1] * block_size
+        num_splits = choose_num_splits(B, Hkv, row_tiles, capacity, _sm_count(q.device))
+    if out is None:
+        out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((B, T, Hq), dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        att_out, att_lse = out.unsqueeze(1), lse.unsqueeze(1)  # (B, 1, T, Hq, D), (B, 1, T, Hq)
+    else:
+        att_out = torch.empty((B, num_splits, T, Hq, D), dtype=torch.float32, device=q.device)
+        att_lse = torch.empty((B, num_splits, T, Hq), dtype=torch.float32, device=q.device)
+
+    _tree_attention_kernel[(row_tiles, Hkv * num_splits, B)](
+        q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, att_out, att_lse,
+        scale * LOG2E, T, block_size,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *block_table.stride(),
+        *att_out.stride(), *att_lse.stride(),
+        GROUP=group, HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        UPCAST=q.device.type == "cpu", DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(Hq, T, B)](
+            att_out, att_lse, out, lse, *att_out.stride(), *att_lse.stride(), *out.stride(), *lse.stride(),
+            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=D,
+        )
+    return out, lse
