@@ -1,0 +1,109 @@
+"""Hugging Face-format checkpoint folders (config.json + *.safetensors) <-> `Llama`.
+
+Reads Llama, Mistral and Qwen2 configs and weights (parameter names are the same as our module names);
+writes a LlamaForCausalLM-compatible folder that transformers can load as is.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .llama import Llama, LlamaConfig, rope_inv_freq
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+# config.json fields we translate; everything else is kept in LlamaConfig.extra and written back
+_KNOWN = {"model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "intermediate_size", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+          "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias", "bos_token_id",
+          "eos_token_id", "hidden_act", "torch_dtype"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is missing, incomplete or of an unsupported architecture."""
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise CheckpointError(f"config.json: model_type {kind!r} not supported (expected one of {SUPPORTED})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json: hidden_act {hf['hidden_act']!r} not supported (silu only)")
+    eos = hf.get("eos_token_id")
+    n_heads = hf["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, intermediate_size=hf["intermediate_size"],
+        head_dim=hf.get("head_dim"), norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf.get("rope_theta", 10000.0),
+        rope_scaling=hf.get("rope_scaling"), max_seq_len=hf.get("max_position_embeddings", 4096),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        qkv_bias=kind == "qwen2" or hf.get("attention_bias", False),
+        o_bias=kind != "qwen2" and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        extra={k: v for k, v in hf.items() if k not in _KNOWN})
+
+
+def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
+    if cfg.qkv_bias != cfg.o_bias:
+        raise ValueError("saving: q/k/v biases without an o_proj bias is Qwen2-only, not expressible as Llama")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.intermediate_size,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "hidden_act": "silu",
+        "torch_dtype": str(dtype).replace("torch.", ""), **cfg.extra}
+
+
+def load_model(path: str, *, dtype: torch.dtype = torch.float32, device="cpu") -> Llama:
+    """A `Llama` from a Hugging Face checkpoint folder, weights cast to `dtype` (eval mode)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint folder {path!r} does not exist")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"checkpoint folder {path!r} has no config.json")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"checkpoint folder {path!r} has no *.safetensors weights")
+    try:
+        with open(config_path) as f:
+            cfg = config_from_hf(json.load(f))
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise CheckpointError(f"{config_path}: invalid config ({exc})") from exc
+    state = {}
+    for name in files:
+        state.update(load_file(name))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if cfg.tie_embeddings:
+        unexpected.discard("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint folder {path!r}: missing weights {sorted(missing)[:5]}, "
+                              f"unexpected weights {sorted(unexpected)[:5]}")
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    model.inv_freq = rope_inv_freq(cfg).float().to(device)  # to_empty left the meta buffer uninitialized
+    return model.to(dtype).eval()
+
+
+def save_model(model: Llama, path: str, *, dtype: torch.dtype = torch.float16, extra_files: Optional[dict] = None):
+    """Write config.json + model.safetensors (weights cast to `dtype`) to folder `path`."""
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    tmp = os.path.join(path, "model.safetensors.tmp")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, "model.safetensors"))  # atomic: a reader never sees half a file
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(model.cfg, dtype), f, indent=2)
+    for name, text in (extra_files or {}).items():
+        with open(os.path.join(path, name), "w") as f:
+            f.write(text)

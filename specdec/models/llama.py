@@ -1,0 +1,283 @@
+"""A compact Llama-architecture decoder (gpt-fast style) whose cached attention runs on specdec's ops.
+
+Covers Llama 1-3, Mistral and Qwen2 checkpoints: RMSNorm, rotary embeddings (incl. Llama-3 and linear
+rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional q/k/v biases.
+Module names equal the Hugging Face parameter names, so a state dict loads without renaming.
+
+Two forward paths:
+  * `forward(tokens)`: plain causal attention (F.scaled_dot_product_attention) over a whole sequence,
+    used for training and as the ground truth in tests;
+  * `forward_cached(tokens, cache, ...)`: T new tokens per request (a prompt chunk, a draft tree, or
+    one decode token) at positions cache.lens + depth. Their K/V are written with `specdec.kv_append`
+    at logical slots cache.lens .. cache.lens + T - 1 and attention runs through
+    `specdec.tree_attention` with the tree's ancestor mask. cache.lens is not advanced here: the caller
+    commits with `specdec.kv_rollback` (the accepted path) or `KVCache.commit`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import specdec
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 260
+    dim: int = 384
+    n_layers: int = 6
+    n_heads: int = 6
+    n_kv_heads: int = 2
+    intermediate_size: int = 1024
+    head_dim: Optional[int] = None  # default dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3" | "linear", "factor": ..., ...}
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    extra: dict = field(default_factory=dict)  # unknown config.json fields, kept for saving
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# rotary embeddings
+# ----------------------------------------------------------------------------------------------
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,) float64, with the checkpoint's rope scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling: rope_type {kind!r} not supported (default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D); cos/sin (B, T, D). The Hugging Face (half-split) rotary convention."""
+    return x * cos.unsqueeze(2) + rotate_half(x) * sin.unsqueeze(2)
+
+
+# ----------------------------------------------------------------------------------------------
+# the KV cache
+# ----------------------------------------------------------------------------------------------
+class KVCache:
+    """Every layer's K/V in one stacked tensor, contiguous (layers, B, L_max, Hkv, D) or paged
+    (layers, num_blocks, block_size, Hkv, D) with block_table (B, max_blocks); lens (B,) int32 counts
+    each request's committed tokens."""
+
+    def __init__(self, cfg: LlamaConfig, batch_size: int, max_len: int, *, dtype=torch.float32, device="cpu",
+                 block_size: Optional[int] = None):
+        shape_tail = (cfg.n_kv_heads, cfg.head_dim)
+        if block_size is None:
+            shape = (cfg.n_layers, batch_size, max_len) + shape_tail
+            self.block_table = None
+        else:
+            per = -(-max_len // block_size)
+            shape = (cfg.n_layers, batch_size * per, block_size) + shape_tail
+            # a simple static page assignment; any permutation works (the ops only follow the table)
+            self.block_table = torch.arange(batch_size * per, dtype=torch.int32, device=device).view(batch_size, per)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.max_len = max_len
+
+    def commit(self, n: torch.Tensor) -> None:
+        """Keep the first n[b] written slots of request b as they are (a chain: no moves needed)."""
+        self.lens += n.to(torch.int32)
+
+    def rollback(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Keep the accepted tree path (moved to be contiguous) and advance lens."""
+        specdec.kv_rollback(self.k, self.v, self.lens, accepted_nodes, num_accepted, block_table=self.block_table)
+
+
+# ----------------------------------------------------------------------------------------------
+# layers
+# ----------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.o_bias)
+
+    def qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, self.cfg.n_heads, hd)
+        k = self.k_proj(x).view(B, T, self.cfg.n_kv_heads, hd)
+        v = self.v_proj(x).view(B, T, self.cfg.n_kv_heads, hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin):
+        """Causal self-attention over the whole sequence (training / ground truth)."""
+        B, T, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x, cos, sin))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache: KVCache, tree_mask, num_nodes):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
+        specdec.kv_append(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), cache.lens,
+                          block_table=cache.block_table)
+        out = specdec.tree_attention(q, k_cache, v_cache, cache.lens, tree_mask, block_table=cache.block_table,
+                                     num_nodes=num_nodes)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache, tree_mask, num_nodes):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, cache,
+                                              tree_mask, num_nodes)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class Llama(nn.Module):
+    """The decoder plus its LM head. `model.*` / `lm_head` match Hugging Face's LlamaForCausalLM."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
+
+    @property
+    def device(self):
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self):
+        return self.model.embed_tokens.weight.dtype
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def rope(self, positions: torch.Tensor):
+        """cos, sin (B, T, head_dim) for integer positions (B, T)."""
+        angles = positions.float().unsqueeze(-1) * self.inv_freq  # (B, T, D/2)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def head(self, x):
+        x = self.model.norm(x)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) of a causal forward over whole sequences tokens (B, T) from position 0."""
+        B, T = tokens.shape
+        cos, sin = self.rope(torch.arange(T, device=tokens.device).expand(B, T))
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.head(x)
+
+    def forward_cached(self, tokens: torch.Tensor, cache: KVCache, depth: torch.Tensor, tree_mask: torch.Tensor,
+                       num_nodes: Optional[torch.Tensor] = None, logits_at: Optional[torch.Tensor] = None):
+        """Run T new tokens (B, T) per request against the cache.
+
+        depth (B, T): each token's distance from node 0 (its position is cache.lens + depth); tree_mask
+        (B, T, ceil(T/32)) int32 ancestor-or-self bits (specdec.build_tree(...).mask); num_nodes (B,):
+        nodes >= num_nodes[b] are padding. Returns logits (B, T, V), or (B, V) at node logits_at[b]
+        when given, or None when logits_at is False (prefill: only the cache is needed). The tokens'
+        K/V are written at slots cache.lens + i; cache.lens is left unchanged (see KVCache.commit/rollback).
+        """
+        positions = cache.lens.unsqueeze(1).long() + depth.long()
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache, tree_mask, num_nodes)
+        if logits_at is False:
+            return None
+        if logits_at is not None:
+            x = x.gather(1, logits_at.long().view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
+        return self.head(x)
+
+    def new_cache(self, batch_size: int, max_len: int, block_size: Optional[int] = None) -> KVCache:
+        return KVCache(self.cfg, batch_size, max_len, dtype=self.dtype, device=self.device, block_size=block_size)
+
+
+def chain_tree(B: int, T: int, num_nodes: Optional[torch.Tensor] = None, device="cpu") -> specdec.TreeInfo:
+    """A causal chain of T nodes per request (prefill chunks, sequential drafts)."""
+    parents = torch.arange(-1, T - 1, dtype=torch.int32, device=device).expand(B, T).contiguous()
+    return specdec.build_tree(parents, num_nodes)
