@@ -1,0 +1,159 @@
+"""The Triton kernels compiled for a real GPU (no interpreter), against the reference on the CPU.
+
+Skipped without CUDA. bench/gpu.sh runs this file with TRITON_INTERPRET=0 on the GPU machine; the same
+checks at interpreter-sized shapes run everywhere in the backend test files. Shapes here are engine-like:
+long prefixes (split-KV), D up to 256, T up to 128, large vocabularies.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+import specdec
+from tests.helpers import TOL, random_cache, random_trees, to_paged
+
+DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cuda")
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,max_len,paged", [
+    (2, 16, 32, 8, 128, 4000, True),     # GQA 4, long prefix: split-KV
+    (1, 64, 8, 1, 64, 9000, False),      # MQA, B=1
+    (3, 128, 4, 4, 256, 700, True),      # T = 128 nodes, D = 256
+    (4, 1, 16, 2, 128, 300, False),      # plain decode
+])
+def test_tree_attention(dtype, B, T, Hq, Hkv, D, max_len, paged):
+    gen = torch.Generator().manual_seed(B * T + D)
+    parents, num_nodes = random_trees(B, T, gen)
+    info = specdec.build_tree(parents, num_nodes)
+    cache_lens = torch.randint(0, max_len, (B,), generator=gen, dtype=torch.int32)
+    cache_lens[0] = max_len - 1
+    cap = -(-(max_len + T) // 64) * 64
+    k, v = random_cache(B, cap, Hkv, D, dtype, gen), random_cache(B, cap, Hkv, D, dtype, gen)
+    q = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
+    table = None
+    if paged:
+        k, table = to_paged(k, 64, torch.Generator().manual_seed(1))
+        v, _ = to_paged(v, 64, torch.Generator().manual_seed(1))
+    ref_out, ref_lse = specdec.tree_attention(q, k, v, cache_lens, info.mask, block_table=table, num_nodes=num_nodes,
+                                              return_lse=True, backend="torch")
+    dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    out, lse = specdec.tree_attention(dev(q), dev(k), dev(v), dev(cache_lens), dev(info.mask), block_table=dev(table),
+                                      num_nodes=dev(num_nodes), return_lse=True, backend="triton")
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,T,V", [(8, 8, 128_256), (4, 16, 32_003)])
+def test_accept_greedy(dtype, B, T, V):
+    gen = torch.Generator().manual_seed(V)
+    parents, num_nodes = random_trees(B, T, gen)
+    logits = torch.randn(B, T, V, generator=gen).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    # make most draft tokens the target's argmax at their parent so paths get long
+    best = logits.float().argmax(-1)
+    for b in range(B):
+        for i in range(1, int(num_nodes[b])):
+            if i % 3:
+                tokens[b, i] = best[b, parents[b, i]]
+    ref = specdec.accept(logits, tokens, parents, num_nodes=num_nodes, backend="torch")
+    got = specdec.accept(logits.to(DEVICE), tokens.to(DEVICE), parents.to(DEVICE), num_nodes=num_nodes.to(DEVICE),
+                         backend="triton")
+    for a, b in zip(got, ref):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_accept_sampling_is_lossless_on_gpu():
+    """Star tree of given proposals, 20k requests with distinct seeds: the emitted first token's law is p."""
+    from scipy.stats import chisquare
+
+    gen = torch.Generator().manual_seed(0)
+    N, V, K = 20_000, 50, 4
+    row = torch.randn(V, generator=gen) * 2
+    row[7] = -math.inf
+    logits = row.expand(N, K + 1, V).contiguous()
+    draft = torch.randn(V, generator=gen)
+    tokens = torch.multinomial(torch.softmax(draft, 0), N * (K + 1), replacement=True, generator=gen).view(N, K + 1)
+    parents = torch.tensor([-1] + [0] * K).expand(N, K + 1)
+    res = specdec.accept(logits.to(DEVICE), tokens.to(DEVICE), parents.to(DEVICE), temperature=1.0,
+                         seeds=torch.arange(N, device=DEVICE), backend="triton")
+    node = res.accepted_nodes[:, 1].cpu()
+    first = torch.where(node > 0, tokens.gather(1, node.clamp(min=0).long().unsqueeze(1)).squeeze(1), res.next_tokens.cpu())
+    counts = torch.bincount(first, minlength=V).double()
+    p = torch.softmax(row.double(), 0)
+    assert counts[7] == 0
+    keep = p > 0
+    assert chisquare(counts[keep].numpy(), (p[keep] * N).numpy()).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_append_and_rollback(dtype):
+    gen = torch.Generator().manual_seed(5)
+    layers, B, T, Hkv, D, cap = 4, 16, 32, 8, 128, 512
+    parents, _ = random_trees(B, T, gen, ragged=False)
+    k = torch.randn(layers, B, cap, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(layers, B, cap, Hkv, D, generator=gen).to(dtype)
+    lens = torch.randint(0, cap - T, (B,), generator=gen, dtype=torch.int32)
+    paths = torch.full((B, T), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        node, path = int(torch.randint(0, T, (1,), generator=gen)), []
+        while node != -1:
+            path.append(node)
+            node = int(parents[b, node])
+        paths[b, : len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
+        num_accepted[b] = len(path) - 1
+    k_new = torch.randn(B, T, Hkv, D, generator=gen).to(dtype)
+    v_new = torch.randn(B, T, Hkv, D, generator=gen).to(dtype)
+    ref_k, ref_v, ref_lens = k.clone(), v.clone(), lens.clone()
+    specdec.kv_append(ref_k[0], ref_v[0], k_new, v_new, ref_lens, backend="torch")
+    specdec.kv_rollback(ref_k, ref_v, ref_lens, paths, num_accepted, backend="torch")
+    gk, gv, glens = k.to(DEVICE), v.to(DEVICE), lens.to(DEVICE)
+    specdec.kv_append(gk[0], gv[0], k_new.to(DEVICE), v_new.to(DEVICE), glens, backend="triton")
+    specdec.kv_rollback(gk, gv, glens, paths.to(DEVICE), num_accepted.to(DEVICE), backend="triton")
+    assert torch.equal(gk.cpu(), ref_k) and torch.equal(gv.cpu(), ref_v) and torch.equal(glens.cpu(), ref_lens)
+
+
+def test_cuda_graph_capture_of_a_verification_step():
+    """attention + accept + rollback captured once and replayed: no host sync inside the ops."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    specdec.set_value_checks(False)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        B, T, Hq, Hkv, D, cap, V = 4, 8, 8, 2, 64, 1024, 1000
+        parents, num_nodes = random_trees(B, T, gen, ragged=False)
+        info = specdec.build_tree(parents.cuda(), num_nodes.cuda())
+        q = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, cap, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        lens = torch.full((B,), 500, dtype=torch.int32, device="cuda")
+        logits = torch.randn(B, T, V, device="cuda")
+        tokens = torch.randint(0, V, (B, T), device="cuda")
+        seeds = torch.arange(B, device="cuda")
+
+        def step():
+            out = specdec.tree_attention(q, k, v, lens, info.mask, num_nodes=info.num_nodes)
+            res = specdec.accept(logits, tokens, info.parents, temperature=1.0, seeds=seeds)
+            specdec.kv_rollback(k, v, lens, res.accepted_nodes, res.num_accepted)
+            return out, res
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm-up: compile kernels outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        lens.fill_(500)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, res = step()
+        lens.fill_(500)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(lens.cpu(), torch.full((B,), 500, dtype=torch.int32) + res.num_accepted.cpu() + 1)
+    finally:
+        specdec.set_value_checks(True)
