@@ -91,7 +91,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device="cpu") -
                               f"unexpected weights {sorted(unexpected)[:5]}")
     model = model.to_empty(device=device)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    model.inv_freq = rope_inv_freq(cfg).float().to(device)  # to_empty left the meta buffer uninitialized
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # to_empty left the meta buffer uninitialized
     return model.to(dtype).eval()
 
 

@@ -10,7 +10,7 @@ Two forward paths:
   * `forward_cached(tokens, cache, ...)`: T new tokens per request (a prompt chunk, a draft tree, or
     one decode token) at positions cache.lens + depth. Their K/V are written with `specdec.kv_append`
     at logical slots cache.lens .. cache.lens + T - 1 and attention runs through
-    `specdec.tree_attention` with the tree's ancestor mask. cache.lens is not advanced here: the caller
+    `specdec.tree_attention` with the tree's ancestor mask (prefill is a chain-shaped tree). cache.lens is not advanced here: the caller
     commits with `specdec.kv_rollback` (the accepted path) or `KVCache.commit`.
 """
 from __future__ import annotations
@@ -61,9 +61,10 @@ class LlamaConfig:
 # rotary embeddings
 # ----------------------------------------------------------------------------------------------
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim // 2,) float64, with the checkpoint's rope scaling applied."""
+    """Inverse frequencies (head_dim // 2,) float32 with the checkpoint's rope scaling applied, computed
+    exactly as transformers does (float32), so both runners produce the same logits."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -164,14 +165,16 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache: KVCache, tree_mask, num_nodes):
-        B, T, _ = x.shape
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, block_table, lens, start, tree_mask, num_nodes):
+        B, F_new, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        specdec.kv_append(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), cache.lens,
-                          block_table=cache.block_table)
-        out = specdec.tree_attention(q, k_cache, v_cache, cache.lens, tree_mask, block_table=cache.block_table,
+        specdec.kv_append(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), lens + start,
+                          block_table=block_table)
+        if start:  # nodes before `start` are in the cache already: their queries are not needed
+            q = torch.cat((q.new_zeros(B, start, *q.shape[2:]), q), dim=1)
+        out = specdec.tree_attention(q, k_cache, v_cache, lens, tree_mask, block_table=block_table,
                                      num_nodes=num_nodes)
-        return self.o_proj(out.reshape(B, T, -1))
+        return self.o_proj(out[:, start:].reshape(B, F_new, -1))
 
 
 class MLP(nn.Module):
@@ -197,9 +200,8 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache, tree_mask, num_nodes):
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, cache,
-                                              tree_mask, num_nodes)
+    def forward_cached(self, x, cos, sin, *cache_args):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, *cache_args)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -219,7 +221,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @property
     def device(self):
@@ -253,20 +255,25 @@ class Llama(nn.Module):
         return self.head(x)
 
     def forward_cached(self, tokens: torch.Tensor, cache: KVCache, depth: torch.Tensor, tree_mask: torch.Tensor,
-                       num_nodes: Optional[torch.Tensor] = None, logits_at: Optional[torch.Tensor] = None):
-        """Run T new tokens (B, T) per request against the cache.
+                       num_nodes: Optional[torch.Tensor] = None, *, start: int = 0, lens: Optional[torch.Tensor] = None,
+                       logits_at=None):
+        """Run new tokens (B, F) of a tree against the cache.
 
-        depth (B, T): each token's distance from node 0 (its position is cache.lens + depth); tree_mask
-        (B, T, ceil(T/32)) int32 ancestor-or-self bits (specdec.build_tree(...).mask); num_nodes (B,):
-        nodes >= num_nodes[b] are padding. Returns logits (B, T, V), or (B, V) at node logits_at[b]
-        when given, or None when logits_at is False (prefill: only the cache is needed). The tokens'
-        K/V are written at slots cache.lens + i; cache.lens is left unchanged (see KVCache.commit/rollback).
+        The tree has T = start + F nodes; the new tokens are nodes start .. T-1, and nodes < start are
+        already in the cache (a drafter growing its tree level by level). Node i's K/V lives at slot
+        lens + i and its position is lens + depth[i], lens = cache.lens unless given.
+        depth (B, F): the new nodes' depth below node 0; tree_mask (B, T, ceil(T/32)) int32 ancestor bits
+        of all T nodes (specdec.build_tree(...).mask); num_nodes (B,): nodes >= num_nodes[b] are padding.
+        Returns logits (B, F, V); or (B, V) at new node logits_at[b] when given; or None when logits_at
+        is False (prefill: only the cache is wanted). cache.lens is not changed (see KVCache.commit and
+        KVCache.rollback).
         """
-        positions = cache.lens.unsqueeze(1).long() + depth.long()
-        cos, sin = self.rope(positions)
+        lens = cache.lens if lens is None else lens
+        cos, sin = self.rope(lens.unsqueeze(1).long() + depth.long())
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache, tree_mask, num_nodes)
+            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache.block_table, lens, start, tree_mask,
+                                     num_nodes)
         if logits_at is False:
             return None
         if logits_at is not None:
