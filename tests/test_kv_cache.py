@@ -1,0 +1,269 @@
+"""kv_append / kv_rollback backends against the reference, on copies of the same random inputs.
+
+Results must be bit-identical (the ops are pure copies), compared through an integer view so the NaN
+rows of unowned paged blocks compare too. For Triton, an interpreter spy also checks that rollback
+writes exactly the rows that must move and reads exactly their sources (in-place rows cost nothing).
+"""
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import specdec
+from tests.helpers import BACKENDS, FLOAT_DTYPES, from_paged, random_cache, random_trees, to_paged
+
+LAYOUTS = ["contiguous", "paged"]
+BLOCK_SIZE = 4
+DTYPE_IDS = [str(d).removeprefix("torch.") for d in FLOAT_DTYPES]
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(as_int), b.view(as_int))
+
+
+def random_lens(B: int, T: int, cap: int, gen: torch.Generator) -> torch.Tensor:
+    """Committed lengths leaving room for T rows: 0, the last T slots, block boundaries, random."""
+    edge = [0, cap - T, min(BLOCK_SIZE, cap - T), min(2 * BLOCK_SIZE - 1, cap - T)]
+    lens = [edge[b] if b < len(edge) else int(torch.randint(0, cap - T + 1, (1,), generator=gen)) for b in range(B)]
+    return torch.tensor(lens, dtype=torch.int32)
+
+
+def random_paths(B: int, T: int, gen: torch.Generator):
+    """(B, T) int32 accepted paths padded with -1 and num_accepted (B,): no draft accepted, a full chain
+    (every row in place), overlap-prone runs (2->1, 3->2, ...), a prefix in place then jumps, and
+    root-to-node paths of random trees."""
+    parents, _ = random_trees(B, T, gen, kinds=("random", "star", "chain"), ragged=False)
+    fixed = [[0], list(range(T)), [0] + list(range(2, T)), [0, 1, 3, 4, T - 1]]
+    paths = torch.full((B, T), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        if b < len(fixed):
+            path = fixed[b]
+        else:
+            node, path = int(torch.randint(0, T, (1,), generator=gen)), []
+            while node != -1:
+                path.append(node)
+                node = int(parents[b, node])
+            path = path[::-1]
+        paths[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        num_accepted[b] = len(path) - 1
+    return paths, num_accepted
+
+
+def make_caches(layers, B, cap, H, D, dtype, layout, gen):
+    """K and V stacks (layers, B, cap, H, D) or paged (layers, num_blocks, BLOCK_SIZE, H, D) and the table."""
+    k, v = random_cache(layers * B, cap, H, D, dtype, gen), random_cache(layers * B, cap, H, D, dtype, gen)
+    k, v = k.view(layers, B, cap, H, D), v.view(layers, B, cap, H, D)
+    if layout == "contiguous":
+        return k, v, None
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    pages = [[to_paged(x[i], BLOCK_SIZE, torch.Generator().manual_seed(seed)) for i in range(layers)] for x in (k, v)]
+    table = pages[0][0][1]
+    return torch.stack([p for p, _ in pages[0]]), torch.stack([p for p, _ in pages[1]]), table
+
+
+def as_form(stack: torch.Tensor, form: str):
+    """The caches as the op's callers pass them: one layer, a stacked tensor, a list of layers, a list of stacks."""
+    if form == "layer":
+        return stack[0]
+    if form == "stacked":
+        return stack
+    if form == "list":
+        return list(stack.unbind(0))
+    return [stack[:1], stack[1:]]
+
+
+def logical(cache: torch.Tensor, table) -> torch.Tensor:
+    return cache if table is None else from_paged(cache, table)
+
+
+# ----------------------------------------------------------------------------------------------
+# kv_rollback
+# ----------------------------------------------------------------------------------------------
+def run_rollback(backend, k, v, table, lens, paths, num_accepted, form):
+    k, v, lens = k.clone(), v.clone(), lens.clone()
+    specdec.kv_rollback(as_form(k, form), as_form(v, form), lens, paths, num_accepted,
+                        block_table=table, backend=backend)
+    return k, v, lens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("form", ["layer", "stacked", "list", "list_of_stacks"])
+def test_rollback_matches_reference(backend, layout, dtype, form):
+    gen = torch.Generator().manual_seed(seed_of(layout, dtype, form))
+    B, T, H, D, cap, layers = 7, 8, 3, 5, 24, 3
+    k, v, table = make_caches(layers, B, cap, H, D, dtype, layout, gen)
+    lens = random_lens(B, T, cap, gen)
+    paths, num_accepted = random_paths(B, T, gen)
+    k_out, v_out, lens_out = run_rollback(backend, k, v, table, lens, paths, num_accepted, form)
+    k_ref, v_ref, lens_ref = run_rollback("torch", k, v, table, lens, paths, num_accepted, form)
+    assert torch.equal(lens_out, lens_ref) and torch.equal(lens_ref, lens + num_accepted + 1)
+    assert same_bits(k_out, k_ref) and same_bits(v_out, v_ref)
+    # independent of the reference: the committed prefix and the rows past the new length keep their
+    # values, the accepted path's rows are compacted
+    used = 1 if form == "layer" else layers
+    for before, after in ((k, k_out), (v, v_out)):
+        for layer in range(used):
+            old, new = logical(before[layer], table), logical(after[layer], table)
+            for b in range(B):
+                L, n = int(lens[b]), int(num_accepted[b]) + 1
+                assert same_bits(new[b, :L], old[b, :L])
+                assert same_bits(new[b, L: L + n], old[b, L + paths[b, :n].long()])
+                assert same_bits(new[b, L + n:], old[b, L + n:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollback_engine_like_heads_over_several_tiles(backend):
+    # Hkv 8, D 128: the head dimension spans several program tiles; paths longer than one step
+    gen = torch.Generator().manual_seed(11)
+    B, T, H, D, cap, layers = 5, 20, 8, 128, 32, 2
+    k, v, table = make_caches(layers, B, cap, H, D, torch.bfloat16, "paged", gen)
+    lens = random_lens(B, T, cap, gen)
+    paths, num_accepted = random_paths(B, T, gen)
+    paths[4] = torch.tensor([0] + list(range(2, 20, 2)) + [-1] * 10, dtype=torch.int32)  # 10 moves
+    num_accepted[4] = 9
+    k_out, v_out, lens_out = run_rollback(backend, k, v, table, lens, paths, num_accepted, "stacked")
+    k_ref, v_ref, lens_ref = run_rollback("torch", k, v, table, lens, paths, num_accepted, "stacked")
+    assert torch.equal(lens_out, lens_ref)
+    assert same_bits(k_out, k_ref) and same_bits(v_out, v_ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollback_list_of_layers_with_different_strides(backend):
+    gen = torch.Generator().manual_seed(12)
+    B, T, H, D, cap = 4, 6, 2, 4, 12
+    k, v, _ = make_caches(2, B, cap, H, D, torch.float16, "contiguous", gen)
+    # layer 1 stored head-dim-major: same shape, another stride layout
+    k1 = k[1].transpose(2, 3).contiguous().transpose(2, 3)
+    v1 = v[1].transpose(2, 3).contiguous().transpose(2, 3)
+    lens = random_lens(B, T, cap, gen)
+    paths, num_accepted = random_paths(B, T, gen)
+    outs = {}
+    for name in (backend, "torch"):
+        ks, vs, lens_out = [k[0].clone(), k1.clone()], [v[0].clone(), v1.clone()], lens.clone()
+        specdec.kv_rollback(ks, vs, lens_out, paths, num_accepted, backend=name)
+        outs[name] = ks + vs + [lens_out]
+    assert all(same_bits(a, b) for a, b in zip(outs[backend], outs["torch"]))
+
+
+class StoreSpy:
+    """Records every element address the Triton interpreter loads from or stores to."""
+
+    def __init__(self, monkeypatch):
+        from triton.runtime import interpreter
+        self.loads, self.stores = [], []
+        builder = interpreter.InterpreterBuilder
+        load, store = builder.create_masked_load, builder.create_masked_store
+
+        def spy_load(b, ptrs, mask, *args):
+            self.loads.append(ptrs.data[mask.data].copy())
+            return load(b, ptrs, mask, *args)
+
+        def spy_store(b, ptrs, value, mask, *args):
+            self.stores.append(ptrs.data[mask.data].copy())
+            return store(b, ptrs, value, mask, *args)
+
+        monkeypatch.setattr(builder, "create_masked_load", spy_load)
+        monkeypatch.setattr(builder, "create_masked_store", spy_store)
+
+    @staticmethod
+    def inside(addresses, tensors):
+        addresses = np.concatenate(addresses).astype(np.int64)
+        keep = np.zeros(addresses.shape, dtype=bool)
+        for t in tensors:
+            start = t.data_ptr()
+            keep |= (addresses >= start) & (addresses < start + t.numel() * t.element_size())
+        return addresses[keep]
+
+
+def row_addresses(cache, table, b, positions):
+    """Element addresses of logical rows `positions` of request b in every layer of a 5-D cache."""
+    rows = logical(torch.arange(cache[0].numel(), dtype=torch.int64).view(cache.shape[1:]), table)
+    elems = rows[b, positions].reshape(-1)
+    layer = torch.arange(cache.shape[0]).unsqueeze(1) * cache.stride(0)
+    return (cache.data_ptr() + (layer + elems) * cache.element_size()).reshape(-1).numpy()
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="interpreter spy")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("form", ["stacked", "list"])
+def test_rollback_moves_only_rows_off_place(monkeypatch, layout, form):
+    gen = torch.Generator().manual_seed(13)
+    B, T, H, D, cap, layers = 6, 8, 2, 4, 16, 2
+    k, v, table = make_caches(layers, B, cap, H, D, torch.float16, layout, gen)
+    lens = random_lens(B, T, cap, gen)
+    paths, num_accepted = random_paths(B, T, gen)
+    expected_reads, expected_writes = [], []
+    for b in range(B):
+        n = int(num_accepted[b]) + 1
+        i = torch.arange(n)
+        off = paths[b, :n].long() != i  # rows already in place are neither read nor written
+        for cache in (k, v):
+            expected_reads.append(row_addresses(cache, table, b, int(lens[b]) + paths[b, :n].long()[off]))
+            expected_writes.append(row_addresses(cache, table, b, int(lens[b]) + i[off]))
+    spy = StoreSpy(monkeypatch)
+    specdec.kv_rollback(as_form(k, form), as_form(v, form), lens.clone(), paths, num_accepted,
+                        block_table=table, backend="triton")
+    writes, reads = spy.inside(spy.stores, (k, v)), spy.inside(spy.loads, (k, v))
+    # each moved element written exactly once, read exactly once, nothing else touched
+    assert np.array_equal(np.sort(writes), np.sort(np.concatenate(expected_writes)))
+    assert np.array_equal(np.sort(reads), np.sort(np.concatenate(expected_reads)))
+    full_chain = 1  # random_paths: request 1 accepts its whole chain, every row in place
+    assert not np.isin(row_addresses(k, table, full_chain, torch.arange(T) + int(lens[full_chain])), writes).any()
+
+
+# ----------------------------------------------------------------------------------------------
+# kv_append
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T", [1, 11])
+def test_append_matches_reference(backend, layout, dtype, T):
+    gen = torch.Generator().manual_seed(seed_of(layout, dtype, T))
+    B, H, D, cap = 6, 3, 5, 24
+    k, v, table = make_caches(1, B, cap, H, D, dtype, layout, gen)
+    k, v = k[0], v[0]
+    lens = random_lens(B, T, cap, gen)
+    # non-contiguous new rows with different strides: K a slice of a fused projection output, V head-major
+    k_new = torch.randn(B, T, 3 * H + 1, D, generator=gen).to(dtype)[:, :, 1: H + 1]
+    v_new = torch.randn(B, H, T, D, generator=gen).to(dtype).transpose(1, 2)
+    outs = {}
+    for name in (backend, "torch"):
+        kc, vc, lens_c = k.clone(), v.clone(), lens.clone()
+        specdec.kv_append(kc, vc, k_new, v_new, lens_c, block_table=table, backend=name)
+        assert torch.equal(lens_c, lens)  # append does not commit
+        outs[name] = kc, vc
+    assert same_bits(outs[backend][0], outs["torch"][0]) and same_bits(outs[backend][1], outs["torch"][1])
+    # independent of the reference: the T rows hold the new values, every other row is unchanged
+    for old, new, src in ((k, outs[backend][0], k_new), (v, outs[backend][1], v_new)):
+        old, new = logical(old, table), logical(new, table)
+        for b in range(B):
+            L = int(lens[b])
+            assert same_bits(new[b, L: L + T], src[b])
+            assert same_bits(new[b, :L], old[b, :L]) and same_bits(new[b, L + T:], old[b, L + T:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_append_engine_like_heads_over_several_tiles(backend):
+    gen = torch.Generator().manual_seed(21)
+    B, T, H, D, cap = 3, 16, 8, 128, 64
+    k, v, table = make_caches(1, B, cap, H, D, torch.bfloat16, "paged", gen)
+    k, v = k[0], v[0]
+    lens = random_lens(B, T, cap, gen)
+    k_new = torch.randn(B, T, H, D, generator=gen).to(torch.bfloat16)
+    v_new = torch.randn(B, T, H, D, generator=gen).to(torch.bfloat16)
+    outs = {}
+    for name in (backend, "torch"):
+        kc, vc = k.clone(), v.clone()
+        specdec.kv_append(kc, vc, k_new, v_new, lens, block_table=table, backend=name)
+        outs[name] = kc, vc
+    assert same_bits(outs[backend][0], outs["torch"][0]) and same_bits(outs[backend][1], outs["torch"][1])
