@@ -53,17 +53,17 @@ class TileConfig(NamedTuple):
     num_stages: int
 
 
-def choose_config(num_rows: int, head_dim: int) -> TileConfig:
-    """Tile sizes for T * group query rows of head dim D (a pure function of shapes).
+def choose_config(num_rows: int, head_dim: int, elem_bytes: int) -> TileConfig:
+    """Tile sizes for T * group query rows of head dim D and element size (a pure function of shapes).
 
-    BLOCK_M covers all rows when it can (K/V then read once), up to 128 rows; tl.dot needs >= 16.
-    BLOCK_N = 64 keys (32 at D = 256 to bound registers and shared memory per pipeline stage).
+    BLOCK_M covers all rows when it can (K/V are then read once): up to 128 rows (64 at D = 256, to keep
+    the fp32 accumulator in registers); tl.dot needs >= 16. BLOCK_N keeps one K tile at <= 16 KiB, so a
+    pipeline stage (K + V) is <= 32 KiB and three stages fit in shared memory beside the Q tile.
     """
-    block_m = min(128, max(16, triton.next_power_of_2(num_rows)))
-    block_n = 64 if head_dim <= 128 else 32
+    block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(num_rows)))
+    block_n = max(16, min(64, 16384 // (head_dim * elem_bytes)))
     num_warps = 4 if block_m * head_dim <= 64 * 128 else 8
-    num_stages = 3 if head_dim <= 128 else 2
-    return TileConfig(block_m, block_n, num_warps, num_stages)
+    return TileConfig(block_m, block_n, num_warps, num_stages=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -241,7 +241,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if block_table is None:  # contiguous = paged with one block of L_max rows per request
         block_table = torch.arange(B, dtype=torch.int32, device=q.device).view(B, 1)
     block_size = k_cache.shape[1]
-    config = config or choose_config(T * group, D)
+    config = config or choose_config(T * group, D, q.element_size())
     row_tiles = triton.cdiv(T * group, config.block_m)
     if num_splits is None:
         capacity = block_table.shape[1] * block_size

@@ -1,0 +1,171 @@
+"""tree_attention backends (Triton through the interpreter on CPU, C++ when built) vs the reference.
+
+Shapes stay tiny: the interpreter runs every program and every KV tile one after another.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import specdec
+from specdec.kernels import tree_attention as ta
+from tests.helpers import BACKENDS, FLOAT_DTYPES, TOL, assert_close, poison_, random_cache, random_trees, to_paged
+
+BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the tree at odd places
+
+
+def make_case(gen, *, B=3, T=9, Hkv=2, group=4, D=64, dtype=torch.float32, lens=(0, 37, 70), kinds=None,
+              paged=False):
+    """Random trees (ragged num_nodes), a cache whose rows past cache_lens + T are NaN (an over-read
+    shows), optionally paged with a shuffled block table; returns the public op's keyword arguments."""
+    parents, num_nodes = random_trees(B, T, gen, **({"kinds": kinds} if kinds else {}))
+    cache_lens = torch.tensor(lens, dtype=torch.int32)
+    cap = math.ceil((max(lens) + T) / BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE
+    kv = random_cache(B, cap, 2 * Hkv, D, dtype, gen)  # K and V side by side, so they page alike
+    for b in range(B):
+        kv[b, int(cache_lens[b]) + T:] = float("nan")
+    block_table = None
+    if paged:
+        kv, block_table = to_paged(kv, BLOCK_SIZE, gen)
+    return dict(q=torch.randn(B, T, Hkv * group, D, generator=gen).to(dtype),
+                k_cache=kv[:, :, :Hkv], v_cache=kv[:, :, Hkv:], cache_lens=cache_lens,
+                tree_mask=specdec.build_tree(parents, num_nodes).mask, block_table=block_table,
+                num_nodes=num_nodes)
+
+
+def run(case, backend, **kw):
+    return specdec.tree_attention(**case, return_lse=True, backend=backend, **kw)
+
+
+def check_against_reference(actual, case, **kw):
+    """out within the dtype's tolerance, lse within fp32's, padding rows exactly 0 / -inf."""
+    out, lse = actual
+    ref_out, ref_lse = run(case, "torch", **kw)
+    dtype = case["q"].dtype
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close(out, ref_out, dtype)
+    assert_close(lse, ref_lse, torch.float32)
+    T = case["q"].shape[1]
+    padding = torch.arange(T).unsqueeze(0) >= case["num_nodes"].unsqueeze(1)  # (B, T)
+    assert torch.isfinite(out[~padding]).all() and torch.isfinite(lse[~padding]).all()
+    assert (out[padding] == 0).all() and (lse[padding] == -math.inf).all()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference(backend, dtype, group, D, paged):
+    gen = torch.Generator().manual_seed(group * 1000 + D + paged)
+    case = make_case(gen, group=group, D=D, dtype=dtype, paged=paged)
+    check_against_reference(run(case, backend), case)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_equals_contiguous(backend, dtype):
+    gen = torch.Generator().manual_seed(7)
+    case = make_case(gen, dtype=dtype, lens=(5, 64, 49))
+    logical = torch.cat([case["k_cache"], case["v_cache"]], dim=2)
+    pages, table = to_paged(logical, BLOCK_SIZE, gen)
+    Hkv = case["k_cache"].shape[2]
+    paged = dict(case, k_cache=pages[:, :, :Hkv], v_cache=pages[:, :, Hkv:], block_table=table)
+    out_c, lse_c = run(case, backend)
+    out_p, lse_p = run(paged, backend)
+    if backend == "triton":  # one code path for both layouts: the same arithmetic, bit for bit
+        assert torch.equal(out_c, out_p) and torch.equal(lse_c, lse_p)
+    else:
+        assert_close(out_p, out_c, dtype)
+        assert_close(lse_p, lse_c, torch.float32)
+
+
+@pytest.mark.parametrize("T", [1, 33, 70])
+@pytest.mark.parametrize("kind", ["chain", "star", "random"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_shapes(backend, kind, T):
+    """Single-node trees and trees spanning several mask words and several KV tiles of tree keys."""
+    gen = torch.Generator().manual_seed(T)
+    case = make_case(gen, B=2, T=T, Hkv=1, group=1, lens=(64, 3), kinds=(kind,), paged=True)
+    check_against_reference(run(case, backend), case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scale_strides_and_head_dims(backend):
+    """Explicit scale, q and caches as strided views (no contiguous copies), GQA group 3, D 256 and 32."""
+    gen = torch.Generator().manual_seed(3)
+    for D in (256, 32):
+        case = make_case(gen, B=2, T=6, Hkv=2, group=3, D=D, lens=(11, 40), paged=True)
+        wide_q = torch.randn(2, 6, 6, 2 * D, generator=gen)
+        wide_q[..., :D] = case["q"]
+        case["q"] = wide_q[..., :D]
+        check_against_reference(run(case, backend, scale=0.3), case, scale=0.3)
+
+
+def triton_call(case, **launcher_kw):
+    """The Triton launcher directly (normalized args), for its test-only knobs."""
+    B, T, Hq, D = case["q"].shape
+    return ta.tree_attention(case["q"], case["k_cache"], case["v_cache"], case["cache_lens"], case["tree_mask"],
+                             case["block_table"], case["num_nodes"], D ** -0.5, **launcher_kw)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("block_n", [64, 16])
+def test_triton_split_kv_into_poisoned_outputs(num_splits, block_n):
+    """Forced split counts (with empty splits: cache_lens 0 and 1, and 8 splits of a short prefix),
+    small KV tiles so each split spans several, writing into NaN-poisoned output buffers."""
+    gen = torch.Generator().manual_seed(num_splits)
+    case = make_case(gen, B=4, T=7, Hkv=2, group=2, dtype=torch.float16, lens=(0, 1, 37, 130), paged=True)
+    B, T, Hq, D = case["q"].shape
+    out = poison_(torch.empty(B, T, Hq, D, dtype=torch.float16))
+    lse = poison_(torch.empty(B, T, Hq, dtype=torch.float32))
+    config = ta.TileConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=1)
+    result = triton_call(case, num_splits=num_splits, config=config, out=out, lse=lse)
+    assert result[0] is out and result[1] is lse
+    check_against_reference((out, lse), case)
+
+
+def test_triton_row_tiles_split_nodes():
+    """T * group rows over several BLOCK_M tiles, with group 3 so a node's heads straddle two tiles."""
+    gen = torch.Generator().manual_seed(5)
+    case = make_case(gen, B=2, T=9, Hkv=1, group=3, lens=(20, 33), kinds=("random",), paged=True)
+    config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    check_against_reference(triton_call(case, config=config), case)
+
+
+def test_choose_num_splits_from_shapes():
+    h200 = 132
+    # B=1, L=8K: split until the GPU holds about PROGRAMS_PER_SM programs per SM, no further
+    splits = ta.choose_num_splits(batch=1, kv_heads=8, row_tiles=1, capacity=8192, sm_count=h200)
+    assert 1 < splits <= ta.MAX_SPLITS
+    assert 8 * (splits - 1) < ta.PROGRAMS_PER_SM * h200
+    # a batch that fills the GPU, a short cache, a huge cache with one program: 1, 1, the cap
+    assert ta.choose_num_splits(batch=256, kv_heads=8, row_tiles=1, capacity=32768, sm_count=h200) == 1
+    assert ta.choose_num_splits(batch=1, kv_heads=1, row_tiles=1, capacity=100, sm_count=h200) == 1
+    assert ta.choose_num_splits(batch=1, kv_heads=1, row_tiles=1, capacity=1 << 17, sm_count=h200) == ta.MAX_SPLITS
+    # fewer splits as the batch grows
+    by_batch = [ta.choose_num_splits(B, 8, 1, 32768, h200) for B in (1, 2, 8, 32)]
+    assert by_batch == sorted(by_batch, reverse=True) and by_batch[0] > by_batch[-1]
+
+
+def test_choose_config_covers_rows():
+    for rows in (1, 16, 17, 64, 100, 128, 1024):
+        for D in (64, 128, 256):
+            for elem_bytes in (2, 4):
+                config = ta.choose_config(rows, D, elem_bytes)
+                assert config.block_m >= 16 and config.block_n >= 16  # tl.dot's minimum
+                # all rows in one tile (K/V read once) up to 128 rows (64 at D = 256)
+                assert config.block_m >= min(rows, 128 if D <= 128 else 64)
+                assert config.block_n * D * elem_bytes <= 16384  # one K tile per stage
+
+
+def test_triton_rejects_unsupported():
+    gen = torch.Generator().manual_seed(0)
+    case = make_case(gen, dtype=torch.float64)
+    with pytest.raises(TypeError, match="q: dtype"):
+        run(case, "triton")
+    case = make_case(gen, D=80)
+    with pytest.raises(ValueError, match="q: head dim 80"):
+        run(case, "triton")
