@@ -1,0 +1,4 @@
+"""python -m bench [--quick] [--ops ...] [--backends ...] [--device cpu|cuda] [--out DIR]"""
+from .run import main
+
+raise SystemExit(main())

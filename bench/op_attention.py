@@ -1,0 +1,158 @@
+"""Tree attention in the benchmark: inputs, minimal bytes moved, and the PyTorch peers.
+
+params: B requests, T tree nodes (random trees), Hq/Hkv heads, D head dim, L committed prefix (equal for
+every request), dtype ("fp32"/"fp16"/"bf16"), page (block size of a paged cache, 0 = contiguous).
+
+Minimal bytes: the K and V rows of the prefix and of the tree (L + T positions) read once, q read once,
+out written once, lse (float32) written once.
+
+Peers, timed from the same inputs as the op:
+  sdpa  what a user writes in plain PyTorch: gather the cache rows, expand the KV heads to Hq (GQA), build
+        the (B, Hq, T, L+T) bool mask from the packed tree mask, F.scaled_dot_product_attention.
+  flex  FlexAttention (compiled; CUDA only) with a tree mask_mod reading the same packed mask, native GQA.
+        Its block mask is built once outside the timed call, which favours it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import specdec
+from specdec.reference import unpack_bits
+from specdec.tree import build_tree_vectorized
+
+from .common import DTYPES, block_table, close_check, random_parents
+
+OP = "attention"
+
+
+class Inputs:
+    def __init__(self, p: dict, device: torch.device, gen: torch.Generator):
+        B, T, Hq, Hkv, D, L = (p[k] for k in ("B", "T", "Hq", "Hkv", "D", "L"))
+        self.dtype = DTYPES[p["dtype"]]
+        self.L, self.page = L, p.get("page", 0)
+        self.q = torch.randn(B, T, Hq, D, generator=gen).to(self.dtype).to(device)
+        capacity = L + T
+        if self.page:
+            per = -(-capacity // self.page)
+            table, num_blocks = block_table(B, per, gen)
+            self.block_table = table.to(device)
+            shape = (num_blocks, self.page, Hkv, D)
+        else:
+            self.block_table = None
+            shape = (B, capacity, Hkv, D)
+        self.k_cache = torch.randn(shape, dtype=self.dtype, device=device)
+        self.v_cache = torch.randn(shape, dtype=self.dtype, device=device)
+        self.cache_lens = torch.full((B,), L, dtype=torch.int32, device=device)
+        parents = random_parents(B, T, "tree", gen).to(device)
+        self.num_nodes = torch.full((B,), T, dtype=torch.int32, device=device)
+        _, self.tree_mask = build_tree_vectorized(parents, self.num_nodes)
+        self.scale = D ** -0.5
+
+    def reset(self):
+        """Nothing to restore: the op is pure."""
+
+
+def min_bytes(x: Inputs, out) -> int:
+    B, T, Hq, D = x.q.shape
+    Hkv = x.k_cache.shape[2]
+    e = x.q.element_size()
+    return 2 * B * (x.L + T) * Hkv * D * e + 2 * B * T * Hq * D * e + B * T * Hq * 4
+
+
+def specdec_fn(x: Inputs, backend: str):
+    def run():
+        return specdec.tree_attention(x.q, x.k_cache, x.v_cache, x.cache_lens, x.tree_mask,
+                                      block_table=x.block_table, num_nodes=x.num_nodes, scale=x.scale,
+                                      return_lse=True, backend=backend)[0]
+    return run
+
+
+def _gathered(x: Inputs, cache: torch.Tensor) -> torch.Tensor:
+    """(B, L+T, Hkv, D): the logical rows of every request (a view for a contiguous cache)."""
+    n = x.L + x.q.shape[1]
+    if x.block_table is None:
+        return cache[:, :n]
+    blocks = -(-n // x.page)
+    return cache[x.block_table[:, :blocks].long()].flatten(1, 2)[:, :n]
+
+
+def sdpa_tree_attention(x: Inputs, dtype=None) -> torch.Tensor:
+    """The plain-PyTorch way (optionally in another dtype: the harness's float32 check value)."""
+    B, T, Hq, D = x.q.shape
+    group = Hq // x.k_cache.shape[2]
+    q = x.q if dtype is None else x.q.to(dtype)
+    keys, vals = (_gathered(x, c) for c in (x.k_cache, x.v_cache))
+    if dtype is not None:
+        keys, vals = keys.to(dtype), vals.to(dtype)
+    keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # (B, Hq, L+T, D)
+    vals = vals.repeat_interleave(group, dim=2).transpose(1, 2)
+    tree = unpack_bits(x.tree_mask, T)  # (B, T, T) bool
+    allowed = torch.cat([tree.new_ones(B, T, x.L), tree], dim=-1).unsqueeze(1).expand(B, Hq, T, x.L + T)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=allowed, scale=x.scale)
+    return out.transpose(1, 2)
+
+
+_compiled_flex = None
+
+
+def flex_tree_attention(x: Inputs):
+    """A FlexAttention runner for x (its block mask built here, once, outside the timed call)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    B, T, Hq, D = x.q.shape
+    n = x.L + T
+    lens, packed = x.cache_lens, x.tree_mask
+
+    def tree_mask_mod(b, h, q_idx, kv_idx):
+        j = kv_idx - lens[b]  # tree position (negative: committed prefix)
+        jc = j.clamp(0, T - 1)
+        bit = (packed[b, q_idx, jc // 32] >> (jc % 32)) & 1
+        return (j < 0) | ((j < T) & (bit == 1))
+
+    block_mask = create_block_mask(tree_mask_mod, B, None, T, n, device=x.q.device)
+
+    def run():
+        keys, vals = (_gathered(x, c).transpose(1, 2) for c in (x.k_cache, x.v_cache))
+        out = _compiled_flex(x.q.transpose(1, 2), keys, vals, block_mask=block_mask, scale=x.scale,
+                             enable_gqa=True)
+        return out.transpose(1, 2)
+    return run
+
+
+def peers(x: Inputs, case) -> dict:
+    found = {"sdpa": lambda: (lambda: sdpa_tree_attention(x))}
+    if case.flex:
+        found["flex"] = lambda: flex_tree_attention(x)
+    return found
+
+
+def reference_value(x: Inputs):
+    """The float32 SDPA result every implementation is checked against."""
+    return sdpa_tree_attention(x, dtype=torch.float32)
+
+
+def check(x: Inputs, out, expected) -> str:
+    return close_check(out, expected, x.dtype)
+
+
+def bytes_for_check(x: Inputs) -> int:
+    """Device memory the float32 check value needs (the harness skips the check above a limit)."""
+    B, T, Hq, D = x.q.shape
+    return 2 * B * (x.L + T) * Hq * D * 4 * 2 + B * Hq * T * (x.L + T) * 5
+
+
+def summary(x: Inputs, out) -> dict:
+    return {}
+
+
+def describe(p: dict) -> str:
+    layout = f"paged{p['page']}" if p.get("page") else "contig"
+    return (f"B{p['B']} T{p['T']} L{_k(p['L'])} Hq{p['Hq']}/Hkv{p['Hkv']} D{p['D']} {p['dtype']} {layout}")
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
