@@ -1,0 +1,181 @@
+"""The draft -> verify -> accept loop.
+
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"))
+    out = decoder.generate(prompts, max_new_tokens=128, temperature=0.0, seed=0)
+
+One step for the whole batch:
+  1. the drafter proposes a tree per request (node 0 = the last emitted token, the root);
+  2. the target runs the tree against its cache (`kv_append` + `tree_attention`, positions lens + depth);
+  3. `specdec.accept` picks the longest accepted path plus one next token (greedy, or lossless sampling
+     with per-request temperature and seed);
+  4. `kv_rollback` keeps the path's K/V in the target's cache (and the drafter's, in `commit`);
+  5. the path's tokens and the next token are appended to each sequence.
+Requests finish independently (EOS or max_new_tokens); a finished request keeps riding along with
+one token per step (its output is cut), so shapes stay static. The only host read per step is the
+stopping rule.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+import specdec
+from .drafters.base import Drafter, NoDrafter
+from .models.llama import KVCache, Llama, chain_tree
+
+PREFILL_CHUNK = 256
+
+
+@torch.inference_mode()
+def prefill(model: Llama, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Run tokens[b, :lengths[b]] through `model` into `cache` (committed), in chain-shaped chunks."""
+    B = tokens.shape[0]
+    n_max = int(lengths.max())
+    for c0 in range(0, n_max, PREFILL_CHUNK):
+        T = min(PREFILL_CHUNK, n_max - c0)
+        n = (lengths.to(torch.int32) - c0).clamp(0, T)
+        tree = chain_tree(B, T, n.clamp(min=1), device=tokens.device)  # a request with no tokens left pads
+        model.forward_cached(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes, logits_at=False)
+        cache.commit(n)
+
+
+@dataclass
+class GenerationOutput:
+    """tokens[b]: request b's new tokens (cut at EOS, excluded, and max_new_tokens); stats[b]: its steps,
+    tokens_per_step (tau), acceptance_by_depth (fraction of steps accepting >= d draft tokens, d = 1..),
+    wall_s, tokens_per_s; summary: the same over the batch."""
+    tokens: list
+    stats: list
+    summary: dict = field(default_factory=dict)
+
+
+class SpeculativeDecoder:
+    def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None):
+        self.target = target
+        self.drafter = drafter or NoDrafter()
+        V = target.cfg.vocab_size
+        if self.drafter.vocab_size is not None and self.drafter.vocab_size != V:
+            raise ValueError(f"vocab mismatch: the drafter has {self.drafter.vocab_size} tokens, the target {V}")
+        self.eos = target.cfg.eos_token_id if eos_token_id is None else eos_token_id
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
+                 temperature: Union[float, Sequence[float]] = 0.0, seed: Union[int, Sequence[int]] = 0,
+                 progress: bool = False) -> GenerationOutput:
+        """Generate for a batch of token-id prompts (each non-empty). temperature/seed: one for all or one
+        per request (0 = greedy); request b samples with seed[b] (or seed + b)."""
+        B, dev, T, depth = len(prompts), self.target.device, self.drafter.max_nodes, self.drafter.max_depth
+        if B == 0 or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts: need at least one request, each with at least one token (e.g. BOS)")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens: must be >= 1")
+        temps = [float(temperature)] * B if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+        seeds = [int(seed) + b for b in range(B)] if isinstance(seed, int) else [int(s) for s in seed]
+        if len(temps) != B or len(seeds) != B:
+            raise ValueError("temperature/seed: give one value or one per prompt")
+        temp = torch.tensor(temps, dtype=torch.float32, device=dev)
+        seeds_t = torch.tensor(seeds, dtype=torch.int64, device=dev)
+
+        prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
+        # room for: prompt + max_new for live requests (+ a last tree) and one token per step once finished
+        L = int(prompt_lens.max()) + 2 * max_new_tokens + 2 * T + 2
+        tokens = torch.zeros(B, L, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = torch.tensor(list(p), dtype=torch.long)
+        seq_lens = prompt_lens.clone()
+
+        t0 = time.perf_counter()
+        cache = self.target.new_cache(B, L)
+        prefill(self.target, cache, tokens, seq_lens - 1)  # the last prompt token is the first root
+        self.drafter.start(tokens, seq_lens, L, temp, torch.Generator(device=dev).manual_seed(seeds[0]))
+
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        steps = torch.zeros(B, dtype=torch.long, device=dev)
+        emitted_live = torch.zeros(B, dtype=torch.long, device=dev)  # tokens emitted while unfinished
+        accepted_hist = torch.zeros(B, depth + 1, dtype=torch.long, device=dev)  # steps that accepted n draft tokens
+        finish_step = torch.zeros(B, dtype=torch.long, device=dev)
+        step_times = []
+        cols = torch.arange(T, device=dev)
+        bar = _progress(max_new_tokens) if progress else None
+        step = 0
+        while True:
+            prop = self.drafter.propose(tokens, seq_lens, temp)
+            tree = specdec.build_tree(prop.parents, prop.num_nodes)
+            logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes)
+            res = specdec.accept(logits, prop.tokens, prop.parents, draft_logits=prop.draft_logits,
+                                 temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes, offset=step)
+            live = ~done
+            num_acc = torch.where(live, res.num_accepted, 0)
+            cache.rollback(res.accepted_nodes, num_acc)
+            self.drafter.commit(res.accepted_nodes, num_acc)
+
+            # append the path's draft tokens and the next token
+            Tp = prop.tokens.shape[1]
+            path_tokens = prop.tokens.gather(1, res.accepted_nodes.long().clamp(min=0))
+            new = torch.cat((path_tokens[:, 1:], path_tokens[:, :1]), dim=1)
+            new.scatter_(1, num_acc.long().unsqueeze(1), res.next_tokens.unsqueeze(1))
+            n_new = num_acc.long() + 1
+            where = (seq_lens.long().unsqueeze(1) + cols[:Tp]).clamp(max=L - 1)
+            keep = cols[:Tp] < n_new.unsqueeze(1)
+            tokens.scatter_(1, where, torch.where(keep, new, tokens.gather(1, where)))
+            seq_lens += n_new.to(torch.int32)
+
+            steps += live
+            emitted_live += torch.where(live, n_new, 0)
+            accepted_hist[torch.arange(B, device=dev), num_acc.long()] += live
+            hit_eos = ((new == self.eos) & keep).any(1) if self.eos is not None else torch.zeros_like(done)
+            finished_now = live & (hit_eos | (seq_lens - prompt_lens >= max_new_tokens))
+            finish_step = torch.where(finished_now, step, finish_step)
+            done |= finished_now
+            step += 1
+            step_times.append(time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(int((seq_lens - prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
+            if bool(done.all()):  # the one host read per step: the stopping rule
+                break
+        if bar is not None:
+            bar.close()
+        wall = time.perf_counter() - t0
+        return self._collect(tokens, prompt_lens, seq_lens, max_new_tokens, steps, emitted_live, accepted_hist,
+                             finish_step, step_times, wall)
+
+    def _collect(self, tokens, prompt_lens, seq_lens, max_new, steps, emitted_live, accepted_hist, finish_step,
+                 step_times, wall) -> GenerationOutput:
+        outs, stats = [], []
+        tokens, hist = tokens.cpu(), accepted_hist.cpu()
+        for b in range(tokens.shape[0]):
+            seq = tokens[b, int(prompt_lens[b]):int(seq_lens[b])].tolist()[:max_new]
+            if self.eos is not None and self.eos in seq:
+                seq = seq[:seq.index(self.eos)]
+            outs.append(seq)
+            n_steps = int(steps[b])
+            at_least = hist[b].flip(0).cumsum(0).flip(0)  # steps accepting >= d draft tokens
+            t_b = step_times[int(finish_step[b])]
+            stats.append({"new_tokens": len(seq), "steps": n_steps,
+                          "tokens_per_step": int(emitted_live[b]) / max(n_steps, 1),
+                          "acceptance_by_depth": [round(float(x) / max(n_steps, 1), 4) for x in at_least[1:]],
+                          "wall_s": t_b, "tokens_per_s": len(seq) / t_b})
+        total_steps = int(steps.sum())
+        at_least = hist.sum(0).flip(0).cumsum(0).flip(0)
+        summary = {"requests": len(outs), "new_tokens": sum(len(o) for o in outs), "steps": int(len(step_times)),
+                   "tokens_per_step": int(emitted_live.sum()) / max(total_steps, 1),
+                   "acceptance_by_depth": [round(float(x) / max(total_steps, 1), 4) for x in at_least[1:]],
+                   "wall_s": wall, "tokens_per_s": sum(len(o) for o in outs) / wall}
+        return GenerationOutput(outs, stats, summary)
+
+
+def generate_ar(target: Llama, prompts, max_new_tokens: int = 128, temperature=0.0, seed=0,
+                progress: bool = False) -> GenerationOutput:
+    """Plain autoregressive decoding through the same ops (one-node trees): the baseline."""
+    return SpeculativeDecoder(target).generate(prompts, max_new_tokens, temperature, seed, progress)
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="tok", leave=False, desc="generating")

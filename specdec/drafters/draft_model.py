@@ -1,0 +1,224 @@
+"""A smaller model with the target's vocabulary drafts a chain or a tree, level by level.
+
+Tree shapes (`parse_tree`):
+  chain:K          K tokens in a row
+  tree:b1,b2,...   every node at depth d-1 gets b_d children (the draft's top-b_d tokens, or b_d i.i.d.
+                   draws when sampling)
+  parents:-1,0,0,1 an explicit topology in breadth-first order (parents non-decreasing)
+  dynamic:N,D,k    EAGLE-2: D levels; at each level the k best nodes by cumulative draft log-probability
+                   are expanded into their top-k children; the N-1 best nodes of all those candidates
+                   (plus the root) form the tree.
+
+The draft keeps its own KV cache. Node i's K/V is written at slot lens + slot[i] while drafting (the
+root at slot 0); after verification `kv_rollback` keeps the accepted path. Only expanded nodes are run
+through the draft, so the path's last node may still be missing from the cache: it is run, together
+with the next root, at the start of the next proposal ("pending" tokens, never more than two).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import specdec
+from ..models.llama import Llama
+from .base import Drafter, Proposal, sample
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    parents: Optional[tuple] = None  # static topology (BFS order), or None for dynamic
+    nodes: int = 0  # dynamic: total nodes incl. the root
+    depth: int = 0
+    topk: int = 0
+
+    @property
+    def max_nodes(self) -> int:
+        return len(self.parents) if self.parents is not None else self.nodes
+
+
+def parse_tree(spec: str) -> TreeSpec:
+    """A TreeSpec from 'chain:K', 'tree:b1,b2,..', 'parents:-1,0,..' or 'dynamic:N,D,k' (see module doc)."""
+    kind, _, args = spec.partition(":")
+    try:
+        nums = [int(a) for a in args.split(",")] if args else []
+    except ValueError:
+        raise ValueError(f"tree spec {spec!r}: arguments must be integers") from None
+    if kind == "chain" and len(nums) == 1 and nums[0] >= 1:
+        return TreeSpec(parents=tuple(range(-1, nums[0])))
+    if kind == "tree" and nums and min(nums) >= 1:
+        parents, level = [-1], [0]
+        for b in nums:
+            nxt = []
+            for p in level:
+                for _ in range(b):
+                    nxt.append(len(parents))
+                    parents.append(p)
+            level = nxt
+        return TreeSpec(parents=tuple(parents))
+    if kind == "parents" and nums:
+        ok = nums[0] == -1 and all(0 <= p < i for i, p in enumerate(nums) if i) and nums[1:] == sorted(nums[1:])
+        if not ok:
+            raise ValueError(f"tree spec {spec!r}: parents must start with -1, have 0 <= parents[i] < i and be "
+                             "non-decreasing (breadth-first numbering)")
+        return TreeSpec(parents=tuple(nums))
+    if kind == "dynamic" and len(nums) == 3 and all(n >= 1 for n in nums):
+        n, d, k = nums
+        candidates = k + (d - 1) * k * k
+        if not 2 <= n <= 1 + candidates:
+            raise ValueError(f"tree spec {spec!r}: N must be in [2, {1 + candidates}] for D={d}, k={k}")
+        return TreeSpec(nodes=n, depth=d, topk=k)
+    raise ValueError(f"tree spec {spec!r}: expected chain:K, tree:b1,b2,..., parents:-1,0,... or dynamic:N,D,k")
+
+
+def _levels(parents: list[int]) -> list[tuple[int, int]]:
+    """[(start, end)) node ranges of each depth of a BFS-ordered tree."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return [(depth.index(d), len(depth) - depth[::-1].index(d)) for d in range(max(depth) + 1)]
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model: Llama, tree: TreeSpec | str = "chain:4"):
+        self.model = model
+        self.tree = parse_tree(tree) if isinstance(tree, str) else tree
+        self.max_nodes = self.tree.max_nodes
+        self.max_depth = self.tree.depth if self.tree.parents is None else len(_levels(list(self.tree.parents))) - 1
+        self.vocab_size = model.cfg.vocab_size
+        if self.tree.parents is not None:
+            self._init_static(list(self.tree.parents))
+        else:
+            self.num_fed = 1 + (self.tree.depth - 1) * self.tree.topk
+
+    def _init_static(self, parents: list[int]):
+        T = len(parents)
+        self.levels = _levels(parents)
+        self.rank = [0] * T  # index among siblings: the rank-th best (or rank-th drawn) child token
+        kids = [0] * T
+        for i in range(1, T):
+            self.rank[i] = kids[parents[i]]
+            kids[parents[i]] += 1
+        self.branching = [max(kids[s:e]) for s, e in self.levels[:-1]]  # children drawn per node of a level
+        self.num_fed = self.levels[-1][0]  # every node above the deepest level is run through the draft
+        self.parents = torch.tensor(parents, dtype=torch.int32)
+        info = specdec.build_tree(self.parents.unsqueeze(0))
+        self.depth, self.mask = info.depth, info.mask  # (1, T), (1, T, W)
+
+    # -------------------------------------------------------------------------------------------
+    def start(self, tokens, seq_lens, max_len, temperature, generator):
+        from ..decoding import prefill
+        B = tokens.shape[0]
+        self.generator, self.temperature = generator, temperature
+        self.all_greedy = bool((temperature == 0).all())
+        self.cache = self.model.new_cache(B, max_len + self.num_fed + 2)
+        prefill(self.model, self.cache, tokens, seq_lens - 1)
+        dev = tokens.device
+        self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=dev).expand(B, 2))
+        if self.tree.parents is not None:
+            T = self.max_nodes
+            self.slot = torch.arange(T, device=dev).clamp(max=self.num_fed).expand(B, T)
+            self.fed = (torch.arange(T, device=dev) < self.num_fed).expand(B, T)
+
+    def _root_logits(self, tokens, seq_lens):
+        """Run the pending tokens (the previous path's unexpanded last node, if any, then the root);
+        commit all but the root, which stays at slot cache.lens + 0. Returns the root's logits (B, V)."""
+        cache = self.cache
+        n_pend = (seq_lens - cache.lens).to(torch.int32)  # 1 or 2
+        idx = cache.lens.long().unsqueeze(1) + torch.arange(2, device=tokens.device)
+        pend = tokens.gather(1, idx.clamp(max=tokens.shape[1] - 1))
+        logits = self.model.forward_cached(pend, cache, self.chain2.depth, self.chain2.mask, n_pend,
+                                           logits_at=n_pend - 1)
+        cache.commit(n_pend - 1)
+        return logits
+
+    def propose(self, tokens, seq_lens, temperature):
+        root_logits = self._root_logits(tokens, seq_lens)
+        root = tokens.gather(1, (seq_lens.long() - 1).unsqueeze(1))
+        if self.tree.parents is not None:
+            return self._propose_static(root, root_logits)
+        return self._propose_dynamic(root, root_logits)
+
+    def _propose_static(self, root, root_logits):
+        B, T, V = root.shape[0], self.max_nodes, root_logits.shape[-1]
+        out = root.new_zeros(B, T)
+        out[:, 0] = root[:, 0]
+        draft_logits = None if self.all_greedy else root_logits.new_zeros(B, T, V)
+        level_logits = root_logits.unsqueeze(1)
+        parents = self.parents.to(root.device)
+        for d in range(1, len(self.levels)):
+            (ps, pe), (s, e) = self.levels[d - 1], self.levels[d]
+            if draft_logits is not None:
+                draft_logits[:, ps:pe] = level_logits
+            children = sample(level_logits, self.temperature, self.branching[d - 1], self.generator, self.all_greedy)
+            local_parent = (parents[s:e] - ps).long()
+            rank = torch.tensor(self.rank[s:e], device=root.device)
+            out[:, s:e] = children[:, local_parent, rank]
+            if d + 1 < len(self.levels):  # expand this level: its children come next
+                level_logits = self.model.forward_cached(out[:, s:e], self.cache, self.depth[:, s:e].expand(B, -1),
+                                                         self.mask[:, :e].expand(B, -1, -1)[..., :(e + 31) // 32],
+                                                         start=s)
+        nn = torch.full((B,), T, dtype=torch.int32, device=root.device)
+        return Proposal(out, parents.expand(B, T), nn, draft_logits)
+
+    def _propose_dynamic(self, root, root_logits):
+        """EAGLE-2 style growth (given proposals: no draft_logits)."""
+        B, dev = root.shape[0], root.device
+        N, D, k = self.tree.nodes, self.tree.depth, self.tree.topk
+        # candidates, in creation order (a parent is always created before its children)
+        cand_tok = [root]  # (B, n) per level
+        cand_score = [torch.zeros(B, 1, device=dev)]
+        cand_parent = [torch.full((B, 1), -1, dtype=torch.long, device=dev)]  # candidate ids
+        cand_slot = [torch.zeros(B, 1, dtype=torch.long, device=dev)]  # cache slot, num_fed if never run
+        fed_parents = torch.full((B, self.num_fed), -1, dtype=torch.int32, device=dev)  # slot-numbered tree
+        frontier_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        frontier_slots = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        frontier_score = cand_score[0]
+        logits = root_logits.unsqueeze(1)
+        next_id, next_slot = 1, 1
+        for d in range(1, D + 1):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            top = logp.topk(k, dim=-1)  # (B, F, k)
+            F_ = logits.shape[1]
+            score = (frontier_score.unsqueeze(-1) + top.values).reshape(B, F_ * k)
+            cand_tok.append(top.indices.reshape(B, F_ * k))
+            cand_score.append(score)
+            cand_parent.append(frontier_ids.repeat_interleave(k, dim=1))
+            slots = torch.full((B, F_ * k), self.num_fed, dtype=torch.long, device=dev)
+            ids = torch.arange(next_id, next_id + F_ * k, device=dev).expand(B, -1)
+            next_id += F_ * k
+            if d < D:  # expand the k best candidates of this level
+                best = score.topk(k, dim=-1).indices.sort(dim=-1).values  # keep creation order
+                new_slots = torch.arange(next_slot, next_slot + k, device=dev).expand(B, k)
+                slots.scatter_(1, best, new_slots)
+                parent_slot = frontier_slots.gather(1, best // k)
+                fed_parents[:, next_slot:next_slot + k] = parent_slot.to(torch.int32)
+                e = next_slot + k
+                info = specdec.build_tree(fed_parents[:, :e])
+                toks = cand_tok[-1].gather(1, best)
+                logits = self.model.forward_cached(toks, self.cache, info.depth[:, next_slot:e], info.mask,
+                                                   start=next_slot)
+                frontier_ids, frontier_slots = ids.gather(1, best), new_slots
+                frontier_score = score.gather(1, best)
+                next_slot = e
+            cand_slot.append(slots)
+        tok, score, parent, slot = (torch.cat(x, dim=1) for x in (cand_tok, cand_score, cand_parent, cand_slot))
+        # the N-1 best candidates; a stable sort keeps a parent (score >= child's) ahead of its children
+        order = torch.sort(score[:, 1:], dim=-1, descending=True, stable=True).indices[:, :N - 1] + 1
+        chosen = torch.cat((torch.zeros(B, 1, dtype=torch.long, device=dev), order.sort(dim=-1).values), dim=1)
+        node_of = torch.full_like(tok, -1).scatter_(1, chosen, torch.arange(N, device=dev).expand(B, N))
+        par = parent.gather(1, chosen)
+        parents = torch.where(par >= 0, node_of.gather(1, par.clamp(min=0)), par).to(torch.int32)
+        self.slot = slot.gather(1, chosen)
+        self.fed = self.slot < self.num_fed
+        nn = torch.full((B,), N, dtype=torch.int32, device=dev)
+        return Proposal(tok.gather(1, chosen), parents, nn, None)
+
+    def commit(self, accepted_nodes, num_accepted):
+        on_path = accepted_nodes >= 0
+        nodes = accepted_nodes.long().clamp(min=0)
+        path_slots = torch.where(on_path, self.slot.gather(1, nodes), -1)
+        self.cache.rollback(path_slots, num_accepted)
+        last = nodes.gather(1, num_accepted.long().unsqueeze(1))
+        self.cache.lens -= (~self.fed.gather(1, last)).squeeze(1).to(torch.int32)  # re-run it next time
