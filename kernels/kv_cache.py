@@ -6,7 +6,9 @@ kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table) -> None
 kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table) -> None
     Every layer given: lists of 4-D (one layer) or 5-D (layers, ...) tensors. For each request b with
     L = cache_lens[b], moves row L + accepted_nodes[b, i] to L + i for i <= num_accepted[b], then
-    cache_lens[b] += num_accepted[b] + 1 (on the device, no host sync). Grid (B, K/V layers, head tiles).
+    cache_lens[b] += num_accepted[b] + 1 (on the device, no host sync). Grid (B, K/V layers, head tiles);
+    each program walks its request's path in ascending order, so overlapping moves are safe, and skips
+    rows already in place (path[i] == i): a fully accepted chain moves zero bytes.
 
 Caches: contiguous (B, L_max, Hkv, D) or paged (num_blocks, block_size, Hkv, D) with block_table
 (B, max_blocks) int32. One code path: a contiguous cache is a paged one with a single block of
@@ -16,7 +18,10 @@ Rollback, every layer in one launch: a device table holds each (K or V, layer) b
 offset from the lowest-addressed cache tensor, so a stacked tensor and a list of per-layer tensors are
 launched alike (the table is built once per cache set and reused). Tensors with different stride
 layouts cannot share one set of strides: they are launched once per distinct layout (in practice
-every layer shares one layout, so one launch). Pure copies (no arithmetic): every float dtype is exact.
+every layer shares one layout, so one launch). The table addresses other tensors through the anchor's
+pointer, which is fine on the GPU and under TRITON_INTERPRET=1 with CPU tensors (the interpreter's case
+that copies CUDA tensors to the host one by one would break it). Pure copies (no arithmetic): every
+float dtype is bit-exact.
 """
 from __future__ import annotations
 
@@ -77,7 +82,7 @@ def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table,
 
 
 @triton.jit
-def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_accepted, block_table,
+def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_accepted, block_table, new_lens,
                         P, H, D, block_size, s_path, s_table, s_blk, s_row, s_h, s_d,
                         ENTRY_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_D: tl.constexpr):
@@ -91,6 +96,8 @@ def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_a
     within = _within_row(h, d, s_h, s_d)
     L = tl.load(cache_lens + b).to(tl.int64)
     n = tl.minimum(tl.load(num_accepted + b) + 1, P)  # path length
+    # cache_lens itself is read by the other programs: the new length goes to a copy
+    tl.store(new_lens + b, (L + n).to(tl.int32), mask=(tl.program_id(1) == 0) & (tl.program_id(2) == 0))
     path_row = accepted_nodes + b * s_path
     table_row = block_table + b * s_table
     # Ascending blocks of the path. A source L + path[j] (path[j] >= j) is never an earlier block's
@@ -111,7 +118,7 @@ def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_a
 def _tile(rows: int, H: int, D: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_H, BLOCK_D): whole head dim, about TILE_ELEMENTS elements per step."""
     block_d = triton.next_power_of_2(D)
-    block_rows = min(triton.next_power_of_2(rows), MAX_ROWS_PER_STEP)
+    block_rows = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_STEP)
     block_h = max(1, min(triton.next_power_of_2(H), TILE_ELEMENTS // (block_rows * block_d)))
     return block_rows, block_h, block_d
 
@@ -176,14 +183,15 @@ def kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, bl
     table, block_size = _paging(stacks[0], block_table, B)
     BLOCK_P, BLOCK_H, BLOCK_D = _tile(P, H, D)
     lens, path, num_acc = cache_lens.contiguous(), accepted_nodes.contiguous(), num_accepted.contiguous()
+    new_lens = torch.empty_like(lens)
     layouts: dict = {}
     for c in stacks:
         layouts.setdefault(c.stride()[1:], []).append(c)
     for (s_blk, s_row, s_h, s_d), group in layouts.items():
         anchor, offsets, align = _entry_table(group)
         grid = (B, offsets.shape[0], triton.cdiv(H, BLOCK_H))
-        _kv_rollback_kernel[grid](anchor, offsets, lens, path, num_acc, table,
+        _kv_rollback_kernel[grid](anchor, offsets, lens, path, num_acc, table, new_lens,
                                   P, H, D, block_size, path.stride(0), table.stride(0), s_blk, s_row, s_h, s_d,
                                   ENTRY_ALIGN=align, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D)
-    # after every move is issued (the kernels read cache_lens): a separate device op, no host sync
-    cache_lens.add_(num_accepted + 1)
+    # after every move is issued (the kernels read cache_lens): one device copy, no host sync
+    cache_lens.copy_(new_lens)

@@ -226,7 +226,7 @@ def test_rollback_moves_only_rows_off_place(monkeypatch, layout, form):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("T", [1, 11])
+@pytest.mark.parametrize("T", [0, 1, 11])
 def test_append_matches_reference(backend, layout, dtype, T):
     gen = torch.Generator().manual_seed(seed_of(layout, dtype, T))
     B, H, D, cap = 6, 3, 5, 24
