@@ -11,7 +11,8 @@ tree_mask[b, i] is set. Padding nodes (i >= num_nodes[b]) get out = 0, lse = -in
 
 Design (decode verification is memory-bound: the prefix K/V are nearly all the bytes):
   * One code path for both layouts: a contiguous cache is a paged cache with block_size = L_max and
-    block_table[b] = [b] (a (B, 1) index tensor, the cache itself is not copied).
+    block_table[b] = [b]. That identity table is computed in the kernel (IDENTITY_TABLE), not loaded,
+    so the contiguous case costs no extra launch or allocation; the cache itself is never copied.
   * One program owns one KV head of one request and a tile of BLOCK_M query rows, where a row is a
     (tree node, query head of that KV head's group) pair, so every K/V tile is loaded once for all T
     nodes and all Hq/Hkv heads sharing it (once per row tile when T * group > BLOCK_M).
@@ -76,18 +77,21 @@ def _sm_count(device: torch.device) -> int:
 def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, capacity: int, sm_count: int) -> int:
     """Number of prefix splits: enough programs to fill the GPU, from shapes only (never cache_lens)."""
     programs = batch * kv_heads * row_tiles
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, programs)
+    wanted = PROGRAMS_PER_SM * sm_count // programs  # the most splits that still fit in one wave
     return max(1, min(wanted, triton.cdiv(capacity, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
 
 
 @triton.jit
-def _load_kv_tile(k_ptr, v_ptr, table_row_ptr, stride_table, pos, key_ok, block_size,
+def _load_kv_tile(k_ptr, v_ptr, table_row_ptr, stride_table, request, pos, key_ok, block_size,
                   stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
-                  HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, IDENTITY_TABLE: tl.constexpr):
     """K^T (D, BLOCK_N) and V (BLOCK_N, D) of logical positions `pos` (k_ptr/v_ptr already at the KV head).
     Masked-off keys read as 0 (never garbage: a NaN in V would survive a zero softmax weight)."""
     d = tl.arange(0, HEAD_DIM)
-    page = tl.load(table_row_ptr + (pos // block_size) * stride_table, mask=key_ok, other=0).to(tl.int64)
+    if IDENTITY_TABLE:  # contiguous cache: request b's one block (of L_max rows) is block b
+        page = request
+    else:
+        page = tl.load(table_row_ptr + (pos // block_size) * stride_table, mask=key_ok, other=0).to(tl.int64)
     row = (pos % block_size).to(tl.int64)
     k_t = tl.load(k_ptr + (page * stride_kn + row * stride_kp)[None, :] + d[:, None] * stride_kd,
                   mask=key_ok[None, :], other=0.0)
@@ -127,7 +131,7 @@ def _tree_attention_kernel(
     stride_ob, stride_os, stride_ot, stride_oh, stride_od,
     stride_lb, stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, IDENTITY_TABLE: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -161,8 +165,9 @@ def _tree_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         key_ok = pos < hi
-        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, pos, key_ok, block_size,
-                               stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd, HEAD_DIM, UPCAST)
+        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, b, pos, key_ok, block_size,
+                               stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
+                               HEAD_DIM, UPCAST, IDENTITY_TABLE)
         m_i, l_i, acc = _online_softmax_step(q, k_t, v, key_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     # Tree: nodes j < min(real nodes, last node of this row tile + 1) at positions prefix_len + j,
@@ -172,8 +177,9 @@ def _tree_attention_kernel(
     for j0 in range(0, tree_end, BLOCK_N):
         j = j0 + offs_n
         key_ok = j < tree_end
-        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, prefix_len + j, key_ok, block_size,
-                               stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd, HEAD_DIM, UPCAST)
+        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, b, prefix_len + j, key_ok,
+                               block_size, stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
+                               HEAD_DIM, UPCAST, IDENTITY_TABLE)
         words = tl.load(tree_mask_ptr + b * stride_mb + node[:, None] * stride_mt + (j // 32)[None, :] * stride_mw,
                         mask=row_ok[:, None] & key_ok[None, :], other=0)
         allowed = ((words >> (j % 32)[None, :]) & 1) != 0
@@ -238,13 +244,14 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if D not in (16, 32, 64, 128, 256):
         raise ValueError(f"q: head dim {D} not supported by the triton backend (16, 32, 64, 128 or 256)")
     group = Hq // Hkv
-    if block_table is None:  # contiguous = paged with one block of L_max rows per request
-        block_table = torch.arange(B, dtype=torch.int32, device=q.device).view(B, 1)
-    block_size = k_cache.shape[1]
+    block_size = k_cache.shape[1]  # contiguous: one block of L_max rows per request
+    identity_table = block_table is None
+    # the kernel never reads the table of a contiguous cache: any int32 tensor stands in, with strides 0
+    table, table_strides = (cache_lens, (0, 0)) if identity_table else (block_table, block_table.stride())
     config = config or choose_config(T * group, D, q.element_size())
     row_tiles = triton.cdiv(T * group, config.block_m)
     if num_splits is None:
-        capacity = block_table.shape[1] * block_size
+        capacity = block_size * (1 if identity_table else block_table.shape[1])
         num_splits = choose_num_splits(B, Hkv, row_tiles, capacity, _sm_count(q.device))
     if out is None:
         out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
@@ -257,12 +264,13 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         att_lse = torch.empty((B, num_splits, T, Hq), dtype=torch.float32, device=q.device)
 
     _tree_attention_kernel[(row_tiles, Hkv * num_splits, B)](
-        q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, att_out, att_lse,
+        q, k_cache, v_cache, cache_lens, tree_mask, table, num_nodes, att_out, att_lse,
         scale * LOG2E, T, block_size,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *block_table.stride(),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *table_strides,
         *att_out.stride(), *att_lse.stride(),
         GROUP=group, HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         UPCAST=q.device.type == "cpu", DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        IDENTITY_TABLE=identity_table,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
