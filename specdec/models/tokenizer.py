@@ -15,3 +15,20 @@ class ByteTokenizer:
 
     def decode(self, tokens) -> str:
         return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(path: str, vocab_size: int):
+    """The tokenizer of a checkpoint folder: its own (tokenizer.json etc., needs transformers) if it has one,
+    else the byte tokenizer when the vocabulary is ours."""
+    import glob
+    import os
+    if glob.glob(os.path.join(path, "tokenizer*.json")):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ValueError(f"{path}: this checkpoint has its own tokenizer; `pip install transformers` to use it")
+        return AutoTokenizer.from_pretrained(path)
+    if vocab_size == VOCAB_SIZE:
+        return ByteTokenizer()
+    raise ValueError(f"{path}: no tokenizer files and a vocabulary of {vocab_size} (the byte tokenizer has "
+                     f"{VOCAB_SIZE})")

@@ -1,0 +1,107 @@
+"""Command line: `python -m specdec generate --prompt TEXT ...` (see `--help`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+DEFAULT_TREE = "chain:4"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m specdec", description="Speculative decoding on specdec's ops.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    g.add_argument("--target", default=os.path.join(ASSETS, "target"), help="target checkpoint folder (HF format)")
+    g.add_argument("--drafter", choices=("model", "ngram"), default="model")
+    g.add_argument("--draft", default=os.path.join(ASSETS, "draft"), help="draft checkpoint folder (HF format)")
+    g.add_argument("--tree", default=DEFAULT_TREE,
+                   help="draft tree: chain:K, tree:b1,b2,..., parents:-1,0,0,..., dynamic:N,D,k (drafter model); "
+                        "chain:K for ngram (default %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compare-ar", action="store_true", help="also run plain autoregressive decoding")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: small models gain nothing from more, and a busy machine "
+                        "makes multi-threaded small matmuls wait on each other)")
+    g.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def make_drafter(args, target):
+    from .drafters import DraftModelDrafter, NgramDrafter, parse_tree
+    from .models.hf import load_model
+    tree = parse_tree(args.tree)
+    if args.drafter == "ngram":
+        if tree.parents is None or list(tree.parents) != list(range(-1, len(tree.parents) - 1)):
+            raise ValueError(f"--tree {args.tree}: the ngram drafter proposes chains (chain:K)")
+        return NgramDrafter(num_tokens=len(tree.parents) - 1)
+    draft = load_model(args.draft)
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"vocab mismatch: draft {args.draft} has {draft.cfg.vocab_size} tokens, target "
+                         f"{args.target} has {target.cfg.vocab_size}")
+    return DraftModelDrafter(draft, tree)
+
+
+def generate(args) -> dict:
+    from .decoding import SpeculativeDecoder, generate_ar
+    from .models.hf import load_model
+    from .models.tokenizer import load_tokenizer
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    if args.temperature < 0:
+        raise ValueError("--temperature must be >= 0")
+    torch.set_num_threads(max(1, args.threads))
+    target = load_model(args.target)
+    tok = load_tokenizer(args.target, target.cfg.vocab_size)
+    drafter = make_drafter(args, target)
+    prompts = [tok.encode(p) for p in args.prompt]
+    progress = not args.no_progress and not args.json and sys.stderr.isatty()
+    spec = SpeculativeDecoder(target, drafter).generate(prompts, args.max_new_tokens, args.temperature, args.seed,
+                                                        progress=progress)
+    result = {"prompt": args.prompt, "text": [tok.decode(t) for t in spec.tokens], "tokens": spec.tokens,
+              "tokens_per_step": spec.summary["tokens_per_step"],
+              "acceptance_by_depth": spec.summary["acceptance_by_depth"],
+              "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
+              "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree,
+              "temperature": args.temperature, "requests": spec.stats}
+    if args.compare_ar:
+        ar = generate_ar(target, prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress)
+        result.update(ar_tokens=ar.tokens, ar_tokens_per_s=ar.summary["tokens_per_s"], ar_wall_s=ar.summary["wall_s"],
+                      identical=ar.tokens == spec.tokens, speedup=ar.summary["wall_s"] / spec.summary["wall_s"])
+    return result
+
+
+def print_text(r: dict) -> None:
+    for prompt, text in zip(r["prompt"], r["text"]):
+        print(f"\033[1m{prompt}\033[0m{text}" if sys.stdout.isatty() else prompt + text)
+        print("-" * 60)
+    depth = " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"])
+    print(f"speculative ({r['drafter']}, {r['tree']}): {r['spec_tokens_per_s']:.1f} tokens/s, "
+          f"{r['tokens_per_step']:.2f} tokens/step over {r['steps']} steps")
+    print(f"acceptance by depth: {depth}")
+    if "ar_tokens_per_s" in r:
+        same = "identical" if r["identical"] else "different" + (" (expected when sampling)" if r["temperature"] else "")
+        print(f"autoregressive: {r['ar_tokens_per_s']:.1f} tokens/s -> speedup {r['speedup']:.2f}x, outputs {same}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .models.hf import CheckpointError
+    try:
+        result = generate(args)
+    except (CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_text(result)
+    return 0
