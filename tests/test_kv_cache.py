@@ -9,6 +9,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+import triton
 
 import specdec
 from tests.helpers import BACKENDS, FLOAT_DTYPES, from_paged, random_cache, random_trees, to_paged
@@ -267,3 +268,47 @@ def test_append_engine_like_heads_over_several_tiles(backend):
         specdec.kv_append(kc, vc, k_new, v_new, lens, block_table=table, backend=name)
         outs[name] = kc, vc
     assert same_bits(outs[backend][0], outs["torch"][0]) and same_bits(outs[backend][1], outs["torch"][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled code (no GPU needed): the interpreter accepts programs the compiler rejects
+# ----------------------------------------------------------------------------------------------
+def compile_for_hopper(fn, pointer_types, constexprs):
+    """PTX of `fn` for sm_90 with every pointer and integer argument 16-divisible, as Triton
+    specializes them when launched on an engine's shapes (D 128, strides multiples of 16)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = {name: "constexpr" if name in constexprs else pointer_types.get(name, "i32") for name in fn.arg_names}
+    attrs = {(j,): [["tt.divisibility", 16]] for j, name in enumerate(fn.arg_names) if name not in constexprs}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+@pytest.fixture
+def compiled_kv_cache(monkeypatch):
+    """A fresh copy of specdec.kernels.kv_cache whose kernels are compilable JIT functions (the test
+    session runs with TRITON_INTERPRET=1, under which @triton.jit makes interpreted ones)."""
+    import importlib.util
+
+    import triton.compiler.code_generator  # noqa: F401  (imports Triton's own jit helpers while interpreting)
+    from specdec.kernels import kv_cache
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    spec = importlib.util.spec_from_file_location("kv_cache_compiled", kv_cache.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
+@pytest.mark.parametrize("elem", ["fp16", "fp32"])
+def test_kernels_compile_to_vectorized_copies(compiled_kv_cache, elem):
+    kv_cache = compiled_kv_cache
+    ints = {"cache_lens": "*i32", "accepted_nodes": "*i32", "num_accepted": "*i32", "block_table": "*i32",
+            "new_lens": "*i32", "entry_offsets": "*i64"}
+    ptx = compile_for_hopper(kv_cache._kv_rollback_kernel, {"caches": f"*{elem}", **ints},
+                             {"ENTRY_ALIGN": 16, "BLOCK_P": 8, "BLOCK_H": 4, "BLOCK_D": 128, "s_d": 1})
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # 16-byte loads and stores
+    assert "bar.sync" in ptx  # sources read before destinations are written
+    caches = {name: f"*{elem}" for name in ("k_cache", "v_cache", "k_new", "v_new")}
+    ptx = compile_for_hopper(kv_cache._kv_append_kernel, {**caches, **ints},
+                             {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "skc_d": 1, "svc_d": 1, "skn_d": 1, "svn_d": 1})
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
