@@ -59,12 +59,14 @@ def choose_config(num_rows: int, head_dim: int, elem_bytes: int) -> TileConfig:
 
     BLOCK_M covers all rows when it can (K/V are then read once): up to 128 rows (64 at D = 256, to keep
     the fp32 accumulator in registers); tl.dot needs >= 16. BLOCK_N keeps one K tile at <= 16 KiB, so a
-    pipeline stage (K + V) is <= 32 KiB and three stages fit in shared memory beside the Q tile.
+    pipeline stage (K + V) is <= 32 KiB; three stages beside a Q tile of <= 32 KiB (every fp16/bf16
+    case), two beside a larger (fp32) one, stay well inside the shared memory of an SM.
     """
     block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(num_rows)))
     block_n = max(16, min(64, 16384 // (head_dim * elem_bytes)))
     num_warps = 4 if block_m * head_dim <= 64 * 128 else 8
-    return TileConfig(block_m, block_n, num_warps, num_stages=3)
+    num_stages = 3 if block_m * head_dim * elem_bytes <= 32768 else 2
+    return TileConfig(block_m, block_n, num_warps, num_stages)
 
 
 @functools.lru_cache(maxsize=None)

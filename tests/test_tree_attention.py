@@ -158,7 +158,9 @@ def test_choose_config_covers_rows():
                 assert config.block_m >= 16 and config.block_n >= 16  # tl.dot's minimum
                 # all rows in one tile (K/V read once) up to 128 rows (64 at D = 256)
                 assert config.block_m >= min(rows, 128 if D <= 128 else 64)
-                assert config.block_n * D * elem_bytes <= 16384  # one K tile per stage
+                tile_bytes = config.block_n * D * elem_bytes  # one K (or V) tile
+                q_bytes = config.block_m * D * elem_bytes
+                assert tile_bytes <= 16384 and 2 * tile_bytes * config.num_stages + q_bytes <= 160 * 1024
 
 
 def test_triton_rejects_unsupported():
