@@ -168,9 +168,11 @@ def main(argv=None) -> int:
 
     meta = machine_info(device)
     meta["args"] = vars(args)
-    ceiling = copy_ceiling(device, sizes_mib=(512,) if args.quick and device.type == "cpu" else None)
+    sizes = (256, 1024, 4096, 16384) if args.ceiling_only and device.type == "cuda" else \
+        (512,) if args.quick and device.type == "cpu" else None
+    ceiling = copy_ceiling(device, sizes_mib=sizes)
     print(f"specdec bench on {meta.get('gpu', meta['cpu'])}: torch {meta['torch']}, triton {meta['triton']}; "
-          f"copy ceiling {ceiling['gbps']:.1f} GB/s ({ceiling['method']})", flush=True)
+          f"copy ceiling {ceiling['gbps']:.1f} GB/s ({ceiling['method']}; sweep {ceiling['sweep']})", flush=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     stem = args.name or f"bench-{stamp}-{device.type}{'-quick' if args.quick else ''}"
     result = {"meta": meta, "ceiling": ceiling, "cases": [], "rows": []}

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 def time_fn(fn: Callable, device: torch.device, *, budget_s: float = 0.4, max_reps: int = 50) -> tuple[float, int, str]:
@@ -41,22 +41,23 @@ def time_fn(fn: Callable, device: torch.device, *, budget_s: float = 0.4, max_re
 
 def copy_ceiling(device: torch.device, sizes_mib=None, budget_s: float = 0.4) -> dict:
     """The copy-bandwidth ceiling: the best (read + write) GB/s of dst.copy_(src) over large buffers
-    (preallocated and touched, so page faults stay out of the measurement)."""
+    (preallocated and touched, so page faults stay out of the measurement); `sweep` lists every size."""
     if sizes_mib is None:
         sizes_mib = (1024, 4096) if device.type == "cuda" else (1024,)
-    best = None
+    best, sweep = None, []
     for mib in sizes_mib:
         src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
         dst = torch.zeros_like(src)
         seconds, _, timer = time_fn(lambda: dst.copy_(src), device, budget_s=budget_s, max_reps=10)
         gbps = 2 * src.numel() * 4 / seconds / 1e9
+        sweep.append({"mib": mib, "gbps": round(gbps, 1)})
         if best is None or gbps > best["gbps"]:
             best = {"gbps": gbps, "bytes": 2 * src.numel() * 4, "seconds": seconds, "timer": timer,
                     "method": f"dst.copy_(src), {mib} MiB {device.type} buffers, read + write bytes"}
         del src, dst
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return best
+    return dict(best, sweep=sweep)
 
 
 def _cpu_model() -> str:
@@ -92,7 +93,8 @@ def machine_info(device: torch.device) -> dict:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "triton": triton_version,
-        "git_commit": _git("rev-parse", "HEAD") or "unknown",
+        # outside a git checkout (a copied tree), the caller may name the commit in SPECDEC_GIT_COMMIT
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("SPECDEC_GIT_COMMIT", "unknown"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
         "load_average": [round(v, 2) for v in os.getloadavg()],  # other work sharing the CPUs at the start

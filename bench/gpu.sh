@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# The prepared GPU run: one command, under 8 minutes, on an H200 machine with torch 2.11 and triton 3.6
+# preinstalled and no package registry (nothing is installed; the repository is not modified).
+#
+#   bash bench/gpu.sh [RESULTS_DIR]        (or SPECDEC_GPU_RESULTS=DIR; default bench/results/gpu-<date>)
+#
+# Steps, each in its own process with its own timeout and log (a failure or a hang costs only its step):
+#   env             GPU, driver, versions, the imports
+#   tests-cuda      tests/test_cuda.py: the compiled Triton kernels on CUDA vs the reference
+#   tests-backends  the backend test files on CUDA, when tests/helpers.py reads SPECDEC_TEST_DEVICE
+#   copy            the copy-bandwidth ceiling (device-to-device copy_, 256 MiB .. 16 GiB)
+#   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
+#   summary         merged results + PASS/FAIL against the targets
+# RESULTS_DIR ends up with summary.md, bench-<date>-cuda.json/.md (merged results) and steps.tar.gz (every
+# log and per-step result); SPECDEC_GPU_PACK=0 keeps the steps/ folder unpacked instead.
+#
+# Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds, default 450),
+# SPECDEC_GPU_TESTS (backend test files), SPECDEC_GIT_COMMIT (recorded when the tree has no .git).
+set -u
+set -o pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+STAMP=$(date -u +%Y%m%d-%H%M%S)
+RESULTS=${1:-${SPECDEC_GPU_RESULTS:-$REPO/bench/results/gpu-$STAMP}}
+mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd)
+STEPS=$RESULTS/steps
+mkdir -p "$STEPS/parts"
+PY=${PYTHON:-python3}
+BUDGET=${SPECDEC_GPU_BUDGET:-450}
+SUMMARY_RESERVE=20
+STATUS=()
+
+# Import `specdec` without installing it: a temporary folder of symlinks in which specdec/ holds the
+# repository's specdec/* plus kernels/ (setup.py installs kernels/ as specdec.kernels). Everything runs
+# from that folder so that the repository's own specdec/ (no kernels inside) is not found first.
+SITE=$(mktemp -d "${TMPDIR:-/tmp}/specdec-site.XXXXXX")
+trap 'rm -rf "$SITE"' EXIT
+mkdir "$SITE/specdec"
+for entry in "$REPO"/specdec/*; do ln -s "$entry" "$SITE/specdec/"; done
+ln -s "$REPO/kernels" "$SITE/specdec/kernels"
+ln -s "$REPO/tests" "$SITE/tests"
+ln -s "$REPO/bench" "$SITE/bench"
+cd "$SITE" || exit 1
+export PYTHONPATH=$SITE
+export PYTHONDONTWRITEBYTECODE=1   # nothing written into the repository through the symlinks
+export TRITON_INTERPRET=0          # compiled kernels (tests/conftest.py only sets it when unset)
+unset SPECDEC_BACKEND              # the default backend for CUDA tensors: triton
+
+# step NAME TIMEOUT_S CMD... : run CMD with a timeout (cut to what the total budget leaves), log to
+# steps/NAME.log, record the outcome; never stops the script.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET - SUMMARY_RESERVE - SECONDS))
+  if [ "$left" -lt 15 ]; then
+    STATUS+=("$(printf '%-16s skipped (total budget spent)' "$name")")
+    echo "== $name: skipped, total budget spent"
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local log=$STEPS/$name.log t0=$SECONDS rc
+  echo "== $name (timeout ${limit}s) $(date -u +%H:%M:%S)"
+  timeout -k 10 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  local what="rc=$rc"
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && what="TIMEOUT after ${limit}s"
+  STATUS+=("$(printf '%-16s %-24s %4ss' "$name" "$what" $((SECONDS - t0)))")
+  echo "   $what in $((SECONDS - t0))s"
+  return 0
+}
+
+# pytest's last line ("N passed, M failed ...") and its FAILED/ERROR lines, from a step's log
+test_outcome() {
+  local log=$STEPS/$1.log
+  [ -f "$log" ] || return 0
+  grep -E '^(FAILED|ERROR) ' "$log" | head -20 | cut -c1-200
+  grep -E '[0-9]+ (passed|failed|error|skipped)' "$log" | tail -1
+}
+
+env_probe() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv || nvidia-smi
+  "$PY" - <<'EOF'
+import sys, torch, triton
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)
+print('gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')
+import specdec, specdec.ops
+print('specdec from', specdec.__file__, 'HAS_CPP', specdec.ops.HAS_CPP)
+for name in ('tree_attention', 'accept', 'kv_cache'):
+    try:
+        __import__('specdec.kernels.' + name)
+        print('kernel', name, 'imports')
+    except Exception as exc:
+        print('kernel', name, 'missing:', type(exc).__name__, exc)
+EOF
+}
+export -f env_probe
+export PY
+step env 40 bash -c env_probe
+
+PYTEST_ARGS=(-q -rfE --tb=short -p no:cacheprovider)
+$PY -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
+step tests-cuda 110 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/test_cuda.py
+if grep -q SPECDEC_TEST_DEVICE "$REPO/tests/helpers.py"; then
+  if [ -n "${SPECDEC_GPU_TESTS:-}" ]; then
+    read -r -a BACKEND_TESTS <<<"$SPECDEC_GPU_TESTS"
+  else
+    BACKEND_TESTS=()
+    for f in tests/test_tree_attention.py tests/test_accept*.py tests/test_kv_cache.py; do
+      [ -f "$f" ] && BACKEND_TESTS+=("$f")
+    done
+  fi
+  if [ ${#BACKEND_TESTS[@]} -gt 0 ]; then
+    step tests-backends 80 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
+  fi
+else
+  STATUS+=("$(printf '%-16s skipped (tests/helpers.py has no SPECDEC_TEST_DEVICE switch)' tests-backends)")
+fi
+
+step copy 40 "$PY" -m bench --device cuda --ceiling-only --out "$STEPS/parts" --name 0-copy
+# one process per op: a crashed CUDA context or a hang loses one op, not the grid
+step grid-attention 120 "$PY" -m bench --device cuda --ops attention --out "$STEPS/parts" --name 1-attention --time-budget 95
+step grid-accept 50 "$PY" -m bench --device cuda --ops accept --out "$STEPS/parts" --name 2-accept --time-budget 30
+step grid-rollback 40 "$PY" -m bench --device cuda --ops rollback --out "$STEPS/parts" --name 3-rollback --time-budget 22
+step grid-append 25 "$PY" -m bench --device cuda --ops append --out "$STEPS/parts" --name 4-append --time-budget 10
+
+# summary: merged results and the table (also on stdout)
+SUMMARY_RESERVE=0
+step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --name "bench-$STAMP-cuda"
+{
+  echo "# specdec GPU run $STAMP"
+  echo
+  grep -E '^(python|gpu|specdec from|kernel) ' "$STEPS/env.log" 2>/dev/null
+  echo
+  echo "## steps (total ${SECONDS}s)"
+  printf '%s\n' "${STATUS[@]}"
+  for t in tests-cuda tests-backends; do
+    [ -f "$STEPS/$t.log" ] && { echo; echo "## $t"; test_outcome "$t"; }
+  done
+  echo
+  echo "## benchmark"
+  grep -v '^wrote ' "$STEPS/summary.log" 2>/dev/null
+} >"$RESULTS/summary.md"
+# the tail of every failed step's log, so a failure can be read from stdout alone
+for line in "${STATUS[@]}"; do
+  case "$line" in *"rc=0"*|*skipped*) ;; *)
+    name=${line%% *}
+    echo "---- tail of steps/$name.log ($line)" >>"$RESULTS/summary.md"
+    tail -15 "$STEPS/$name.log" 2>/dev/null | cut -c1-240 >>"$RESULTS/summary.md" ;;
+  esac
+done
+cat "$RESULTS/summary.md"
+
+if [ "${SPECDEC_GPU_PACK:-1}" = 1 ]; then
+  tar -czf "$RESULTS/steps.tar.gz" -C "$RESULTS" steps && rm -rf "$STEPS"
+fi
+echo "results in $RESULTS: $(ls "$RESULTS" | tr '\n' ' ')"
