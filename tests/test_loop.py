@@ -1,0 +1,218 @@
+"""The draft -> verify -> accept loop: greedy speculative output == greedy autoregressive output token for
+token (every drafter and tree shape), independent finishing, lossless sampling on the shipped pair, CLI."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2
+
+import specdec
+from specdec.cli import main as cli_main
+from specdec.decoding import SpeculativeDecoder, generate_ar
+from specdec.drafters import DraftModelDrafter, NgramDrafter, parse_tree
+from specdec.models.hf import load_model, save_model
+from specdec.models.llama import Llama, LlamaConfig
+from specdec.models.tokenizer import VOCAB_SIZE, ByteTokenizer
+
+ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(seed, vocab=24, dim=32, layers=2, eos=None) -> Llama:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, intermediate_size=2 * dim,
+                      eos_token_id=eos)
+    model = Llama(cfg).eval()
+    with torch.no_grad():  # sharper next-token laws than the default init, so drafts get accepted sometimes
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny(0), tiny(1, dim=16, layers=1)
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7], [3, 9, 1, 2, 9, 1, 2, 9, 1]]
+
+
+@pytest.mark.parametrize("tree", ["chain:1", "chain:4", "tree:2,2,1", "parents:-1,0,0,0,1,1,2,4", "dynamic:7,3,2",
+                                  "dynamic:12,4,3"])
+def test_greedy_draft_model_equals_ar(pair, tree):
+    target, draft = pair
+    ar = generate_ar(target, PROMPTS, 10)
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree)).generate(PROMPTS, 10)
+    assert out.tokens == ar.tokens
+    assert all(len(t) == 10 for t in out.tokens)
+
+
+def test_greedy_ngram_equals_ar(pair):
+    target, _ = pair
+    ar = generate_ar(target, PROMPTS, 12)
+    out = SpeculativeDecoder(target, NgramDrafter(num_tokens=4)).generate(PROMPTS, 12)
+    assert out.tokens == ar.tokens
+    assert out.summary["tokens_per_step"] > 1.0  # a random model loops, so lookup finds continuations
+
+
+def test_self_drafting_accepts_everything(pair):
+    """The target as its own draft: every draft token is accepted, greedy and sampling alike."""
+    target, _ = pair
+    for temperature in (0.0, 1.0):
+        out = SpeculativeDecoder(target, DraftModelDrafter(target, "chain:3")).generate(PROMPTS, 8, temperature)
+        assert out.summary["acceptance_by_depth"] == [1.0, 1.0, 1.0]
+        assert out.summary["tokens_per_step"] == 4.0
+
+
+def test_requests_finish_independently(pair):
+    """EOS cuts one request early; the others run to max_new_tokens; greedy output still equals AR's."""
+    target, draft = pair
+    free = generate_ar(target, PROMPTS, 10).tokens
+    cut = next(k for k in range(1, 10) if free[0].index(free[0][k]) == k)  # a token request 0 first emits at k
+    eos = free[0][cut]
+    target.cfg.eos_token_id = eos
+    try:
+        ar = generate_ar(target, PROMPTS, 10)
+        spec = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:3")).generate(PROMPTS, 10)
+    finally:
+        target.cfg.eos_token_id = None
+    for b, seq in enumerate(free):
+        expected = seq[:seq.index(eos)] if eos in seq else seq
+        assert ar.tokens[b] == expected and spec.tokens[b] == expected
+    assert len(spec.tokens[0]) == cut and spec.stats[0]["new_tokens"] == cut
+    assert spec.stats[0]["steps"] <= spec.summary["steps"]
+
+
+def test_mixed_temperatures_keep_greedy_requests_exact(pair):
+    target, draft = pair
+    ar = generate_ar(target, PROMPTS, 8)
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,1")).generate(PROMPTS, 8, [0.0, 1.0, 0.0])
+    assert out.tokens[0] == ar.tokens[0] and out.tokens[2] == ar.tokens[2]
+
+
+def test_vocab_mismatch_is_rejected(pair):
+    target, _ = pair
+    with pytest.raises(ValueError, match="vocab mismatch"):
+        SpeculativeDecoder(target, DraftModelDrafter(tiny(3, vocab=30), "chain:2"))
+
+
+@pytest.mark.parametrize("spec", ["chain:0", "tree:", "parents:0,1", "parents:-1,0,1,0", "dynamic:100,2,2", "star:3",
+                                  "chain:x"])
+def test_bad_tree_specs(spec):
+    with pytest.raises(ValueError, match="tree spec"):
+        parse_tree(spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# lossless sampling, on the shipped pair
+# ----------------------------------------------------------------------------------------------
+def exact_two_token_law(target, prompt, temperature):
+    """{(x1, x2): p} for the first two sampled tokens, over x1 with p(x1) > 1e-4 (the rest is 'other')."""
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt]))[0, -1].double() / temperature, -1)
+        firsts = (p1 > 1e-4).nonzero().flatten().tolist()
+        seqs = torch.tensor([prompt + [x] for x in firsts])
+        p2 = torch.softmax(target(seqs)[:, -1].double() / temperature, -1)
+    return {(x1, x2): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(firsts) for x2 in range(p2.shape[1])}
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "dynamic:6,3,2"])
+def test_sampling_is_lossless_on_shipped_pair(tree):
+    """Many seeds in one batch: the first two tokens' empirical law matches the target's exact law
+    (chi-square, cells with expected count >= 5, the rest pooled). chain:3 passes draft logits (i.i.d.
+    draft samples); the dynamic tree passes given proposals."""
+    target = load_model(os.path.join(ASSETS, "target"))
+    draft = load_model(os.path.join(ASSETS, "draft"))
+    prompt = ByteTokenizer().encode("import os\nimport s")
+    temperature, n = 0.8, 600
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree)).generate([prompt] * n, 2, temperature,
+                                                                             seed=list(range(1000, 1000 + n)))
+    law = exact_two_token_law(target, prompt, temperature)
+    cells = [c for c, p in law.items() if p * n >= 5]
+    counts = {c: 0 for c in cells}
+    for toks in out.tokens:
+        key = tuple(toks[:2])
+        if key in counts:
+            counts[key] += 1
+    observed = np.array([counts[c] for c in cells] + [n - sum(counts.values())], dtype=float)
+    expected = np.array([law[c] * n for c in cells] + [n * (1 - sum(law[c] for c in cells))])
+    assert len(cells) >= 3  # a law with several likely outcomes, or the test proves little
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    assert stat < chi2.ppf(0.999, len(cells)), (stat, observed, expected)
+
+
+def test_sampling_test_detects_a_biased_sampler():
+    """Negative control for the chi-square above: a sampler at the wrong temperature fails it."""
+    target = load_model(os.path.join(ASSETS, "target"))
+    prompt = ByteTokenizer().encode("import os\nimport s")
+    n = 600
+    law = exact_two_token_law(target, prompt, 0.8)
+    biased = generate_ar(target, [prompt] * n, 2, 1.2, seed=list(range(n))).tokens
+    cells = [c for c, p in law.items() if p * n >= 5]
+    observed = np.array([sum(tuple(t[:2]) == c for t in biased) for c in cells], dtype=float)
+    expected = np.array([law[c] * n for c in cells])
+    observed = np.append(observed, n - observed.sum())
+    expected = np.append(expected, n - expected.sum())
+    assert float(((observed - expected) ** 2 / expected).sum()) > chi2.ppf(0.999, len(cells))
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def byte_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    save_model(tiny(5, vocab=VOCAB_SIZE, eos=257), str(root / "target"))
+    save_model(tiny(6, vocab=VOCAB_SIZE, dim=16, layers=1), str(root / "draft"))
+    save_model(tiny(7, vocab=100), str(root / "other_vocab"))
+    return root
+
+
+def run_cli(capsys, *args):
+    rc = cli_main(["generate", "--no-progress", *args])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_cli_json(capsys, byte_pair):
+    rc, out, _ = run_cli(capsys, "--prompt", "def f(x):", "--prompt", "import", "--target", str(byte_pair / "target"),
+                         "--draft", str(byte_pair / "draft"), "--tree", "tree:2,1", "--max-new-tokens", "6",
+                         "--compare-ar", "--json")
+    assert rc == 0
+    r = json.loads(out)
+    for key in ("text", "tokens", "tokens_per_step", "acceptance_by_depth", "spec_tokens_per_s", "ar_tokens",
+                "ar_tokens_per_s", "identical"):
+        assert key in r
+    assert r["identical"] is True and r["tokens"] == r["ar_tokens"] and len(r["text"]) == 2
+    assert len(r["acceptance_by_depth"]) == 2 and r["tokens_per_step"] >= 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "/nonexistent/folder"], "does not exist"),
+    (["--draft", "{root}/other_vocab"], "vocab mismatch"),
+    (["--tree", "chain:0"], "tree spec"),
+    (["--drafter", "ngram", "--tree", "tree:2,2"], "ngram drafter proposes chains"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_cli_bad_inputs(capsys, byte_pair, args, message):
+    args = [a.format(root=byte_pair) for a in args]
+    base = ["--target", str(byte_pair / "target"), "--draft", str(byte_pair / "draft")]
+    rc, out, err = run_cli(capsys, "--prompt", "x", *base, *args)
+    assert rc == 2 and message in err and out == ""
+
+
+def test_cli_shipped_pair_text(capsys):
+    rc, out, _ = run_cli(capsys, "--prompt", "import os\n", "--max-new-tokens", "24", "--compare-ar")
+    assert rc == 0
+    assert "tokens/step" in out and "outputs identical" in out

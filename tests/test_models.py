@@ -1,0 +1,204 @@
+"""The Llama runner: checkpoint I/O, and its cached forward (on specdec's ops) against the plain causal
+forward, for prefill + decode and for tree verification; the shipped model pair."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import specdec
+from specdec.models.hf import CheckpointError, load_model, save_model
+from specdec.models.llama import Llama, LlamaConfig, chain_tree
+from specdec.models.tokenizer import VOCAB_SIZE, ByteTokenizer
+
+from helpers import random_parents
+
+ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: more threads only wait on each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(seed=0, **kw) -> Llama:
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=48)
+    cfg.update(kw)
+    model = Llama(LlamaConfig(**cfg)).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a mix-up of names shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=True),
+                                dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                                     rope_theta=500000.0)])
+def test_save_load_round_trip(tmp_path, kw):
+    model = tiny(**kw)
+    save_model(model, str(tmp_path), dtype=torch.float32)
+    loaded = load_model(str(tmp_path))
+    assert loaded.cfg.to_dict() == model.cfg.to_dict()
+    for (name, a), (name_b, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert name == name_b and torch.equal(a, b), name
+    x = torch.randint(0, 40, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(x), loaded(x))
+    files = set(os.listdir(tmp_path))
+    assert files == {"config.json", "model.safetensors"}
+
+
+def test_qwen2_names_and_biases(tmp_path):
+    """A Qwen2-style folder: q/k/v biases, no o_proj bias, tied embeddings without lm_head.weight."""
+    src = tiny(qkv_bias=True, tie_embeddings=True)
+    state = {k: v.contiguous() for k, v in src.state_dict().items()}
+    assert "model.layers.0.self_attn.q_proj.bias" in state and "model.layers.0.self_attn.o_proj.bias" not in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg = {"model_type": "qwen2", "vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu", "sliding_window": None}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(str(tmp_path))
+    assert model.cfg.qkv_bias and not model.cfg.o_bias and model.lm_head is None
+    assert model.cfg.extra == {"sliding_window": None}
+    x = torch.randint(0, 40, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(model(x), src(x))
+
+
+def test_bad_checkpoints(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_model(str(tmp_path))
+    save_model(tiny(), str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match="model_type 'gpt2'"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(CheckpointError, match="missing weights"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="invalid config"):
+        load_model(str(tmp_path))
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_matches_transformers(tmp_path):
+    """Same logits as transformers' LlamaForCausalLM on our saved folder (when transformers is installed)."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
+    save_model(model, str(tmp_path), dtype=torch.float32)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    x = torch.randint(0, 40, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# cached forward == causal forward
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_prefill_then_decode_matches_causal_forward(block_size):
+    """Ragged prompts prefilled in one chain-shaped call, then one token per call: every logit equals the
+    full causal forward's."""
+    model = tiny(seed=1)
+    B, n = 3, 14
+    x = torch.randint(0, 40, (B, n))
+    lens = torch.tensor([6, 3, 9], dtype=torch.int32)
+    cache = model.new_cache(B, 32, block_size=block_size)
+    with torch.no_grad():
+        full = model(x)
+        tree = chain_tree(B, 9, lens)
+        pre = model.forward_cached(x[:, :9], cache, tree.depth, tree.mask, tree.num_nodes)
+        cache.commit(lens)
+        for b in range(B):
+            torch.testing.assert_close(pre[b, :lens[b]], full[b, :lens[b]], atol=1e-5, rtol=1e-5)
+        one = chain_tree(B, 1)
+        for _ in range(4):
+            pos = cache.lens.long()
+            step = model.forward_cached(x.gather(1, pos.unsqueeze(1)), cache, one.depth, one.mask)
+            torch.testing.assert_close(step[:, 0], full[torch.arange(B), pos], atol=1e-5, rtol=1e-5)
+            cache.commit(torch.ones(B, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("block_size", [None, 8])
+def test_tree_verification_matches_each_branch(block_size):
+    """Node i's logits from one tree pass == the causal forward of prefix + the path root..i."""
+    model = tiny(seed=2)
+    gen = torch.Generator().manual_seed(0)
+    B, T, L = 2, 9, 5
+    prefix = torch.randint(0, 40, (B, L))
+    tokens = torch.randint(0, 40, (B, T))
+    parents = torch.tensor([random_parents(T, "random", gen) for _ in range(B)], dtype=torch.int32)
+    cache = model.new_cache(B, 24, block_size=block_size)
+    with torch.no_grad():
+        pre = chain_tree(B, L)
+        model.forward_cached(prefix, cache, pre.depth, pre.mask, logits_at=False)
+        cache.commit(torch.full((B,), L))
+        tree = specdec.build_tree(parents)
+        logits = model.forward_cached(tokens, cache, tree.depth, tree.mask)
+        for b in range(B):
+            for i in range(T):
+                path, j = [], i
+                while j >= 0:
+                    path.append(int(tokens[b, j]))
+                    j = int(parents[b, j])
+                seq = torch.cat((prefix[b], torch.tensor(path[::-1])))
+                torch.testing.assert_close(logits[b, i], model(seq.unsqueeze(0))[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_growing_a_tree_level_by_level_matches_one_pass():
+    """forward_cached(start=s): adding nodes s.. to a tree whose first s nodes are cached gives the same
+    logits as running the whole tree at once (how drafters grow trees)."""
+    model = tiny(seed=3)
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 2, 3]], dtype=torch.int32)
+    tokens = torch.randint(0, 40, (1, 7))
+    tree = specdec.build_tree(parents)
+    with torch.no_grad():
+        one = model.new_cache(1, 16)
+        one.lens += 3
+        whole = model.forward_cached(tokens, one, tree.depth, tree.mask)
+        grown = model.new_cache(1, 16)
+        grown.k.copy_(one.k)
+        grown.v.copy_(one.v)
+        grown.lens += 3
+        parts = []
+        for s, e in [(0, 1), (1, 3), (3, 7)]:
+            part = specdec.build_tree(parents[:, :e])
+            parts.append(model.forward_cached(tokens[:, s:e], grown, part.depth[:, s:e], part.mask, start=s))
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# the shipped pair
+# ----------------------------------------------------------------------------------------------
+def test_shipped_pair_loads():
+    target = load_model(os.path.join(ASSETS, "target"))
+    draft = load_model(os.path.join(ASSETS, "draft"))
+    assert target.cfg.vocab_size == draft.cfg.vocab_size == VOCAB_SIZE
+    assert target.num_params() >= 8e6 and draft.num_params() <= target.num_params() / 5
+    size = sum(os.path.getsize(os.path.join(ASSETS, d, f)) for d in ("target", "draft")
+               for f in os.listdir(os.path.join(ASSETS, d)))
+    assert size <= 40e6
+    tok = ByteTokenizer()
+    x = torch.tensor([tok.encode("import os\nimport sys\n\n\ndef main():\n    ")])
+    with torch.no_grad():  # trained: the next byte of an indented body is predictable
+        assert torch.softmax(target(x)[0, -1], -1).max() > 0.2
