@@ -80,10 +80,10 @@ def row_line(row) -> str:
 
 def _meta_lines(result) -> list[str]:
     m, c = result["meta"], result["ceiling"]
-    machine = f"{m.get('gpu')} ({m.get('gpu_memory_gib')} GiB, {m.get('sm_count')} SMs)" if m.get("gpu") else m["cpu"]
+    gpu = f"{m['gpu']} ({m['gpu_memory_gib']} GiB, {m['sm_count']} SMs), " if m.get("gpu") else ""
     return [
-        f"- date: {m['date']}; device: {m['device']}; machine: {machine}; {m['cpu_count']} CPUs "
-        f"({m['cpu']}), torch threads {m['torch_threads']}, load average at start {m.get('load_average')}",
+        f"- date: {m['date']}; device: {m['device']}; machine: {gpu}{m['cpu_count']} CPUs ({m['cpu']}), "
+        f"torch threads {m['torch_threads']}, load average at start {m.get('load_average')}",
         f"- python {m['python']}, torch {m['torch']}, triton {m['triton']}"
         + (f", CUDA {m['cuda']}" if m.get("cuda") else "") + f"; TRITON_INTERPRET={m['triton_interpret'] or 'unset'}",
         f"- git commit {m['git_commit']}{' (tracked files modified)' if m['git_dirty'] else ''}",

@@ -29,7 +29,7 @@ _UNCHECKED = object()  # the check value was too large to compute
 
 
 def plan_backends(case, device: torch.device, backends) -> list[tuple[str, str, str]]:
-    """[(row name, backend, note)]: note is "" to run, "smoke" for the interpreter, else why skipped."""
+    """[(row name, backend, note)]: note is "" to run, "smoke" for the interpreter, else why it is skipped."""
     plan = []
     for backend in backends:
         if backend == "torch":
@@ -37,13 +37,13 @@ def plan_backends(case, device: torch.device, backends) -> list[tuple[str, str, 
                 plan.append(("torch", "torch", ""))
         elif backend == "cpp":
             if device.type == "cpu":
-                plan.append(("cpp", "cpp", "" if specdec.ops.HAS_CPP else "skipped: C++ extension not built"))
+                plan.append(("cpp", "cpp", "" if specdec.ops.HAS_CPP else "C++ extension not built"))
         elif device.type == "cuda":
             plan.append(("triton", "triton", ""))
         elif case.toy:
             interpreting = os.environ.get("TRITON_INTERPRET") == "1"
             plan.append(("triton-interp", "triton",
-                         "smoke" if interpreting else "skipped: set TRITON_INTERPRET=1 for the interpreter smoke run"))
+                         "smoke" if interpreting else "set TRITON_INTERPRET=1 for the interpreter smoke run"))
     return plan
 
 
@@ -93,7 +93,8 @@ def measure(mod, x, case, name, kind, make_fn, expected, device, ceiling, budget
     return row
 
 
-def run_case(case, device, backends, peer_names, ceiling, budget_s) -> list[dict]:
+def run_case(case, device, backends, peer_names, ceiling, budget_s):
+    """Yield the case's rows one by one (the caller saves after each: a step killed mid-case keeps them)."""
     mod = OPS[case.op]
     record = {"name": mod.describe(case.params)}
     torch.manual_seed(0)
@@ -104,26 +105,27 @@ def run_case(case, device, backends, peer_names, ceiling, budget_s) -> list[dict
         expected = _UNCHECKED if big else mod.reference_value(x)
     except Exception as exc:  # noqa: BLE001
         status, note = _failure(exc)
-        return [{"op": case.op, "case": record["name"], "impl": "-", "kind": "-", "status": status,
-                 "note": f"inputs: {note}", "check": "n/a", "extra": {}}]
-    rows = []
+        yield {"op": case.op, "case": record["name"], "impl": "-", "kind": "-", "status": status,
+               "note": f"inputs: {note}", "check": "n/a", "extra": {}}
+        return
     for name, backend, note in plan_backends(case, device, backends):
         if note and note != "smoke":
-            rows.append({"op": case.op, "case": record["name"], "impl": name, "kind": "specdec", "status": "skipped",
-                         "note": note, "check": "n/a", "extra": {}})
-            continue
-        rows.append(measure(mod, x, record, name, "specdec", lambda b=backend: mod.specdec_fn(x, b), expected,
-                            device, ceiling, budget_s, smoke=(note == "smoke")))
-        _print_row(rows[-1])
+            row = {"op": case.op, "case": record["name"], "impl": name, "kind": "specdec", "status": "skipped",
+                   "note": note, "check": "n/a", "extra": {}}
+        else:
+            row = measure(mod, x, record, name, "specdec", lambda b=backend: mod.specdec_fn(x, b), expected,
+                          device, ceiling, budget_s, smoke=(note == "smoke"))
+        _print_row(row)
+        yield row
     for name, factory in mod.peers(x, case).items():
         if peer_names is None or name in peer_names:
-            rows.append(measure(mod, x, record, name, "peer", factory, expected, device, ceiling, budget_s))
-            _print_row(rows[-1])
+            row = measure(mod, x, record, name, "peer", factory, expected, device, ceiling, budget_s)
+            _print_row(row)
+            yield row
     del x, expected
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
 def _print_row(row):
@@ -189,9 +191,10 @@ def main(argv=None) -> int:
                                    "note": "time budget spent", "check": "n/a", "extra": {}})
             continue
         print(f"{case.op}: {name}", flush=True)
-        result["rows"] += run_case(case, device, backends, peer_names, ceiling, budget_s)
-        result["wall_s"] = round(time.monotonic() - start, 1)
-        report.write(result, args.out, stem)
+        for row in run_case(case, device, backends, peer_names, ceiling, budget_s):
+            result["rows"].append(row)
+            result["wall_s"] = round(time.monotonic() - start, 1)
+            report.write(result, args.out, stem)
     result["wall_s"] = round(time.monotonic() - start, 1)
     paths = report.write(result, args.out, stem)
     print()

@@ -44,7 +44,7 @@ def _timed(fn):
 
 @pytest.mark.parametrize("mod,impl", [pytest.param(m, i, id=f"{m.OP}-{i}")
                                       for m, (_, peers) in SMALL.items() for i in BACKENDS + peers])
-def test_bench(benchmark, mod, impl):
+def test_benchmark_op(benchmark, mod, impl):
     if impl == "cpp" and not specdec.ops.HAS_CPP:
         pytest.skip("C++ extension not built")
     params = SMALL[mod][0]
@@ -151,7 +151,7 @@ def test_append_peer_and_reference_pass_the_check():
 @pytest.mark.parametrize("case", TOY, ids=[c.op for c in TOY])
 def test_runner_rows_on_toy_cases(case):
     ceiling = {"gbps": 10.0}
-    rows = run.run_case(case, CPU, ["torch", "cpp"], None, ceiling, budget_s=0.01)
+    rows = list(run.run_case(case, CPU, ["torch", "cpp"], None, ceiling, budget_s=0.01))
     by_impl = {r["impl"]: r for r in rows}
     assert by_impl["torch"]["status"] == "ok" and by_impl["torch"]["check"].startswith("ok")
     assert by_impl["torch"]["time_s"] > 0 and by_impl["torch"]["bytes"] > 0
