@@ -7,11 +7,25 @@ Set SPECDEC_NO_CPP=1 to skip the C++ extension (the package then runs on the ref
 """
 import glob
 import os
+import platform
+import shutil
 import sys
 
 from setuptools import setup
 
 ext_modules, cmdclass = [], {}
+
+
+def cpu_arch_flags():
+    """-march for the C++ ops: the build machine's own ISA by default (the extension is compiled where
+    it is installed), so at::vec uses AVX2/AVX-512 where present. SPECDEC_CPU_ARCH=<arch> picks another
+    target (e.g. x86-64-v3 for a portable AVX2 build); SPECDEC_CPU_ARCH= (empty) adds no flag."""
+    arch = os.environ.get("SPECDEC_CPU_ARCH", "native")
+    if not arch or platform.machine().lower() not in ("x86_64", "amd64", "aarch64") or os.name == "nt":
+        return []
+    return [f"-march={arch}"]
+
+
 if os.environ.get("SPECDEC_NO_CPP") != "1":
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -23,9 +37,11 @@ if os.environ.get("SPECDEC_NO_CPP") != "1":
             openmp = ["-fopenmp"]  # without it at::parallel_for silently runs on one thread
             ext_modules.append(CppExtension(
                 "specdec._C", sources,
-                extra_compile_args=["-O3", *openmp],
+                depends=sorted(glob.glob("csrc/*.h")),
+                extra_compile_args=["-O3", "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized", *openmp, *cpu_arch_flags()],
                 extra_link_args=openmp))
-            cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=False)
+            # ninja compiles the translation units in parallel and only the changed ones
+            cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
 
 setup(
     name="specdec",

@@ -1,0 +1,155 @@
+// Shared by the C++ CPU ops (csrc/*.cpp): SIMD selection, cache row addressing, float conversion, and
+// the declarations of the input checks (validation.cpp).
+#pragma once
+
+// at::vec::Vectorized picks its implementation from CPU_CAPABILITY_* macros that ATen's own build passes
+// per kernel file; an extension gets the generic scalar-array fallback unless it sets them. setup.py
+// compiles for the build machine (-march=native), so map what the compiler may use to the widest
+// implementation. Our own namespace names keep these instantiations apart from libtorch's.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY specdec_avx512
+#define SPECDEC_VEC_REGISTERS 32
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY specdec_avx2
+#define SPECDEC_VEC_REGISTERS 16
+#else
+#define CPU_CAPABILITY specdec_default
+#define SPECDEC_VEC_REGISTERS 16
+#endif
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+#include <type_traits>
+
+namespace specdec {
+
+using at::Tensor;
+using at::vec::Vectorized;
+
+// fp16/bf16/fp32 compute in fp32; fp64 in fp64.
+template <typename scalar_t>
+using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// dst[0:n] = src[0:n] converted to the accumulation type.
+template <typename scalar_t>
+inline void load_row(const scalar_t* src, acc_type_t<scalar_t>* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, acc_type_t<scalar_t>>) {
+    std::memcpy(dst, src, n * sizeof(scalar_t));
+  } else {
+    using Vec = Vectorized<scalar_t>;
+    constexpr int64_t kF = Vectorized<float>::size();
+    int64_t i = 0;
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vec::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + kF);
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// Addresses row `pos` of request b in a K/V cache (one layer): contiguous (B, L_max, H, D) when there is
+// no block table, else paged (num_blocks, block_size, H, D) through table[b, pos / block_size].
+// Strides are in elements: heads are `head_stride` apart, a head's D values `elem_stride` apart.
+template <typename T>
+struct CacheRows {
+  T* data;
+  int64_t stride0, stride1, head_stride, elem_stride;
+  const int32_t* table = nullptr;
+  int64_t table_stride0 = 0, table_stride1 = 0, block_size = 1;
+
+  CacheRows(T* data_, const Tensor& cache, const std::optional<Tensor>& block_table)
+      : data(data_), stride0(cache.stride(-4)), stride1(cache.stride(-3)), head_stride(cache.stride(-2)),
+        elem_stride(cache.stride(-1)) {
+    if (block_table.has_value()) {
+      table = block_table->data_ptr<int32_t>();
+      table_stride0 = block_table->stride(0);
+      table_stride1 = block_table->stride(1);
+      block_size = cache.size(-3);
+    }
+  }
+  T* operator()(int64_t b, int64_t pos) const {
+    if (table == nullptr) return data + b * stride0 + pos * stride1;
+    int64_t block = table[b * table_stride0 + (pos / block_size) * table_stride1];
+    return data + block * stride0 + (pos % block_size) * stride1;
+  }
+};
+
+// Copies one cache row of H heads x D elements between strided places (one memcpy when both are dense).
+template <typename T>
+inline void copy_row(T* dst, int64_t dst_head_stride, int64_t dst_elem_stride, const T* src,
+                     int64_t src_head_stride, int64_t src_elem_stride, int64_t H, int64_t D) {
+  if (dst_elem_stride == 1 && src_elem_stride == 1) {
+    if (dst_head_stride == D && src_head_stride == D) {
+      std::memcpy(dst, src, H * D * sizeof(T));
+      return;
+    }
+    for (int64_t h = 0; h < H; ++h) std::memcpy(dst + h * dst_head_stride, src + h * src_head_stride, D * sizeof(T));
+    return;
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t d = 0; d < D; ++d) dst[h * dst_head_stride + d * dst_elem_stride] = src[h * src_head_stride + d * src_elem_stride];
+  }
+}
+
+// Calls f(T{}) with an unsigned integer type T of the given byte size: copies need only the element size.
+template <typename F>
+inline void dispatch_by_element_size(int64_t size, F&& f) {
+  switch (size) {
+    case 2: return f(uint16_t{});
+    case 4: return f(uint32_t{});
+    case 8: return f(uint64_t{});
+    default: TORCH_CHECK(false, "specdec: unsupported element size ", size);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Input checks (validation.cpp): the same errors, types and messages as specdec/_validation.py, so a
+// C++ caller that bypasses Python gets the same guarantees. Each runs before anything is written.
+// The index-like inputs are returned as contiguous int32 tensors.
+// ------------------------------------------------------------------------------------------------
+struct TreeInputs {
+  Tensor parents, num_nodes;
+};
+TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes);
+
+Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                            const Tensor& cache_lens, const Tensor& tree_mask,
+                            const std::optional<Tensor>& block_table, const Tensor& num_nodes);
+
+struct AcceptInputs {
+  Tensor tokens, parents, num_nodes, temperature, seeds;
+};
+AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, const Tensor& parents,
+                          const std::optional<Tensor>& draft_logits, const Tensor& temperature,
+                          const Tensor& seeds, const Tensor& num_nodes, int64_t offset);
+// Per-row flags of a logits tensor, computed by the accept kernel's first pass; raises the errors of
+// _validation.check_accept ("contains NaN", "contains +inf", "a real node's row is entirely -inf").
+void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf,
+                      const Tensor& row_max, const Tensor& num_nodes);
+
+void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_new, const Tensor& v_new,
+                     const Tensor& cache_lens, const std::optional<Tensor>& block_table);
+
+struct PathInputs {
+  Tensor accepted_nodes, num_accepted;
+};
+PathInputs check_kv_rollback(at::TensorList k_caches, at::TensorList v_caches, const Tensor& cache_lens,
+                             const Tensor& accepted_nodes, const Tensor& num_accepted,
+                             const std::optional<Tensor>& block_table);
+
+}  // namespace specdec

@@ -1,0 +1,215 @@
+// tree_attention: attention of T draft-tree queries over the committed prefix plus their ancestors.
+//
+//   q                (B, T, Hq, D) fp16/bf16/fp32/fp64
+//   k_cache, v_cache (B, L_max, Hkv, D) contiguous or (num_blocks, block_size, Hkv, D) paged, q's dtype
+//   cache_lens       (B,) int32: committed tokens; the tree's K/V sit at positions L .. L + T - 1
+//   tree_mask        (B, T, ceil(T/32)) int32: node i sees tree position L + j iff bit j of tree_mask[b, i]
+//   block_table      (B, max_blocks) int32 or None
+//   num_nodes        (B,) int32/int64: nodes i >= num_nodes[b] are padding (out = 0, lse = -inf)
+//   scale            float
+// -> out (B, T, Hq, D) q.dtype, lse (B, T, Hq) float32 (natural-log sum of exp of the scaled scores)
+//
+// One work item per (request, KV head): its T x G query rows (G = Hq / Hkv, the GQA group) share every
+// K/V row, so each row is loaded (and converted to fp32) once for all of them. Flash-style online
+// softmax over blocks of kKeys keys, all in fp32 (fp64 for fp64 inputs). Matrices are kept with the
+// query rows on the vector lanes (transposed: Q^T, S^T, O^T), so both products are broadcast-FMA
+// register tiles and the softmax statistics of a whole vector of query rows update at once.
+#include "specdec.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace specdec {
+namespace {
+
+constexpr int64_t kRows = 4;                                  // rows of a register tile
+constexpr int64_t kMaxVecs = SPECDEC_VEC_REGISTERS >= 32 ? 4 : 2;  // vectors of query rows per tile
+constexpr int64_t kKeys = 64;                                 // keys per block (a multiple of kRows)
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename acc_t>
+inline Vectorized<acc_t> fast_exp(const Vectorized<acc_t>& x) {
+  return x.exp_u20();  // exp(-inf) = 0; a few ulp, far below the fp32 test tolerance
+}
+
+// One register tile: C[i, m] for i < kRows, m < NV vectors:  C = X Y  or  C = C * rescale[m] + X Y,
+// summed over r < R, with X(i, r) = X[i * xi + r * xr] broadcast and Y[r, :] = Y[r * ys ...] loaded.
+template <typename acc_t, int64_t NV, bool kRescale>
+inline void tile(const acc_t* X, int64_t xi, int64_t xr, const acc_t* Y, int64_t ys, int64_t R, acc_t* C,
+                 int64_t cs, const acc_t* rescale) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t VS = Vec::size();
+  Vec acc[kRows][NV];
+  for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t v = 0; v < NV; ++v) {
+      acc[i][v] = kRescale ? Vec::loadu(C + i * cs + v * VS) * Vec::loadu(rescale + v * VS) : Vec(acc_t(0));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    Vec y[NV];
+    for (int64_t v = 0; v < NV; ++v) y[v] = Vec::loadu(Y + r * ys + v * VS);
+    for (int64_t i = 0; i < kRows; ++i) {
+      const Vec x(X[i * xi + r * xr]);
+      for (int64_t v = 0; v < NV; ++v) acc[i][v] = at::vec::fmadd(x, y[v], acc[i][v]);
+    }
+  }
+  for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t v = 0; v < NV; ++v) acc[i][v].store(C + i * cs + v * VS);
+  }
+}
+
+// C (rows x Mp, row stride Mp) as in `tile`; rows a multiple of kRows, Mp of the vector size.
+template <typename acc_t, bool kRescale>
+void gemm(int64_t rows, int64_t Mp, const acc_t* X, int64_t xi, int64_t xr, const acc_t* Y, int64_t R, acc_t* C,
+          const acc_t* rescale = nullptr) {
+  constexpr int64_t VS = Vectorized<acc_t>::size();
+  for (int64_t i = 0; i < rows; i += kRows) {
+    int64_t m = 0;
+    for (; m + kMaxVecs * VS <= Mp; m += kMaxVecs * VS) {
+      tile<acc_t, kMaxVecs, kRescale>(X + i * xi, xi, xr, Y + m, Mp, R, C + i * Mp + m, Mp, kRescale ? rescale + m : nullptr);
+    }
+    for (; m < Mp; m += VS) {
+      tile<acc_t, 1, kRescale>(X + i * xi, xi, xr, Y + m, Mp, R, C + i * Mp + m, Mp, kRescale ? rescale + m : nullptr);
+    }
+  }
+}
+
+template <typename scalar_t>
+struct TreeAttention {
+  using acc_t = acc_type_t<scalar_t>;
+  using Vec = Vectorized<acc_t>;
+  static constexpr int64_t VS = Vec::size();
+
+  const scalar_t* q;  // contiguous (B, T, Hq, D)
+  CacheRows<const scalar_t> k, v;
+  const int32_t* cache_lens;
+  const int32_t* tree_mask;  // contiguous (B, T, W)
+  const int32_t* num_nodes;
+  int64_t T, Hq, Hkv, D, W;
+  acc_t scale;
+  scalar_t* out;  // contiguous (B, T, Hq, D)
+  float* lse;     // contiguous (B, T, Hq)
+
+  // Per-thread scratch, sized for the largest item: Dp = D rounded to kRows, Mp = T * G rounded to VS.
+  struct Scratch {
+    int64_t Dp, Mp;
+    std::vector<acc_t> qt, ot, s, kb, vb, row_max, row_sum, alpha;
+    Scratch(int64_t D, int64_t M)
+        : Dp(round_up(D, kRows)), Mp(round_up(M, VS)), qt(Dp * Mp), ot(Dp * Mp), s(kKeys * Mp),
+          kb(kKeys * Dp, 0), vb(kKeys * Dp, 0), row_max(Mp), row_sum(Mp), alpha(Mp) {}
+  };
+
+  bool visible(int64_t b, int64_t node, int64_t j) const {
+    return (static_cast<uint32_t>(tree_mask[(b * T + node) * W + j / 32]) >> (j % 32)) & 1u;
+  }
+
+  void run(int64_t b, int64_t kv_head, Scratch& w) const {
+    const int64_t G = Hq / Hkv, n = num_nodes[b], L = cache_lens[b], M = n * G, Mp = round_up(M, VS);
+    const int64_t Dp = w.Dp;
+    acc_t *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *kb = w.kb.data(), *vb = w.vb.data();
+    // Q^T (Dp x Mp), query row m = node * G + g, pre-scaled; padding lanes and dims are 0
+    std::fill(qt, qt + Dp * Mp, acc_t(0));
+    std::fill(ot, ot + Dp * Mp, acc_t(0));
+    std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<acc_t>::infinity());
+    std::fill(w.row_sum.begin(), w.row_sum.end(), acc_t(0));
+    for (int64_t m = 0; m < M; ++m) {
+      const scalar_t* src = q + ((b * T + m / G) * Hq + kv_head * G + m % G) * D;
+      for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = static_cast<acc_t>(src[d]) * scale;
+    }
+    // keys: the committed prefix and the real nodes' tree positions (padding nodes' rows are never seen)
+    const int64_t keys = L + n;
+    for (int64_t p0 = 0; p0 < keys; p0 += kKeys) {
+      const int64_t count = std::min(kKeys, keys - p0), rows = round_up(count, kRows);
+      for (int64_t j = 0; j < count; ++j) {
+        load_row(k(b, p0 + j) + kv_head * k.head_stride, kb + j * Dp, D);
+        load_row(v(b, p0 + j) + kv_head * v.head_stride, vb + j * Dp, D);
+      }
+      std::fill(kb + count * Dp, kb + rows * Dp, acc_t(0));
+      std::fill(vb + count * Dp, vb + rows * Dp, acc_t(0));
+      // S^T = K Q^T (rows x Mp): scores of every key in the block against every query row
+      gemm<acc_t, false>(rows, Mp, kb, Dp, 1, qt, Dp, s);
+      constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+      for (int64_t j = std::max<int64_t>(0, L - p0); j < count; ++j) {  // tree keys: ancestors-or-self only
+        for (int64_t m = 0; m < M; ++m) {
+          if (!visible(b, m / G, p0 + j - L)) s[j * Mp + m] = kNegInf;
+        }
+      }
+      std::fill(s + count * Mp, s + rows * Mp, kNegInf);
+      update_softmax(s, rows, Mp, w);
+      // O^T = O^T * alpha + V^T P^T  (Dp x Mp)
+      gemm<acc_t, true>(Dp, Mp, vb, 1, Dp, s, rows, ot, w.alpha.data());
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t row = (b * T + m / G) * Hq + kv_head * G + m % G;
+      const acc_t inv = acc_t(1) / w.row_sum[m];
+      for (int64_t d = 0; d < D; ++d) out[row * D + d] = static_cast<scalar_t>(ot[d * Mp + m] * inv);
+      lse[row] = static_cast<float>(w.row_max[m] + std::log(w.row_sum[m]));
+    }
+    for (int64_t node = n; node < T; ++node) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = (b * T + node) * Hq + kv_head * G + g;
+        std::fill(out + row * D, out + (row + 1) * D, scalar_t(0));
+        lse[row] = -std::numeric_limits<float>::infinity();
+      }
+    }
+  }
+
+  // Online softmax over one block of scores S^T (rows x Mp), a vector of query rows at a time:
+  // new max, alpha = exp(old max - new max), S^T <- exp(S^T - new max), running sum <- sum * alpha + sum P.
+  static void update_softmax(acc_t* s, int64_t rows, int64_t Mp, Scratch& w) {
+    const Vec neg_inf(-std::numeric_limits<acc_t>::infinity()), zero(acc_t(0));
+    for (int64_t m = 0; m < Mp; m += VS) {
+      Vec block_max = neg_inf;
+      for (int64_t j = 0; j < rows; ++j) block_max = at::vec::maximum(block_max, Vec::loadu(s + j * Mp + m));
+      const Vec old_max = Vec::loadu(w.row_max.data() + m);
+      const Vec new_max = at::vec::maximum(old_max, block_max);
+      const Vec shift = Vec::blendv(new_max, zero, new_max == neg_inf);  // rows with nothing seen yet: exp(-inf) = 0
+      Vec sum = zero;
+      for (int64_t j = 0; j < rows; ++j) {
+        const Vec p = fast_exp(Vec::loadu(s + j * Mp + m) - shift);
+        p.store(s + j * Mp + m);
+        sum = sum + p;
+      }
+      const Vec alpha = fast_exp(old_max - shift);
+      alpha.store(w.alpha.data() + m);
+      new_max.store(w.row_max.data() + m);
+      (Vec::loadu(w.row_sum.data() + m) * alpha + sum).store(w.row_sum.data() + m);
+    }
+  }
+};
+
+std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                                              const Tensor& cache_lens, const Tensor& tree_mask_in,
+                                              const std::optional<Tensor>& block_table, const Tensor& num_nodes_in,
+                                              double scale) {
+  Tensor num_nodes = check_tree_attention(q_in, k_in, v_in, cache_lens, tree_mask_in, block_table, num_nodes_in);
+  const Tensor q = q_in.contiguous(), tree_mask = tree_mask_in.contiguous(), lens = cache_lens.contiguous();
+  // rows are read as D contiguous values; any other layout is copied once
+  const Tensor k_cache = k_in.stride(-1) == 1 ? k_in : k_in.contiguous();
+  const Tensor v_cache = v_in.stride(-1) == 1 ? v_in : v_in.contiguous();
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k_cache.size(-2);
+  Tensor out = at::empty_like(q);
+  Tensor lse = at::empty({B, T, Hq}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "specdec::tree_attention", [&] {
+    using acc_t = acc_type_t<scalar_t>;
+    const TreeAttention<scalar_t> op{q.const_data_ptr<scalar_t>(),
+                                     CacheRows<const scalar_t>(k_cache.const_data_ptr<scalar_t>(), k_cache, block_table),
+                                     CacheRows<const scalar_t>(v_cache.const_data_ptr<scalar_t>(), v_cache, block_table),
+                                     lens.const_data_ptr<int32_t>(), tree_mask.const_data_ptr<int32_t>(),
+                                     num_nodes.const_data_ptr<int32_t>(), T, Hq, Hkv, D, tree_mask.size(2),
+                                     static_cast<acc_t>(scale), out.data_ptr<scalar_t>(), lse.data_ptr<float>()};
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      typename TreeAttention<scalar_t>::Scratch scratch(D, T * (Hq / Hkv));
+      for (int64_t item = begin; item < end; ++item) op.run(item / Hkv, item % Hkv, scratch);
+    });
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("tree_attention", &tree_attention_cpu); }
+
+}  // namespace specdec

@@ -1,0 +1,332 @@
+// Input checks of the C++ ops: a line-by-line port of specdec/_validation.py (same order, error types
+// and messages, each starting with the argument's name), for C++ callers that bypass the Python wrappers.
+// ValueError = TORCH_CHECK_VALUE, TypeError = TORCH_CHECK_TYPE.
+#include "specdec.h"
+
+#include <cmath>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+namespace specdec {
+namespace {
+
+using at::ScalarType;
+
+const std::initializer_list<ScalarType> kFloat = {ScalarType::Half, ScalarType::BFloat16, ScalarType::Float,
+                                                  ScalarType::Double};
+const std::initializer_list<ScalarType> kInt = {ScalarType::Int, ScalarType::Long};
+const std::initializer_list<ScalarType> kInt32 = {ScalarType::Int};
+
+// torch's Python name of a dtype ("float16"), as _validation.py prints them.
+std::string dtype_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Half: return "float16";
+    case ScalarType::BFloat16: return "bfloat16";
+    case ScalarType::Float: return "float32";
+    case ScalarType::Double: return "float64";
+    case ScalarType::Int: return "int32";
+    case ScalarType::Long: return "int64";
+    case ScalarType::Short: return "int16";
+    case ScalarType::Char: return "int8";
+    case ScalarType::Byte: return "uint8";
+    case ScalarType::Bool: return "bool";
+    case ScalarType::ComplexFloat: return "complex64";
+    case ScalarType::ComplexDouble: return "complex128";
+    default: return c10::toString(t);
+  }
+}
+
+// A Python tuple's repr: (), (3,), (2, 5).
+std::string shape_str(c10::IntArrayRef shape) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << (shape.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+void check_tensor(const std::string& name, const Tensor& x, int64_t dim = -1,
+                  std::initializer_list<ScalarType> dtypes = {}, const c10::Device* device = nullptr) {
+  TORCH_CHECK_VALUE(dim < 0 || x.dim() == dim, name, ": expected ", dim, " dimensions, got shape ",
+                    shape_str(x.sizes()));
+  if (dtypes.size() > 0) {
+    bool ok = false;
+    std::string names;
+    for (auto t : dtypes) {
+      ok = ok || x.scalar_type() == t;
+      names += (names.empty() ? "" : ", ") + dtype_name(t);
+    }
+    TORCH_CHECK_TYPE(ok, name, ": dtype ", dtype_name(x.scalar_type()), " not supported (expected one of ",
+                     names, ")");
+  }
+  TORCH_CHECK_VALUE(device == nullptr || x.device() == *device, name, ": on ", x.device().str(), ", expected ",
+                    device->str(), " like the other inputs");
+}
+
+void check_shape(const std::string& name, const Tensor& x, c10::IntArrayRef expected) {
+  TORCH_CHECK_VALUE(x.sizes() == expected, name, ": expected shape ", shape_str(expected), ", got ",
+                    shape_str(x.sizes()));
+}
+
+Tensor int32_contiguous(const Tensor& x) { return x.to(at::kInt).contiguous(); }
+
+Tensor normalize_num_nodes(const Tensor& num_nodes, int64_t B, const c10::Device& device) {
+  check_tensor("num_nodes", num_nodes, 1, kInt, &device);
+  check_shape("num_nodes", num_nodes, {B});
+  return int32_contiguous(num_nodes);
+}
+
+void check_num_nodes_range(const Tensor& num_nodes, int64_t T) {
+  const int32_t* nn = num_nodes.data_ptr<int32_t>();
+  for (int64_t b = 0; b < num_nodes.size(0); ++b) {
+    TORCH_CHECK_VALUE(nn[b] >= 1 && nn[b] <= T, "num_nodes: every entry must be in [1, ", T, "]");
+  }
+}
+
+// parents/num_nodes: int32 contiguous (B, T) / (B,).
+void check_parents(const Tensor& parents, const Tensor& num_nodes) {
+  const int64_t B = parents.size(0), T = parents.size(1);
+  TORCH_CHECK_VALUE(T >= 1, "parents: needs at least one node (the root), got shape ", shape_str(parents.sizes()));
+  check_num_nodes_range(num_nodes, T);
+  const int32_t* par = parents.data_ptr<int32_t>();
+  const int32_t* nn = num_nodes.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(par[b * T] == -1, "parents: parents[:, 0] must be -1 (node 0 is the root)");
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 1; i < nn[b]; ++i) {
+      int32_t p = par[b * T + i];
+      TORCH_CHECK_VALUE(p >= 0 && p < i, "parents: every real node i > 0 needs 0 <= parents[b, i] < i");
+    }
+  }
+}
+
+void check_cache_pair(const Tensor& k_cache, const Tensor& v_cache, const std::optional<Tensor>& block_table,
+                      int64_t B, const std::string& k_name = "k_cache", const std::string& v_name = "v_cache") {
+  check_tensor(k_name, k_cache, -1, kFloat);
+  const c10::Device device = k_cache.device();
+  check_tensor(v_name, v_cache, -1, kFloat, &device);
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 || k_cache.dim() == 5, k_name,
+                    ": expected (B, L_max, Hkv, D), (num_blocks, block_size, Hkv, D) or a stack of those with a "
+                    "leading layer dimension, got shape ", shape_str(k_cache.sizes()));
+  check_shape(v_name, v_cache, k_cache.sizes());
+  TORCH_CHECK_TYPE(v_cache.scalar_type() == k_cache.scalar_type(), v_name, ": dtype torch.",
+                   dtype_name(v_cache.scalar_type()), " differs from ", k_name, " dtype torch.",
+                   dtype_name(k_cache.scalar_type()));
+  TORCH_CHECK_VALUE(block_table.has_value() || k_cache.size(-4) == B, k_name,
+                    ": a contiguous cache needs one row per request (", B, "), got ", k_cache.size(-4));
+}
+
+void check_block_table(const std::optional<Tensor>& block_table, int64_t B, const c10::Device& device) {
+  if (!block_table.has_value()) return;
+  check_tensor("block_table", *block_table, 2, kInt32, &device);
+  TORCH_CHECK_VALUE(block_table->size(0) == B, "block_table: expected ", B,
+                    " rows (one per request), got shape ", shape_str(block_table->sizes()));
+}
+
+void check_cache_lens(const Tensor& cache_lens, int64_t B, const c10::Device& device) {
+  check_tensor("cache_lens", cache_lens, 1, kInt32, &device);
+  check_shape("cache_lens", cache_lens, {B});
+}
+
+// Positions [cache_lens[b], cache_lens[b] + extent(b)) exist and map to valid blocks.
+template <typename Extent>
+void check_positions(c10::IntArrayRef cache_shape, const Tensor& cache_lens, const std::optional<Tensor>& block_table,
+                     Extent extent, const char* what) {
+  const int64_t B = cache_lens.size(0), rows = cache_shape[cache_shape.size() - 3];
+  const int64_t cap = block_table.has_value() ? block_table->size(1) * rows : rows;
+  auto lens = cache_lens.accessor<int32_t, 1>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK_VALUE(lens[b] >= 0, "cache_lens: must be >= 0");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(lens[b] + extent(b) <= cap, "cache_lens: no room for ", what,
+                      ": cache_lens + count exceeds the capacity ", cap);
+  }
+  if (!block_table.has_value()) return;
+  const int64_t num_blocks = cache_shape[cache_shape.size() - 4];
+  auto table = block_table->accessor<int32_t, 2>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t used = (lens[b] + extent(b) + rows - 1) / rows;
+    for (int64_t j = 0; j < used; ++j) {
+      TORCH_CHECK_VALUE(table[b][j] >= 0 && table[b][j] < num_blocks, "block_table: block ids in use must be in [0, ",
+                        num_blocks, ")");
+    }
+  }
+}
+
+}  // namespace
+
+TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes) {
+  check_tensor("parents", parents, 2, kInt);
+  TreeInputs in{int32_contiguous(parents), normalize_num_nodes(num_nodes, parents.size(0), parents.device())};
+  check_parents(in.parents, in.num_nodes);
+  return in;
+}
+
+Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& cache_lens,
+                            const Tensor& tree_mask, const std::optional<Tensor>& block_table,
+                            const Tensor& num_nodes) {
+  check_tensor("q", q, 4, kFloat);
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
+  const c10::Device device = q.device();
+  check_tensor("k_cache", k_cache, 4, {}, &device);
+  check_cache_pair(k_cache, v_cache, block_table, B);
+  const int64_t Hkv = k_cache.size(-2), Dk = k_cache.size(-1);
+  TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type(), "k_cache: dtype torch.",
+                   dtype_name(k_cache.scalar_type()), " differs from q dtype torch.", dtype_name(q.scalar_type()));
+  TORCH_CHECK_VALUE(Dk == D, "k_cache: head dim ", Dk, " differs from q head dim ", D);
+  TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "q: ", Hq, " query heads is not a multiple of the ", Hkv, " KV heads");
+  check_cache_lens(cache_lens, B, device);
+  check_block_table(block_table, B, device);
+  check_tensor("tree_mask", tree_mask, 3, kInt32, &device);
+  const int64_t words = (T + 31) / 32;
+  check_shape("tree_mask", tree_mask, {B, T, words});
+  Tensor nn = normalize_num_nodes(num_nodes, B, device);
+
+  check_num_nodes_range(nn, T);
+  check_positions(k_cache.sizes(), cache_lens, block_table, [T](int64_t) { return T; }, "the T new tokens");
+  auto mask = tree_mask.accessor<int32_t, 3>();
+  const int32_t* n = nn.data_ptr<int32_t>();
+  auto bit = [&](int64_t b, int64_t i, int64_t j) { return (static_cast<uint32_t>(mask[b][i][j / 32]) >> (j % 32)) & 1u; };
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < n[b]; ++i) {
+      TORCH_CHECK_VALUE(bit(b, i, i), "tree_mask: every real node must have its own bit set");
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < n[b]; ++i) {
+      for (int64_t j = i + 1; j < T; ++j) {
+        TORCH_CHECK_VALUE(!bit(b, i, j), "tree_mask: node i may only see nodes j <= i (ancestors and itself)");
+      }
+    }
+  }
+  return nn;
+}
+
+AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, const Tensor& parents,
+                          const std::optional<Tensor>& draft_logits, const Tensor& temperature, const Tensor& seeds,
+                          const Tensor& num_nodes, int64_t offset) {
+  check_tensor("target_logits", target_logits, 3, kFloat);
+  const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
+  const c10::Device device = target_logits.device();
+  check_tensor("tokens", tokens, 2, kInt, &device);
+  check_shape("tokens", tokens, {B, T});
+  check_tensor("parents", parents, 2, kInt, &device);
+  check_shape("parents", parents, {B, T});
+  if (draft_logits.has_value()) {
+    check_tensor("draft_logits", *draft_logits, 3, kFloat, &device);
+    check_shape("draft_logits", *draft_logits, {B, T, V});
+  }
+  AcceptInputs in;
+  in.num_nodes = normalize_num_nodes(num_nodes, B, device);
+  check_tensor("temperature", temperature, 1, kFloat, &device);
+  check_shape("temperature", temperature, {B});
+  in.temperature = temperature.to(at::kFloat).contiguous();
+  check_tensor("seeds", seeds, 1, kInt, &device);
+  check_shape("seeds", seeds, {B});
+  in.seeds = seeds.to(at::kLong).contiguous();
+  TORCH_CHECK_TYPE(offset >= 0, "offset: expected a non-negative int");
+  in.parents = int32_contiguous(parents);
+  check_parents(in.parents, in.num_nodes);
+
+  in.tokens = int32_contiguous(tokens);
+  const int32_t* tok = in.tokens.data_ptr<int32_t>();
+  const int32_t* nn = in.num_nodes.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 1; i < nn[b]; ++i) {
+      TORCH_CHECK_VALUE(tok[b * T + i] >= 0 && tok[b * T + i] < V, "tokens: draft tokens must be in [0, ", V, ")");
+    }
+  }
+  const float* temp = in.temperature.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(std::isfinite(temp[b]) && temp[b] >= 0, "temperature: must be finite and >= 0");
+  }
+  return in;
+}
+
+void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf, const Tensor& row_max,
+                      const Tensor& num_nodes) {
+  const int64_t B = row_max.size(0), T = row_max.size(1);
+  const bool* nan = row_nan.data_ptr<bool>();
+  const bool* posinf = row_posinf.data_ptr<bool>();
+  const int32_t* nn = num_nodes.data_ptr<int32_t>();
+  for (int64_t r = 0; r < B * T; ++r) TORCH_CHECK_VALUE(!nan[r], name, ": contains NaN");
+  for (int64_t r = 0; r < B * T; ++r) TORCH_CHECK_VALUE(!posinf[r], name, ": contains +inf");
+  auto mx = row_max.accessor<double, 2>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < nn[b]; ++i) {
+      TORCH_CHECK_VALUE(mx[b][i] != -INFINITY, name, ": a real node's row is entirely -inf");
+    }
+  }
+}
+
+void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_new, const Tensor& v_new,
+                     const Tensor& cache_lens, const std::optional<Tensor>& block_table) {
+  check_tensor("k_new", k_new, 4, kFloat);
+  const int64_t B = k_new.size(0), T = k_new.size(1), Hkv = k_new.size(2), D = k_new.size(3);
+  const c10::Device device = k_new.device();
+  check_tensor("v_new", v_new, -1, {}, &device);
+  check_shape("v_new", v_new, k_new.sizes());
+  check_tensor("k_cache", k_cache, 4, {}, &device);
+  check_cache_pair(k_cache, v_cache, block_table, B);
+  const int64_t Hc = k_cache.size(-2), Dc = k_cache.size(-1);
+  TORCH_CHECK_VALUE(Hc == Hkv && Dc == D, "k_new: (Hkv, D) = (", Hkv, ", ", D, ") differs from the cache's (", Hc,
+                    ", ", Dc, ")");
+  for (const auto& [name, x] : {std::pair<const char*, const Tensor&>{"k_new", k_new}, {"v_new", v_new}}) {
+    TORCH_CHECK_TYPE(x.scalar_type() == k_cache.scalar_type(), name, ": dtype torch.", dtype_name(x.scalar_type()),
+                     " differs from cache dtype torch.", dtype_name(k_cache.scalar_type()));
+  }
+  check_cache_lens(cache_lens, B, device);
+  check_block_table(block_table, B, device);
+  check_positions(k_cache.sizes(), cache_lens, block_table, [T](int64_t) { return T; }, "the T new tokens");
+}
+
+PathInputs check_kv_rollback(at::TensorList k_caches, at::TensorList v_caches, const Tensor& cache_lens,
+                             const Tensor& accepted_nodes, const Tensor& num_accepted,
+                             const std::optional<Tensor>& block_table) {
+  TORCH_CHECK_TYPE(!k_caches.empty(), "k_cache: expected a tensor or a non-empty list of tensors");
+  TORCH_CHECK_TYPE(!v_caches.empty(), "v_cache: expected a tensor or a non-empty list of tensors");
+  TORCH_CHECK_VALUE(k_caches.size() == v_caches.size(), "v_cache: ", v_caches.size(),
+                    " layer tensors but k_cache has ", k_caches.size());
+  check_tensor("cache_lens", cache_lens, 1, kInt32);
+  const int64_t B = cache_lens.size(0);
+  const c10::Device device = cache_lens.device();
+  for (size_t i = 0; i < k_caches.size(); ++i) {
+    const std::string suffix = k_caches.size() == 1 ? "" : "[" + std::to_string(i) + "]";
+    const Tensor &k = k_caches[i], &v = v_caches[i];
+    check_tensor("k_cache" + suffix, k, -1, {}, &device);
+    check_cache_pair(k, v, block_table, B, "k_cache" + suffix, "v_cache" + suffix);
+    const auto first = k_caches[0].sizes(), sizes = k.sizes();
+    const bool same_layer = sizes.slice(sizes.size() - 4) == first.slice(first.size() - 4);
+    TORCH_CHECK_VALUE(same_layer && k.scalar_type() == k_caches[0].scalar_type(), "k_cache", suffix,
+                      ": every layer must share the first layer's shape and dtype");
+  }
+  check_tensor("accepted_nodes", accepted_nodes, 2, kInt, &device);
+  TORCH_CHECK_VALUE(accepted_nodes.size(0) == B, "accepted_nodes: expected ", B, " rows, got shape ",
+                    shape_str(accepted_nodes.sizes()));
+  check_tensor("num_accepted", num_accepted, 1, kInt, &device);
+  check_shape("num_accepted", num_accepted, {B});
+  check_block_table(block_table, B, device);
+
+  PathInputs in{int32_contiguous(accepted_nodes), int32_contiguous(num_accepted)};
+  const int64_t P = accepted_nodes.size(1);
+  const int32_t* path = in.accepted_nodes.data_ptr<int32_t>();
+  const int32_t* na = in.num_accepted.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(na[b] >= 0 && na[b] < P, "num_accepted: every entry must be in [0, ", P - 1, "]");
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(path[b * P] == 0, "accepted_nodes: every path must start at node 0 (the root)");
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 1; i <= na[b]; ++i) {
+      TORCH_CHECK_VALUE(path[b * P + i] > path[b * P + i - 1], "accepted_nodes: the accepted path must be strictly increasing");
+    }
+  }
+  // the furthest row read is cache_lens + path[num_accepted]; its block must exist
+  check_positions(k_caches[0].sizes(), cache_lens, block_table,
+                  [&](int64_t b) { return static_cast<int64_t>(path[b * P + na[b]]) + 1; }, "the tree rows");
+  return in;
+}
+
+}  // namespace specdec
