@@ -4,7 +4,13 @@ For each case: build the inputs once; compute the check value; for each implemen
 the value checks on and check its output, then time it with the value checks off (the GPU hot path
 setting; the peers validate nothing either). A backend or op that is missing (ImportError,
 NotImplementedError) is skipped with a note; any other failure is recorded as an error row; neither
-stops the run. Results are written after every case, so a run cut short still leaves them.
+stops the run. Results are written after every row, so a run cut short still leaves them.
+
+Each op module (op_attention, op_accept, op_rollback, op_append) provides: OP (its name); Inputs(params,
+device, gen) with .reset() (restore what a call mutates); specdec_fn(x, backend) and peers(x, case)
+({name: factory of a callable}); reference_value(x) and check(x, out, expected) -> "ok ..." or
+"MISMATCH ..."; min_bytes(x, out); summary(x, out) (extra facts for the row); describe(params) (the case
+name); optionally bytes_for_check(x) (memory the check value needs; too large -> not checked).
 """
 from __future__ import annotations
 
@@ -62,8 +68,8 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def measure(mod, x, case, name, kind, make_fn, expected, device, ceiling, budget_s, smoke=False) -> dict:
-    row = {"op": mod.OP, "case": case["name"], "impl": name, "kind": kind, "status": "ok", "note": "",
+def measure(mod, x, case_name, name, kind, make_fn, expected, device, ceiling, budget_s, smoke=False) -> dict:
+    row = {"op": mod.OP, "case": case_name, "impl": name, "kind": kind, "status": "ok", "note": "",
            "time_s": None, "reps": None, "timer": None, "bytes": None, "gbps": None, "pct_copy": None,
            "check": "n/a", "extra": {}}
     try:
@@ -96,7 +102,7 @@ def measure(mod, x, case, name, kind, make_fn, expected, device, ceiling, budget
 def run_case(case, device, backends, peer_names, ceiling, budget_s):
     """Yield the case's rows one by one (the caller saves after each: a step killed mid-case keeps them)."""
     mod = OPS[case.op]
-    record = {"name": mod.describe(case.params)}
+    case_name = mod.describe(case.params)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     try:
@@ -105,21 +111,21 @@ def run_case(case, device, backends, peer_names, ceiling, budget_s):
         expected = _UNCHECKED if big else mod.reference_value(x)
     except Exception as exc:  # noqa: BLE001
         status, note = _failure(exc)
-        yield {"op": case.op, "case": record["name"], "impl": "-", "kind": "-", "status": status,
+        yield {"op": case.op, "case": case_name, "impl": "-", "kind": "-", "status": status,
                "note": f"inputs: {note}", "check": "n/a", "extra": {}}
         return
     for name, backend, note in plan_backends(case, device, backends):
         if note and note != "smoke":
-            row = {"op": case.op, "case": record["name"], "impl": name, "kind": "specdec", "status": "skipped",
+            row = {"op": case.op, "case": case_name, "impl": name, "kind": "specdec", "status": "skipped",
                    "note": note, "check": "n/a", "extra": {}}
         else:
-            row = measure(mod, x, record, name, "specdec", lambda b=backend: mod.specdec_fn(x, b), expected,
+            row = measure(mod, x, case_name, name, "specdec", lambda b=backend: mod.specdec_fn(x, b), expected,
                           device, ceiling, budget_s, smoke=(note == "smoke"))
         _print_row(row)
         yield row
     for name, factory in mod.peers(x, case).items():
         if peer_names is None or name in peer_names:
-            row = measure(mod, x, record, name, "peer", factory, expected, device, ceiling, budget_s)
+            row = measure(mod, x, case_name, name, "peer", factory, expected, device, ceiling, budget_s)
             _print_row(row)
             yield row
     del x, expected
