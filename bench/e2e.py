@@ -1,0 +1,195 @@
+"""End-to-end decoding benchmark: our AR and speculative loops vs Hugging Face transformers, same weights.
+
+    python -m bench.e2e [--target DIR] [--draft DIR] [--prompts N] [--max-new-tokens N] [--out DIR]
+
+Side by side on the same checkpoints and prompts (held-out Python standard library files, never seen
+in training), one request at a time (transformers' assisted generation is single-request), greedy:
+  ours:          AR, speculative with the draft model (chain, static tree, EAGLE-2 dynamic tree),
+                 prompt lookup (n-gram)
+  transformers:  LlamaForCausalLM.generate plain, with assistant_model= (the draft), and with
+                 prompt_lookup_num_tokens= (skipped when transformers is not installed)
+Reports new tokens/s, tokens per target step (tau, ours), and whether each greedy output is identical
+to our AR output. Writes e2e.json and e2e.md under bench/results/ (machine, versions, commit, date).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import glob
+import json
+import os
+import platform
+import subprocess
+import sysconfig
+import time
+import zlib
+
+import torch
+
+import specdec
+from specdec.decoding import SpeculativeDecoder
+from specdec.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specdec.models.hf import load_model
+from specdec.models.tokenizer import ByteTokenizer
+
+ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+OURS = [("ours AR", lambda draft: NoDrafter()),
+        ("ours spec chain:4", lambda draft: DraftModelDrafter(draft, "chain:4")),
+        ("ours spec chain:6", lambda draft: DraftModelDrafter(draft, "chain:6")),
+        ("ours spec tree:2,2,1,1", lambda draft: DraftModelDrafter(draft, "tree:2,2,1,1")),
+        ("ours spec dynamic:12,5,2", lambda draft: DraftModelDrafter(draft, "dynamic:12,5,2")),
+        ("ours prompt lookup chain:8", lambda draft: NgramDrafter(num_tokens=8))]
+
+
+def held_out_prompts(n: int, n_bytes: int) -> list[str]:
+    """The first ~n_bytes (to a line end) of n held-out stdlib files (the training script's split)."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                   if "site-packages" not in p and zlib.crc32(os.path.relpath(p, root).encode()) % 50 == 0)
+    prompts = []
+    for p in paths:
+        with open(p, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if len(text) < 4 * n_bytes:
+            continue
+        cut = text.find("\n", n_bytes)
+        prompts.append(text[:cut + 1])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def run_ours(target, drafter, prompts, max_new):
+    tokens, wall, emitted, steps = [], 0.0, 0, 0
+    for p in prompts:
+        out = SpeculativeDecoder(target, drafter).generate([p], max_new)
+        tokens.append(out.tokens[0])
+        wall += out.summary["wall_s"]
+        emitted += out.summary["tokens_per_step"] * out.summary["steps"]
+        steps += out.summary["steps"]
+    return tokens, wall, emitted / steps
+
+
+def run_hf(model, prompts, max_new, eos, **kwargs):
+    tokens, wall = [], 0.0
+    for p in prompts:
+        x = torch.tensor([p])
+        t0 = time.perf_counter()
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos, **kwargs)
+        wall += time.perf_counter() - t0
+        new = out[0, len(p):].tolist()
+        tokens.append(new[:new.index(eos)] if eos in new else new)
+    return tokens, wall
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        commit = None
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": tf_version,
+            "specdec_cpu_backend": "cpp" if specdec.ops.HAS_CPP else "torch (reference)", "commit": commit,
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def markdown(res: dict) -> str:
+    m, cfg = res["machine"], res["config"]
+    lines = [f"# End-to-end decoding: {cfg['target_params'] / 1e6:.1f}M target, {cfg['draft_params'] / 1e6:.2f}M draft",
+             "", f"{m['date']}, commit {m['commit']}, {m['cpu']} ({m['cores']} cores, torch threads "
+             f"{m['torch_threads']}), Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
+             f"specdec CPU backend: {m['specdec_cpu_backend']}, value checks {cfg['value_checks']}.", "",
+             f"{cfg['prompts']} held-out stdlib prompts (~{cfg['prompt_bytes']} bytes each), greedy, "
+             f"{cfg['max_new_tokens']} new tokens max, one request at a time, fp32 weights.", "",
+             "| method | new tokens/s | speedup vs ours AR | tokens/step (tau) | identical to ours AR |",
+             "|---|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        if r.get("skipped"):
+            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | |")
+            continue
+        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {tau} | "
+                     f"{'yes' if r['identical'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
+    ap.add_argument("--draft", default=os.path.join(ASSETS, "draft"))
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-bytes", type=int, default=300)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--value-checks", action="store_true", help="keep specdec's host-side value checks on")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    specdec.set_value_checks(args.value_checks)
+
+    target, draft = load_model(args.target), load_model(args.draft)
+    tok = ByteTokenizer()
+    prompts = [tok.encode(p) for p in held_out_prompts(args.prompts, args.prompt_bytes)]
+    eos = target.cfg.eos_token_id
+    rows, reference = [], None
+    for name, make in OURS:
+        SpeculativeDecoder(target, make(draft)).generate([prompts[0]], 8)  # warm-up
+        tokens, wall, tau = run_ours(target, make(draft), prompts, args.max_new_tokens)
+        reference = reference or tokens
+        rows.append({"method": name, "tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tau": tau,
+                     "identical": tokens == reference, "new_tokens": sum(map(len, tokens))})
+        print(f"{name:32s} {rows[-1]['tokens_per_s']:8.1f} tok/s  tau {tau:.2f}  identical {tokens == reference}",
+              flush=True)
+    hf_methods = [("transformers AR", {}), ("transformers assisted (assistant_model)", {"assistant": True}),
+                  ("transformers prompt lookup (8 tokens)", {"prompt_lookup_num_tokens": 8})]
+    try:
+        if args.no_transformers:
+            raise ImportError("--no-transformers")
+        from transformers import LlamaForCausalLM
+        hf_target = LlamaForCausalLM.from_pretrained(args.target, torch_dtype=torch.float32).eval()
+        hf_draft = LlamaForCausalLM.from_pretrained(args.draft, torch_dtype=torch.float32).eval()
+    except ImportError as exc:
+        rows += [{"method": name, "skipped": f"transformers not available ({exc})"} for name, _ in hf_methods]
+    else:
+        for name, kw in hf_methods:
+            if kw.pop("assistant", False):
+                kw["assistant_model"] = hf_draft
+            run_hf(hf_target, [prompts[0]], 8, eos, **kw)  # warm-up
+            tokens, wall = run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw)
+            rows.append({"method": name, "tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tau": None,
+                         "identical": tokens == reference, "new_tokens": sum(map(len, tokens))})
+            print(f"{name:32s} {rows[-1]['tokens_per_s']:8.1f} tok/s  identical {tokens == reference}", flush=True)
+    ar = rows[0]["tokens_per_s"]
+    for r in rows:
+        if not r.get("skipped"):
+            r["speedup_vs_ours_ar"] = r["tokens_per_s"] / ar
+    res = {"machine": machine(), "rows": rows,
+           "config": {"target": args.target, "draft": args.draft, "target_params": target.num_params(),
+                      "draft_params": draft.num_params(), "prompts": len(prompts), "prompt_bytes": args.prompt_bytes,
+                      "max_new_tokens": args.max_new_tokens, "value_checks": args.value_checks}}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "e2e.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    md = markdown(res)
+    with open(os.path.join(args.out, "e2e.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
