@@ -15,7 +15,8 @@
 # log and per-step result); SPECDEC_GPU_PACK=0 keeps the steps/ folder unpacked instead.
 #
 # Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds, default 450),
-# SPECDEC_GPU_TESTS (backend test files), SPECDEC_GIT_COMMIT (recorded when the tree has no .git).
+# SPECDEC_GPU_TESTS (backend test files), SPECDEC_GIT_COMMIT (recorded when the tree has no .git);
+# for a dry run of the script's mechanics without a GPU: SPECDEC_GPU_DEVICE=cpu SPECDEC_GPU_BENCH_ARGS=--quick.
 set -u
 set -o pipefail
 
@@ -26,6 +27,8 @@ mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd)
 STEPS=$RESULTS/steps
 mkdir -p "$STEPS/parts"
 PY=${PYTHON:-python3}
+DEVICE=${SPECDEC_GPU_DEVICE:-cuda}
+read -r -a BENCH_ARGS <<<"${SPECDEC_GPU_BENCH_ARGS:-}"
 BUDGET=${SPECDEC_GPU_BUDGET:-450}
 SUMMARY_RESERVE=20
 STATUS=()
@@ -110,22 +113,30 @@ if grep -q SPECDEC_TEST_DEVICE "$REPO/tests/helpers.py"; then
     done
   fi
   if [ ${#BACKEND_TESTS[@]} -gt 0 ]; then
-    step tests-backends 80 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
+    step tests-backends 60 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
   fi
 else
   STATUS+=("$(printf '%-16s skipped (tests/helpers.py has no SPECDEC_TEST_DEVICE switch)' tests-backends)")
 fi
 
-step copy 40 "$PY" -m bench --device cuda --ceiling-only --out "$STEPS/parts" --name 0-copy
-# one process per op: a crashed CUDA context or a hang loses one op, not the grid
-step grid-attention 120 "$PY" -m bench --device cuda --ops attention --out "$STEPS/parts" --name 1-attention --time-budget 95
-step grid-accept 50 "$PY" -m bench --device cuda --ops accept --out "$STEPS/parts" --name 2-accept --time-budget 30
-step grid-rollback 40 "$PY" -m bench --device cuda --ops rollback --out "$STEPS/parts" --name 3-rollback --time-budget 22
-step grid-append 25 "$PY" -m bench --device cuda --ops append --out "$STEPS/parts" --name 4-append --time-budget 10
+step copy 40 "$PY" -m bench --device "$DEVICE" --ceiling-only --out "$STEPS/parts" --name 0-copy
+
+# grid OP N TIMEOUT_S: one process per op (a crashed CUDA context or a hang loses one op, not the grid);
+# no new case starts after 3/4 of the step's time, so the step ends by itself with its results saved
+grid() {
+  local op=$1 n=$2 limit=$3 left=$((BUDGET - SUMMARY_RESERVE - SECONDS))
+  [ "$limit" -gt "$left" ] && limit=$left
+  step "grid-$op" "$limit" "$PY" -m bench --device "$DEVICE" --ops "$op" --out "$STEPS/parts" --name "$n-$op" \
+    --time-budget $((limit * 3 / 4 - 5)) ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
+}
+grid attention 1 120
+grid accept 2 50
+grid rollback 3 40
+grid append 4 25
 
 # summary: merged results and the table (also on stdout)
 SUMMARY_RESERVE=0
-step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --name "bench-$STAMP-cuda"
+step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --name "bench-$STAMP-$DEVICE"
 {
   echo "# specdec GPU run $STAMP"
   echo

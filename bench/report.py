@@ -94,8 +94,9 @@ def _meta_lines(result) -> list[str]:
 
 def _timer_text(device) -> str:
     if device == "cuda":
-        return "triton.testing.do_bench, median, L2 cleared before each call"
-    return "time.perf_counter, 2 warmup calls, median, caches not flushed (% of copy can exceed 100)"
+        return "triton.testing.do_bench, median (fastest also listed), L2 cleared before each call"
+    return ("time.perf_counter, 2 warmup calls, median (fastest call also listed), caches not flushed "
+            "(% of copy can exceed 100)")
 
 
 def markdown(result) -> str:
@@ -115,13 +116,13 @@ def markdown(result) -> str:
         lines += [f"| {r['op']} | {r['case']} | {r['impl']} vs {r['vs']}: {r['speedup']:.2f}x |" for r in rt]
         lines.append("")
     for op in dict.fromkeys(r["op"] for r in result["rows"]):
-        lines += [f"## {op}", "", "| case | impl | time | min bytes | GB/s | % copy | check | notes |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {op}", "", "| case | impl | time (median) | fastest | min bytes | GB/s | % copy | check | notes |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in result["rows"] if r["op"] == op):
             extra = " ".join(f"{k}={v}" for k, v in (r.get("extra") or {}).items())
             notes = " ".join(s for s in (r["status"] if r["status"] != "ok" else "", r.get("note") or "", extra) if s)
             mb = "-" if r.get("bytes") is None else f"{r['bytes'] / 1e6:.3g} MB"
-            lines.append(f"| {r['case']} | {r['impl']} | {_fmt_time(r.get('time_s'))} | {mb} | "
+            lines.append(f"| {r['case']} | {r['impl']} | {_fmt_time(r.get('time_s'))} | {_fmt_time(r.get('time_min_s'))} | {mb} | "
                          f"{_fmt(r.get('gbps'), '.1f')} | {_fmt(r.get('pct_copy'), '.1f')} | {r.get('check', 'n/a')} | "
                          f"{notes} |")
         lines.append("")

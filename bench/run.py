@@ -70,7 +70,7 @@ def _sync(device):
 
 def measure(mod, x, case_name, name, kind, make_fn, expected, device, ceiling, budget_s, smoke=False) -> dict:
     row = {"op": mod.OP, "case": case_name, "impl": name, "kind": kind, "status": "ok", "note": "",
-           "time_s": None, "reps": None, "timer": None, "bytes": None, "gbps": None, "pct_copy": None,
+           "time_s": None, "time_min_s": None, "reps": None, "timer": None, "bytes": None, "gbps": None, "pct_copy": None,
            "check": "n/a", "extra": {}}
     try:
         x.reset()
@@ -86,15 +86,15 @@ def measure(mod, x, case_name, name, kind, make_fn, expected, device, ceiling, b
             return row
         specdec.set_value_checks(False)
         try:
-            seconds, reps, timer = time_fn(fn, device, budget_s=budget_s)
+            timing = time_fn(fn, device, budget_s=budget_s)
         finally:
             specdec.set_value_checks(True)
     except Exception as exc:  # noqa: BLE001 - a broken implementation must not stop the run
         row["status"], row["note"] = _failure(exc)
         return row
-    row.update(time_s=seconds, reps=reps, timer=timer)
+    row.update(timing)
     if row["bytes"]:
-        row["gbps"] = row["bytes"] / seconds / 1e9
+        row["gbps"] = row["bytes"] / row["time_s"] / 1e9
         row["pct_copy"] = 100.0 * row["gbps"] / ceiling["gbps"]
     return row
 
