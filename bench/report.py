@@ -19,7 +19,11 @@ def _fmt_time(s) -> str:
 
 
 def _fmt(v, spec) -> str:
-    return "-" if v is None else format(v, spec)
+    """v formatted by spec, or a dash as wide as the spec's width."""
+    if v is None:
+        width = spec.split(".")[0]
+        return format("-", f">{width}") if width else "-"
+    return format(v, spec)
 
 
 def _timed(row) -> bool:
@@ -83,7 +87,8 @@ def _meta_lines(result) -> list[str]:
     gpu = f"{m['gpu']} ({m['gpu_memory_gib']} GiB, {m['sm_count']} SMs), " if m.get("gpu") else ""
     return [
         f"- date: {m['date']}; device: {m['device']}; machine: {gpu}{m['cpu_count']} CPUs ({m['cpu']}), "
-        f"torch threads {m['torch_threads']}, load average at start {m.get('load_average')}",
+        f"torch threads {m['torch_threads']}, load average at start {m.get('load_average')}, "
+        f"at end {m.get('load_average_end')}",
         f"- python {m['python']}, torch {m['torch']}, triton {m['triton']}"
         + (f", CUDA {m['cuda']}" if m.get("cuda") else "") + f"; TRITON_INTERPRET={m['triton_interpret'] or 'unset'}",
         f"- git commit {m['git_commit']}{' (tracked files modified)' if m['git_dirty'] else ''}",

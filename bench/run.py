@@ -202,6 +202,7 @@ def main(argv=None) -> int:
             result["wall_s"] = round(time.monotonic() - start, 1)
             report.write(result, args.out, stem)
     result["wall_s"] = round(time.monotonic() - start, 1)
+    meta["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
     paths = report.write(result, args.out, stem)
     print()
     print(report.summary_text(result))
