@@ -24,23 +24,7 @@ import torch
 
 import specdec
 from .drafters.base import Drafter, NoDrafter
-from .models.llama import KVCache, Llama, chain_tree
-
-PREFILL_CHUNK = 256
-
-
-@torch.inference_mode()
-def prefill(model: Llama, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-    """Run tokens[b, :lengths[b]] through `model` into `cache` (committed), in chain-shaped chunks."""
-    B = tokens.shape[0]
-    n_max = int(lengths.max())
-    for c0 in range(0, n_max, PREFILL_CHUNK):
-        T = min(PREFILL_CHUNK, n_max - c0)
-        n = (lengths.to(torch.int32) - c0).clamp(0, T)
-        tree = chain_tree(B, T, n.clamp(min=1), device=tokens.device)  # a request with no tokens left pads
-        model.forward_cached(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes, logits_at=False)
-        cache.commit(n)
-
+from .models.llama import Llama
 
 @dataclass
 class GenerationOutput:
@@ -53,8 +37,11 @@ class GenerationOutput:
 
 
 class SpeculativeDecoder:
-    def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None):
+    def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
+                 block_size: Optional[int] = None):
+        """block_size: page the target's KV cache in blocks of this many tokens (default contiguous)."""
         self.target = target
+        self.block_size = block_size
         self.drafter = drafter or NoDrafter()
         V = target.cfg.vocab_size
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != V:
@@ -88,8 +75,8 @@ class SpeculativeDecoder:
         seq_lens = prompt_lens.clone()
 
         t0 = time.perf_counter()
-        cache = self.target.new_cache(B, L)
-        prefill(self.target, cache, tokens, seq_lens - 1)  # the last prompt token is the first root
+        cache = self.target.new_cache(B, L, block_size=self.block_size)
+        self.target.prefill(cache, tokens, seq_lens - 1)  # the last prompt token is the first root
         self.drafter.start(tokens, seq_lens, L, temp, torch.Generator(device=dev).manual_seed(seeds[0]))
 
         done = torch.zeros(B, dtype=torch.bool, device=dev)

@@ -57,6 +57,13 @@ def test_greedy_draft_model_equals_ar(pair, tree):
     assert all(len(t) == 10 for t in out.tokens)
 
 
+def test_greedy_with_paged_target_cache(pair):
+    target, draft = pair
+    ar = generate_ar(target, PROMPTS, 10)
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,1,1"), block_size=4).generate(PROMPTS, 10)
+    assert out.tokens == ar.tokens
+
+
 def test_greedy_ngram_equals_ar(pair):
     target, _ = pair
     ar = generate_ar(target, PROMPTS, 12)

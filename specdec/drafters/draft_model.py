@@ -95,29 +95,33 @@ class DraftModelDrafter(Drafter):
     def _init_static(self, parents: list[int]):
         T = len(parents)
         self.levels = _levels(parents)
-        self.rank = [0] * T  # index among siblings: the rank-th best (or rank-th drawn) child token
+        rank = [0] * T  # index among siblings: node i is its parent's rank-th best (or rank-th drawn) child
         kids = [0] * T
         for i in range(1, T):
-            self.rank[i] = kids[parents[i]]
+            rank[i] = kids[parents[i]]
             kids[parents[i]] += 1
         self.branching = [max(kids[s:e]) for s, e in self.levels[:-1]]  # children drawn per node of a level
         self.num_fed = self.levels[-1][0]  # every node above the deepest level is run through the draft
         self.parents = torch.tensor(parents, dtype=torch.int32)
+        level_start = [s for s, e in self.levels for _ in range(s, e)]
+        self.local_parent = torch.tensor([p - level_start[p] if p >= 0 else 0 for p in parents])  # within its level
+        self.rank = torch.tensor(rank)
         info = specdec.build_tree(self.parents.unsqueeze(0))
         self.depth, self.mask = info.depth, info.mask  # (1, T), (1, T, W)
 
     # -------------------------------------------------------------------------------------------
     def start(self, tokens, seq_lens, max_len, temperature, generator):
-        from ..decoding import prefill
         B = tokens.shape[0]
         self.generator, self.temperature = generator, temperature
         self.all_greedy = bool((temperature == 0).all())
         self.cache = self.model.new_cache(B, max_len + self.num_fed + 2)
-        prefill(self.model, self.cache, tokens, seq_lens - 1)
+        self.model.prefill(self.cache, tokens, seq_lens - 1)
         dev = tokens.device
         self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=dev).expand(B, 2))
         if self.tree.parents is not None:
             T = self.max_nodes
+            for name in ("parents", "local_parent", "rank", "depth", "mask"):
+                setattr(self, name, getattr(self, name).to(dev))
             self.slot = torch.arange(T, device=dev).clamp(max=self.num_fed).expand(B, T)
             self.fed = (torch.arange(T, device=dev) < self.num_fed).expand(B, T)
 
@@ -146,15 +150,13 @@ class DraftModelDrafter(Drafter):
         out[:, 0] = root[:, 0]
         draft_logits = None if self.all_greedy else root_logits.new_zeros(B, T, V)
         level_logits = root_logits.unsqueeze(1)
-        parents = self.parents.to(root.device)
+        parents = self.parents
         for d in range(1, len(self.levels)):
             (ps, pe), (s, e) = self.levels[d - 1], self.levels[d]
             if draft_logits is not None:
                 draft_logits[:, ps:pe] = level_logits
             children = sample(level_logits, self.temperature, self.branching[d - 1], self.generator, self.all_greedy)
-            local_parent = (parents[s:e] - ps).long()
-            rank = torch.tensor(self.rank[s:e], device=root.device)
-            out[:, s:e] = children[:, local_parent, rank]
+            out[:, s:e] = children[:, self.local_parent[s:e], self.rank[s:e]]
             if d + 1 < len(self.levels):  # expand this level: its children come next
                 level_logits = self.model.forward_cached(out[:, s:e], self.cache, self.depth[:, s:e].expand(B, -1),
                                                          self.mask[:, :e].expand(B, -1, -1)[..., :(e + 31) // 32],

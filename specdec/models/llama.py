@@ -282,6 +282,18 @@ class Llama(nn.Module):
             x = x.gather(1, logits_at.long().view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
         return self.head(x)
 
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int = 256) -> None:
+        """Run tokens[b, :lengths[b]] into `cache` and commit them, in chain-shaped chunks of <= chunk."""
+        B = tokens.shape[0]
+        n_max = int(lengths.max())
+        for c0 in range(0, n_max, chunk):
+            T = min(chunk, n_max - c0)
+            n = (lengths.to(torch.int32) - c0).clamp(0, T)
+            tree = chain_tree(B, T, n.clamp(min=1), device=tokens.device)  # a request with no tokens left pads
+            self.forward_cached(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes, logits_at=False)
+            cache.commit(n)
+
     def new_cache(self, batch_size: int, max_len: int, block_size: Optional[int] = None) -> KVCache:
         return KVCache(self.cfg, batch_size, max_len, dtype=self.dtype, device=self.device, block_size=block_size)
 
