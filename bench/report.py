@@ -171,10 +171,11 @@ def write(result, out_dir: str, stem: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     full = dict(result, ratios=ratios(result), targets=targets(result))
     paths = [os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md")]
-    with open(paths[0], "w") as f:
-        json.dump(full, f, indent=1, default=str)
-    with open(paths[1], "w") as f:
-        f.write(markdown(result) + "\n")
+    texts = [json.dumps(full, indent=1, default=str), markdown(result) + "\n"]
+    for path, text in zip(paths, texts):
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)  # a run killed mid-write leaves the previous complete file
     return paths
 
 
