@@ -64,7 +64,7 @@ def choose_config(num_rows: int, head_dim: int, elem_bytes: int) -> TileConfig:
     """
     block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(num_rows)))
     block_n = max(16, min(64, 16384 // (head_dim * elem_bytes)))
-    num_warps = 4 if block_m * head_dim <= 64 * 128 else 8
+    num_warps = 8 if block_m >= 128 or head_dim >= 256 else 4  # 4 would spill registers there (ptxas, sm_90)
     num_stages = 3 if block_m * head_dim * elem_bytes <= 32768 else 2
     return TileConfig(block_m, block_n, num_warps, num_stages)
 
@@ -161,7 +161,8 @@ def _tree_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # Prefix: this split's share of [0, prefix_len), whole tiles per split; every key is visible.
-    chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = (prefix_len + NUM_SPLITS - 1) // NUM_SPLITS
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
     for start in range(lo, hi, BLOCK_N):
@@ -176,7 +177,7 @@ def _tree_attention_kernel(
     # visible to row (i, h) iff bit j % 32 of word j // 32 of tree_mask[b, i] is set. Last split only.
     tree_end = tl.minimum(real_nodes, tl.minimum((row_tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1, T))
     tree_end = tl.where(split == NUM_SPLITS - 1, tree_end, 0)
-    for j0 in range(0, tree_end, BLOCK_N):
+    for j0 in tl.range(0, tree_end, BLOCK_N, num_stages=1):  # 1-2 tiles: pipeline buffers would only cost smem
         j = j0 + offs_n
         key_ok = j < tree_end
         k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, b, prefix_len + j, key_ok,

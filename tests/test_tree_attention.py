@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import triton
 
 import specdec
 from specdec.kernels import tree_attention as ta
@@ -171,3 +172,76 @@ def test_triton_rejects_unsupported():
     case = make_case(gen, D=80)
     with pytest.raises(ValueError, match="q: head dim 80"):
         run(case, "triton")
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled code for an H100/H200 (sm_90), no GPU needed: the interpreter accepts programs the compiler
+# rejects, and it says nothing of registers or shared memory
+# ----------------------------------------------------------------------------------------------
+def compile_for_hopper(fn, types, constexprs, num_warps=4, num_stages=3):
+    """triton.compile for sm_90 as a launch on engine shapes specializes: arguments not named in `types`
+    are int32 strides divisible by 16, innermost strides (in `constexprs`) are 1."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    attrs = {(j,): [["tt.divisibility", 16]] for j, name in enumerate(fn.arg_names)
+             if name not in constexprs and (name.startswith("stride_") or types.get(name, "").startswith("*"))}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def spilled_bytes(kernel):
+    """Per-thread stack (register spills) of a compiled kernel from cuobjdump, or None without the tool."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+def hopper_report(paged: bool, num_splits: int) -> None:
+    """Prints (JSON) what compiling the kernels at the benchmark shape gives: bf16, D 128, T 16, GQA 4.
+    Runs in a fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
+    import json
+    config = ta.choose_config(16 * 4, 128, 2)
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_lens_ptr": "*i32", "tree_mask_ptr": "*i32",
+             "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "out_ptr": "*fp32" if num_splits > 1 else "*bf16",
+             "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+                      UPCAST=False, DOT_PRECISION="tf32", IDENTITY_TABLE=not paged,
+                      stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1)
+    kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
+    merge = compile_for_hopper(ta._merge_splits_kernel,
+                               {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"},
+                               dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=128,
+                                    stride_pd=1, stride_od=1))
+    print(json.dumps({"wgmma": "wgmma" in kernel.asm["ptx"], "shared": kernel.metadata.shared,
+                      "spilled": spilled_bytes(kernel), "merge_spilled": spilled_bytes(merge)}))
+
+
+@pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
+@pytest.mark.parametrize("paged,num_splits", [(False, 1), (True, 4)], ids=["contiguous", "paged-split"])
+def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits):
+    """Tensor-core dots (wgmma), no register spills, and shared memory for two programs per SM
+    (228 KiB per SM, 1 KiB reserved per program)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"from tests.test_tree_attention import hopper_report; hopper_report({paged}, {num_splits})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["wgmma"]
+    assert report["shared"] <= 113 * 1024
+    assert report["spilled"] in (0, None) and report["merge_spilled"] in (0, None)
