@@ -1,0 +1,453 @@
+"""specdec.accept, backend="triton": greedy and exactly lossless rejection sampling over draft chains
+and trees, fused from logits.
+
+Shapes: target_logits (B, T, V) and draft_logits (B, T, V) or None (any float dtype, last dim
+contiguous), tokens/parents (B, T) int32, temperature (B,) float32 (0 = greedy), seeds (B,) int64,
+num_nodes (B,) int32, offset int >= 0. Returns accepted_nodes (B, T) int32 (the path from node 0, padded
+with -1), num_accepted (B,) int32, next_tokens (B,) int64. Semantics are those of reference.accept.
+
+Algorithm (per request, walking from the root; p = softmax(target/t), q = softmax(draft/t)):
+  * greedy: argmax of the node's target row (first index on ties); descend into the first child whose
+    token matches, else emit the argmax.
+  * draft logits (children i.i.d. from q), children tried in node order: accept x iff
+    u * q(x) < r(x). After k rejections r = max(p - c_k q, 0) / Z_k with c_0 = 0, Z_0 = 1 and
+    c_{k+1} = c_k + Z_k, Z_k = sum_x max(p - c_k q, 0): the normalized residual of the reference is
+    recomputed elementwise from one scalar c, so rejection k costs one V-pass (for Z_k) only when
+    another child remains. The test uses the logit ratio rho = q/p = exp((l_q - lse_q) - (l_p - lse_p)):
+    accept iff u * Z_k * rho < 1 - c_k * rho.
+  * given proposals (no draft logits): accept x iff u * S_k < p(x) (x not already rejected), with the
+    closed-form residual mass S_{k+1} = S_k - p(x); no extra pass.
+  * the next token (correction or bonus) is an exponential race over the vocab on the unnormalized
+    final residual: argmax_x log r(x) - log E_x, E_x ~ Exp(1) from Philox, computed blockwise in
+    parallel (r = p for a leaf, p minus the rejected tokens for given proposals, max(p - c q, 0) after
+    rejections with draft logits). Entries with -inf target logits or >= V are never candidates.
+Only the rows of walked nodes are read; no softmax row is materialized.
+
+Randomness: Philox keyed by seeds[b], counters (index, node, stream | offset_hi, offset_lo): u of child i
+uses (i, 0), the race noise of vocab entry x at node n uses (x, n). A request's result therefore
+depends only on its own inputs, seed and offset, never on the batch.
+
+Parallel schedule (the choice and why). A walk is a chain of dependent V-reductions (one per pass:
+node statistics, Z_k, the race), so one program per request streaming V leaves most of the GPU idle at
+B=64 (64 CTAs, each latency-bound at a fraction of its SM's bandwidth) and makes every request pay its
+whole path serially. Instead each pass is split over the vocab: the row is cut into NUM_SPLITS chunks of
+SPLIT_V entries, one program per (request, chunk) writes partial statistics, and the next launch merges
+them and takes the decisions. Every program of a launch takes the same decisions redundantly (same
+inputs, same merge order, so bit-identical results) and chunk 0 alone writes the walk state and the
+outputs; nothing waits on another program, so there are no atomics, no spin locks and no host syncs.
+SPLIT_STEPS such launches run (grid (B, NUM_SPLITS)), then one walker launch (grid (B,)) merges the
+last partials and finishes any walk still running by looping over the same chunk passes itself. The
+walker merges its chunk results exactly like the split launches do, so the result does not depend on
+SPLIT_STEPS (bit-identical on the interpreter). A walk needs at most T + 1 passes, so with
+SPLIT_STEPS = T + 1 every pass runs at full width; requests that finished early exit at once.
+Launch count: SPLIT_STEPS + 1 (fixed by shapes: CUDA-graph capturable).
+
+Bytes floor (for the benchmark): sum_b (num_accepted[b] + 1) * V * (target itemsize + draft itemsize if
+draft logits are given and temperature[b] > 0). Extra traffic over the floor: one re-read of a row per
+residual pass (Z_k and the final race of a rejected node), usually from L2.
+
+Tunables (functions of T, V and the device only, never of B, so results are batch invariant):
+BLOCK_V (tile), NUM_SPLITS, SPLIT_V = chunk size, SPLIT_STEPS, num_warps; see `_config`.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+# Reductions call tl.reduce with tl.max/tl.min/tl.sum's own combine functions: the same code as those
+# wrappers, without a device-function call per reduction (~0.3 ms each under the interpreter).
+from triton.language.standard import _elementwise_max as _MAX
+from triton.language.standard import _elementwise_min as _MIN
+from triton.language.standard import _sum_combine as _SUM
+
+# pass kinds (walk state "kind": the pass to run next at the current node)
+STATS = tl.constexpr(0)  # argmax (greedy) or log-sum-exp of target/draft rows (sampling)
+ZPASS = tl.constexpr(1)  # Z_k = sum max(p - c q, 0) after a rejection with draft logits
+RACE = tl.constexpr(2)  # exponential race over the final residual: the next token
+DONE = tl.constexpr(3)
+# Philox streams
+STREAM_U = tl.constexpr(0)  # u of a child's acceptance test
+STREAM_RACE = tl.constexpr(1)  # per-vocab-entry noise of the race
+NEG_INF = tl.constexpr(float("-inf"))
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+INT_MAX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _uniform(seed, c0, c1, off_lo, off_hi, STREAM: tl.constexpr):
+    """U[0, 1) with 24 bits from Philox(seed; c0, c1, stream | offset_hi, offset_lo)."""
+    zero = c0 * 0
+    r, _, _, _ = tl.philox(seed, c0, zero + c1, zero + STREAM + 4 * off_hi, zero + off_lo)
+    return (r >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _log_exponential(seed, cols, node, off_lo, off_hi):
+    """log E for E ~ Exp(1), one per vocab entry in `cols`, exact to a few ulps also for small E."""
+    zero = cols * 0
+    r, _, _, _ = tl.philox(seed, cols, zero + node, zero + STREAM_RACE + 4 * off_hi, zero + off_lo)
+    w = r.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10  # (r + 1/2) / 2^32 in (0, 1]
+    v = 1.0 - w
+    # E = -log1p(-w): the w / (1 - v) factor corrects the rounding of v (Goldberg's log1p)
+    e = tl.where(v == 1.0, w, -tl.log(v) * (w / (1.0 - v)))
+    return tl.log(e)
+
+
+@triton.jit
+def _lse_add(m1, s1, m2, s2):
+    """Combine two (max, sum exp(x - max)) pairs; -inf maxima (empty sets) are handled."""
+    m = tl.maximum(m1, m2)
+    ms = tl.where(m == NEG_INF, 0.0, m)
+    return m, s1 * tl.exp(m1 - ms) + s2 * tl.exp(m2 - ms)
+
+
+@triton.jit
+def _first_max(x, cols):
+    """(max of x, first index in `cols` where it is reached)."""
+    best = tl.reduce(x, 0, _MAX)
+    return best, tl.reduce(tl.where(x == best, cols, INT_MAX), 0, _MIN)
+
+
+@triton.jit
+def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
+                seed, off_lo, off_hi, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One pass of `kind` over vocab entries [lo, hi) of the current node's rows.
+
+    Returns (r0, r1, r2, r3, ri), merged across chunks by `_merge`:
+      STATS: (max, sum exp(. - max)) of target/t in (r0, r1) and of draft/t in (r2, r3), argmax in ri;
+      ZPASS: (0, sum max(p - c q, 0)); RACE: (best key, -, -, -, its vocab index).
+    """
+    r0 = inv_t * 0.0 + NEG_INF
+    r1 = inv_t * 0.0
+    r2 = r0
+    r3 = r1
+    ri = node * 0 - 1
+    # scalar conditions enter masks through the bound (the interpreter mis-types vector & scalar bools)
+    hi_q = tl.where(use_q, hi, lo)
+    if kind == STATS:
+        for start in range(lo, hi, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            inb = cols < hi
+            a = tl.load(t_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * inv_t
+            bm, bi = _first_max(a, cols)
+            ri = tl.where(bm > r0, bi, ri)
+            r0, r1 = _lse_add(r0, r1, bm, tl.reduce(tl.exp(a - tl.where(bm == NEG_INF, 0.0, bm)), 0, _SUM))
+            if HAS_DRAFT:
+                b = tl.load(d_row + cols, mask=cols < hi_q, other=NEG_INF).to(tl.float32) * inv_t
+                bq = tl.reduce(b, 0, _MAX)
+                r2, r3 = _lse_add(r2, r3, bq, tl.reduce(tl.exp(b - tl.where(bq == NEG_INF, 0.0, bq)), 0, _SUM))
+    elif kind == ZPASS:
+        r0 = inv_t * 0.0  # merged like a log-sum-exp with a common max 0: a plain sum
+        for start in range(lo, hi, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            inb = cols < hi
+            lp = tl.load(t_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * inv_t - lse_p
+            lq = tl.load(d_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * inv_t - lse_q
+            r1 += tl.reduce(tl.maximum(tl.exp(lp) - c * tl.exp(lq), 0.0), 0, _SUM)
+    elif kind == RACE:
+        for start in range(lo, hi, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            inb = cols < hi
+            a = tl.load(t_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * inv_t
+            if HAS_DRAFT:
+                # after rejections: log max(p - c q, 0) = lp + log max(1 - c q/p, 0); a leaf (c = 0): a
+                lp = a - lse_p
+                lq = tl.load(d_row + cols, mask=cols < tl.where(c > 0, hi, lo), other=NEG_INF).to(tl.float32) * inv_t - lse_q
+                rho = tl.exp(lq - tl.where(lp == NEG_INF, 0.0, lp))
+                log_r = tl.where(c > 0, lp + tl.log(tl.maximum(1.0 - c * rho, 0.0)), a)
+            else:
+                # given proposals: every child of the node was rejected, its token has residual 0
+                rejected = cols < 0
+                for j in range(node + 1, n_nodes):
+                    is_child = tl.load(par_row + j) == node
+                    rejected = rejected | (cols == tl.where(is_child, tl.load(tok_row + j), -1))
+                log_r = tl.where(rejected, NEG_INF, a)
+            noise = _log_exponential(seed, cols, node, off_lo, off_hi)
+            # r > 0 entries race; r == 0 entries with a finite logit only as a never-expected fallback
+            # (a residual that rounded to zero everywhere); -inf logits and the tail never
+            key = tl.where(log_r > NEG_INF, log_r - noise, tl.where(a > NEG_INF, -FLT_MAX, NEG_INF))
+            bk, bi = _first_max(key, cols)
+            ri = tl.where(bk > r0, bi, ri)
+            r0 = tl.maximum(r0, bk)
+    return r0, r1, r2, r3, ri
+
+
+@triton.jit
+def _merge(f0, f1, f2, f3, fi, S_BLOCK: tl.constexpr):
+    """Merge per-chunk results (vectors over chunks, identity-padded) in chunk order."""
+    sidx = tl.arange(0, S_BLOCK)
+    m0, first = _first_max(f0, sidx)
+    ri = tl.reduce(tl.where(sidx == first, fi, 0), 0, _SUM)
+    r1 = tl.reduce(f1 * tl.exp(f0 - tl.where(m0 == NEG_INF, 0.0, m0)), 0, _SUM)
+    m2 = tl.reduce(f2, 0, _MAX)
+    r3 = tl.reduce(f3 * tl.exp(f2 - tl.where(m2 == NEG_INF, 0.0, m2)), 0, _SUM)
+    return m0, r1, m2, r3, ri
+
+
+@triton.jit
+def _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
+              seed, off_lo, off_hi, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
+              BLOCK_V: tl.constexpr, S_BLOCK: tl.constexpr):
+    """A whole-row pass in one program: the chunk passes of every split, merged like the split launches."""
+    if NUM_SPLITS == 1:  # merging one chunk is the identity
+        return _chunk_pass(kind, t_row, d_row, 0, V, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
+                           seed, off_lo, off_hi, HAS_DRAFT, BLOCK_V)
+    sidx = tl.arange(0, S_BLOCK)
+    f0 = tl.full((S_BLOCK,), NEG_INF, tl.float32)
+    f1 = tl.full((S_BLOCK,), 0.0, tl.float32)
+    f2 = f0
+    f3 = f1
+    fi = tl.full((S_BLOCK,), -1, tl.int32)
+    for s in range(NUM_SPLITS):
+        lo = s * SPLIT_V
+        q0, q1, q2, q3, qi = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q, lse_p,
+                                         lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo, off_hi,
+                                         HAS_DRAFT, BLOCK_V)
+        here = sidx == s
+        f0 = tl.where(here, q0, f0)
+        f1 = tl.where(here, q1, f1)
+        f2 = tl.where(here, q2, f2)
+        f3 = tl.where(here, q3, f3)
+        fi = tl.where(here, qi, fi)
+    return _merge(f0, f1, f2, f3, fi, S_BLOCK)
+
+
+@triton.jit
+def _first_kind(node, greedy, par, valid):
+    """The pass to run on entering `node`: statistics, or directly the race for a sampling leaf."""
+    has_children = tl.reduce(((par == node) & valid).to(tl.int32), 0, _MAX) > 0
+    return tl.where(greedy | has_children, STATS, RACE).to(tl.int32)
+
+
+@triton.jit
+def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri,
+             greedy, inv_t, u_all, par, tok, idx_t, valid, t_base, d_base, stride_tt, stride_dt, V,
+             acc_row, out_num, out_next, writer, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr):
+    """Consume the result (r0..ri) of the pass `kind` and walk on until the next pass is needed.
+
+    State: kind (next pass), node, depth (its index on the path), cursor (last child tested at node),
+    c and z (draft residual max(p - c q, 0) / z, or given-proposal residual mass z), lse_p/lse_q.
+    Writes the accepted path and, when done, num_accepted/next_tokens (only where `writer`).
+    """
+    testing = kind == ZPASS
+    if kind == ZPASS:
+        z = r1
+    if kind == STATS:
+        if greedy:
+            match = tl.reduce(tl.where((par == node) & valid & (tok == ri), idx_t, T_BLOCK), 0, _MIN)
+            if match < T_BLOCK:
+                depth += 1
+                node = match
+                tl.store(acc_row + depth, node, mask=writer)
+            else:
+                tl.store(out_num, depth, mask=writer)
+                tl.store(out_next, ri.to(tl.int64), mask=writer)
+                kind = kind * 0 + DONE
+        else:
+            lse_p = r0 + tl.log(r1)
+            lse_q = r2 + tl.log(r3)
+            c = inv_t * 0.0
+            z = c + 1.0
+            cursor = node
+            testing = kind == kind
+    if kind == RACE:
+        tl.store(out_num, depth, mask=writer)
+        tl.store(out_next, ri.to(tl.int64), mask=writer)
+        kind = kind * 0 + DONE
+    while testing:
+        child = tl.reduce(tl.where((par == node) & valid & (idx_t > cursor), idx_t, T_BLOCK), 0, _MIN)
+        if child == T_BLOCK:  # every child rejected: the next token comes from the residual
+            kind = kind * 0 + RACE
+            testing = kind != kind
+        else:
+            x = tl.reduce(tl.where(idx_t == child, tok, 0), 0, _SUM)
+            u = tl.reduce(tl.where(idx_t == child, u_all, 0.0), 0, _SUM)
+            x_ok = (x >= 0) & (x < V)
+            lp = tl.load(t_base + node.to(tl.int64) * stride_tt + x, mask=x_ok, other=NEG_INF).to(tl.float32)
+            lp = lp * inv_t - lse_p
+            if HAS_DRAFT:
+                lq = tl.load(d_base + node.to(tl.int64) * stride_dt + x, mask=x_ok, other=NEG_INF).to(tl.float32)
+                rho = tl.exp(lq * inv_t - lse_q - tl.where(lp == NEG_INF, 0.0, lp))  # q(x) / p(x)
+                ok = (lp > NEG_INF) & (u * z * rho < 1.0 - c * rho)
+            else:
+                p = tl.exp(lp)
+                dup = tl.reduce(((par == node) & valid & (idx_t < child) & (tok == x)).to(tl.int32), 0, _MAX) > 0
+                ok = (dup == 0) & (u * z < p)
+            cursor = child
+            if ok:
+                depth += 1
+                node = child
+                tl.store(acc_row + depth, node, mask=writer)
+                kind = _first_kind(node, greedy, par, valid)
+                c = inv_t * 0.0
+                z = c + 1.0
+                testing = kind != kind
+            else:
+                if HAS_DRAFT:
+                    c = c + z
+                    more = tl.reduce(((par == node) & valid & (idx_t > child)).to(tl.int32), 0, _MAX) > 0
+                    if more:  # Z of the new residual is needed before testing the next child
+                        kind = kind * 0 + ZPASS
+                        testing = kind != kind
+                else:
+                    z = tl.where(dup, z, tl.maximum(z - p, 0.0))
+    return kind, node, depth, cursor, c, z, lse_p, lse_q
+
+
+@triton.jit(do_not_specialize=["off_lo", "off_hi", "read_buf", "write_buf"])
+def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr,
+                   acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr,
+                   B, T, V, stride_tb, stride_tt, stride_db, stride_dt, off_lo, off_hi, read_buf, write_buf,
+                   HAS_DRAFT: tl.constexpr, IS_FIRST: tl.constexpr, WALK: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                   T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr):
+    """Split launch (WALK=False, grid (B, NUM_SPLITS)): merge the previous launch's partials, decide,
+    run this chunk of the next pass. Walker (WALK=True, grid (B,)): merge, decide, finish the walk."""
+    b = tl.program_id(0)
+    split = tl.program_id(1)  # 0 in the walker's 1-D grid
+    writer = split == 0
+    t = tl.load(temp_ptr + b)
+    greedy = t == 0.0
+    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
+    use_q = t != 0.0
+    seed = tl.load(seeds_ptr + b)
+    n_nodes = tl.load(num_nodes_ptr + b)
+    idx_t = tl.arange(0, T_BLOCK)
+    valid = idx_t < n_nodes
+    par_row = parents_ptr + b * T
+    tok_row = tokens_ptr + b * T
+    par = tl.load(par_row + idx_t, mask=valid, other=-2)
+    tok = tl.load(tok_row + idx_t, mask=valid, other=-1)
+    # u of every node's acceptance test (node i is tested at most once), drawn up front in one call
+    u_all = tl.full((T_BLOCK,), 0.0, tl.float32)
+    if WALK or not IS_FIRST:  # launches that take decisions
+        if use_q:
+            u_all = _uniform(seed, idx_t, 0, off_lo, off_hi, STREAM_U)
+    t_base = target_ptr + b.to(tl.int64) * stride_tb
+    d_base = draft_ptr + b.to(tl.int64) * stride_db
+    acc_row = acc_ptr + b * T
+    s_i = state_i_ptr + (read_buf * B + b) * 4
+    s_f = state_f_ptr + (read_buf * B + b) * 4
+
+    if IS_FIRST:
+        node = n_nodes * 0
+        kind = _first_kind(node, greedy, par, valid)
+        depth = node
+        cursor = node
+        c = inv_t * 0.0
+        z = c + 1.0
+        lse_p = c
+        lse_q = c
+        tl.store(acc_row + idx_t, tl.where(idx_t == 0, 0, -1), mask=idx_t < tl.where(writer, T, 0))
+    else:
+        kind = tl.load(s_i)
+        node = tl.load(s_i + 1)
+        depth = tl.load(s_i + 2)
+        cursor = tl.load(s_i + 3)
+        c = tl.load(s_f)
+        z = tl.load(s_f + 1)
+        lse_p = tl.load(s_f + 2)
+        lse_q = tl.load(s_f + 3)
+        if kind != DONE:
+            sidx = tl.arange(0, S_BLOCK)
+            part = (read_buf * B + b) * NUM_SPLITS + sidx
+            have = sidx < NUM_SPLITS
+            f0 = tl.load(part_f_ptr + part * 4, mask=have, other=NEG_INF)
+            f1 = tl.load(part_f_ptr + part * 4 + 1, mask=have, other=0.0)
+            f2 = tl.load(part_f_ptr + part * 4 + 2, mask=have, other=NEG_INF)
+            f3 = tl.load(part_f_ptr + part * 4 + 3, mask=have, other=0.0)
+            fi = tl.load(part_i_ptr + part, mask=have, other=-1)
+            r0, r1, r2, r3, ri = _merge(f0, f1, f2, f3, fi, S_BLOCK)
+            kind, node, depth, cursor, c, z, lse_p, lse_q = _advance(
+                kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, greedy, inv_t, u_all, par, tok,
+                idx_t, valid, t_base, d_base, stride_tt, stride_dt, V, acc_row, num_acc_ptr + b, next_ptr + b, writer,
+                HAS_DRAFT, T_BLOCK)
+
+    if WALK:
+        while kind != DONE:
+            t_row = t_base + node.to(tl.int64) * stride_tt
+            d_row = d_base + node.to(tl.int64) * stride_dt
+            r0, r1, r2, r3, ri = _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_row,
+                                           tok_row, n_nodes, seed, off_lo, off_hi, HAS_DRAFT, NUM_SPLITS, SPLIT_V,
+                                           BLOCK_V, S_BLOCK)
+            kind, node, depth, cursor, c, z, lse_p, lse_q = _advance(
+                kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, greedy, inv_t, u_all, par, tok,
+                idx_t, valid, t_base, d_base, stride_tt, stride_dt, V, acc_row, num_acc_ptr + b, next_ptr + b, writer,
+                HAS_DRAFT, T_BLOCK)
+    else:
+        w_i = state_i_ptr + (write_buf * B + b) * 4
+        w_f = state_f_ptr + (write_buf * B + b) * 4
+        tl.store(w_i, kind, mask=writer)
+        tl.store(w_i + 1, node, mask=writer)
+        tl.store(w_i + 2, depth, mask=writer)
+        tl.store(w_i + 3, cursor, mask=writer)
+        tl.store(w_f, c, mask=writer)
+        tl.store(w_f + 1, z, mask=writer)
+        tl.store(w_f + 2, lse_p, mask=writer)
+        tl.store(w_f + 3, lse_q, mask=writer)
+        if kind != DONE:
+            lo = split * SPLIT_V
+            t_row = t_base + node.to(tl.int64) * stride_tt
+            d_row = d_base + node.to(tl.int64) * stride_dt
+            r0, r1, r2, r3, ri = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q,
+                                             lse_p, lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo, off_hi,
+                                             HAS_DRAFT, BLOCK_V)
+            part = ((write_buf * B + b) * NUM_SPLITS + split)
+            tl.store(part_f_ptr + part * 4, r0)
+            tl.store(part_f_ptr + part * 4 + 1, r1)
+            tl.store(part_f_ptr + part * 4 + 2, r2)
+            tl.store(part_f_ptr + part * 4 + 3, r3)
+            tl.store(part_i_ptr + part, ri)
+
+
+def _config(T: int, V: int, device: torch.device) -> dict:
+    """Tile sizes and schedule from shapes and device only (never B: results stay batch invariant)."""
+    if device.type == "cuda":
+        block_v = min(4096, triton.next_power_of_2(V))
+        num_splits = min(16, triton.cdiv(V, block_v))
+        return dict(block_v=block_v, num_splits=num_splits, split_steps=min(T + 1, 16), num_warps=8)
+    # interpreter: small tiles so that small test vocabularies still span several tiles and chunks
+    return dict(block_v=min(16, triton.next_power_of_2(V)), num_splits=1, split_steps=0, num_warps=4)
+
+
+def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, *,
+           block_v=None, num_splits=None, split_steps=None, num_warps=None):
+    """Normalized arguments of the `specdec::accept` schema (validated by specdec.ops.accept).
+
+    Keyword tunables override `_config` (tests use them to compare schedules).
+    """
+    B, T, V = target_logits.shape
+    dev = target_logits.device
+    cfg = _config(T, V, dev)
+    for name, value in (("block_v", block_v), ("num_splits", num_splits), ("split_steps", split_steps),
+                        ("num_warps", num_warps)):
+        if value is not None:
+            cfg[name] = value
+    accepted = torch.empty((B, T), dtype=torch.int32, device=dev)
+    num_accepted = torch.empty((B,), dtype=torch.int32, device=dev)
+    next_tokens = torch.empty((B,), dtype=torch.int64, device=dev)
+    if B == 0:
+        return accepted, num_accepted, next_tokens
+    target = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
+    draft = None if draft_logits is None else (draft_logits if draft_logits.stride(-1) == 1
+                                               else draft_logits.contiguous())
+    d = target if draft is None else draft
+    S = cfg["num_splits"]
+    split_v = triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"]
+    state_i = torch.empty((2, B, 4), dtype=torch.int32, device=dev)
+    state_f = torch.empty((2, B, 4), dtype=torch.float32, device=dev)
+    part_f = torch.empty((2, B, S, 4), dtype=torch.float32, device=dev)
+    part_i = torch.empty((2, B, S), dtype=torch.int32, device=dev)
+    args = (target, d, tokens.contiguous(), parents.contiguous(), temperature.contiguous(), seeds.contiguous(),
+            num_nodes.contiguous(), accepted, num_accepted, next_tokens, state_i, state_f, part_f, part_i,
+            B, T, V, target.stride(0), target.stride(1), d.stride(0), d.stride(1),
+            offset & 0x7FFFFFFF, (offset >> 31) & 0x1FFFFFFF)
+    meta = dict(HAS_DRAFT=draft is not None, NUM_SPLITS=S, SPLIT_V=split_v, BLOCK_V=cfg["block_v"],
+                T_BLOCK=triton.next_power_of_2(T), S_BLOCK=triton.next_power_of_2(S), num_warps=cfg["num_warps"])
+    steps = cfg["split_steps"]
+    for step in range(steps):
+        _accept_kernel[(B, S)](*args, (step + 1) % 2, step % 2, IS_FIRST=step == 0, WALK=False, **meta)
+    _accept_kernel[(B,)](*args, (steps + 1) % 2, steps % 2, IS_FIRST=steps == 0, WALK=True, **meta)
+    return accepted, num_accepted, next_tokens
