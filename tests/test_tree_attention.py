@@ -12,7 +12,7 @@ import triton
 
 import specdec
 from specdec.kernels import tree_attention as ta
-from tests.helpers import BACKENDS, FLOAT_DTYPES, TOL, assert_close, poison_, random_cache, random_trees, to_paged
+from tests.helpers import BACKENDS, FLOAT_DTYPES, assert_close, poison_, random_cache, random_trees, to_paged
 
 BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the tree at odd places
 
@@ -219,10 +219,10 @@ def hopper_report(paged: bool, num_splits: int) -> None:
                       UPCAST=False, DOT_PRECISION="tf32", IDENTITY_TABLE=not paged,
                       stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1)
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
-    merge = compile_for_hopper(ta._merge_splits_kernel,
-                               {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"},
-                               dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=128,
-                                    stride_pd=1, stride_od=1))
+    merge_types = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
+    merge_constexprs = dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=128,
+                            stride_pd=1, stride_od=1)
+    merge = compile_for_hopper(ta._merge_splits_kernel, merge_types, merge_constexprs)
     print(json.dumps({"wgmma": "wgmma" in kernel.asm["ptx"], "shared": kernel.metadata.shared,
                       "spilled": spilled_bytes(kernel), "merge_spilled": spilled_bytes(merge)}))
 
