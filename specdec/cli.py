@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+import specdec
+
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_TREE = "chain:4"
 
@@ -31,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small models gain nothing from more, and a busy machine "
                         "makes multi-threaded small matmuls wait on each other)")
+    g.add_argument("--check-values", action="store_true",
+                   help="keep specdec's host-side value checks on inside the loop (off by default here: the loop "
+                        "builds its op inputs itself, and the test suite runs it with the checks on)")
     g.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -59,10 +64,13 @@ def generate(args) -> dict:
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
     torch.set_num_threads(max(1, args.threads))
+    specdec.set_value_checks(args.check_values)
     target = load_model(args.target)
     tok = load_tokenizer(args.target, target.cfg.vocab_size)
     drafter = make_drafter(args, target)
     prompts = [tok.encode(p) for p in args.prompt]
+    for decoder in (SpeculativeDecoder(target, drafter), SpeculativeDecoder(target)):  # warm-up: fair timings
+        decoder.generate(prompts[:1], 4)
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
     spec = SpeculativeDecoder(target, drafter).generate(prompts, args.max_new_tokens, args.temperature, args.seed,
                                                         progress=progress)
@@ -94,12 +102,16 @@ def print_text(r: dict) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from ._validation import value_checks_enabled
     from .models.hf import CheckpointError
+    checks = value_checks_enabled()
     try:
         result = generate(args)
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        specdec.set_value_checks(checks)
     if args.json:
         print(json.dumps(result))
     else:
