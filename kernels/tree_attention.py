@@ -20,6 +20,9 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
     shapes only, so there is no host sync and the op is CUDA-graph capturable; each range's bounds are
     computed on the device from cache_lens). Partial results are merged by LSE weight in a second
     kernel. The tree part is handled by the last split.
+  * Bytes: K and V of the cache_lens[b] + num_nodes[b] positions, once per row tile (one tile while
+    T * group <= 128, or 64 at D = 256), q read, out and lse written; with S > 1 splits also the fp32
+    partials, B*S*T*Hq*(D+1)*4 bytes written and read back by the merge (small next to the prefix).
   * Online softmax in fp32 (exp2 with log2(e) folded into the scale); dots accumulate in fp32 from
     fp16/bf16 operands on GPU (fp32 operands in IEEE precision, not TF32). The CPU interpreter upcasts
     every tile to fp32 right after the load (its bf16 arithmetic is wrong).
@@ -260,6 +263,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((B, T, Hq), dtype=torch.float32, device=q.device)
+    for name, buf, shape, dtype in (("out", out, (B, T, Hq, D), q.dtype), ("lse", lse, (B, T, Hq), torch.float32)):
+        if tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != q.device:
+            raise ValueError(f"{name}: expected a {shape} {dtype} buffer on {q.device}, got {tuple(buf.shape)} "
+                             f"{buf.dtype} on {buf.device}")
     if num_splits == 1:
         att_out, att_lse = out.unsqueeze(1), lse.unsqueeze(1)  # (B, 1, T, Hq, D), (B, 1, T, Hq)
     else:

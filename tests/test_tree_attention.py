@@ -172,6 +172,9 @@ def test_triton_rejects_unsupported():
     case = make_case(gen, D=80)
     with pytest.raises(ValueError, match="q: head dim 80"):
         run(case, "triton")
+    case = make_case(gen)
+    with pytest.raises(ValueError, match="out: expected"):
+        triton_call(case, out=torch.empty(case["q"].shape, dtype=torch.float16))
 
 
 # ----------------------------------------------------------------------------------------------
