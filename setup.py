@@ -4,6 +4,8 @@ C++ CPU ops (specdec._C). Build against the torch already installed:
     pip install --no-build-isolation -e .
 
 Set SPECDEC_NO_CPP=1 to skip the C++ extension (the package then runs on the reference backend).
+The extension is compiled for the build machine's CPU (-march=native); SPECDEC_CPU_ARCH=<arch> (e.g.
+x86-64-v3) builds for another target, SPECDEC_CPU_ARCH= (empty) for the compiler's default.
 """
 import glob
 import os
@@ -35,10 +37,12 @@ if os.environ.get("SPECDEC_NO_CPP") != "1":
         sources = sorted(glob.glob("csrc/*.cpp"))
         if sources:
             openmp = ["-fopenmp"]  # without it at::parallel_for silently runs on one thread
+            # -Wno-*: noise from ATen's vec headers (CUDA/clang pragmas, GCC 12 on AVX-512 intrinsics)
+            quiet = ["-Wno-unknown-pragmas", "-Wno-maybe-uninitialized"]
             ext_modules.append(CppExtension(
                 "specdec._C", sources,
                 depends=sorted(glob.glob("csrc/*.h")),
-                extra_compile_args=["-O3", "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized", *openmp, *cpu_arch_flags()],
+                extra_compile_args=["-O3", "-g0", *quiet, *openmp, *cpu_arch_flags()],
                 extra_link_args=openmp))
             # ninja compiles the translation units in parallel and only the changed ones
             cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
