@@ -14,7 +14,7 @@ from specdec.models.hf import CheckpointError, load_model, save_model
 from specdec.models.llama import Llama, LlamaConfig, chain_tree
 from specdec.models.tokenizer import VOCAB_SIZE, ByteTokenizer
 
-from helpers import random_parents
+from tests.helpers import random_parents
 
 ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
 
