@@ -18,9 +18,9 @@
 // u * q(x) < r(x), else r <- norm(max(r - q, 0)); with given proposals iff u < r(x) / sum(r), else
 // r(x) <- 0. The next token is drawn from r. This is exactly lossless (SpecInfer multi-step rejection).
 //
-// Two passes: (1) every row once, in parallel over rows: max, first argmax, NaN/+inf flags (the input
-// checks need all rows anyway, and greedy requests are then done); (2) in parallel over requests, walk
-// the tree, computing exp / residual updates only for the rows on the path (fp32, fp64 for fp64 logits).
+// Two passes: (1) every row once: max, first argmax, NaN/+inf flags (the input checks need all rows
+// anyway, and greedy requests are then done); (2) per request, walk the tree, computing exp and residual
+// updates only for the rows on the path (fp32, fp64 for fp64 logits).
 #include "specdec.h"
 
 #include <ATen/core/PhiloxRNGEngine.h>
@@ -52,43 +52,42 @@ inline void for_each_vec(const scalar_t* row, int64_t n, VecFn&& vec_fn, ScalarF
   for (; i < n; ++i) scalar_fn(static_cast<acc_t>(row[i]), i);
 }
 
-struct RowStats {
-  Tensor max, argmax, nan, posinf;  // (B, T) double, int64, bool, bool
-};
-
-// Pass 1 over every row of a (B, T, V) logits tensor.
+// Pass 1: per-row statistics of a (B, T, V) logits tensor: max, first argmax, NaN and +inf flags.
 template <typename scalar_t>
-RowStats row_stats(const Tensor& logits) {
+struct RowStats {
   using acc_t = acc_type_t<scalar_t>;
   using Vec = Vectorized<acc_t>;
-  constexpr int64_t VS = Vec::size();
-  const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2);
-  auto opts = logits.options();
-  RowStats st{at::empty({B, T}, opts.dtype(at::kDouble)), at::empty({B, T}, opts.dtype(at::kLong)),
-              at::empty({B, T}, opts.dtype(at::kBool)), at::empty({B, T}, opts.dtype(at::kBool))};
-  const scalar_t* data = logits.const_data_ptr<scalar_t>();
-  double* row_max = st.max.data_ptr<double>();
-  int64_t* row_argmax = st.argmax.data_ptr<int64_t>();
-  bool* row_nan = st.nan.data_ptr<bool>();
-  bool* row_posinf = st.posinf.data_ptr<bool>();
-  at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+  static constexpr int64_t VS = Vec::size();
+
+  const scalar_t* data;
+  int64_t V;
+  Tensor max, argmax, nan, posinf;  // (B, T) double, int64, bool, bool
+
+  explicit RowStats(const Tensor& logits)
+      : data(logits.const_data_ptr<scalar_t>()), V(logits.size(2)),
+        max(at::empty(logits.sizes().slice(0, 2), logits.options().dtype(at::kDouble))),
+        argmax(at::empty_like(max, max.options().dtype(at::kLong))),
+        nan(at::empty_like(max, max.options().dtype(at::kBool))),
+        posinf(at::empty_like(max, max.options().dtype(at::kBool))) {}
+
+  void compute(int64_t row_begin, int64_t row_end) {
     constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+    constexpr int kAllZero = (1 << VS) - 1;
     alignas(64) acc_t lane_index[VS];
     for (int64_t j = 0; j < VS; ++j) lane_index[j] = static_cast<acc_t>(j);
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
       // per lane: max and the first index reaching it (strict >), as acc_t (exact for V < 2^24)
-      Vec best(-kInf), best_at(acc_t(-1)), index = Vec::loadu(lane_index), nan(acc_t(0)), posinf(acc_t(0));
+      Vec best(-kInf), best_at(acc_t(-1)), index = Vec::loadu(lane_index), any_nan(acc_t(0)), any_posinf(acc_t(0));
       acc_t tail_best = -kInf;
       int64_t tail_at = -1;
       bool tail_nan = false, tail_posinf = false;
       for_each_vec(data + r * V, V,
           [&](const Vec& x, int64_t i) {
-            const Vec cur = index + Vec(static_cast<acc_t>(i));
             const Vec greater = x > best;
             best = Vec::blendv(best, x, greater);
-            best_at = Vec::blendv(best_at, cur, greater);
-            nan = nan | (x != x);
-            posinf = posinf | (x == Vec(kInf));
+            best_at = Vec::blendv(best_at, index + Vec(static_cast<acc_t>(i)), greater);
+            any_nan = any_nan | (x != x);
+            any_posinf = any_posinf | (x == Vec(kInf));
           },
           [&](acc_t x, int64_t i) {
             if (x > tail_best) tail_best = x, tail_at = i;
@@ -105,15 +104,13 @@ RowStats row_stats(const Tensor& logits) {
         if (idx >= 0 && (lanes[j] > m || (lanes[j] == m && idx < at))) m = lanes[j], at = idx;
       }
       if (tail_best > m) m = tail_best, at = tail_at;  // the tail's indices come after every lane's
-      row_max[r] = static_cast<double>(m);
-      row_argmax[r] = at;
-      constexpr int kAllZero = (1 << VS) - 1;
-      row_nan[r] = tail_nan || nan.zero_mask() != kAllZero;
-      row_posinf[r] = tail_posinf || posinf.zero_mask() != kAllZero;
+      max.data_ptr<double>()[r] = static_cast<double>(m);
+      argmax.data_ptr<int64_t>()[r] = at;
+      nan.data_ptr<bool>()[r] = tail_nan || any_nan.zero_mask() != kAllZero;
+      posinf.data_ptr<bool>()[r] = tail_posinf || any_posinf.zero_mask() != kAllZero;
     }
-  });
-  return st;
-}
+  }
+};
 
 // A request's random stream: Philox4x32 keyed by (seed, offset) alone.
 struct RequestRng {
@@ -267,18 +264,14 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
   Tensor next_tokens = at::empty({B}, opts.dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target.scalar_type(), "specdec::accept", [&] {
     using acc_t = acc_type_t<scalar_t>;
-    RowStats ts = row_stats<scalar_t>(target);
-    check_logit_rows("target_logits", ts.nan, ts.posinf, ts.max, in.num_nodes);
-    std::optional<RowStats> ds;
-    if (draft.has_value()) {
-      ds = row_stats<scalar_t>(*draft);
-      check_logit_rows("draft_logits", ds->nan, ds->posinf, ds->max, in.num_nodes);
-    }
+    RowStats<scalar_t> ts(target);
+    std::optional<RowStats<scalar_t>> ds;
+    if (draft.has_value()) ds.emplace(*draft);
     const Accept<scalar_t> op{target.const_data_ptr<scalar_t>(),
                               draft.has_value() ? draft->const_data_ptr<scalar_t>() : nullptr,
-                              ts.max.const_data_ptr<double>(),
-                              ds.has_value() ? ds->max.const_data_ptr<double>() : nullptr,
-                              ts.argmax.const_data_ptr<int64_t>(),
+                              ts.max.template const_data_ptr<double>(),
+                              ds.has_value() ? ds->max.template const_data_ptr<double>() : nullptr,
+                              ts.argmax.template const_data_ptr<int64_t>(),
                               in.tokens.const_data_ptr<int32_t>(),
                               in.parents.const_data_ptr<int32_t>(),
                               in.num_nodes.const_data_ptr<int32_t>(),
@@ -288,10 +281,29 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                               accepted.data_ptr<int32_t>(),
                               num_accepted.data_ptr<int32_t>(),
                               next_tokens.data_ptr<int64_t>()};
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    auto stats = [&](int64_t row_begin, int64_t row_end) {
+      ts.compute(row_begin, row_end);
+      if (ds.has_value()) ds->compute(row_begin, row_end);
+    };
+    auto walk = [&](int64_t begin, int64_t end) {
       std::vector<acc_t> r(V), q(draft.has_value() ? V : 0);
       for (int64_t b = begin; b < end; ++b) op.run(b, r.data(), q.data());
-    });
+    };
+    // Walking needs only the request's own rows: with a request for every thread, one parallel region
+    // (each region wakes the thread team, costly on a busy machine); else rows first, then requests.
+    // Bad logits are reported after both passes (outputs are the op's own, nothing of the caller's is
+    // written), and the walk stays in bounds on them.
+    if (B >= at::get_num_threads()) {
+      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+        stats(begin * T, end * T);
+        walk(begin, end);
+      });
+    } else {
+      at::parallel_for(0, B * T, 1, stats);
+      at::parallel_for(0, B, 1, walk);
+    }
+    check_logit_rows("target_logits", ts.nan, ts.posinf, ts.max, in.num_nodes);
+    if (ds.has_value()) check_logit_rows("draft_logits", ds->nan, ds->posinf, ds->max, in.num_nodes);
   });
   return {accepted, num_accepted, next_tokens};
 }
