@@ -171,24 +171,33 @@ struct Accept {
     return static_cast<double>(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum)) + tail;
   }
 
-  // A draw from r / r_sum by inverse CDF: vector block sums, then a scalar scan inside the block.
-  int64_t sample(const acc_t* r, double r_sum, double u) const {
+  // A draw from r (unnormalized, some mass > 0) by inverse CDF over block sums, then inside the block.
+  // The total is the sum of the same block sums, so the threshold always falls inside some block.
+  int64_t sample(const acc_t* r, double u) const {
     constexpr int64_t kBlock = 512;
-    const double threshold = u * r_sum;
+    auto block_sum = [&](int64_t b0) {
+      return static_cast<double>(at::vec::reduce_all<acc_t>([](Vec x, Vec y) { return x + y; }, r + b0,
+                                                            std::min(kBlock, V - b0)));
+    };
+    double total = 0;
+    for (int64_t b0 = 0; b0 < V; b0 += kBlock) total += block_sum(b0);
+    const double threshold = u * total;
     double cum = 0;
-    for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
-      const int64_t b1 = std::min(V, b0 + kBlock);
-      const double block = at::vec::reduce_all<acc_t>([](Vec x, Vec y) { return x + y; }, r + b0, b1 - b0);
-      if (cum + block <= threshold) {
-        cum += block;
-        continue;
-      }
-      for (int64_t i = b0; i < b1; ++i) {
-        cum += r[i];
-        if (cum > threshold && r[i] > 0) return i;
-      }
+    int64_t b0 = 0;
+    for (; b0 + kBlock < V; b0 += kBlock) {
+      const double block = block_sum(b0);
+      if (cum + block > threshold) break;
+      cum += block;
     }
-    for (int64_t i = V - 1; i > 0; --i) {  // rounding put the threshold past the total: the last token with mass
+    int64_t last = -1;
+    for (int64_t i = b0; i < std::min(V, b0 + kBlock); ++i) {
+      if (r[i] <= 0) continue;
+      last = i;
+      cum += r[i];
+      if (cum > threshold) return i;
+    }
+    if (last >= 0) return last;  // the scalar sum rounded below the block's vector sum
+    for (int64_t i = b0 - 1; i > 0; --i) {  // u * total rounded up to total past an empty last block
       if (r[i] > 0) return i;
     }
     return 0;
@@ -236,7 +245,7 @@ struct Accept {
             r[x] = 0;
           }
         }
-        if (chosen < 0) token = r_sum > 0 ? sample(r, r_sum, rng.uniform()) : target_argmax[row];
+        if (chosen < 0) token = r_sum > 0 ? sample(r, rng.uniform()) : target_argmax[row];
       }
       if (chosen < 0) break;
       accepted[b * T + ++length] = static_cast<int32_t>(chosen);
