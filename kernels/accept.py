@@ -23,9 +23,10 @@ Algorithm (per request, walking from the root; p = softmax(target/t), q = softma
     rejections with draft logits). Entries with -inf target logits or >= V are never candidates.
 Only the rows of walked nodes are read; no softmax row is materialized.
 
-Randomness: Philox keyed by seeds[b], counters (index, node, stream | offset_hi, offset_lo): u of child i
-uses (i, 0), the race noise of vocab entry x at node n uses (x, n). A request's result therefore
-depends only on its own inputs, seed and offset, never on the batch.
+Randomness: Philox-4x32-10 (tl.philox) keyed by seeds[b], counters (index, node, 4 * (offset >> 31) + stream,
+offset mod 2^31): u of child i uses (i, 0, U), the race noise of vocab entry x at node n is word x % 4 of
+(x // 4, n, RACE). A request's result therefore depends only on its own inputs, seed and offset, never on
+the batch or the tiling.
 
 Parallel schedule (the choice and why). A walk is a chain of dependent V-reductions (one per pass:
 node statistics, Z_k, the race), so one program per request streaming V leaves most of the GPU idle at
@@ -76,18 +77,20 @@ INT_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _uniform(seed, c0, c1, off_lo, off_hi, STREAM: tl.constexpr):
-    """U[0, 1) with 24 bits from Philox(seed; c0, c1, stream | offset_hi, offset_lo)."""
-    zero = c0 * 0
-    r, _, _, _ = tl.philox(seed, c0, zero + c1, zero + STREAM + 4 * off_hi, zero + off_lo)
+def _uniform(seed, idx, off_lo, stream_base):
+    """U[0, 1) (24 bits) of the acceptance test of node `idx`: Philox(seed; idx, 0, stream_base | U, off_lo)."""
+    r, _, _, _ = tl.philox(seed, idx, tl.full((), 0, tl.int32), stream_base + STREAM_U, off_lo)
     return (r >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
-def _log_exponential(seed, cols, node, off_lo, off_hi):
-    """log E for E ~ Exp(1), one per vocab entry in `cols`, exact to a few ulps also for small E."""
-    zero = cols * 0
-    r, _, _, _ = tl.philox(seed, cols, zero + node, zero + STREAM_RACE + 4 * off_hi, zero + off_lo)
+def _log_exponential(seed, start, node, off_lo, stream_base, BLOCK_V: tl.constexpr):
+    """log E, E ~ Exp(1), for vocab entries start .. start + BLOCK_V - 1 (start % 4 == 0), exact to a few ulps
+    also for small E. Entry x takes word x % 4 of Philox(seed; x // 4, node, stream_base | RACE, off_lo): one
+    Philox call per four entries, the same numbers whatever the tiling."""
+    quad = start // 4 + tl.arange(0, BLOCK_V // 4)
+    r0, r1, r2, r3 = tl.philox(seed, quad, node, stream_base + STREAM_RACE, off_lo)
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_V,))  # entry 4i + j <- word j of quad i
     w = r.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10  # (r + 1/2) / 2^32 in (0, 1]
     v = 1.0 - w
     # E = -log1p(-w): the w / (1 - v) factor corrects the rounding of v (Goldberg's log1p)
@@ -112,7 +115,7 @@ def _first_max(x, cols):
 
 @triton.jit
 def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
-                seed, off_lo, off_hi, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr):
+                seed, off_lo, stream_base, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr):
     """One pass of `kind` over vocab entries [lo, hi) of the current node's rows.
 
     Returns (r0, r1, r2, r3, ri), merged across chunks by `_merge`:
@@ -123,7 +126,7 @@ def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, node,
     r1 = inv_t * 0.0
     r2 = r0
     r3 = r1
-    ri = node * 0 - 1
+    ri = tl.full((), -1, tl.int32)
     # scalar conditions enter masks through the bound (the interpreter mis-types vector & scalar bools)
     hi_q = tl.where(use_q, hi, lo)
     if kind == STATS:
@@ -164,7 +167,7 @@ def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, node,
                     is_child = tl.load(par_row + j) == node
                     rejected = rejected | (cols == tl.where(is_child, tl.load(tok_row + j), -1))
                 log_r = tl.where(rejected, NEG_INF, a)
-            noise = _log_exponential(seed, cols, node, off_lo, off_hi)
+            noise = _log_exponential(seed, start, node, off_lo, stream_base, BLOCK_V)
             # r > 0 entries race; r == 0 entries with a finite logit only as a never-expected fallback
             # (a residual that rounded to zero everywhere); -inf logits and the tail never
             key = tl.where(log_r > NEG_INF, log_r - noise, tl.where(a > NEG_INF, -FLT_MAX, NEG_INF))
@@ -188,12 +191,12 @@ def _merge(f0, f1, f2, f3, fi, S_BLOCK: tl.constexpr):
 
 @triton.jit
 def _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
-              seed, off_lo, off_hi, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
+              seed, off_lo, stream_base, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
               BLOCK_V: tl.constexpr, S_BLOCK: tl.constexpr):
     """A whole-row pass in one program: the chunk passes of every split, merged like the split launches."""
     if NUM_SPLITS == 1:  # merging one chunk is the identity
         return _chunk_pass(kind, t_row, d_row, 0, V, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
-                           seed, off_lo, off_hi, HAS_DRAFT, BLOCK_V)
+                           seed, off_lo, stream_base, HAS_DRAFT, BLOCK_V)
     sidx = tl.arange(0, S_BLOCK)
     f0 = tl.full((S_BLOCK,), NEG_INF, tl.float32)
     f1 = tl.full((S_BLOCK,), 0.0, tl.float32)
@@ -203,7 +206,7 @@ def _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_ro
     for s in range(NUM_SPLITS):
         lo = s * SPLIT_V
         q0, q1, q2, q3, qi = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q, lse_p,
-                                         lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo, off_hi,
+                                         lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo, stream_base,
                                          HAS_DRAFT, BLOCK_V)
         here = sidx == s
         f0 = tl.where(here, q0, f0)
@@ -244,7 +247,7 @@ def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri,
             else:
                 tl.store(out_num, depth, mask=writer)
                 tl.store(out_next, ri.to(tl.int64), mask=writer)
-                kind = kind * 0 + DONE
+                kind = tl.full((), DONE, tl.int32)
         else:
             lse_p = r0 + tl.log(r1)
             lse_q = r2 + tl.log(r3)
@@ -255,11 +258,11 @@ def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri,
     if kind == RACE:
         tl.store(out_num, depth, mask=writer)
         tl.store(out_next, ri.to(tl.int64), mask=writer)
-        kind = kind * 0 + DONE
+        kind = tl.full((), DONE, tl.int32)
     while testing:
         child = tl.reduce(tl.where((par == node) & valid & (idx_t > cursor), idx_t, T_BLOCK), 0, _MIN)
         if child == T_BLOCK:  # every child rejected: the next token comes from the residual
-            kind = kind * 0 + RACE
+            kind = tl.full((), RACE, tl.int32)
             testing = kind != kind
         else:
             x = tl.reduce(tl.where(idx_t == child, tok, 0), 0, _SUM)
@@ -289,17 +292,17 @@ def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri,
                     c = c + z
                     more = tl.reduce(((par == node) & valid & (idx_t > child)).to(tl.int32), 0, _MAX) > 0
                     if more:  # Z of the new residual is needed before testing the next child
-                        kind = kind * 0 + ZPASS
+                        kind = tl.full((), ZPASS, tl.int32)
                         testing = kind != kind
                 else:
                     z = tl.where(dup, z, tl.maximum(z - p, 0.0))
     return kind, node, depth, cursor, c, z, lse_p, lse_q
 
 
-@triton.jit(do_not_specialize=["off_lo", "off_hi", "read_buf", "write_buf"])
+@triton.jit(do_not_specialize=["off_lo", "stream_base", "read_buf", "write_buf"])
 def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr,
                    acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr,
-                   B, T, V, stride_tb, stride_tt, stride_db, stride_dt, off_lo, off_hi, read_buf, write_buf,
+                   B, T, V, stride_tb, stride_tt, stride_db, stride_dt, off_lo, stream_base, read_buf, write_buf,
                    HAS_DRAFT: tl.constexpr, IS_FIRST: tl.constexpr, WALK: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
                    T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr):
@@ -324,15 +327,13 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
     u_all = tl.full((T_BLOCK,), 0.0, tl.float32)
     if WALK or not IS_FIRST:  # launches that take decisions
         if use_q:
-            u_all = _uniform(seed, idx_t, 0, off_lo, off_hi, STREAM_U)
+            u_all = _uniform(seed, idx_t, off_lo, stream_base)
     t_base = target_ptr + b.to(tl.int64) * stride_tb
     d_base = draft_ptr + b.to(tl.int64) * stride_db
     acc_row = acc_ptr + b * T
-    s_i = state_i_ptr + (read_buf * B + b) * 4
-    s_f = state_f_ptr + (read_buf * B + b) * 4
 
     if IS_FIRST:
-        node = n_nodes * 0
+        node = tl.full((), 0, tl.int32)
         kind = _first_kind(node, greedy, par, valid)
         depth = node
         cursor = node
@@ -342,6 +343,8 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
         lse_q = c
         tl.store(acc_row + idx_t, tl.where(idx_t == 0, 0, -1), mask=idx_t < tl.where(writer, T, 0))
     else:
+        s_i = state_i_ptr + (read_buf * B + b) * 4
+        s_f = state_f_ptr + (read_buf * B + b) * 4
         kind = tl.load(s_i)
         node = tl.load(s_i + 1)
         depth = tl.load(s_i + 2)
@@ -370,7 +373,7 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
             t_row = t_base + node.to(tl.int64) * stride_tt
             d_row = d_base + node.to(tl.int64) * stride_dt
             r0, r1, r2, r3, ri = _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_row,
-                                           tok_row, n_nodes, seed, off_lo, off_hi, HAS_DRAFT, NUM_SPLITS, SPLIT_V,
+                                           tok_row, n_nodes, seed, off_lo, stream_base, HAS_DRAFT, NUM_SPLITS, SPLIT_V,
                                            BLOCK_V, S_BLOCK)
             kind, node, depth, cursor, c, z, lse_p, lse_q = _advance(
                 kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, greedy, inv_t, u_all, par, tok,
@@ -392,7 +395,7 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
             t_row = t_base + node.to(tl.int64) * stride_tt
             d_row = d_base + node.to(tl.int64) * stride_dt
             r0, r1, r2, r3, ri = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q,
-                                             lse_p, lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo, off_hi,
+                                             lse_p, lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo, stream_base,
                                              HAS_DRAFT, BLOCK_V)
             part = ((write_buf * B + b) * NUM_SPLITS + split)
             tl.store(part_f_ptr + part * 4, r0)
@@ -443,7 +446,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     args = (target, d, tokens.contiguous(), parents.contiguous(), temperature.contiguous(), seeds.contiguous(),
             num_nodes.contiguous(), accepted, num_accepted, next_tokens, state_i, state_f, part_f, part_i,
             B, T, V, target.stride(0), target.stride(1), d.stride(0), d.stride(1),
-            offset & 0x7FFFFFFF, (offset >> 31) & 0x1FFFFFFF)
+            offset & 0x7FFFFFFF, ((offset >> 31) & 0x1FFFFFFF) * 4)
     meta = dict(HAS_DRAFT=draft is not None, NUM_SPLITS=S, SPLIT_V=split_v, BLOCK_V=cfg["block_v"],
                 T_BLOCK=triton.next_power_of_2(T), S_BLOCK=triton.next_power_of_2(S), num_warps=cfg["num_warps"])
     steps = cfg["split_steps"]

@@ -1,0 +1,202 @@
+"""specdec.accept on every backend against the reference: greedy results exactly, sampling results by
+their structure (valid root path, tokens in the vocabulary, never a -inf entry), determinism, batch
+invariance and mixed greedy/sampling batches. Losslessness of sampling: test_accept_lossless.py.
+Sizes are small (the Triton kernel runs in the interpreter); V = 37 is not a multiple of any tile."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from tests.helpers import BACKENDS, random_trees
+
+V = 37
+NEG_INF = float("-inf")
+
+
+def _batch(B, T, gen, *, dtype=torch.float32, kinds=("chain", "star", "random"), draft=False, masked=0.0,
+           temperature=0.0):
+    """Random trees whose draft tokens often equal the target argmax at their parent (long greedy paths).
+
+    masked: fraction of target logits set to -inf (at least one entry per row stays finite).
+    With draft=True, draft tokens are drawn from softmax(draft_logits[parent]) instead.
+    """
+    parents, num_nodes = random_trees(B, T, gen, kinds)
+    target = torch.randn(B, T, V, generator=gen) * 2
+    if masked:
+        drop = torch.rand(B, T, V, generator=gen) < masked
+        drop[..., torch.randint(0, V, (1,), generator=gen)] = False
+        target = target.masked_fill(drop, NEG_INF)
+    target = target.to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    draft_logits = torch.randn(B, T, V, generator=gen).to(dtype) if draft else None
+    best = target.float().argmax(-1)
+    for b in range(B):
+        for i in range(1, int(num_nodes[b])):
+            p = int(parents[b, i])
+            if draft:
+                q = torch.softmax(draft_logits[b, p].double(), -1)
+                tokens[b, i] = int(torch.multinomial(q, 1, generator=gen))
+            elif torch.rand((), generator=gen) < 0.6:
+                tokens[b, i] = best[b, p]
+    temp = temperature if isinstance(temperature, torch.Tensor) else torch.full((B,), float(temperature))
+    return dict(target_logits=target, tokens=tokens, parents=parents, num_nodes=num_nodes, draft_logits=draft_logits,
+                temperature=temp, seeds=torch.randint(0, 2**62, (B,), generator=gen))
+
+
+def _check_structure(res, batch):
+    """The result is a valid root path of each tree, padded with -1, and the next token is a finite-logit
+    entry of the last path node's target row (so in [0, V))."""
+    acc, num, nxt = res
+    B, T = batch["tokens"].shape
+    assert acc.dtype == torch.int32 and acc.shape == (B, T)
+    assert num.dtype == torch.int32 and num.shape == (B,)
+    assert nxt.dtype == torch.int64 and nxt.shape == (B,)
+    parents, target, tokens = batch["parents"], batch["target_logits"].float(), batch["tokens"]
+    for b in range(B):
+        n = int(num[b])
+        assert 0 <= n < int(batch["num_nodes"][b]), f"request {b}: num_accepted {n}"
+        path = acc[b, : n + 1].tolist()
+        assert path[0] == 0 and acc[b, n + 1:].eq(-1).all(), f"request {b}: {acc[b].tolist()}"
+        for prev, node in zip(path, path[1:]):
+            assert prev < node < int(batch["num_nodes"][b]) and int(parents[b, node]) == prev, f"request {b}: {path}"
+            assert target[b, prev, int(tokens[b, node])] > NEG_INF, f"request {b}: accepted a -inf token"
+        x = int(nxt[b])
+        assert 0 <= x < V and target[b, path[-1], x] > NEG_INF, f"request {b}: next token {x}"
+
+
+def _accept(batch, backend, **kw):
+    return specdec.accept(**{**batch, **kw}, backend=backend)
+
+
+def _same(a, b):
+    return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kinds", [("chain",), ("star",), ("random", "chain", "star")], ids=["chain", "star", "mixed"])
+def test_greedy_matches_reference(backend, dtype, kinds):
+    gen = torch.Generator().manual_seed(len(kinds) * 7 + int(dtype.itemsize))
+    batch = _batch(8, 7, gen, dtype=dtype, kinds=kinds)
+    res = _accept(batch, backend)
+    ref = _accept(batch, "torch")
+    assert _same(res, ref), f"{res} != {ref}"
+    assert int(res.num_accepted.max()) >= (1 if kinds == ("star",) else 2)  # the paths really descend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_ties_and_vocab_tail(backend):
+    """Ties take the first index; the argmax may sit in the last, partial tile (index V - 1)."""
+    B, T = 4, 3
+    target = torch.zeros(B, T, V)
+    target[0, :, V - 1] = 5.0  # argmax in the tail
+    target[1, :, 3] = target[1, :, 30] = 4.0  # tie: 3 wins
+    target[2, :, 36] = target[2, :, 35] = 4.0  # tie inside the tail: 35 wins
+    # request 3: all equal: 0 wins
+    tokens = torch.tensor([[0, V - 1, V - 1], [0, 30, 3], [0, 35, 35], [0, 1, 0]])
+    parents = torch.tensor([[-1, 0, 1], [-1, 0, 0], [-1, 0, 1], [-1, 0, 0]])
+    res = specdec.accept(target, tokens, parents, backend=backend)
+    assert res.accepted_nodes.tolist() == [[0, 1, 2], [0, 2, -1], [0, 1, 2], [0, 2, -1]]
+    assert res.next_tokens.tolist() == [V - 1, 3, 35, 0]
+    assert _same(res, specdec.accept(target, tokens, parents, backend="torch"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
+def test_sampling_one_hot_target_equals_greedy(backend, draft):
+    """A target with one finite logit per row is deterministic: sampling must give the greedy result
+    (every rejection, residual and race must land on that entry, also in the vocabulary tail)."""
+    gen = torch.Generator().manual_seed(5 + draft)
+    batch = _batch(8, 7, gen, draft=draft)
+    keep = torch.randint(V - 8, V, batch["target_logits"].shape[:2], generator=gen)  # often in the tail
+    one_hot = torch.full_like(batch["target_logits"], NEG_INF).scatter_(-1, keep[..., None], 1.0)
+    tokens = batch["tokens"].clone()
+    for b in range(8):  # half the children carry the target's token
+        for i in range(1, 7):
+            if torch.rand((), generator=gen) < 0.5:
+                tokens[b, i] = keep[b, max(int(batch["parents"][b, i]), 0)]
+    batch.update(target_logits=one_hot, tokens=tokens, temperature=torch.full((8,), 0.9))
+    res = _accept(batch, backend)
+    ref = _accept(batch, "torch", temperature=0.0)
+    assert _same(res, ref), f"{res} != greedy {ref}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
+def test_sampling_never_emits_masked_entries(backend, draft):
+    """-inf target logits are never accepted nor drawn, even where the drafter proposes them."""
+    gen = torch.Generator().manual_seed(11 + draft)
+    batch = _batch(16, 6, gen, draft=draft, masked=0.8, temperature=1.0)
+    res = _accept(batch, backend)
+    _check_structure(res, batch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampling_structure_and_determinism(backend):
+    gen = torch.Generator().manual_seed(3)
+    batch = _batch(12, 8, gen, draft=True, temperature=0.7, kinds=("random", "chain", "star"))
+    res = _accept(batch, backend)
+    _check_structure(res, batch)
+    assert _same(res, _accept(batch, backend)), "same seeds, different result"
+    other_seeds = _accept(batch, backend, seeds=batch["seeds"] + 1)
+    other_offset = _accept(batch, backend, offset=1)
+    for other in (other_seeds, other_offset):
+        _check_structure(other, batch)
+        assert not _same(res, other), "the result does not depend on the seed / offset"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
+def test_batch_invariance(backend, draft):
+    """A request's result depends only on its own inputs and seed: reorder the batch, replace the others."""
+    gen = torch.Generator().manual_seed(21 + draft)
+    temps = torch.tensor([0.0, 0.8, 1.3, 0.0, 1.0, 0.6])
+    batch = _batch(6, 6, gen, draft=draft, temperature=temps)
+    res = _accept(batch, backend)
+    _check_structure(res, batch)
+    perm = torch.tensor([5, 3, 1, 0, 4, 2])
+    permuted = {k: (v[perm] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    res_perm = _accept(permuted, backend)
+    assert all(torch.equal(x[perm], y) for x, y in zip(res, res_perm))
+    others = _batch(6, 6, torch.Generator().manual_seed(99), draft=draft, temperature=1.0)
+    mixed = {k: (torch.cat([v[:3], others[k][3:]]) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    res_mixed = _accept(mixed, backend)
+    assert all(torch.equal(x[:3], y[:3]) for x, y in zip(res, res_mixed))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_greedy_and_sampling_batch(backend):
+    """Greedy rows of a mixed batch equal the reference exactly; sampling rows are valid; root-only
+    requests (num_nodes = 1) emit one token."""
+    gen = torch.Generator().manual_seed(31)
+    temps = torch.tensor([0.0, 1.0, 0.0, 0.5, 0.0, 2.0, 0.0, 1.0])
+    batch = _batch(8, 6, gen, draft=True, temperature=temps)
+    batch["num_nodes"][6:] = 1
+    batch["parents"][6:, 1:] = -1
+    res = _accept(batch, backend)
+    _check_structure(res, batch)
+    ref = _accept(batch, "torch")
+    greedy = temps == 0
+    assert all(torch.equal(x[greedy], y[greedy]) for x, y in zip(res, ref))
+    assert res.num_accepted[6:].tolist() == [0, 0]
+
+
+def test_triton_schedules_agree():
+    """Triton only: the V-split schedule (chunks, split launches, walker) never changes a result."""
+    from specdec.kernels.accept import accept as triton_accept
+
+    gen = torch.Generator().manual_seed(41)
+    T = 6
+    for draft in (True, False):
+        temps = torch.tensor([0.0, 1.0, 0.7, 1.0, 0.0, 1.5])
+        batch = _batch(6, T, gen, draft=draft, temperature=temps, masked=0.3)
+        args = (batch["target_logits"], batch["tokens"].int(), batch["parents"].int(), batch["draft_logits"],
+                batch["temperature"], batch["seeds"], batch["num_nodes"], 3)
+        base = triton_accept(*args, block_v=16, num_splits=3, split_steps=0)
+        _check_structure(base, batch)
+        for steps in (1, 2, T + 1):
+            assert _same(base, triton_accept(*args, block_v=16, num_splits=3, split_steps=steps)), steps
+        # other tilings only change float rounding, which these inputs are far from
+        for block_v, splits in ((16, 1), (32, 2), (64, 1)):
+            assert _same(base, triton_accept(*args, block_v=block_v, num_splits=splits, split_steps=1))
