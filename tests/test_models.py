@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 import specdec
-from specdec.models.hf import CheckpointError, load_model, save_model
+from specdec.models.hf import CheckpointError, load_model, save_model, to_hf_state
 from specdec.models.llama import Llama, LlamaConfig, chain_tree
 from specdec.models.tokenizer import VOCAB_SIZE, ByteTokenizer
 
@@ -64,7 +64,7 @@ def test_save_load_round_trip(tmp_path, kw):
 def test_qwen2_names_and_biases(tmp_path):
     """A Qwen2-style folder: q/k/v biases, no o_proj bias, tied embeddings without lm_head.weight."""
     src = tiny(qkv_bias=True, tie_embeddings=True)
-    state = {k: v.contiguous() for k, v in src.state_dict().items()}
+    state = {k: v.contiguous() for k, v in to_hf_state(src).items()}
     assert "model.layers.0.self_attn.q_proj.bias" in state and "model.layers.0.self_attn.o_proj.bias" not in state
     save_file(state, str(tmp_path / "model.safetensors"))
     cfg = {"model_type": "qwen2", "vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2,

@@ -1,7 +1,8 @@
 """Hugging Face-format checkpoint folders (config.json + *.safetensors) <-> `Llama`.
 
-Reads Llama, Mistral and Qwen2 configs and weights (parameter names are the same as our module names);
-writes a LlamaForCausalLM-compatible folder that transformers can load as is.
+Reads Llama, Mistral and Qwen2 configs and weights (the parameter names are ours, except our fused
+q/k/v and gate/up projections); writes a LlamaForCausalLM-compatible folder that transformers loads
+as is.
 """
 from __future__ import annotations
 
@@ -61,6 +62,37 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).replace("torch.", ""), **cfg.extra}
 
 
+def from_hf_state(state: dict, cfg: LlamaConfig) -> dict:
+    """Hugging Face parameter names -> ours: q/k/v and gate/up projections joined (fused matmuls)."""
+    state = dict(state)
+    for i in range(cfg.n_layers):
+        pre = f"model.layers.{i}."
+        for fused, parts in ((pre + "self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                             (pre + "mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+            group = fused.rsplit(".", 1)[0]
+            for kind in ("weight", "bias"):
+                names = [f"{group}.{p}.{kind}" for p in parts]
+                if all(n in state for n in names):
+                    state[f"{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+    return state
+
+
+def to_hf_state(model: Llama) -> dict:
+    """Our state dict with Hugging Face parameter names (fused projections split)."""
+    cfg, out = model.cfg, {}
+    sizes = {"qkv_proj": [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim],
+             "gate_up_proj": [cfg.intermediate_size] * 2}
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, value in model.state_dict().items():
+        group, module, kind = ("." + name).rsplit(".", 2)  # "lm_head.weight" -> ("", "lm_head", "weight")
+        if module in parts:
+            for part, piece in zip(parts[module], value.split(sizes[module])):
+                out[f"{group[1:]}.{part}.{kind}"] = piece
+        else:
+            out[name] = value
+    return out
+
+
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, device="cpu") -> Llama:
     """A `Llama` from a Hugging Face checkpoint folder, weights cast to `dtype` (eval mode)."""
     config_path = os.path.join(path, "config.json")
@@ -79,6 +111,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device="cpu") -
     state = {}
     for name in files:
         state.update(load_file(name))
+    state = from_hf_state(state, cfg)
     with torch.device("meta"):
         model = Llama(cfg)
     expected = set(model.state_dict())
@@ -98,7 +131,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device="cpu") -
 def save_model(model: Llama, path: str, *, dtype: torch.dtype = torch.float16, extra_files: Optional[dict] = None):
     """Write config.json + model.safetensors (weights cast to `dtype`) to folder `path`."""
     os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(dtype).contiguous() for k, v in to_hf_state(model).items()}
     tmp = os.path.join(path, "model.safetensors.tmp")
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(path, "model.safetensors"))  # atomic: a reader never sees half a file

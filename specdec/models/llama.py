@@ -2,7 +2,8 @@
 
 Covers Llama 1-3, Mistral and Qwen2 checkpoints: RMSNorm, rotary embeddings (incl. Llama-3 and linear
 rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional q/k/v biases.
-Module names equal the Hugging Face parameter names, so a state dict loads without renaming.
+Module names follow the Hugging Face parameter names, except that q/k/v and gate/up projections are
+fused into one matmul each (`qkv_proj`, `gate_up_proj`; hf.py splits and joins them).
 
 Two forward paths:
   * `forward(tokens)`: plain causal attention (F.scaled_dot_product_attention) over a whole sequence,
@@ -83,14 +84,10 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     raise ValueError(f"rope_scaling: rope_type {kind!r} not supported (default, linear, llama3)")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, H, D); cos/sin (B, T, D). The Hugging Face (half-split) rotary convention."""
-    return x * cos.unsqueeze(2) + rotate_half(x) * sin.unsqueeze(2)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D); cos, signed_sin (B, T, D) from `Llama.rope`. The Hugging Face (half-split) rotary
+    convention x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, D/2) * (-sin1, sin2)."""
+    return x * cos.unsqueeze(2) + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin.unsqueeze(2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,18 +144,16 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        # q, k and v projections fused into one matmul (hf.py splits/joins them for checkpoints)
+        self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.o_bias)
 
     def qkv(self, x, cos, sin):
         B, T, _ = x.shape
-        hd = self.cfg.head_dim
-        q = self.q_proj(x).view(B, T, self.cfg.n_heads, hd)
-        k = self.k_proj(x).view(B, T, self.cfg.n_kv_heads, hd)
-        v = self.v_proj(x).view(B, T, self.cfg.n_kv_heads, hd)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        hq, hkv = self.cfg.n_heads, self.cfg.n_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, hq + 2 * hkv, self.cfg.head_dim)
+        qk = apply_rope(qkv[:, :, :hq + hkv], cos, sin)  # q and k heads rotated together
+        return qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
 
     def forward(self, x, cos, sin):
         """Causal self-attention over the whole sequence (training / ground truth)."""
@@ -170,11 +165,10 @@ class Attention(nn.Module):
     def forward_cached(self, x, cos, sin, k_cache, v_cache, block_table, lens, start, tree_mask, num_nodes):
         B, F_new, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        specdec.kv_append(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), lens + start,
-                          block_table=block_table)
+        specdec.kv_append(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), lens[1], block_table=block_table)
         if start:  # nodes before `start` are in the cache already: their queries are not needed
             q = torch.cat((q.new_zeros(B, start, *q.shape[2:]), q), dim=1)
-        out = specdec.tree_attention(q, k_cache, v_cache, lens, tree_mask, block_table=block_table,
+        out = specdec.tree_attention(q, k_cache, v_cache, lens[0], tree_mask, block_table=block_table,
                                      num_nodes=num_nodes)
         return self.o_proj(out[:, start:].reshape(B, F_new, -1))
 
@@ -182,12 +176,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # fused
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -237,10 +231,10 @@ class Llama(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def rope(self, positions: torch.Tensor):
-        """cos, sin (B, T, head_dim) for integer positions (B, T)."""
+        """cos and signed sin (-sin, sin) (B, T, head_dim) for integer positions (B, T) (see apply_rope)."""
         angles = positions.float().unsqueeze(-1) * self.inv_freq  # (B, T, D/2)
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        sin = angles.sin()
+        return torch.cat((angles, angles), dim=-1).cos().to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
 
     def head(self, x):
         x = self.model.norm(x)
@@ -272,10 +266,11 @@ class Llama(nn.Module):
         """
         lens = cache.lens if lens is None else lens
         cos, sin = self.rope(lens.unsqueeze(1).long() + depth.long())
+        both_lens = (lens, lens + start if start else lens)  # where the tree starts, where the new tokens go
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache.block_table, lens, start, tree_mask,
-                                     num_nodes)
+            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache.block_table, both_lens, start,
+                                     tree_mask, num_nodes)
         if logits_at is False:
             return None
         if logits_at is not None:
