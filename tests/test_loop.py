@@ -72,6 +72,15 @@ def test_greedy_ngram_equals_ar(pair):
     assert out.summary["tokens_per_step"] > 1.0  # a random model loops, so lookup finds continuations
 
 
+def test_ngram_lookup_choice():
+    """The latest match with a full continuation; else the earliest (longest) one; longest n first."""
+    drafter = NgramDrafter(num_tokens=2, max_ngram=3)
+    assert drafter.lookup(torch.tensor([1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 1, 2, 3])).tolist() == [7, 7]
+    assert NgramDrafter(num_tokens=3, max_ngram=2).lookup(torch.tensor([5, 5, 5, 5])).tolist() == [5, 5]
+    assert drafter.lookup(torch.tensor([4, 1, 2, 8, 6, 2])).tolist() == [8, 6]  # falls back to n = 1
+    assert drafter.lookup(torch.tensor([1, 2, 3])).tolist() == []
+
+
 def test_self_drafting_accepts_everything(pair):
     """The target as its own draft: every draft token is accepted, greedy and sampling alike."""
     target, _ = pair

@@ -1,5 +1,6 @@
-"""Prompt lookup decoding: propose the tokens that followed the latest earlier occurrence of the
-sequence's last n tokens (n from max_ngram down to min_ngram). No model; runs on the host."""
+"""Prompt lookup decoding: propose the tokens that followed an earlier occurrence of the sequence's last
+n tokens (n from max_ngram down to min_ngram): the latest occurrence followed by num_tokens tokens,
+else the earliest one (the longest continuation there is). No model; runs on the host."""
 from __future__ import annotations
 
 import torch
@@ -15,13 +16,14 @@ class NgramDrafter(Drafter):
         self.max_nodes, self.max_depth = num_tokens + 1, num_tokens
 
     def lookup(self, seq: torch.Tensor) -> torch.Tensor:
-        """The continuation (<= num_tokens tokens) of the latest earlier match of seq's suffix."""
+        """The continuation (<= num_tokens tokens) of an earlier match of seq's suffix (see module doc)."""
         n_seq = seq.shape[0]
         for n in range(min(self.max_ngram, n_seq - 1), self.min_ngram - 1, -1):
             windows = seq[:-1].unfold(0, n, 1)  # windows ending before the last token: a match has a successor
-            hits = (windows == seq[-n:]).all(dim=1).nonzero()
+            hits = (windows == seq[-n:]).all(dim=1).nonzero().flatten()
             if hits.numel():
-                start = int(hits[-1]) + n
+                full = hits[hits + n + self.num_tokens <= n_seq]
+                start = int(full[-1] if full.numel() else hits[0]) + n
                 return seq[start:start + self.num_tokens]
         return seq[:0]
 
