@@ -8,6 +8,7 @@ exists at any time. Matmuls run in bf16 autocast (fp32 master weights); evaluati
 
     python scripts/train_tiny.py --which draft --minutes 12
     python scripts/train_tiny.py --which target --deadline 05:20      # UTC
+    python scripts/train_tiny.py --which draft --resume --lr 1e-3 --deadline 05:18
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from specdec.models.hf import save_model  # noqa: E402
+from specdec.models.hf import load_model, save_model  # noqa: E402
 from specdec.models.llama import Llama, LlamaConfig  # noqa: E402
 from specdec.models.tokenizer import BOS, EOS, VOCAB_SIZE  # noqa: E402
 
@@ -91,6 +92,8 @@ def main():
     ap.add_argument("--checkpoint-minutes", type=float, default=6.0)
     ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (timing runs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out (fresh optimizer)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default per model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -110,17 +113,22 @@ def main():
 
     train, held, n_files, root = corpus()
     cfg = CONFIGS[args.which]
-    model = Llama(cfg)
-    init_weights(model)
-    print(f"# train_tiny {args.which}: {model.num_params() / 1e6:.2f}M params, config {cfg.to_dict()}", flush=True)
+    if args.resume:
+        model = load_model(out).train()
+        assert model.cfg.to_dict() == cfg.to_dict(), "checkpoint config differs from CONFIGS"
+    else:
+        model = Llama(cfg)
+        init_weights(model)
+    print(f"# train_tiny {args.which}: {model.num_params() / 1e6:.2f}M params, config {cfg.to_dict()}"
+          f"{', resumed from ' + out if args.resume else ''}", flush=True)
     print(f"# corpus {root}: {n_files} files, train {len(train) / 1e6:.2f}M bytes, held-out {len(held) / 1e6:.2f}M "
           f"bytes (crc32(path) % {HOLDOUT_MOD} == 0); budget {budget / 60:.1f} min, batch {args.batch} x "
           f"{args.seq_len}, torch {torch.__version__}, {args.threads} thread(s)", flush=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR[args.which], betas=(0.9, 0.95), eps=1e-8)
-    warmup, base_lr = 100, LR[args.which]
+                            lr=args.lr or LR[args.which], betas=(0.9, 0.95), eps=1e-8)
+    warmup, base_lr = 100, args.lr or LR[args.which]
     print(f"# step  minutes  lr  train_loss(nats/byte, mean of last 50)  tokens/s", flush=True)
     step, losses, t0, last_ckpt = 0, [], time.time(), time.time()
     tokens_per_step = args.batch * args.seq_len
