@@ -90,6 +90,28 @@ def test_self_drafting_accepts_everything(pair):
         assert out.summary["tokens_per_step"] == 4.0
 
 
+@pytest.mark.parametrize("tree", ["chain:3", "tree:2,2,1", "dynamic:7,3,2"])
+def test_draft_cache_after_rollbacks_equals_fresh_prefill(pair, tree):
+    """After many propose/commit rounds with partial acceptance, the drafter's committed K/V equal those of
+    prefilling the committed tokens from scratch (so rollback kept exactly the accepted path)."""
+    target, _ = pair
+    draft = tiny(0)
+    with torch.no_grad():  # the target, perturbed: long but not always complete acceptance
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    drafter = DraftModelDrafter(draft, tree)
+    out = SpeculativeDecoder(target, drafter).generate(PROMPTS, 24)
+    hist = out.summary["acceptance_by_depth"]
+    assert 0.1 < hist[-1] < 1.0  # full and partial acceptance both happened
+    for b, prompt in enumerate(PROMPTS):
+        seq = torch.tensor([prompt + out.tokens[b]])
+        n = min(int(drafter.cache.lens[b]), seq.shape[1])
+        fresh = draft.new_cache(1, 96)
+        draft.prefill(fresh, seq, torch.tensor([n]))
+        torch.testing.assert_close(drafter.cache.k[:, b, :n], fresh.k[:, 0, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(drafter.cache.v[:, b, :n], fresh.v[:, 0, :n], atol=1e-5, rtol=1e-5)
+
+
 def test_requests_finish_independently(pair):
     """EOS cuts one request early; the others run to max_new_tokens; greedy output still equals AR's."""
     target, draft = pair
