@@ -147,17 +147,22 @@ def test_accept_direct_seeded_and_batch_independent():
 
 
 def test_kv_append_direct_strided_cache():
-    """A cache whose heads are interleaved with another tensor's (a strided view) is written in place."""
+    """Caches that are strided views are written in place: K's heads interleaved with V's, and a V whose
+    head dim is not the innermost one (element stride != 1)."""
     gen = torch.Generator().manual_seed(6)
     B, T, H, D, cap = 3, 4, 2, 8, 12
     kv = torch.randn(B, cap, 2 * H, D, generator=gen)
-    k, v = kv[:, :, :H], kv[:, :, H:]
+    k = kv[:, :, :H]
+    v_storage = torch.randn(B, cap, D, H, generator=gen)
+    v = v_storage.transpose(2, 3)
+    assert v.stride(-1) != 1
     k_new, v_new = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
     lens = torch.tensor([0, 3, 8], dtype=torch.int32)
-    expected = kv.clone()
-    reference.kv_append(expected[:, :, :H], expected[:, :, H:], k_new, v_new, lens, None)
+    expected_k, expected_v, neighbour = k.clone(), v.clone(), kv[:, :, H:].clone()
+    reference.kv_append(expected_k, expected_v, k_new, v_new, lens, None)
     ops.kv_append(k, v, k_new, v_new, lens, None)
-    assert torch.equal(kv, expected)
+    assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+    assert torch.equal(kv[:, :, H:], neighbour)  # the heads interleaved with K's are not written
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
