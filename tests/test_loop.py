@@ -164,11 +164,12 @@ def exact_two_token_law(target, prompt, temperature):
     return {(x1, x2): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(firsts) for x2 in range(p2.shape[1])}
 
 
-@pytest.mark.parametrize("tree", ["chain:3", "dynamic:6,3,2"])
+@pytest.mark.parametrize("tree", ["chain:3", "tree:3,1", "dynamic:6,3,2"])
 def test_sampling_is_lossless_on_shipped_pair(tree):
     """Many seeds in one batch: the first two tokens' empirical law matches the target's exact law
-    (chi-square, cells with expected count >= 5, the rest pooled). chain:3 passes draft logits (i.i.d.
-    draft samples); the dynamic tree passes given proposals."""
+    (chi-square, cells with expected count >= 5, the rest pooled). chain:3 and tree:3,1 pass draft logits
+    (children drawn i.i.d. from the draft; several siblings in the tree); the dynamic tree passes given
+    proposals."""
     target = load_model(os.path.join(ASSETS, "target"))
     draft = load_model(os.path.join(ASSETS, "draft"))
     prompt = ByteTokenizer().encode("import os\nimport s")
