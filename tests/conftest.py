@@ -1,7 +1,8 @@
 # Triton kernels run on CPU tensors through the interpreter: this must be set before triton is imported.
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# SPECDEC_TEST_DEVICE=cuda (bench/gpu.sh) runs the backend tests on a GPU with compiled kernels instead.
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("SPECDEC_TEST_DEVICE", "cpu") == "cuda" else "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

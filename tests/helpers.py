@@ -1,17 +1,29 @@
 """Shared test utilities: random trees, caches in both layouts, poisoning, tolerances, backend lists."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 import specdec.ops
 
-# Backends tested against the reference: Triton always (interpreter on CPU), C++ when it is built.
-BACKENDS = ["triton"] + (["cpp"] if specdec.ops.HAS_CPP else [])
+# Device of the backend tests: "cpu" (default: Triton through the interpreter, C++ when built) or "cuda"
+# (bench/gpu.sh sets SPECDEC_TEST_DEVICE=cuda: compiled Triton on the GPU, TRITON_INTERPRET=0).
+DEVICE = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cpu"))
+
+# Backends tested against the reference: Triton always, C++ when it is built (CPU only).
+BACKENDS = ["triton"] + (["cpp"] if specdec.ops.HAS_CPP and DEVICE.type == "cpu" else [])
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # (atol, rtol) for results computed in fp32 and rounded to the dtype, compared with a float64 reference.
 TOL = {torch.float64: (1e-9, 1e-9), torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3),
        torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def to_device(*tensors):
+    """Inputs built on the CPU (seeded generators) moved to DEVICE; None stays None."""
+    moved = tuple(None if t is None else t.to(DEVICE) for t in tensors)
+    return moved[0] if len(moved) == 1 else moved
 
 
 def assert_close(actual, expected, dtype=None):
