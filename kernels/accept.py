@@ -127,38 +127,39 @@ def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, node,
     r2 = r0
     r3 = r1
     ri = tl.full((), -1, tl.int32)
-    # scalar conditions enter masks through the bound (the interpreter mis-types vector & scalar bools)
-    hi_q = tl.where(use_q, hi, lo)
-    if kind == STATS:
-        for start in range(lo, hi, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            inb = cols < hi
-            a = tl.load(t_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * inv_t
+    if kind == ZPASS:
+        r0 = r1  # merged like a log-sum-exp with a common max 0: a plain sum
+    # the draft row is read by sampling statistics, Z passes and races after a rejection; scalar
+    # conditions enter masks through the bound (the interpreter mis-types vector & scalar bools)
+    need_q = ((kind == STATS) & use_q) | (kind == ZPASS) | ((kind == RACE) & (c > 0))
+    hi_q = tl.where(need_q, hi, lo)
+    ar = tl.arange(0, BLOCK_V)
+    a_next = tl.load(t_row + lo + ar, mask=lo + ar < hi, other=NEG_INF)
+    if HAS_DRAFT:
+        b_next = tl.load(d_row + lo + ar, mask=lo + ar < hi_q, other=NEG_INF)
+    for start in range(lo, hi, BLOCK_V):
+        cols = start + ar
+        # prefetch: the next tile's loads are in flight while this tile is reduced
+        a = a_next.to(tl.float32) * inv_t
+        a_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < hi, other=NEG_INF)
+        if HAS_DRAFT:
+            b = b_next.to(tl.float32) * inv_t
+            b_next = tl.load(d_row + cols + BLOCK_V, mask=cols + BLOCK_V < hi_q, other=NEG_INF)
+        if kind == STATS:
             bm, bi = _first_max(a, cols)
             ri = tl.where(bm > r0, bi, ri)
             r0, r1 = _lse_add(r0, r1, bm, tl.reduce(tl.exp(a - tl.where(bm == NEG_INF, 0.0, bm)), 0, _SUM))
             if HAS_DRAFT:
-                b = tl.load(d_row + cols, mask=cols < hi_q, other=NEG_INF).to(tl.float32) * inv_t
                 bq = tl.reduce(b, 0, _MAX)
                 r2, r3 = _lse_add(r2, r3, bq, tl.reduce(tl.exp(b - tl.where(bq == NEG_INF, 0.0, bq)), 0, _SUM))
-    elif kind == ZPASS:
-        r0 = inv_t * 0.0  # merged like a log-sum-exp with a common max 0: a plain sum
-        for start in range(lo, hi, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            inb = cols < hi
-            lp = tl.load(t_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * inv_t - lse_p
-            lq = tl.load(d_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * inv_t - lse_q
-            r1 += tl.reduce(tl.maximum(tl.exp(lp) - c * tl.exp(lq), 0.0), 0, _SUM)
-    elif kind == RACE:
-        for start in range(lo, hi, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            inb = cols < hi
-            a = tl.load(t_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * inv_t
+        elif kind == ZPASS:
+            if HAS_DRAFT:  # (only after a rejection with draft logits)
+                r1 += tl.reduce(tl.maximum(tl.exp(a - lse_p) - c * tl.exp(b - lse_q), 0.0), 0, _SUM)
+        else:  # RACE
             if HAS_DRAFT:
                 # after rejections: log max(p - c q, 0) = lp + log max(1 - c q/p, 0); a leaf (c = 0): a
                 lp = a - lse_p
-                lq = tl.load(d_row + cols, mask=cols < tl.where(c > 0, hi, lo), other=NEG_INF).to(tl.float32) * inv_t - lse_q
-                rho = tl.exp(lq - tl.where(lp == NEG_INF, 0.0, lp))
+                rho = tl.exp(b - lse_q - tl.where(lp == NEG_INF, 0.0, lp))
                 log_r = tl.where(c > 0, lp + tl.log(tl.maximum(1.0 - c * rho, 0.0)), a)
             else:
                 # given proposals: every child of the node was rejected, its token has residual 0
@@ -406,13 +407,20 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
 
 
 def _config(T: int, V: int, device: torch.device) -> dict:
-    """Tile sizes and schedule from shapes and device only (never B: results stay batch invariant)."""
+    """Tile sizes and schedule from shapes and device only (never B: results stay batch invariant).
+
+    GPU: 2048-entry tiles over 8 warps (one 16-byte load per thread and row, the next tile prefetched;
+    ptxas for sm_90 with triton 3.6: 128 registers, 2 CTAs/SM, no spills worth noting), up to 16 chunks per
+    row (V = 128K: 8192-entry chunks, 4 tiles each), every pass of a walk of up to 15 nodes in its own
+    full-width launch. Untuned: to be set from the H200 benchmark. Interpreter: 16-entry tiles so small test
+    vocabularies span several tiles, one chunk and only the walker (cheapest; test_accept.py checks that
+    the split schedules give identical results).
+    """
     if device.type == "cuda":
-        block_v = min(4096, triton.next_power_of_2(V))
-        num_splits = min(16, triton.cdiv(V, block_v))
-        return dict(block_v=block_v, num_splits=num_splits, split_steps=min(T + 1, 16), num_warps=8)
-    # interpreter: small tiles so that small test vocabularies still span several tiles and chunks
-    return dict(block_v=min(16, triton.next_power_of_2(V)), num_splits=1, split_steps=0, num_warps=4)
+        block_v = max(16, min(2048, triton.next_power_of_2(V)))
+        return dict(block_v=block_v, num_splits=min(16, triton.cdiv(V, block_v)), split_steps=min(T + 1, 16),
+                    num_warps=8)
+    return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4)
 
 
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, *,
@@ -438,6 +446,8 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
                                                else draft_logits.contiguous())
     d = target if draft is None else draft
     S = cfg["num_splits"]
+    if cfg["block_v"] < 16 or cfg["block_v"] & (cfg["block_v"] - 1) or S < 1 or cfg["split_steps"] < 0:
+        raise ValueError(f"accept: invalid tunables {cfg} (block_v: a power of 2 >= 16, num_splits >= 1)")
     split_v = triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"]
     state_i = torch.empty((2, B, 4), dtype=torch.int32, device=dev)
     state_f = torch.empty((2, B, 4), dtype=torch.float32, device=dev)
