@@ -52,8 +52,6 @@ BLOCK_V (tile), NUM_SPLITS, SPLIT_V = chunk size, SPLIT_STEPS, num_warps; see `_
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -240,7 +238,7 @@ def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri,
         z = r1
     if kind == STATS:
         if greedy:
-            match = tl.reduce(tl.where((par == node) & valid & (tok == ri), idx_t, T_BLOCK), 0, _MIN)
+            match = tl.reduce(tl.where((par == node) & valid & (idx_t > node) & (tok == ri), idx_t, T_BLOCK), 0, _MIN)
             if match < T_BLOCK:
                 depth += 1
                 node = match
@@ -319,7 +317,7 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
     seed = tl.load(seeds_ptr + b)
     n_nodes = tl.load(num_nodes_ptr + b)
     idx_t = tl.arange(0, T_BLOCK)
-    valid = idx_t < n_nodes
+    valid = (idx_t < n_nodes) & (idx_t < T)  # (paths only ascend: a walk ends even on unchecked input)
     par_row = parents_ptr + b * T
     tok_row = tokens_ptr + b * T
     par = tl.load(par_row + idx_t, mask=valid, other=-2)
@@ -396,8 +394,8 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
             t_row = t_base + node.to(tl.int64) * stride_tt
             d_row = d_base + node.to(tl.int64) * stride_dt
             r0, r1, r2, r3, ri = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q,
-                                             lse_p, lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo, stream_base,
-                                             HAS_DRAFT, BLOCK_V)
+                                             lse_p, lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo,
+                                             stream_base, HAS_DRAFT, BLOCK_V)
             part = ((write_buf * B + b) * NUM_SPLITS + split)
             tl.store(part_f_ptr + part * 4, r0)
             tl.store(part_f_ptr + part * 4 + 1, r1)
@@ -418,7 +416,9 @@ def _config(T: int, V: int, device: torch.device) -> dict:
     """
     if device.type == "cuda":
         block_v = max(16, min(2048, triton.next_power_of_2(V)))
-        return dict(block_v=block_v, num_splits=min(16, triton.cdiv(V, block_v)), split_steps=min(T + 1, 16),
+        num_splits = min(16, triton.cdiv(V, block_v))
+        # a row of one chunk gains nothing from split launches: the walker alone, one launch
+        return dict(block_v=block_v, num_splits=num_splits, split_steps=min(T + 1, 16) if num_splits > 1 else 0,
                     num_warps=8)
     return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4)
 

@@ -72,5 +72,6 @@ def assert_law(samples: torch.Tensor, probs: torch.Tensor, what: str) -> None:
     if p < ALPHA:
         counts = torch.bincount(samples.long().cpu().flatten(), minlength=probs.numel())
         expected = probs.double().cpu().flatten() * samples.numel()
+        expected = [round(e, 1) for e in expected.tolist()]
         raise AssertionError(f"{what}: emitted tokens do not follow the target law (chi-square p = {p:.3g} < "
-                             f"{ALPHA}); observed {counts.tolist()}, expected {[round(e, 1) for e in expected.tolist()]}")
+                             f"{ALPHA}); observed {counts.tolist()}, expected {expected}")

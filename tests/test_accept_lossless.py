@@ -183,7 +183,8 @@ def _wrong_sampler(batch, rule: str) -> torch.Tensor:
     return torch.tensor(firsts)
 
 
-@pytest.mark.parametrize("rule,name", [("correct_from_p", "chain_draft"), ("siblings_share_residual", "tree_iid_draft")])
+@pytest.mark.parametrize("rule,name", [("correct_from_p", "chain_draft"),
+                                       ("siblings_share_residual", "tree_iid_draft")])
 def test_negative_control_rejects_wrong_sampler(rule, name):
     cfg = dict(SCENARIOS[name])
     batch = _scenario(n=DEFAULT_SAMPLES, seed=len(name), **cfg)
