@@ -1,7 +1,9 @@
 """specdec.accept on every backend against the reference: greedy results exactly, sampling results by
 their structure (valid root path, tokens in the vocabulary, never a -inf entry), determinism, batch
 invariance and mixed greedy/sampling batches. Losslessness of sampling: test_accept_lossless.py.
-Sizes are small (the Triton kernel runs in the interpreter); V = 37 is not a multiple of any tile."""
+Sizes are small (the Triton kernel runs in the interpreter); V = 37 is not a multiple of any tile.
+Inputs are built on the CPU; the tested backend runs on tests.helpers.DEVICE (SPECDEC_TEST_DEVICE=cuda
+runs the compiled kernel on a GPU), the reference on the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +11,8 @@ import torch
 import triton
 
 import specdec
-from tests.helpers import BACKENDS, random_trees
+from specdec.ops import AcceptResult
+from tests.helpers import BACKENDS, random_trees, to_device
 
 # the interpreted kernel computes log(0) = -inf and exp(-inf) on purpose (masked entries); numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -70,7 +73,12 @@ def _check_structure(res, batch):
 
 
 def _accept(batch, backend, **kw):
-    return specdec.accept(**{**batch, **kw}, backend=backend)
+    """specdec.accept on the batch (keyword overrides `kw`): the reference on the CPU, other backends on
+    DEVICE; the result on the CPU."""
+    args = {**batch, **kw}
+    if backend != "torch":
+        args = {k: to_device(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    return AcceptResult(*(x.cpu() for x in specdec.accept(**args, backend=backend)))
 
 
 def _same(a, b):
@@ -100,10 +108,11 @@ def test_greedy_ties_and_vocab_tail(backend):
     # request 3: all equal: 0 wins
     tokens = torch.tensor([[0, V - 1, V - 1], [0, 30, 3], [0, 35, 35], [0, 1, 0]])
     parents = torch.tensor([[-1, 0, 1], [-1, 0, 0], [-1, 0, 1], [-1, 0, 0]])
-    res = specdec.accept(target, tokens, parents, backend=backend)
+    batch = dict(target_logits=target, tokens=tokens, parents=parents)
+    res = _accept(batch, backend)
     assert res.accepted_nodes.tolist() == [[0, 1, 2], [0, 2, -1], [0, 1, 2], [0, 2, -1]]
     assert res.next_tokens.tolist() == [V - 1, 3, 35, 0]
-    assert _same(res, specdec.accept(target, tokens, parents, backend="torch"))
+    assert _same(res, _accept(batch, "torch"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -194,7 +203,8 @@ def test_single_node_trees(backend):
     target[1, 0, :30] = NEG_INF
     tokens, parents = torch.zeros(4, 1, dtype=torch.int64), torch.full((4, 1), -1)
     temps = torch.tensor([0.0, 1.0, 0.0, 0.5])
-    res = specdec.accept(target, tokens, parents, temperature=temps, seeds=torch.arange(4), backend=backend)
+    res = _accept(dict(target_logits=target, tokens=tokens, parents=parents, temperature=temps,
+                       seeds=torch.arange(4)), backend)
     assert res.accepted_nodes.tolist() == [[0]] * 4 and res.num_accepted.tolist() == [0] * 4
     assert res.next_tokens[0::2].tolist() == target[0::2, 0].argmax(-1).tolist()
     assert 30 <= int(res.next_tokens[1]) < V and 0 <= int(res.next_tokens[3]) < V
@@ -209,9 +219,9 @@ def test_triton_schedules_agree():
     for draft in (True, False):
         temps = torch.tensor([0.0, 1.0, 0.7, 1.0, 0.0, 1.5])
         batch = _batch(6, T, gen, draft=draft, temperature=temps, masked=0.3)
-        args = (batch["target_logits"], batch["tokens"].int(), batch["parents"].int(), batch["draft_logits"],
-                batch["temperature"], batch["seeds"], batch["num_nodes"], 3)
-        base = triton_accept(*args, block_v=16, num_splits=3, split_steps=0)
+        args = (*to_device(batch["target_logits"], batch["tokens"].int(), batch["parents"].int(),
+                           batch["draft_logits"], batch["temperature"], batch["seeds"], batch["num_nodes"]), 3)
+        base = [x.cpu() for x in triton_accept(*args, block_v=16, num_splits=3, split_steps=0)]
         _check_structure(base, batch)
         for steps in (1, 2, T + 1):
             assert _same(base, triton_accept(*args, block_v=16, num_splits=3, split_steps=steps)), steps

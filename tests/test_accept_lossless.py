@@ -5,8 +5,8 @@ tokens with the exact target law by a chi-square test (tests/stats.py). Covered:
 draft logits (children drawn i.i.d. from the drafter), top-k trees and argmax chains without them (given
 proposals), and the first two generated tokens across steps with a Markov-chain target and drafter.
 Negative controls show that the same test rejects known-wrong samplers. Runs over the reference
-("torch") and every other backend; the Triton kernel runs in the interpreter, so its sample sizes are
-smaller (still enough to reject the wrong samplers by many orders of magnitude).
+("torch", on the CPU) and every other backend (on tests.helpers.DEVICE); the Triton kernel in the
+interpreter gets smaller samples (still enough to reject the wrong samplers by many orders of magnitude).
 """
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ import pytest
 import torch
 
 import specdec
-from tests.helpers import BACKENDS
+from specdec.ops import AcceptResult
+from tests.helpers import BACKENDS, DEVICE, to_device
 from tests.stats import ALPHA, assert_law, chi_square_pvalue, emitted_tokens, first_tokens, target_law
 
 # the interpreted kernel computes log(0) = -inf and exp(-inf) on purpose (masked entries); numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 LOSSLESS_BACKENDS = ["torch"] + BACKENDS
-SAMPLES = {"torch": 3000, "cpp": 3000}  # requests per test; the interpreted Triton kernel gets the default
-DEFAULT_SAMPLES = 800
+SAMPLES = 3000  # requests per test
+INTERPRETED_SAMPLES = 800  # for the Triton kernel in the interpreter (~30 ms per request)
 
 V = 6
 NEG_INF = float("-inf")
@@ -35,7 +36,14 @@ DRAFT_ROOT = torch.tensor([0.55, 1.25, -1.4, 0.8, -0.25, 0.0])
 
 
 def samples_for(backend: str) -> int:
-    return SAMPLES.get(backend, DEFAULT_SAMPLES)
+    return INTERPRETED_SAMPLES if backend == "triton" and DEVICE.type == "cpu" else SAMPLES
+
+
+def _accept(backend, **batch):
+    """specdec.accept: the reference on the CPU, other backends on tests.helpers.DEVICE; result on the CPU."""
+    if backend != "torch":
+        batch = {k: to_device(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return AcceptResult(*(x.cpu() for x in specdec.accept(**batch, backend=backend)))
 
 
 def _draft_children(parents: list[int], draft: torch.Tensor, t: float, n: int, gen: torch.Generator):
@@ -85,7 +93,7 @@ def test_first_token_follows_target(backend, name):
     cfg = dict(SCENARIOS[name])
     t = cfg["t"]
     batch = _scenario(n=samples_for(backend), seed=len(name), **cfg)
-    result = specdec.accept(**batch, backend=backend)
+    result = _accept(backend, **batch)
     assert_law(first_tokens(result, batch["tokens"]), target_law(TARGET_ROOT, t), f"{name} on {backend}")
 
 
@@ -131,13 +139,13 @@ def _first_two_tokens(backend, parents, t, with_draft, n, seed):
     gen = torch.Generator().manual_seed(seed)
     seeds = torch.arange(n, dtype=torch.int64) + 7919 * seed
     batch = _markov_step(torch.zeros(n, dtype=torch.int64), parents, t, with_draft, gen)
-    out = emitted_tokens(specdec.accept(**batch, seeds=seeds, offset=0, backend=backend), batch["tokens"])
+    out = emitted_tokens(_accept(backend, **batch, seeds=seeds, offset=0), batch["tokens"])
     first = torch.tensor([o[0] for o in out])
     short = torch.tensor([len(o) == 1 for o in out])
     second = torch.tensor([o[1] if len(o) > 1 else -1 for o in out])
     if short.any():  # the next step starts from the emitted token, same seeds, next offset
         step2 = _markov_step(first[short], parents, t, with_draft, gen)
-        res2 = specdec.accept(**step2, seeds=seeds[short], offset=1, backend=backend)
+        res2 = _accept(backend, **step2, seeds=seeds[short], offset=1)
         second[short] = first_tokens(res2, step2["tokens"])
     return torch.stack([first, second], 1)
 
@@ -187,7 +195,7 @@ def _wrong_sampler(batch, rule: str) -> torch.Tensor:
                                        ("siblings_share_residual", "tree_iid_draft")])
 def test_negative_control_rejects_wrong_sampler(rule, name):
     cfg = dict(SCENARIOS[name])
-    batch = _scenario(n=DEFAULT_SAMPLES, seed=len(name), **cfg)
+    batch = _scenario(n=INTERPRETED_SAMPLES, seed=len(name), **cfg)
     p_value = chi_square_pvalue(_wrong_sampler(batch, rule), target_law(TARGET_ROOT, cfg["t"]))
     assert p_value < ALPHA * 1e-6, f"the chi-square test fails to reject the wrong rule {rule!r} (p = {p_value:.3g})"
 
@@ -195,8 +203,8 @@ def test_negative_control_rejects_wrong_sampler(rule, name):
 def test_negative_control_rejects_misdeclared_draft():
     """Children drawn from one drafter but verified against another's logits: the law breaks."""
     cfg = dict(SCENARIOS["tree_iid_draft"])
-    batch = _scenario(n=DEFAULT_SAMPLES, seed=11, **cfg)
+    batch = _scenario(n=INTERPRETED_SAMPLES, seed=11, **cfg)
     batch["draft_logits"] = batch["draft_logits"].flip(-1)
-    result = specdec.accept(**batch, backend="torch")
+    result = _accept("torch", **batch)
     p_value = chi_square_pvalue(first_tokens(result, batch["tokens"]), target_law(TARGET_ROOT, cfg["t"]))
     assert p_value < ALPHA * 1e-6, f"the chi-square test fails to reject a misdeclared drafter (p = {p_value:.3g})"
