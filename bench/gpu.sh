@@ -7,7 +7,8 @@
 # Steps, each in its own process with its own timeout and log (a failure or a hang costs only its step):
 #   env             GPU, driver, versions, the imports
 #   tests-cuda      tests/test_cuda.py: the compiled Triton kernels on CUDA vs the reference
-#   tests-backends  the backend test files on CUDA, when tests/helpers.py reads SPECDEC_TEST_DEVICE
+#   tests-backends  the backend test files (tree_attention, accept, accept_lossless, kv_cache) on CUDA
+#                   (SPECDEC_TEST_DEVICE=cuda, TRITON_INTERPRET=0), when tests/helpers.py reads the switch
 #   copy            the copy-bandwidth ceiling (device-to-device copy_, 256 MiB .. 16 GiB)
 #   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
 #   summary         merged results + PASS/FAIL against the targets
@@ -15,7 +16,8 @@
 # log and per-step result); SPECDEC_GPU_PACK=0 keeps the steps/ folder unpacked instead.
 #
 # Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds, default 450),
-# SPECDEC_GPU_TESTS (backend test files), SPECDEC_GIT_COMMIT (recorded when the tree has no .git);
+# SPECDEC_GPU_TESTS (backend test files), SPECDEC_GPU_TESTS_TIMEOUT (seconds for them, default 60: every
+# kernel variant they use compiles first), SPECDEC_GIT_COMMIT (recorded when the tree has no .git);
 # for a dry run of the script's mechanics without a GPU: SPECDEC_GPU_DEVICE=cpu SPECDEC_GPU_BENCH_ARGS=--quick.
 set -u
 set -o pipefail
@@ -113,7 +115,8 @@ if grep -q SPECDEC_TEST_DEVICE "$REPO/tests/helpers.py"; then
     done
   fi
   if [ ${#BACKEND_TESTS[@]} -gt 0 ]; then
-    step tests-backends 60 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
+    step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-60}" \
+      env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
   fi
 else
   STATUS+=("$(printf '%-16s skipped (tests/helpers.py has no SPECDEC_TEST_DEVICE switch)' tests-backends)")

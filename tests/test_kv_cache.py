@@ -3,6 +3,8 @@
 Results must be bit-identical (the ops are pure copies), compared through an integer view so the NaN
 rows of unowned paged blocks compare too. For Triton, an interpreter spy also checks that rollback
 writes exactly the rows that must move and reads exactly their sources (in-place rows cost nothing).
+Inputs are built on the CPU; the tested backend runs on tests.helpers.DEVICE (SPECDEC_TEST_DEVICE=cuda
+runs the compiled kernels on a GPU) on copies that keep every stride, the reference on the CPU.
 """
 import zlib
 
@@ -12,7 +14,8 @@ import torch
 import triton
 
 import specdec
-from tests.helpers import BACKENDS, FLOAT_DTYPES, from_paged, random_cache, random_trees, to_paged
+from tests.helpers import BACKENDS, DEVICE, FLOAT_DTYPES, from_paged, random_cache, random_trees, to_paged
+from tests.test_tree_attention import to_device_strided
 
 LAYOUTS = ["contiguous", "paged"]
 BLOCK_SIZE = 4
@@ -84,14 +87,22 @@ def logical(cache: torch.Tensor, table) -> torch.Tensor:
     return cache if table is None else from_paged(cache, table)
 
 
+def for_backend(backend, *tensors):
+    """The inputs as `backend` gets them: the reference the CPU tensors themselves, another backend
+    copies on DEVICE with the same strides (the very tensors on a CPU run)."""
+    return tensors if backend == "torch" else tuple(to_device_strided(t) for t in tensors)
+
+
 # ----------------------------------------------------------------------------------------------
 # kv_rollback
 # ----------------------------------------------------------------------------------------------
 def run_rollback(backend, k, v, table, lens, paths, num_accepted, form):
-    k, v, lens = k.clone(), v.clone(), lens.clone()
+    """kv_rollback on copies of the caches and lengths; the results on the CPU."""
+    k, v, lens, table, paths, num_accepted = for_backend(backend, k.clone(), v.clone(), lens.clone(), table, paths,
+                                                         num_accepted)
     specdec.kv_rollback(as_form(k, form), as_form(v, form), lens, paths, num_accepted,
                         block_table=table, backend=backend)
-    return k, v, lens
+    return k.cpu(), v.cpu(), lens.cpu()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -149,9 +160,10 @@ def test_rollback_list_of_layers_with_different_strides(backend):
     paths, num_accepted = random_paths(B, T, gen)
     outs = {}
     for name in (backend, "torch"):
-        ks, vs, lens_out = [k[0].clone(), k1.clone()], [v[0].clone(), v1.clone()], lens.clone()
-        specdec.kv_rollback(ks, vs, lens_out, paths, num_accepted, backend=name)
-        outs[name] = ks + vs + [lens_out]
+        k0c, k1c, v0c, v1c, lens_out, paths_in, num_in = for_backend(
+            name, k[0].clone(), k1.clone(), v[0].clone(), v1.clone(), lens.clone(), paths, num_accepted)
+        specdec.kv_rollback([k0c, k1c], [v0c, v1c], lens_out, paths_in, num_in, backend=name)
+        outs[name] = [t.cpu() for t in (k0c, k1c, v0c, v1c, lens_out)]
     assert all(same_bits(a, b) for a, b in zip(outs[backend], outs["torch"]))
 
 
@@ -194,6 +206,7 @@ def row_addresses(cache, table, b, positions):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="interpreter spy")
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("form", ["stacked", "list"])
 def test_rollback_moves_only_rows_off_place(monkeypatch, layout, form):
@@ -239,10 +252,11 @@ def test_append_matches_reference(backend, layout, dtype, T):
     v_new = torch.randn(B, H, T, D, generator=gen).to(dtype).transpose(1, 2)
     outs = {}
     for name in (backend, "torch"):
-        kc, vc, lens_c = k.clone(), v.clone(), lens.clone()
-        specdec.kv_append(kc, vc, k_new, v_new, lens_c, block_table=table, backend=name)
-        assert torch.equal(lens_c, lens)  # append does not commit
-        outs[name] = kc, vc
+        kc, vc, k_in, v_in, lens_c, table_in = for_backend(name, k.clone(), v.clone(), k_new, v_new, lens.clone(),
+                                                            table)
+        specdec.kv_append(kc, vc, k_in, v_in, lens_c, block_table=table_in, backend=name)
+        assert torch.equal(lens_c.cpu(), lens)  # append does not commit
+        outs[name] = kc.cpu(), vc.cpu()
     assert same_bits(outs[backend][0], outs["torch"][0]) and same_bits(outs[backend][1], outs["torch"][1])
     # independent of the reference: the T rows hold the new values, every other row is unchanged
     for old, new, src in ((k, outs[backend][0], k_new), (v, outs[backend][1], v_new)):
@@ -264,9 +278,9 @@ def test_append_engine_like_heads_over_several_tiles(backend):
     v_new = torch.randn(B, T, H, D, generator=gen).to(torch.bfloat16)
     outs = {}
     for name in (backend, "torch"):
-        kc, vc = k.clone(), v.clone()
-        specdec.kv_append(kc, vc, k_new, v_new, lens, block_table=table, backend=name)
-        outs[name] = kc, vc
+        kc, vc, k_in, v_in, lens_in, table_in = for_backend(name, k.clone(), v.clone(), k_new, v_new, lens, table)
+        specdec.kv_append(kc, vc, k_in, v_in, lens_in, block_table=table_in, backend=name)
+        outs[name] = kc.cpu(), vc.cpu()
     assert same_bits(outs[backend][0], outs["torch"][0]) and same_bits(outs[backend][1], outs["torch"][1])
 
 
@@ -299,6 +313,7 @@ def compiled_kv_cache(monkeypatch):
 
 
 @pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="checked on the CPU machine; a GPU run runs the compiled kernels")
 @pytest.mark.parametrize("elem", ["fp16", "fp32"])
 def test_kernels_compile_to_vectorized_copies(compiled_kv_cache, elem):
     kv_cache = compiled_kv_cache

@@ -1,6 +1,8 @@
 """tree_attention backends (Triton through the interpreter on CPU, C++ when built) vs the reference.
 
 Shapes stay tiny: the interpreter runs every program and every KV tile one after another.
+Inputs are built on the CPU; the tested backend runs on tests.helpers.DEVICE (SPECDEC_TEST_DEVICE=cuda
+runs the compiled kernel on a GPU) on copies that keep every stride, the reference on the CPU.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import triton
 
 import specdec
 from specdec.kernels import tree_attention as ta
-from tests.helpers import BACKENDS, FLOAT_DTYPES, assert_close, poison_, random_cache, random_trees, to_paged
+from tests.helpers import BACKENDS, DEVICE, FLOAT_DTYPES, assert_close, poison_, random_cache, random_trees, to_paged
 
 BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the tree at odd places
 
@@ -36,13 +38,25 @@ def make_case(gen, *, B=3, T=9, Hkv=2, group=4, D=64, dtype=torch.float32, lens=
                 num_nodes=num_nodes)
 
 
+def to_device_strided(t):
+    """A copy of t on DEVICE with t's strides (Tensor.to makes a view with gaps, e.g. K sliced from K|V,
+    contiguous); t itself when it is already there (CPU runs pass the very tensors they built)."""
+    if not isinstance(t, torch.Tensor) or t.device == DEVICE:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=DEVICE).copy_(t)
+
+
 def run(case, backend, **kw):
-    return specdec.tree_attention(**case, return_lse=True, backend=backend, **kw)
+    """The public op: the reference on the CPU, other backends on DEVICE; (out, lse) on the CPU."""
+    if backend != "torch":
+        case = {name: to_device_strided(x) for name, x in case.items()}
+    return tuple(x.cpu() for x in specdec.tree_attention(**case, return_lse=True, backend=backend, **kw))
 
 
 def check_against_reference(actual, case, **kw):
-    """out within the dtype's tolerance, lse within fp32's, padding rows exactly 0 / -inf."""
-    out, lse = actual
+    """out within the dtype's tolerance, lse within fp32's, padding rows exactly 0 / -inf (actual may
+    still be on DEVICE)."""
+    out, lse = (x.cpu() for x in actual)
     ref_out, ref_lse = run(case, "torch", **kw)
     dtype = case["q"].dtype
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -106,10 +120,10 @@ def test_scale_strides_and_head_dims(backend):
 
 
 def triton_call(case, **launcher_kw):
-    """The Triton launcher directly (normalized args), for its test-only knobs."""
+    """The Triton launcher directly (normalized args) on DEVICE, for its test-only knobs; results stay there."""
     B, T, Hq, D = case["q"].shape
-    return ta.tree_attention(case["q"], case["k_cache"], case["v_cache"], case["cache_lens"], case["tree_mask"],
-                             case["block_table"], case["num_nodes"], D ** -0.5, **launcher_kw)
+    names = ("q", "k_cache", "v_cache", "cache_lens", "tree_mask", "block_table", "num_nodes")
+    return ta.tree_attention(*(to_device_strided(case[name]) for name in names), D ** -0.5, **launcher_kw)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
@@ -120,8 +134,8 @@ def test_triton_split_kv_into_poisoned_outputs(num_splits, block_n):
     gen = torch.Generator().manual_seed(num_splits)
     case = make_case(gen, B=4, T=7, Hkv=2, group=2, dtype=torch.float16, lens=(0, 1, 37, 130), paged=True)
     B, T, Hq, D = case["q"].shape
-    out = poison_(torch.empty(B, T, Hq, D, dtype=torch.float16))
-    lse = poison_(torch.empty(B, T, Hq, dtype=torch.float32))
+    out = poison_(torch.empty(B, T, Hq, D, dtype=torch.float16, device=DEVICE))
+    lse = poison_(torch.empty(B, T, Hq, dtype=torch.float32, device=DEVICE))
     config = ta.TileConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=1)
     result = triton_call(case, num_splits=num_splits, config=config, out=out, lse=lse)
     assert result[0] is out and result[1] is lse
@@ -174,7 +188,7 @@ def test_triton_rejects_unsupported():
         run(case, "triton")
     case = make_case(gen)
     with pytest.raises(ValueError, match="out: expected"):
-        triton_call(case, out=torch.empty(case["q"].shape, dtype=torch.float16))
+        triton_call(case, out=torch.empty(case["q"].shape, dtype=torch.float16, device=DEVICE))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,6 +245,7 @@ def hopper_report(paged: bool, num_splits: int) -> None:
 
 
 @pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="checked on the CPU machine; a GPU run runs the compiled kernels")
 @pytest.mark.parametrize("paged,num_splits", [(False, 1), (True, 4)], ids=["contiguous", "paged-split"])
 def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits):
     """Tensor-core dots (wgmma), no register spills, and shared memory for two programs per SM
