@@ -53,6 +53,15 @@ def block_table(B: int, blocks_per_request: int, gen: torch.Generator, spare: in
     return table.view(B, blocks_per_request).to(torch.int32), num_blocks
 
 
+def cache_layout(B: int, capacity: int, Hkv: int, D: int, page: int, gen: torch.Generator, device):
+    """One layer's cache shape for `capacity` positions per request, and its shuffled block table
+    (None for a contiguous cache, page == 0)."""
+    if not page:
+        return (B, capacity, Hkv, D), None
+    table, num_blocks = block_table(B, -(-capacity // page), gen)
+    return (num_blocks, page, Hkv, D), table.to(device)
+
+
 def physical_rows(positions: torch.Tensor, table: Optional[torch.Tensor], block_size: int):
     """(block-or-request index, row) of logical `positions` (B, n) -> two (B, n) int64 tensors."""
     positions = positions.long()

@@ -14,7 +14,7 @@ import torch
 
 import specdec
 
-from .common import DTYPES, block_table, physical_rows
+from .common import DTYPES, cache_layout, physical_rows
 
 OP = "append"
 
@@ -24,15 +24,7 @@ class Inputs:
         B, T, Hkv, D, L = (p[k] for k in ("B", "T", "Hkv", "D", "L"))
         self.dtype = DTYPES[p["dtype"]]
         self.page = p.get("page", 0)
-        capacity = L + T
-        if self.page:
-            per = -(-capacity // self.page)
-            table, num_blocks = block_table(B, per, gen)
-            self.block_table = table.to(device)
-            shape = (num_blocks, self.page, Hkv, D)
-        else:
-            self.block_table = None
-            shape = (B, capacity, Hkv, D)
+        shape, self.block_table = cache_layout(B, L + T, Hkv, D, self.page, gen, device)
         self.k_cache = torch.randn(shape, dtype=self.dtype, device=device)
         self.v_cache = torch.randn(shape, dtype=self.dtype, device=device)
         self.k_new = torch.randn(B, T, Hkv, D, dtype=self.dtype, device=device)

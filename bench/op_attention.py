@@ -21,7 +21,7 @@ import specdec
 from specdec.reference import unpack_bits
 from specdec.tree import build_tree_vectorized
 
-from .common import DTYPES, block_table, close_check, random_parents
+from .common import DTYPES, cache_layout, close_check, random_parents
 
 OP = "attention"
 
@@ -32,15 +32,7 @@ class Inputs:
         self.dtype = DTYPES[p["dtype"]]
         self.L, self.page = L, p.get("page", 0)
         self.q = torch.randn(B, T, Hq, D, generator=gen).to(self.dtype).to(device)
-        capacity = L + T
-        if self.page:
-            per = -(-capacity // self.page)
-            table, num_blocks = block_table(B, per, gen)
-            self.block_table = table.to(device)
-            shape = (num_blocks, self.page, Hkv, D)
-        else:
-            self.block_table = None
-            shape = (B, capacity, Hkv, D)
+        shape, self.block_table = cache_layout(B, L + T, Hkv, D, self.page, gen, device)
         self.k_cache = torch.randn(shape, dtype=self.dtype, device=device)
         self.v_cache = torch.randn(shape, dtype=self.dtype, device=device)
         self.cache_lens = torch.full((B,), L, dtype=torch.int32, device=device)

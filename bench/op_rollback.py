@@ -19,7 +19,7 @@ import torch
 
 import specdec
 
-from .common import DTYPES, block_table, physical_rows
+from .common import DTYPES, cache_layout, physical_rows
 
 OP = "rollback"
 
@@ -29,15 +29,7 @@ class Inputs:
         layers, B, Hkv, D, L, T, P = (p[k] for k in ("layers", "B", "Hkv", "D", "L", "T", "P"))
         self.dtype = DTYPES[p["dtype"]]
         self.page, self.form = p.get("page", 0), p.get("form", "stacked")
-        capacity = L + T
-        if self.page:
-            per = -(-capacity // self.page)
-            table, num_blocks = block_table(B, per, gen)
-            self.block_table = table.to(device)
-            shape = (num_blocks, self.page, Hkv, D)
-        else:
-            self.block_table = None
-            shape = (B, capacity, Hkv, D)
+        shape, self.block_table = cache_layout(B, L + T, Hkv, D, self.page, gen, device)
         if self.form == "stacked":
             self.k_caches = [torch.randn(layers, *shape, dtype=self.dtype, device=device)]
             self.v_caches = [torch.randn(layers, *shape, dtype=self.dtype, device=device)]
