@@ -52,6 +52,27 @@ def random_trees(B: int, T: int, gen: torch.Generator, kinds=("chain", "star", "
     return parents, num_nodes
 
 
+def root_path(parents_row, node: int) -> list[int]:
+    """Node indices from the root down to `node`, for one tree given by its parents row."""
+    path = []
+    while node != -1:
+        path.append(node)
+        node = int(parents_row[node])
+    return path[::-1]
+
+
+def random_root_paths(parents: torch.Tensor, gen: torch.Generator):
+    """A path from the root to a random node of each tree: (B, T) int32 padded with -1, and (B,) num_accepted."""
+    B, T = parents.shape
+    paths = torch.full((B, T), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        path = root_path(parents[b], int(torch.randint(0, T, (1,), generator=gen)))
+        paths[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        num_accepted[b] = len(path) - 1
+    return paths, num_accepted
+
+
 def to_paged(logical: torch.Tensor, block_size: int, gen: torch.Generator, spare_blocks: int = 3):
     """(B, cap, H, D) logical cache -> (num_blocks, block_size, H, D) paged cache with a shuffled block
     table (B, cap // block_size) int32; spare blocks nobody owns are filled with NaN."""

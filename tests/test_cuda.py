@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import specdec
-from tests.helpers import TOL, random_cache, random_trees, to_paged
+from tests.helpers import TOL, random_cache, random_root_paths, random_trees, to_paged
 
 DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -98,15 +98,7 @@ def test_kv_append_and_rollback(dtype):
     k = torch.randn(layers, B, cap, Hkv, D, generator=gen).to(dtype)
     v = torch.randn(layers, B, cap, Hkv, D, generator=gen).to(dtype)
     lens = torch.randint(0, cap - T, (B,), generator=gen, dtype=torch.int32)
-    paths = torch.full((B, T), -1, dtype=torch.int32)
-    num_accepted = torch.zeros(B, dtype=torch.int32)
-    for b in range(B):
-        node, path = int(torch.randint(0, T, (1,), generator=gen)), []
-        while node != -1:
-            path.append(node)
-            node = int(parents[b, node])
-        paths[b, : len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
-        num_accepted[b] = len(path) - 1
+    paths, num_accepted = random_root_paths(parents, gen)
     k_new = torch.randn(B, T, Hkv, D, generator=gen).to(dtype)
     v_new = torch.randn(B, T, Hkv, D, generator=gen).to(dtype)
     ref_k, ref_v, ref_lens = k.clone(), v.clone(), lens.clone()

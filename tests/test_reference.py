@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import specdec
 from specdec.reference import unpack_bits
-from tests.helpers import from_paged, random_cache, random_trees, to_paged
+from tests.helpers import from_paged, random_cache, random_root_paths, random_trees, to_paged
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,15 +122,7 @@ def test_kv_rollback_matches_gather_then_write(form):
     B, T, H, D, cap, layers = 4, 8, 2, 3, 32, 3
     parents, num_nodes = random_trees(B, T, gen, ragged=False)
     cache_lens = torch.tensor([0, 3, 10, 20], dtype=torch.int32)
-    paths = torch.full((B, T), -1, dtype=torch.int32)
-    num_accepted = torch.zeros(B, dtype=torch.int32)
-    for b in range(B):  # a root path to a random node
-        node, path = int(torch.randint(0, T, (1,), generator=gen)), []
-        while node != -1:
-            path.append(node)
-            node = int(parents[b, node])
-        paths[b, : len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
-        num_accepted[b] = len(path) - 1
+    paths, num_accepted = random_root_paths(parents, gen)
     ks = torch.randn(layers, B, cap, H, D, generator=gen)
     vs = torch.randn(layers, B, cap, H, D, generator=gen)
     expected_k, expected_v = ks.clone(), vs.clone()
