@@ -21,8 +21,15 @@ TOL = {torch.float64: (1e-9, 1e-9), torch.float32: (2e-5, 2e-5), torch.float16: 
 
 
 def to_device(*tensors):
-    """Inputs built on the CPU (seeded generators) moved to DEVICE; None stays None."""
-    moved = tuple(None if t is None else t.to(DEVICE) for t in tensors)
+    """Inputs built on the CPU (seeded generators) as copies on DEVICE with the same strides (Tensor.to would
+    make a view with gaps contiguous, e.g. K sliced from K|V); a tensor already there, None or a non-tensor
+    is returned as is. One argument gives one result, several a tuple."""
+    def move(t):
+        if not isinstance(t, torch.Tensor) or t.device == DEVICE:
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=DEVICE).copy_(t)
+
+    moved = tuple(move(t) for t in tensors)
     return moved[0] if len(moved) == 1 else moved
 
 

@@ -14,8 +14,7 @@ import torch
 import triton
 
 import specdec
-from tests.helpers import BACKENDS, DEVICE, FLOAT_DTYPES, from_paged, random_cache, random_trees, to_paged
-from tests.test_tree_attention import to_device_strided
+from tests.helpers import BACKENDS, DEVICE, FLOAT_DTYPES, from_paged, random_cache, random_trees, to_device, to_paged
 
 LAYOUTS = ["contiguous", "paged"]
 BLOCK_SIZE = 4
@@ -90,7 +89,7 @@ def logical(cache: torch.Tensor, table) -> torch.Tensor:
 def for_backend(backend, *tensors):
     """The inputs as `backend` gets them: the reference the CPU tensors themselves, another backend
     copies on DEVICE with the same strides (the very tensors on a CPU run)."""
-    return tensors if backend == "torch" else tuple(to_device_strided(t) for t in tensors)
+    return tensors if backend == "torch" else tuple(to_device(t) for t in tensors)
 
 
 # ----------------------------------------------------------------------------------------------

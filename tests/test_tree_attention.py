@@ -14,7 +14,7 @@ import triton
 
 import specdec
 from specdec.kernels import tree_attention as ta
-from tests.helpers import BACKENDS, DEVICE, FLOAT_DTYPES, assert_close, poison_, random_cache, random_trees, to_paged
+from tests.helpers import BACKENDS, DEVICE, FLOAT_DTYPES, assert_close, poison_, random_cache, random_trees, to_device, to_paged
 
 BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the tree at odd places
 
@@ -38,18 +38,10 @@ def make_case(gen, *, B=3, T=9, Hkv=2, group=4, D=64, dtype=torch.float32, lens=
                 num_nodes=num_nodes)
 
 
-def to_device_strided(t):
-    """A copy of t on DEVICE with t's strides (Tensor.to makes a view with gaps, e.g. K sliced from K|V,
-    contiguous); t itself when it is already there (CPU runs pass the very tensors they built)."""
-    if not isinstance(t, torch.Tensor) or t.device == DEVICE:
-        return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=DEVICE).copy_(t)
-
-
 def run(case, backend, **kw):
     """The public op: the reference on the CPU, other backends on DEVICE; (out, lse) on the CPU."""
     if backend != "torch":
-        case = {name: to_device_strided(x) for name, x in case.items()}
+        case = {name: to_device(x) for name, x in case.items()}
     return tuple(x.cpu() for x in specdec.tree_attention(**case, return_lse=True, backend=backend, **kw))
 
 
@@ -123,7 +115,7 @@ def triton_call(case, **launcher_kw):
     """The Triton launcher directly (normalized args) on DEVICE, for its test-only knobs; results stay there."""
     B, T, Hq, D = case["q"].shape
     names = ("q", "k_cache", "v_cache", "cache_lens", "tree_mask", "block_table", "num_nodes")
-    return ta.tree_attention(*(to_device_strided(case[name]) for name in names), D ** -0.5, **launcher_kw)
+    return ta.tree_attention(*(to_device(case[name]) for name in names), D ** -0.5, **launcher_kw)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
