@@ -7,6 +7,7 @@
 # Steps, each in its own process with its own timeout and log (a failure or a hang costs only its step):
 #   env             GPU, driver, versions, the imports
 #   tests-cuda      tests/test_cuda.py: the compiled Triton kernels on CUDA vs the reference
+#   (then copy and grid, below; the broad backend tests run after the grid)
 #   tests-backends  the backend test files (tree_attention, accept, accept_lossless, kv_cache) on CUDA
 #                   (SPECDEC_TEST_DEVICE=cuda, TRITON_INTERPRET=0), when tests/helpers.py reads the switch
 #   copy            the copy-bandwidth ceiling (device-to-device copy_, 256 MiB .. 16 GiB)
@@ -15,9 +16,9 @@
 # RESULTS_DIR ends up with summary.md, bench-<date>-cuda.json/.md (merged results) and steps.tar.gz (every
 # log and per-step result); SPECDEC_GPU_PACK=0 keeps the steps/ folder unpacked instead.
 #
-# Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds, default 450),
-# SPECDEC_GPU_TESTS (backend test files), SPECDEC_GPU_TESTS_TIMEOUT (seconds for them, default 60: every
-# kernel variant they use compiles first), SPECDEC_GIT_COMMIT (recorded when the tree has no .git);
+# Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds, default 470),
+# SPECDEC_GPU_TESTS (backend test files), SPECDEC_GPU_TESTS_TIMEOUT (seconds for them, default 150, run
+# last with what is left: every kernel variant they use compiles first), SPECDEC_GIT_COMMIT (recorded when the tree has no .git);
 # for a dry run of the script's mechanics without a GPU: SPECDEC_GPU_DEVICE=cpu SPECDEC_GPU_BENCH_ARGS=--quick.
 set -u
 set -o pipefail
@@ -31,7 +32,7 @@ mkdir -p "$STEPS/parts"
 PY=${PYTHON:-python3}
 DEVICE=${SPECDEC_GPU_DEVICE:-cuda}
 read -r -a BENCH_ARGS <<<"${SPECDEC_GPU_BENCH_ARGS:-}"
-BUDGET=${SPECDEC_GPU_BUDGET:-450}
+BUDGET=${SPECDEC_GPU_BUDGET:-470}
 SUMMARY_RESERVE=20
 STATUS=()
 
@@ -105,23 +106,6 @@ step env 40 bash -c env_probe
 PYTEST_ARGS=(-q -rfE --tb=short -p no:cacheprovider)
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
 step tests-cuda 110 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/test_cuda.py
-if grep -q SPECDEC_TEST_DEVICE "$REPO/tests/helpers.py"; then
-  if [ -n "${SPECDEC_GPU_TESTS:-}" ]; then
-    read -r -a BACKEND_TESTS <<<"$SPECDEC_GPU_TESTS"
-  else
-    BACKEND_TESTS=()
-    for f in tests/test_tree_attention.py tests/test_accept*.py tests/test_kv_cache.py; do
-      [ -f "$f" ] && BACKEND_TESTS+=("$f")
-    done
-  fi
-  if [ ${#BACKEND_TESTS[@]} -gt 0 ]; then
-    step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-60}" \
-      env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
-  fi
-else
-  STATUS+=("$(printf '%-16s skipped (tests/helpers.py has no SPECDEC_TEST_DEVICE switch)' tests-backends)")
-fi
-
 step copy 40 "$PY" -m bench --device "$DEVICE" --ceiling-only --out "$STEPS/parts" --name 0-copy
 
 # grid OP N TIMEOUT_S: one process per op (a crashed CUDA context or a hang loses one op, not the grid);
@@ -136,6 +120,26 @@ grid attention 1 120
 grid accept 2 50
 grid rollback 3 40
 grid append 4 25
+
+# the broad backend test files last: they compile every kernel variant they use (minutes), so they get
+# what the focused tests and the grid left of the budget
+if grep -q SPECDEC_TEST_DEVICE "$REPO/tests/helpers.py"; then
+  if [ -n "${SPECDEC_GPU_TESTS:-}" ]; then
+    read -r -a BACKEND_TESTS <<<"$SPECDEC_GPU_TESTS"
+  else
+    BACKEND_TESTS=()
+    for f in tests/test_tree_attention.py tests/test_accept*.py tests/test_kv_cache.py; do
+      [ -f "$f" ] && BACKEND_TESTS+=("$f")
+    done
+  fi
+  if [ ${#BACKEND_TESTS[@]} -gt 0 ]; then
+    step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-150}" \
+      env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
+  fi
+else
+  STATUS+=("$(printf '%-16s skipped (tests/helpers.py has no SPECDEC_TEST_DEVICE switch)' tests-backends)")
+fi
+
 
 # summary: merged results and the table (also on stdout)
 SUMMARY_RESERVE=0
