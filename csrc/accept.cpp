@@ -18,9 +18,11 @@
 // u * q(x) < r(x), else r <- norm(max(r - q, 0)); with given proposals iff u < r(x) / sum(r), else
 // r(x) <- 0. The next token is drawn from r. This is exactly lossless (SpecInfer multi-step rejection).
 //
-// Two passes: (1) every row once: max, first argmax, NaN/+inf flags (the input checks need all rows
-// anyway, and greedy requests are then done); (2) per request, walk the tree, computing exp and residual
-// updates only for the rows on the path (fp32, fp64 for fp64 logits).
+// Two passes: (1) every row once, at memory speed: its max, which also gives the NaN/+inf flags (the input
+// checks need all rows anyway); (2) per request, walk the tree, reading again only the rows on the path
+// (fp32, fp64 for fp64 logits): greedy finds the first index of the max; sampling computes exp, residual
+// updates and the final draw over per-block sums, so each path row costs one exp pass, a rejection one
+// more pass over r and q, and the draw one block.
 #include "specdec.h"
 
 #include <ATen/core/PhiloxRNGEngine.h>
@@ -52,62 +54,62 @@ inline void for_each_vec(const scalar_t* row, int64_t n, VecFn&& vec_fn, ScalarF
   for (; i < n; ++i) scalar_fn(static_cast<acc_t>(row[i]), i);
 }
 
-// Pass 1: per-row statistics of a (B, T, V) logits tensor: max, first argmax, NaN and +inf flags.
+// Pass 1: the max of every row of a (B, T, V) logits tensor, and from it the input checks' flags: the
+// max propagates NaN (at::vec::maximum), so a row holds NaN iff its max is NaN, and +inf iff its max is
+// +inf. Four independent accumulators keep the loop at memory speed (one max chain is latency-bound).
 template <typename scalar_t>
 struct RowStats {
   using acc_t = acc_type_t<scalar_t>;
   using Vec = Vectorized<acc_t>;
-  static constexpr int64_t VS = Vec::size();
 
   const scalar_t* data;
   int64_t V;
-  Tensor max, argmax, nan, posinf;  // (B, T) double, int64, bool, bool
+  Tensor max, nan, posinf;  // (B, T) double, bool, bool
 
   explicit RowStats(const Tensor& logits)
       : data(logits.const_data_ptr<scalar_t>()), V(logits.size(2)),
         max(at::empty(logits.sizes().slice(0, 2), logits.options().dtype(at::kDouble))),
-        argmax(at::empty_like(max, max.options().dtype(at::kLong))),
         nan(at::empty_like(max, max.options().dtype(at::kBool))),
         posinf(at::empty_like(max, max.options().dtype(at::kBool))) {}
 
-  void compute(int64_t row_begin, int64_t row_end) {
+  acc_t row_max(const scalar_t* row) const {
     constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
-    constexpr int kAllZero = (1 << VS) - 1;
-    alignas(64) acc_t lane_index[VS];
-    for (int64_t j = 0; j < VS; ++j) lane_index[j] = static_cast<acc_t>(j);
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      // per lane: max and the first index reaching it (strict >), as acc_t (exact for V < 2^24)
-      Vec best(-kInf), best_at(acc_t(-1)), index = Vec::loadu(lane_index), any_nan(acc_t(0)), any_posinf(acc_t(0));
-      acc_t tail_best = -kInf;
-      int64_t tail_at = -1;
-      bool tail_nan = false, tail_posinf = false;
-      for_each_vec(data + r * V, V,
-          [&](const Vec& x, int64_t i) {
-            const Vec greater = x > best;
-            best = Vec::blendv(best, x, greater);
-            best_at = Vec::blendv(best_at, index + Vec(static_cast<acc_t>(i)), greater);
-            any_nan = any_nan | (x != x);
-            any_posinf = any_posinf | (x == Vec(kInf));
-          },
-          [&](acc_t x, int64_t i) {
-            if (x > tail_best) tail_best = x, tail_at = i;
-            tail_nan = tail_nan || std::isnan(x);
-            tail_posinf = tail_posinf || x == kInf;
-          });
-      alignas(64) acc_t lanes[VS], lanes_at[VS];
-      best.store(lanes);
-      best_at.store(lanes_at);
-      acc_t m = -kInf;
-      int64_t at = -1;
-      for (int64_t j = 0; j < VS; ++j) {
-        const int64_t idx = static_cast<int64_t>(lanes_at[j]);
-        if (idx >= 0 && (lanes[j] > m || (lanes[j] == m && idx < at))) m = lanes[j], at = idx;
+    constexpr int64_t AS = Vec::size();
+    Vec m0(-kInf), m1(-kInf), m2(-kInf), m3(-kInf);
+    int64_t i = 0;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      for (; i + 4 * AS <= V; i += 4 * AS) {
+        m0 = at::vec::maximum(m0, Vec::loadu(row + i));
+        m1 = at::vec::maximum(m1, Vec::loadu(row + i + AS));
+        m2 = at::vec::maximum(m2, Vec::loadu(row + i + 2 * AS));
+        m3 = at::vec::maximum(m3, Vec::loadu(row + i + 3 * AS));
       }
-      if (tail_best > m) m = tail_best, at = tail_at;  // the tail's indices come after every lane's
+    } else {
+      using SVec = Vectorized<scalar_t>;
+      constexpr int64_t SS = SVec::size();
+      for (; i + 2 * SS <= V; i += 2 * SS) {
+        auto [a, b] = at::vec::convert_to_float<scalar_t>(SVec::loadu(row + i));
+        auto [c, d] = at::vec::convert_to_float<scalar_t>(SVec::loadu(row + i + SS));
+        m0 = at::vec::maximum(m0, a);
+        m1 = at::vec::maximum(m1, b);
+        m2 = at::vec::maximum(m2, c);
+        m3 = at::vec::maximum(m3, d);
+      }
+    }
+    acc_t tail = -kInf;
+    for_each_vec(row + i, V - i, [&](const Vec& x, int64_t) { m0 = at::vec::maximum(m0, x); },
+                 [&](acc_t x, int64_t) { tail = std::isnan(tail) || x <= tail ? tail : x; });  // NaN sticks
+    const Vec m = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
+    const acc_t lanes = at::vec::vec_reduce_all<acc_t>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, m);
+    return std::isnan(lanes) || std::isnan(tail) ? std::numeric_limits<acc_t>::quiet_NaN() : std::max(lanes, tail);
+  }
+
+  void compute(int64_t row_begin, int64_t row_end) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      const acc_t m = row_max(data + r * V);
       max.data_ptr<double>()[r] = static_cast<double>(m);
-      argmax.data_ptr<int64_t>()[r] = at;
-      nan.data_ptr<bool>()[r] = tail_nan || any_nan.zero_mask() != kAllZero;
-      posinf.data_ptr<bool>()[r] = tail_posinf || any_posinf.zero_mask() != kAllZero;
+      nan.data_ptr<bool>()[r] = std::isnan(m);
+      posinf.data_ptr<bool>()[r] = m == std::numeric_limits<acc_t>::infinity();
     }
   }
 };
@@ -122,15 +124,33 @@ struct RequestRng {
   }
 };
 
+// The residual r over the vocabulary, with the sums of its blocks of kBlock entries: every change of r
+// refreshes the sums of the blocks it touched, so the total and the inverse-CDF draw need no extra pass
+// over r, and they agree with each other (the draw's threshold always falls inside some block).
+template <typename acc_t>
+struct Residual {
+  static constexpr int64_t kBlock = 512;  // a multiple of every vector size
+  std::vector<acc_t> r, q;
+  std::vector<double> block_sums;
+
+  Residual(int64_t V, bool with_draft) : r(V), q(with_draft ? V : 0), block_sums((V + kBlock - 1) / kBlock) {}
+
+  double total() const {
+    double sum = 0;
+    for (const double s : block_sums) sum += s;
+    return sum;
+  }
+};
+
 template <typename scalar_t>
 struct Accept {
   using acc_t = acc_type_t<scalar_t>;
   using Vec = Vectorized<acc_t>;
+  static constexpr int64_t kBlock = Residual<acc_t>::kBlock;
 
   const scalar_t* target;  // contiguous (B, T, V)
   const scalar_t* draft;   // contiguous (B, T, V) or null
   const double *target_max, *draft_max;
-  const int64_t* target_argmax;
   const int32_t *tokens, *parents, *num_nodes;
   const float* temperature;
   const int64_t* seeds;
@@ -139,56 +159,101 @@ struct Accept {
   int32_t* num_accepted;
   int64_t* next_tokens;
 
-  // dst = exp((row - max) * inv_t); returns the sum.
-  double exp_row(const scalar_t* row, double max, double inv_t, acc_t* dst) const {
-    const acc_t m = static_cast<acc_t>(max), it = static_cast<acc_t>(inv_t);
-    Vec sum(acc_t(0));
-    double tail = 0;
-    for_each_vec(row, V,
-        [&](const Vec& x, int64_t i) {
-          const Vec e = ((x - Vec(m)) * Vec(it)).exp();
-          e.store(dst + i);
-          sum = sum + e;
-        },
-        [&](acc_t x, int64_t i) { tail += dst[i] = std::exp((x - m) * it); });
-    return static_cast<double>(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum)) + tail;
+  static double reduce_sum(const Vec& v) {
+    return static_cast<double>(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), v));
   }
 
-  // r <- max(r / r_sum - q / q_sum, 0); returns the new sum.
-  double subtract_residual(acc_t* r, double r_sum, const acc_t* q, double q_sum) const {
+  // The first index of the row's max (greedy's argmax, ties to the first), read again for the few rows
+  // that need it. A NaN row (reported after the walk) has none: 0 keeps the walk in bounds.
+  int64_t first_argmax(const scalar_t* row, double max) const {
+    const acc_t m = static_cast<acc_t>(max);
+    for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
+      int64_t found = -1;
+      for_each_vec(row + b0, std::min(kBlock, V - b0),
+          [&](const Vec& x, int64_t i) {
+            if (found < 0 && (x == Vec(m)).zero_mask() != (1 << Vec::size()) - 1) {
+              for (int64_t j = 0; j < Vec::size(); ++j) {
+                if (static_cast<acc_t>(row[b0 + i + j]) == m) { found = b0 + i + j; break; }
+              }
+            }
+          },
+          [&](acc_t x, int64_t i) { if (found < 0 && x == m) found = b0 + i; });
+      if (found >= 0) return found;
+    }
+    return 0;
+  }
+
+  // dst = exp((row - max) * inv_t) by blocks; block_sums (if given) gets each block's sum. Returns the
+  // total. exp_u20 (the exp of ATen's own softmax) is far cheaper than the 1-ulp exp; its 20-ulp error is
+  // far below what any sampling test can see, and the residual stays a valid law.
+  double exp_row(const scalar_t* row, double max, double inv_t, acc_t* dst, double* block_sums) const {
+    const Vec m(static_cast<acc_t>(max)), it(static_cast<acc_t>(inv_t));
+    double total = 0;
+    for (int64_t b0 = 0, k = 0; b0 < V; b0 += kBlock, ++k) {
+      Vec sum(acc_t(0));
+      double tail = 0;
+      for_each_vec(row + b0, std::min(kBlock, V - b0),
+          [&](const Vec& x, int64_t i) {
+            const Vec e = ((x - m) * it).exp_u20();
+            e.store(dst + b0 + i);
+            sum = sum + e;
+          },
+          [&](acc_t x, int64_t i) {
+            tail += dst[b0 + i] = std::exp((x - static_cast<acc_t>(max)) * static_cast<acc_t>(inv_t));
+          });
+      const double block = reduce_sum(sum) + tail;
+      if (block_sums != nullptr) block_sums[k] = block;
+      total += block;
+    }
+    return total;
+  }
+
+  // r <- max(r / r_sum - q / q_sum, 0), block sums refreshed; returns the new total.
+  double subtract_residual(Residual<acc_t>& res, double r_sum, double q_sum) const {
+    acc_t* r = res.r.data();
+    const acc_t* q = res.q.data();
     const acc_t a = static_cast<acc_t>(1.0 / r_sum), c = static_cast<acc_t>(1.0 / q_sum);
     const Vec va(a), vc(c), zero(acc_t(0));
     constexpr int64_t VS = Vec::size();
-    Vec sum = zero;
-    int64_t i = 0;
-    for (; i + VS <= V; i += VS) {
-      const Vec x = at::vec::maximum(Vec::loadu(r + i) * va - Vec::loadu(q + i) * vc, zero);
-      x.store(r + i);
-      sum = sum + x;
+    double total = 0;
+    for (int64_t b0 = 0, k = 0; b0 < V; b0 += kBlock, ++k) {
+      const int64_t end = std::min(V, b0 + kBlock);
+      Vec sum = zero;
+      int64_t i = b0;
+      for (; i + VS <= end; i += VS) {
+        const Vec x = at::vec::maximum(at::vec::fmsub(Vec::loadu(r + i), va, Vec::loadu(q + i) * vc), zero);
+        x.store(r + i);
+        sum = sum + x;
+      }
+      double tail = 0;
+      for (; i < end; ++i) tail += r[i] = std::max(r[i] * a - q[i] * c, acc_t(0));
+      res.block_sums[k] = reduce_sum(sum) + tail;
+      total += res.block_sums[k];
     }
-    double tail = 0;
-    for (; i < V; ++i) tail += r[i] = std::max(r[i] * a - q[i] * c, acc_t(0));
-    return static_cast<double>(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum)) + tail;
+    return total;
   }
 
-  // A draw from r (unnormalized, some mass > 0) by inverse CDF over block sums, then inside the block.
-  // The total is the sum of the same block sums, so the threshold always falls inside some block.
-  int64_t sample(const acc_t* r, double u) const {
-    constexpr int64_t kBlock = 512;
-    auto block_sum = [&](int64_t b0) {
-      return static_cast<double>(at::vec::reduce_all<acc_t>([](Vec x, Vec y) { return x + y; }, r + b0,
-                                                            std::min(kBlock, V - b0)));
-    };
-    double total = 0;
-    for (int64_t b0 = 0; b0 < V; b0 += kBlock) total += block_sum(b0);
+  // r(x) <- 0 (a rejected given proposal); its block's sum is recomputed, not decremented, so an emptied
+  // block sums to exactly 0. Returns the new total.
+  double remove_token(Residual<acc_t>& res, int64_t x) const {
+    res.r[x] = 0;
+    const int64_t b0 = x / kBlock * kBlock;
+    res.block_sums[x / kBlock] = static_cast<double>(
+        at::vec::reduce_all<acc_t>([](Vec a, Vec b) { return a + b; }, res.r.data() + b0, std::min(kBlock, V - b0)));
+    return res.total();
+  }
+
+  // A draw from r (unnormalized, total > 0) by inverse CDF over the block sums, then inside the block.
+  int64_t sample(const Residual<acc_t>& res, double total, double u) const {
+    const acc_t* r = res.r.data();
     const double threshold = u * total;
     double cum = 0;
-    int64_t b0 = 0;
-    for (; b0 + kBlock < V; b0 += kBlock) {
-      const double block = block_sum(b0);
-      if (cum + block > threshold) break;
-      cum += block;
+    int64_t k = 0;
+    for (; k + 1 < static_cast<int64_t>(res.block_sums.size()); ++k) {
+      if (cum + res.block_sums[k] > threshold) break;
+      cum += res.block_sums[k];
     }
+    const int64_t b0 = k * kBlock;
     int64_t last = -1;
     for (int64_t i = b0; i < std::min(V, b0 + kBlock); ++i) {
       if (r[i] <= 0) continue;
@@ -203,7 +268,7 @@ struct Accept {
     return 0;
   }
 
-  void run(int64_t b, acc_t* r, acc_t* q) const {
+  void run(int64_t b, Residual<acc_t>& res) const {
     const int64_t n = num_nodes[b];
     // children in node order: first_child / next_sibling lists
     std::vector<int64_t> first_child(n, -1), next_sibling(n, -1);
@@ -215,37 +280,41 @@ struct Accept {
     const double t = temperature[b];
     const double inv_t = std::min(1.0 / t, static_cast<double>(std::numeric_limits<acc_t>::max()));
     RequestRng rng(seeds[b], offset);
+    acc_t *r = res.r.data(), *q = res.q.data();
     int64_t node = 0, length = 0, token = -1;
     accepted[b * T] = 0;
     while (true) {
       const int64_t row = b * T + node;
       int64_t chosen = -1;
       if (t == 0.0) {
-        token = target_argmax[row];
+        token = first_argmax(target + row * V, target_max[row]);
         for (int64_t c = first_child[node]; c >= 0 && chosen < 0; c = next_sibling[c]) {
           if (tokens[b * T + c] == token) chosen = c;
         }
       } else {
-        double r_sum = exp_row(target + row * V, target_max[row], inv_t, r);
-        double q_sum = draft != nullptr ? exp_row(draft + row * V, draft_max[row], inv_t, q) : 0.0;
+        double r_sum = exp_row(target + row * V, target_max[row], inv_t, r, res.block_sums.data());
+        // a leaf's draft row is never needed: only the target law is sampled there
+        const bool use_draft = draft != nullptr && first_child[node] >= 0;
+        const double q_sum = use_draft ? exp_row(draft + row * V, draft_max[row], inv_t, q, nullptr) : 0.0;
         for (int64_t c = first_child[node]; c >= 0 && chosen < 0; c = next_sibling[c]) {
           const int64_t x = tokens[b * T + c];
           const double u = rng.uniform();
-          if (draft != nullptr) {
+          if (use_draft) {
             if (u * (q[x] / q_sum) < r[x] / r_sum) {
               chosen = c;
             } else {
-              r_sum = subtract_residual(r, r_sum, q, q_sum);
+              r_sum = subtract_residual(res, r_sum, q_sum);
               if (!(r_sum > 0)) break;  // r == q: a rejection of probability 0 happened by rounding
             }
           } else if (u * r_sum < r[x]) {
             chosen = c;
           } else {
-            r_sum = std::max(r_sum - static_cast<double>(r[x]), 0.0);
-            r[x] = 0;
+            r_sum = remove_token(res, x);
           }
         }
-        if (chosen < 0) token = r_sum > 0 ? sample(r, rng.uniform()) : target_argmax[row];
+        if (chosen < 0) {
+          token = r_sum > 0 ? sample(res, r_sum, rng.uniform()) : first_argmax(target + row * V, target_max[row]);
+        }
       }
       if (chosen < 0) break;
       accepted[b * T + ++length] = static_cast<int32_t>(chosen);
@@ -280,7 +349,6 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                               draft.has_value() ? draft->const_data_ptr<scalar_t>() : nullptr,
                               ts.max.template const_data_ptr<double>(),
                               ds.has_value() ? ds->max.template const_data_ptr<double>() : nullptr,
-                              ts.argmax.template const_data_ptr<int64_t>(),
                               in.tokens.const_data_ptr<int32_t>(),
                               in.parents.const_data_ptr<int32_t>(),
                               in.num_nodes.const_data_ptr<int32_t>(),
@@ -295,8 +363,8 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
       if (ds.has_value()) ds->compute(row_begin, row_end);
     };
     auto walk = [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> r(V), q(draft.has_value() ? V : 0);
-      for (int64_t b = begin; b < end; ++b) op.run(b, r.data(), q.data());
+      Residual<acc_t> res(V, draft.has_value());
+      for (int64_t b = begin; b < end; ++b) op.run(b, res);
     };
     // Walking needs only the request's own rows: with a request for every thread, one parallel region
     // (each region wakes the thread team, costly on a busy machine); else rows first, then requests.
