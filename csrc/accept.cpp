@@ -104,7 +104,7 @@ struct RowStats {
     return std::isnan(lanes) || std::isnan(tail) ? std::numeric_limits<acc_t>::quiet_NaN() : std::max(lanes, tail);
   }
 
-  void compute(int64_t row_begin, int64_t row_end) {
+  void compute(int64_t row_begin, int64_t row_end) const {
     for (int64_t r = row_begin; r < row_end; ++r) {
       const acc_t m = row_max(data + r * V);
       max.data_ptr<double>()[r] = static_cast<double>(m);
@@ -151,6 +151,9 @@ struct Accept {
   const scalar_t* target;  // contiguous (B, T, V)
   const scalar_t* draft;   // contiguous (B, T, V) or null
   const double *target_max, *draft_max;
+  // when set, the walk computes its request's row maxima: a path row's right before its use (which then
+  // reads the row again from cache, not memory), the other rows after the walk
+  const RowStats<scalar_t> *lazy_target, *lazy_draft;
   const int32_t *tokens, *parents, *num_nodes;
   const float* temperature;
   const int64_t* seeds;
@@ -281,10 +284,18 @@ struct Accept {
     const double inv_t = std::min(1.0 / t, static_cast<double>(std::numeric_limits<acc_t>::max()));
     RequestRng rng(seeds[b], offset);
     acc_t *r = res.r.data(), *q = res.q.data();
+    std::vector<bool> scanned(lazy_target != nullptr ? T : 0, false);
+    auto scan = [&](int64_t i) {
+      if (lazy_target == nullptr || scanned[i]) return;
+      scanned[i] = true;
+      lazy_target->compute(b * T + i, b * T + i + 1);
+      if (lazy_draft != nullptr) lazy_draft->compute(b * T + i, b * T + i + 1);
+    };
     int64_t node = 0, length = 0, token = -1;
     accepted[b * T] = 0;
     while (true) {
       const int64_t row = b * T + node;
+      scan(node);
       int64_t chosen = -1;
       if (t == 0.0) {
         token = first_argmax(target + row * V, target_max[row]);
@@ -320,6 +331,7 @@ struct Accept {
       accepted[b * T + ++length] = static_cast<int32_t>(chosen);
       node = chosen;
     }
+    for (int64_t i = 0; i < T; ++i) scan(i);
     num_accepted[b] = static_cast<int32_t>(length);
     next_tokens[b] = token;
   }
@@ -345,10 +357,13 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
     RowStats<scalar_t> ts(target);
     std::optional<RowStats<scalar_t>> ds;
     if (draft.has_value()) ds.emplace(*draft);
+    const bool stats_in_walk = B >= at::get_num_threads();
     const Accept<scalar_t> op{target.const_data_ptr<scalar_t>(),
                               draft.has_value() ? draft->const_data_ptr<scalar_t>() : nullptr,
                               ts.max.template const_data_ptr<double>(),
                               ds.has_value() ? ds->max.template const_data_ptr<double>() : nullptr,
+                              stats_in_walk ? &ts : nullptr,
+                              stats_in_walk && ds.has_value() ? &*ds : nullptr,
                               in.tokens.const_data_ptr<int32_t>(),
                               in.parents.const_data_ptr<int32_t>(),
                               in.num_nodes.const_data_ptr<int32_t>(),
@@ -362,23 +377,16 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
       ts.compute(row_begin, row_end);
       if (ds.has_value()) ds->compute(row_begin, row_end);
     };
-    auto walk = [&](int64_t begin, int64_t end) {
+    // Walking needs only the request's own rows: with a request for every thread, one parallel region
+    // (each region wakes the thread team, costly on a busy machine) in which the walk scans its request's
+    // rows (Accept::lazy_target); else rows first, then requests. Bad logits are reported after both
+    // passes (outputs are the op's own, nothing of the caller's is written), and the walk stays in
+    // bounds on them.
+    if (!stats_in_walk) at::parallel_for(0, B * T, 1, stats);
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       Residual<acc_t> res(V, draft.has_value());
       for (int64_t b = begin; b < end; ++b) op.run(b, res);
-    };
-    // Walking needs only the request's own rows: with a request for every thread, one parallel region
-    // (each region wakes the thread team, costly on a busy machine); else rows first, then requests.
-    // Bad logits are reported after both passes (outputs are the op's own, nothing of the caller's is
-    // written), and the walk stays in bounds on them.
-    if (B >= at::get_num_threads()) {
-      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-        stats(begin * T, end * T);
-        walk(begin, end);
-      });
-    } else {
-      at::parallel_for(0, B * T, 1, stats);
-      at::parallel_for(0, B, 1, walk);
-    }
+    });
     check_logit_rows("target_logits", ts.nan, ts.posinf, ts.max, in.num_nodes);
     if (ds.has_value()) check_logit_rows("draft_logits", ds->nan, ds->posinf, ds->max, in.num_nodes);
   });
