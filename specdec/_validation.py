@@ -7,6 +7,9 @@ Two kinds of checks:
     `specdec.set_value_checks(False)` or the environment variable `SPECDEC_VALUE_CHECKS=0`. They are
     also skipped while torch.compile traces (they cannot run on fake tensors).
 
+The public ops skip the value checks in Python when the call goes to the C++ op, which runs the same
+checks with the same messages itself (tests/test_cpp.py compares them).
+
 Every error is a ValueError or TypeError whose message starts with the offending argument's name, and
 every check runs before anything is written, so a failed call never leaves a cache half-updated.
 """
@@ -61,11 +64,11 @@ def _fail_if(name, cond, message):
 # ----------------------------------------------------------------------------------------------
 # trees
 # ----------------------------------------------------------------------------------------------
-def check_parents(parents, num_nodes, *, name="parents"):
+def check_parents(parents, num_nodes, values, *, name="parents"):
     B, T = parents.shape
     if T < 1:
         raise ValueError(f"{name}: needs at least one node (the root), got shape {tuple(parents.shape)}")
-    if not value_checks_enabled():
+    if not values:
         return
     nn = num_nodes.to(parents.device).long()
     _fail_if("num_nodes", (nn < 1) | (nn > T), f"every entry must be in [1, {T}]")
@@ -84,11 +87,11 @@ def normalize_num_nodes(num_nodes, B, T, device, *, name="num_nodes"):
     return num_nodes.to(torch.int32)
 
 
-def check_build_tree(parents, num_nodes):
+def check_build_tree(parents, num_nodes, values=True):
     _tensor("parents", parents, dim=2, dtypes=INT_DTYPES)
     B, T = parents.shape
     num_nodes = normalize_num_nodes(num_nodes, B, T, parents.device)
-    check_parents(parents, num_nodes)
+    check_parents(parents, num_nodes, values and value_checks_enabled())
     return num_nodes
 
 
@@ -132,8 +135,6 @@ def capacity(cache_shape, block_table) -> int:
 
 def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T new tokens"):
     """Value check: positions [cache_lens[b], cache_lens[b] + extent[b]) exist and map to valid blocks."""
-    if not value_checks_enabled():
-        return
     cap = capacity(cache_shape, block_table)
     lens = cache_lens.long()
     _fail_if("cache_lens", lens < 0, "must be >= 0")
@@ -149,7 +150,7 @@ def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T
         _fail_if("block_table", bad, f"block ids in use must be in [0, {num_blocks})")
 
 
-def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale):
+def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, values=True):
     _tensor("q", q, dim=4, dtypes=FLOAT_DTYPES)
     B, T, Hq, D = q.shape
     dev = q.device
@@ -170,7 +171,7 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         scale = D ** -0.5
     if not isinstance(scale, (float, int)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-    if value_checks_enabled():
+    if values and value_checks_enabled():
         nn = num_nodes.long()
         _fail_if("num_nodes", (nn < 1) | (nn > T), f"every entry must be in [1, {T}]")
         check_positions(k_cache.shape, cache_lens, block_table, T)
@@ -185,7 +186,7 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
     return num_nodes, float(scale)
 
 
-def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table):
+def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, values=True):
     _tensor("k_new", k_new, dim=4, dtypes=FLOAT_DTYPES)
     B, T, Hkv, D = k_new.shape
     dev = k_new.device
@@ -200,7 +201,8 @@ def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table):
             raise TypeError(f"{name}: dtype {x.dtype} differs from cache dtype {k_cache.dtype}")
     check_cache_lens(cache_lens, B, dev)
     check_block_table(block_table, B, dev)
-    check_positions(k_cache.shape, cache_lens, block_table, T)
+    if values and value_checks_enabled():
+        check_positions(k_cache.shape, cache_lens, block_table, T)
 
 
 def as_layer_list(name, caches):
@@ -214,8 +216,6 @@ def as_layer_list(name, caches):
 
 def check_path(accepted_nodes, num_accepted, T_limit=None):
     """Value check: accepted_nodes[b, :num_accepted[b]+1] is strictly increasing from 0."""
-    if not value_checks_enabled():
-        return
     B, P = accepted_nodes.shape
     na = num_accepted.long()
     _fail_if("num_accepted", (na < 0) | (na >= P), f"every entry must be in [0, {P - 1}]")
@@ -229,7 +229,7 @@ def check_path(accepted_nodes, num_accepted, T_limit=None):
         _fail_if("accepted_nodes", on_path & (path >= T_limit), f"node indices must be < {T_limit}")
 
 
-def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table):
+def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table, values=True):
     ks = as_layer_list("k_cache", k_caches)
     vs = as_layer_list("v_cache", v_caches)
     if len(ks) != len(vs):
@@ -249,7 +249,7 @@ def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accept
     _tensor("num_accepted", num_accepted, dim=1, dtypes=INT_DTYPES, device=dev)
     _shape("num_accepted", num_accepted, (B,))
     check_block_table(block_table, B, dev)
-    if value_checks_enabled():
+    if values and value_checks_enabled():
         check_path(accepted_nodes, num_accepted)
         # the furthest row read is L + path[num_accepted]; its block must exist
         last = accepted_nodes.long().gather(1, num_accepted.long().clamp(0, accepted_nodes.shape[1] - 1).unsqueeze(1))
@@ -260,7 +260,7 @@ def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accept
 # ----------------------------------------------------------------------------------------------
 # acceptance
 # ----------------------------------------------------------------------------------------------
-def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset):
+def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, values=True):
     _tensor("target_logits", target_logits, dim=3, dtypes=FLOAT_DTYPES)
     B, T, V = target_logits.shape
     dev = target_logits.device
@@ -276,8 +276,9 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     seeds = normalize_seeds(seeds, B, dev)
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
         raise TypeError("offset: expected a non-negative int")
-    check_parents(parents, num_nodes)
-    if value_checks_enabled():
+    values = values and value_checks_enabled()
+    check_parents(parents, num_nodes, values)
+    if values:
         idx = torch.arange(T, device=dev)
         real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
         _fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")

@@ -132,6 +132,14 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> Optional[st
     return backend
 
 
+def _python_value_checks(backend: Optional[str], x) -> bool:
+    """False when the call on `x`'s device goes to the C++ op: it runs the same value checks itself,
+    before writing. True for anything else (a non-tensor `x` then fails the Python type checks)."""
+    if not (HAS_CPP and isinstance(x, torch.Tensor) and x.device.type == "cpu"):
+        return True
+    return resolve_backend(backend, x.device) is not None
+
+
 def _call(name: str, backend: Optional[str], device: torch.device, *args):
     chosen = resolve_backend(backend, device)
     if chosen is None:
@@ -168,7 +176,7 @@ def build_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None, 
     parents: (B, T) int, parents[:, 0] == -1 and 0 <= parents[b, i] < i for real nodes.
     num_nodes: (B,) int or None (all T nodes real). Nodes >= num_nodes[b] are padding.
     """
-    num_nodes = val.check_build_tree(parents, num_nodes)
+    num_nodes = val.check_build_tree(parents, num_nodes, _python_value_checks(backend, parents))
     parents = parents.to(torch.int32)
     depth, mask = _call("build_tree", backend, parents.device, parents, num_nodes)
     return TreeInfo(parents, depth, mask, num_nodes)
@@ -188,7 +196,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = 0 and lse = -inf.
     """
     num_nodes, scale = val.check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table,
-                                                num_nodes, scale)
+                                                num_nodes, scale, _python_value_checks(backend, q))
     out, lse = _call("tree_attention", backend, q.device, q, k_cache, v_cache, cache_lens, tree_mask,
                      block_table, num_nodes, scale)
     return (out, lse) if return_lse else out
@@ -209,8 +217,9 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     depends only on its own inputs, seed and `offset` (None draws seeds from torch's generator).
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
     """
-    num_nodes, temperature, seeds = val.check_accept(target_logits, tokens, parents, draft_logits,
-                                                     temperature, seeds, num_nodes, offset)
+    num_nodes, temperature, seeds = val.check_accept(target_logits, tokens, parents, draft_logits, temperature,
+                                                     seeds, num_nodes, offset,
+                                                     _python_value_checks(backend, target_logits))
     res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
                 parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset)
     return AcceptResult(*res)
@@ -221,7 +230,8 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
               backend: Optional[str] = None) -> None:
     """Write k_new[b, i], v_new[b, i] ((B, T, Hkv, D)) at logical position cache_lens[b] + i of one
     layer's cache (in place; cache_lens is not changed). Cache layouts as in `tree_attention`."""
-    val.check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table)
+    val.check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table,
+                        _python_value_checks(backend, k_new))
     _call("kv_append", backend, k_cache.device, k_cache, v_cache, k_new, v_new, cache_lens, block_table)
 
 
@@ -238,6 +248,7 @@ def kv_rollback(k_cache: CacheArg, v_cache: CacheArg, cache_lens: torch.Tensor, 
     Moves row cache_lens[b] + accepted_nodes[b, i] to cache_lens[b] + i for i <= num_accepted[b], then
     cache_lens[b] += num_accepted[b] + 1.
     """
-    ks, vs = val.check_kv_rollback(k_cache, v_cache, cache_lens, accepted_nodes, num_accepted, block_table)
+    ks, vs = val.check_kv_rollback(k_cache, v_cache, cache_lens, accepted_nodes, num_accepted, block_table,
+                                   _python_value_checks(backend, cache_lens))
     _call("kv_rollback", backend, cache_lens.device, ks, vs, cache_lens, accepted_nodes.to(torch.int32),
           num_accepted.to(torch.int32), block_table)

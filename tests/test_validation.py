@@ -20,10 +20,15 @@ def paged_attention_args():
     return args
 
 
-def call_attention(args):
+# The reference checks in Python; the default backend on CPU is the C++ op when built, which runs the
+# value checks itself: both must raise the same errors.
+CHECKED_BY = ["torch", None]
+
+
+def call_attention(args, backend="torch"):
     args = dict(args)
     return specdec.tree_attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("cache_lens"),
-                                  args.pop("tree_mask"), backend="torch", **args)
+                                  args.pop("tree_mask"), backend=backend, **args)
 
 
 def no_self_bit():
@@ -52,30 +57,33 @@ ATTENTION_CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", CHECKED_BY)
 @pytest.mark.parametrize("name,exc,mutate", ATTENTION_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(ATTENTION_CASES)])
-def test_tree_attention_bad_input(name, exc, mutate):
+def test_tree_attention_bad_input(name, exc, mutate, backend):
     args = attention_args()
     mutate(args)
     with pytest.raises(exc, match=f"^{name}"):
-        call_attention(args)
+        call_attention(args, backend)
 
 
-def test_tree_attention_mask_checks():
+@pytest.mark.parametrize("backend", CHECKED_BY)
+def test_tree_attention_mask_checks(backend):
     with pytest.raises(ValueError, match="^tree_mask: every real node must have its own bit"):
-        call_attention(no_self_bit())
+        call_attention(no_self_bit(), backend)
     args = attention_args()
     args["tree_mask"] = args["tree_mask"].clone()
     args["tree_mask"][0, 1, 0] = 0b111  # node 1 sees node 2
     with pytest.raises(ValueError, match="^tree_mask: node i may only see"):
-        call_attention(args)
+        call_attention(args, backend)
 
 
-def test_paged_attention_bad_block_table():
+@pytest.mark.parametrize("backend", CHECKED_BY)
+def test_paged_attention_bad_block_table(backend):
     args = paged_attention_args()
-    call_attention(args)  # valid
+    call_attention(args, backend)  # valid
     args["block_table"] = torch.tensor([[0, 1], [2, 6]], dtype=torch.int32)  # block 6 of 6 does not exist
     with pytest.raises(ValueError, match=r"^block_table: block ids in use must be in \[0, 6\)"):
-        call_attention(args)
+        call_attention(args, backend)
     args["block_table"] = torch.tensor([[0, 1]], dtype=torch.int32)
     with pytest.raises(ValueError, match="^block_table: expected 2 rows"):
         call_attention(args)
@@ -149,12 +157,13 @@ ACCEPT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", CHECKED_BY)
 @pytest.mark.parametrize("name,exc,mutate", ACCEPT_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(ACCEPT_CASES)])
-def test_accept_bad_input(name, exc, mutate):
+def test_accept_bad_input(name, exc, mutate, backend):
     args = accept_args()
     mutate(args)
     with pytest.raises(exc, match=f"^{name}"):
-        specdec.accept(args.pop("target_logits"), args.pop("tokens"), args.pop("parents"), backend="torch", **args)
+        specdec.accept(args.pop("target_logits"), args.pop("tokens"), args.pop("parents"), backend=backend, **args)
 
 
 def test_accept_padding_tokens_and_rows_are_not_checked():
@@ -168,12 +177,13 @@ def test_accept_padding_tokens_and_rows_are_not_checked():
 # ----------------------------------------------------------------------------------------------
 # KV ops: nothing written on error
 # ----------------------------------------------------------------------------------------------
-def test_kv_append_rejects_before_writing():
+@pytest.mark.parametrize("backend", CHECKED_BY)
+def test_kv_append_rejects_before_writing(backend):
     k, v = torch.randn(B, CAP, Hkv, D), torch.randn(B, CAP, Hkv, D)
     k0, v0 = k.clone(), v.clone()
     lens = torch.tensor([0, CAP - 2], dtype=torch.int32)  # request 1 has room for 2 rows, not 3
     with pytest.raises(ValueError, match="^cache_lens: no room"):
-        specdec.kv_append(k, v, torch.randn(B, 3, Hkv, D), torch.randn(B, 3, Hkv, D), lens, backend="torch")
+        specdec.kv_append(k, v, torch.randn(B, 3, Hkv, D), torch.randn(B, 3, Hkv, D), lens, backend=backend)
     assert torch.equal(k, k0) and torch.equal(v, v0)
     with pytest.raises(TypeError, match="^k_new"):
         specdec.kv_append(k, v, torch.randn(B, 3, Hkv, D).half(), torch.randn(B, 3, Hkv, D).half(),
@@ -196,14 +206,15 @@ ROLLBACK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", CHECKED_BY)
 @pytest.mark.parametrize("name,message,path,num", ROLLBACK_CASES)
-def test_kv_rollback_rejects_before_writing(name, message, path, num):
+def test_kv_rollback_rejects_before_writing(name, message, path, num, backend):
     layers = torch.randn(3, B, 8, Hkv, D), torch.randn(3, B, 8, Hkv, D)
     before = [t.clone() for t in layers]
     lens = torch.tensor([1, 0], dtype=torch.int32)
     with pytest.raises(ValueError, match=f"^{name}: .*{message}"):
         specdec.kv_rollback(*layers, lens, torch.tensor(path, dtype=torch.int32), torch.tensor(num, dtype=torch.int32),
-                            backend="torch")
+                            backend=backend)
     assert all(torch.equal(a, b) for a, b in zip(layers, before))
     assert lens.tolist() == [1, 0]
 
