@@ -35,12 +35,10 @@ from specdec.models.tokenizer import ByteTokenizer
 
 ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-OURS = [("ours AR", lambda draft: NoDrafter()),
-        ("ours spec chain:4", lambda draft: DraftModelDrafter(draft, "chain:4")),
-        ("ours spec chain:6", lambda draft: DraftModelDrafter(draft, "chain:6")),
-        ("ours spec tree:2,2,1,1", lambda draft: DraftModelDrafter(draft, "tree:2,2,1,1")),
-        ("ours spec dynamic:12,5,2", lambda draft: DraftModelDrafter(draft, "dynamic:12,5,2")),
-        ("ours prompt lookup chain:8", lambda draft: NgramDrafter(num_tokens=8))]
+OURS = [("ours AR", lambda draft: NoDrafter())] + [
+    (f"ours spec {tree}", lambda draft, tree=tree: DraftModelDrafter(draft, tree))
+    for tree in ("chain:3", "chain:4", "chain:6", "tree:2,1,1", "dynamic:8,4,2", "dynamic:12,5,2")] + [
+    (f"ours prompt lookup chain:{k}", lambda draft, k=k: NgramDrafter(num_tokens=k)) for k in (4, 8)]
 
 
 def held_out_prompts(n: int, n_bytes: int) -> list[str]:
@@ -161,7 +159,7 @@ def main(argv=None):
     methods += [(f"{name} [batch of {len(prompts)}]",
                  lambda make=make: run_ours_batch(target, make(draft), prompts, args.max_new_tokens),
                  lambda make=make: SpeculativeDecoder(target, make(draft)).generate(prompts, 8))
-                for name, make in OURS[:2]]
+                for name, make in OURS[:3]]
     hf_methods = [("transformers AR", {}), ("transformers assisted (assistant_model)", {"assistant": True}),
                   ("transformers prompt lookup (8 tokens)", {"prompt_lookup_num_tokens": 8})]
     skipped = []

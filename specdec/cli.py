@@ -69,8 +69,8 @@ def generate(args) -> dict:
     tok = load_tokenizer(args.target, target.cfg.vocab_size)
     drafter = make_drafter(args, target)
     prompts = [tok.encode(p) for p in args.prompt]
-    for decoder in (SpeculativeDecoder(target, drafter), SpeculativeDecoder(target)):  # warm-up: fair timings
-        decoder.generate(prompts[:1], 4)
+    for decoder in (SpeculativeDecoder(target, drafter), SpeculativeDecoder(target))[:1 + args.compare_ar]:
+        decoder.generate(prompts[:1], 4)  # warm-up, so that the timings compare steady states
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
     spec = SpeculativeDecoder(target, drafter).generate(prompts, args.max_new_tokens, args.temperature, args.seed,
                                                         progress=progress)
