@@ -83,7 +83,8 @@ def generate(args) -> dict:
     if args.compare_ar:
         ar = generate_ar(target, prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress)
         result.update(ar_tokens=ar.tokens, ar_tokens_per_s=ar.summary["tokens_per_s"], ar_wall_s=ar.summary["wall_s"],
-                      identical=ar.tokens == spec.tokens, speedup=ar.summary["wall_s"] / spec.summary["wall_s"])
+                      identical=ar.tokens == spec.tokens,
+                      speedup=spec.summary["tokens_per_s"] / ar.summary["tokens_per_s"])
     return result
 
 
