@@ -21,8 +21,9 @@ install: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
+# the main job: speculative decoding with the shipped model pair vs plain autoregressive decoding
 demo: $(STAMP)
-	$(PY) -m bench --quick
+	$(PY) -m specdec generate --prompt "$$(printf 'import unittest\n\n\nclass TestStack(unittest.TestCase):\n')" --max-new-tokens 256 --compare-ar
 
 bench: $(STAMP)
 	$(PY) -m bench
