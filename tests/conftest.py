@@ -12,3 +12,12 @@ import torch  # noqa: E402
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: more threads only wait on each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,23 +10,14 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import specdec
-from specdec.cli import main as cli_main
 from specdec.decoding import SpeculativeDecoder, generate_ar
 from specdec.drafters import DraftModelDrafter, NgramDrafter, parse_tree
+from specdec.cli import ASSETS, main as cli_main
 from specdec.models.hf import load_model, save_model
 from specdec.models.llama import Llama, LlamaConfig
 from specdec.models.tokenizer import VOCAB_SIZE, ByteTokenizer
 
-ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed, vocab=24, dim=32, layers=2, eos=None) -> Llama:

@@ -10,22 +10,14 @@ import torch
 from safetensors.torch import save_file
 
 import specdec
+from specdec.cli import ASSETS
 from specdec.models.hf import CheckpointError, load_model, save_model, to_hf_state
 from specdec.models.llama import Llama, LlamaConfig, chain_tree
 from specdec.models.tokenizer import VOCAB_SIZE, ByteTokenizer
 
 from tests.helpers import random_parents
 
-ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: more threads only wait on each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed=0, **kw) -> Llama:
