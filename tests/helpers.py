@@ -110,3 +110,19 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return t.fill_(float("nan"))
     return t.fill_(-12345)
+
+
+def compile_for_hopper(fn, types: dict, constexprs: dict, divisible=None, num_warps: int = 4, num_stages: int = 3):
+    """triton.compile of a @triton.jit `fn` for sm_90 (no GPU needed), specialized as a launch on engine shapes
+    would be: arguments not in `types` are int32, `constexprs` are baked in, and the arguments for which
+    `divisible(name)` holds (default: every non-constexpr one) are marked 16-divisible."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    divisible = divisible or (lambda name: True)
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    attrs = {(j,): [["tt.divisibility", 16]] for j, name in enumerate(fn.arg_names)
+             if name not in constexprs and divisible(name)}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})

@@ -14,7 +14,8 @@ import torch
 import triton
 
 import specdec
-from tests.helpers import BACKENDS, DEVICE, FLOAT_DTYPES, from_paged, random_cache, random_trees, to_device, to_paged
+from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, compile_for_hopper, from_paged, random_cache, random_trees,
+                           root_path, to_device, to_paged)
 
 LAYOUTS = ["contiguous", "paged"]
 BLOCK_SIZE = 4
@@ -49,11 +50,7 @@ def random_paths(B: int, T: int, gen: torch.Generator):
         if b < len(fixed):
             path = fixed[b]
         else:
-            node, path = int(torch.randint(0, T, (1,), generator=gen)), []
-            while node != -1:
-                path.append(node)
-                node = int(parents[b, node])
-            path = path[::-1]
+            path = root_path(parents[b], int(torch.randint(0, T, (1,), generator=gen)))
         paths[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
         num_accepted[b] = len(path) - 1
     return paths, num_accepted
@@ -286,14 +283,10 @@ def test_append_engine_like_heads_over_several_tiles(backend):
 # ----------------------------------------------------------------------------------------------
 # compiled code (no GPU needed): the interpreter accepts programs the compiler rejects
 # ----------------------------------------------------------------------------------------------
-def compile_for_hopper(fn, pointer_types, constexprs):
+def ptx_for_hopper(fn, types, constexprs):
     """PTX of `fn` for sm_90 with every pointer and integer argument 16-divisible, as Triton
     specializes them when launched on an engine's shapes (D 128, strides multiples of 16)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    signature = {name: "constexpr" if name in constexprs else pointer_types.get(name, "i32") for name in fn.arg_names}
-    attrs = {(j,): [["tt.divisibility", 16]] for j, name in enumerate(fn.arg_names) if name not in constexprs}
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return compile_for_hopper(fn, types, constexprs).asm["ptx"]
 
 
 @pytest.fixture
@@ -318,11 +311,11 @@ def test_kernels_compile_to_vectorized_copies(compiled_kv_cache, elem):
     kv_cache = compiled_kv_cache
     ints = {"cache_lens": "*i32", "accepted_nodes": "*i32", "num_accepted": "*i32", "block_table": "*i32",
             "new_lens": "*i32", "entry_offsets": "*i64"}
-    ptx = compile_for_hopper(kv_cache._kv_rollback_kernel, {"caches": f"*{elem}", **ints},
+    ptx = ptx_for_hopper(kv_cache._kv_rollback_kernel, {"caches": f"*{elem}", **ints},
                              {"ENTRY_ALIGN": 16, "BLOCK_P": 8, "BLOCK_H": 4, "BLOCK_D": 128, "s_d": 1})
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # 16-byte loads and stores
     assert "bar.sync" in ptx  # sources read before destinations are written
     caches = {name: f"*{elem}" for name in ("k_cache", "v_cache", "k_new", "v_new")}
-    ptx = compile_for_hopper(kv_cache._kv_append_kernel, {**caches, **ints},
+    ptx = ptx_for_hopper(kv_cache._kv_append_kernel, {**caches, **ints},
                              {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "skc_d": 1, "svc_d": 1, "skn_d": 1, "svn_d": 1})
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx

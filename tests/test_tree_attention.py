@@ -14,6 +14,7 @@ import triton
 
 import specdec
 from specdec.kernels import tree_attention as ta
+from tests import helpers
 from tests.helpers import BACKENDS, DEVICE, FLOAT_DTYPES, assert_close, poison_, random_cache, random_trees, to_device, to_paged
 
 BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the tree at odd places
@@ -188,15 +189,10 @@ def test_triton_rejects_unsupported():
 # rejects, and it says nothing of registers or shared memory
 # ----------------------------------------------------------------------------------------------
 def compile_for_hopper(fn, types, constexprs, num_warps=4, num_stages=3):
-    """triton.compile for sm_90 as a launch on engine shapes specializes: arguments not named in `types`
-    are int32 strides divisible by 16, innermost strides (in `constexprs`) are 1."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
-    attrs = {(j,): [["tt.divisibility", 16]] for j, name in enumerate(fn.arg_names)
-             if name not in constexprs and (name.startswith("stride_") or types.get(name, "").startswith("*"))}
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    """sm_90 compile with strides and pointers 16-divisible; innermost strides (in `constexprs`) are 1."""
+    return helpers.compile_for_hopper(fn, types, constexprs,
+                                      lambda name: name.startswith("stride_") or types.get(name, "").startswith("*"),
+                                      num_warps, num_stages)
 
 
 def spilled_bytes(kernel):
