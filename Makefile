@@ -19,7 +19,7 @@ $(STAMP): $(PY) setup.py $(wildcard csrc/*.cpp csrc/*.h)
 install: $(STAMP)
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests bench/test_bench_ops.py --benchmark-disable
 
 # the main job: speculative decoding with the shipped model pair vs plain autoregressive decoding
 demo: $(STAMP)

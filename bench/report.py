@@ -30,8 +30,15 @@ def _timed(row) -> bool:
     return row.get("status") == "ok" and row.get("time_s")
 
 
+def _graph(row) -> dict:
+    """The row's CUDA-graph replay timing (GPU runs), or {} when it has none."""
+    g = row.get("graph") or {}
+    return g if g.get("time_s") else {}
+
+
 def ratios(result) -> list[dict]:
-    """Speedup of every timed specdec backend over every timed peer of the same case."""
+    """Speedup of every timed specdec backend over every timed peer of the same case: eager time over
+    eager time, and graph replay over graph replay where both were captured (else None)."""
     out = []
     by_case: dict = {}
     for row in result["rows"]:
@@ -39,25 +46,39 @@ def ratios(result) -> list[dict]:
     for (op, case), rows in by_case.items():
         for impl in (r for r in rows if r["kind"] == "specdec" and _timed(r) and r["impl"] != "torch"):
             for peer in (r for r in rows if r["kind"] == PEER_KIND and _timed(r)):
+                gi, gp = _graph(impl), _graph(peer)
                 out.append({"op": op, "case": case, "impl": impl["impl"], "vs": peer["impl"],
-                            "speedup": peer["time_s"] / impl["time_s"]})
+                            "speedup": peer["time_s"] / impl["time_s"],
+                            "graph_speedup": gp["time_s"] / gi["time_s"] if gi and gp else None})
     return out
 
 
+def _ratio_text(r) -> str:
+    graph = f", graph {r['graph_speedup']:.2f}x" if r.get("graph_speedup") else ""
+    return f"{r['speedup']:.2f}x{graph}"
+
+
 def targets(result) -> list[dict]:
-    """Every target of the run's cases with its measured value and PASS / FAIL (n/a when not measured)."""
+    """Every target of the run's cases with its measured value and PASS / FAIL (n/a when not measured).
+
+    On a GPU the value is the CUDA-graph replay measurement (how engines run a verification step) when
+    there is one (for a speedup: when both sides were captured), else the eager one; `timing` says which,
+    and `eager_value` keeps the eager measurement beside it."""
     rows = {(r["op"], r["case"], r["impl"]): r for r in result["rows"]}
-    speedups = {(r["op"], r["case"], r["impl"], r["vs"]): r["speedup"] for r in ratios(result)}
+    speedups = {(r["op"], r["case"], r["impl"], r["vs"]): r for r in ratios(result)}
     out = []
     for case in result["cases"]:
         for t in case["targets"]:
             row = rows.get((case["op"], case["name"], t["impl"]))
             if t["vs"] == "copy":
-                value = row.get("pct_copy") if row and _timed(row) else None
+                eager = row.get("pct_copy") if row and _timed(row) else None
+                graph = _graph(row).get("pct_copy") if row and eager is not None else None
                 metric, unit = "% of copy BW", "%"
             else:
-                value = speedups.get((case["op"], case["name"], t["impl"], t["vs"]))
+                r = speedups.get((case["op"], case["name"], t["impl"], t["vs"])) or {}
+                eager, graph = r.get("speedup"), r.get("graph_speedup")
                 metric, unit = f"speedup vs {t['vs']}", "x"
+            value, timing = (graph, "graph") if graph is not None else (eager, "eager")
             if value is None:
                 why = (row or {}).get("note") or (row or {}).get("status") or "not run"
                 verdict = f"n/a ({why})"
@@ -66,8 +87,19 @@ def targets(result) -> list[dict]:
                 verdict = ("PASS" if value >= t["threshold"] else "FAIL") + ("" if checked_ok else " (output MISMATCH)")
             out.append({"source": t["source"], "op": case["op"], "case": case["name"], "impl": t["impl"],
                          "metric": metric, "threshold": t["threshold"], "unit": unit, "value": value,
-                         "verdict": verdict})
+                         "timing": timing, "eager_value": eager, "verdict": verdict})
     return out
+
+
+def _target_value(t) -> str:
+    """The measured value of a target, which timing it comes from, and the eager one beside a graph one."""
+    if t["value"] is None:
+        return "-"
+    text = f"{t['value']:.2f}{t['unit']}"
+    if t.get("timing") == "graph":
+        eager = "-" if t.get("eager_value") is None else f"{t['eager_value']:.2f}{t['unit']}"
+        text += f" (graph replay; eager {eager})"
+    return text
 
 
 def row_line(row) -> str:
@@ -78,6 +110,10 @@ def row_line(row) -> str:
         perf = f"{'-':>10}  {'':>8}       {'':>6}      "
     extra = " ".join(f"{k}={v}" for k, v in (row.get("extra") or {}).items())
     note = row.get("note") or ""
+    g = row.get("graph") or {}
+    if g:
+        note = (note + " " if note else "") + (f"graph {_fmt_time(g['time_s'])} {_fmt(g.get('pct_copy'), '.1f')}% copy"
+                                               if g.get("time_s") else f"graph: {g.get('note')}")
     status = "" if row.get("status") == "ok" else f"[{row.get('status')}] "
     return f"{row['impl']:<20} {perf}  {row.get('check', 'n/a')} {extra} {status}{note}".rstrip()
 
@@ -99,7 +135,9 @@ def _meta_lines(result) -> list[str]:
 
 def _timer_text(device) -> str:
     if device == "cuda":
-        return "triton.testing.do_bench, median (fastest also listed), L2 cleared before each call"
+        return ("triton.testing.do_bench, median (fastest also listed), L2 cleared before each call; each "
+                "implementation called eagerly and as the replay of a CUDA graph of one call (targets use the "
+                "graph replay where captured, the eager time otherwise)")
     return ("time.perf_counter, 2 warmup calls, median (fastest call also listed), caches not flushed "
             "(% of copy can exceed 100)")
 
@@ -111,25 +149,30 @@ def markdown(result) -> str:
         lines += ["## Targets", "", "| source | op | case | impl | metric | target | measured | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
         for t in tg:
-            value = "-" if t["value"] is None else f"{t['value']:.2f}{t['unit']}"
             lines.append(f"| {t['source']} | {t['op']} | {t['case']} | {t['impl']} | {t['metric']} | "
-                         f">= {t['threshold']:g}{t['unit']} | {value} | {t['verdict']} |")
+                         f">= {t['threshold']:g}{t['unit']} | {_target_value(t)} | {t['verdict']} |")
         lines.append("")
     rt = ratios(result)
     if rt:
         lines += ["## Ratios to peers (same run, same inputs)", "", "| op | case | ratio |", "|---|---|---|"]
-        lines += [f"| {r['op']} | {r['case']} | {r['impl']} vs {r['vs']}: {r['speedup']:.2f}x |" for r in rt]
+        lines += [f"| {r['op']} | {r['case']} | {r['impl']} vs {r['vs']}: {_ratio_text(r)} |" for r in rt]
         lines.append("")
+    graphs = any("graph" in r for r in result["rows"])
+    graph_head, graph_rule = (" graph replay | % copy (graph) |", "---|---|") if graphs else ("", "")
     for op in dict.fromkeys(r["op"] for r in result["rows"]):
-        lines += [f"## {op}", "", "| case | impl | time (median) | fastest | min bytes | GB/s | % copy | check | notes |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {op}", "", "| case | impl | time (median) | fastest | min bytes | GB/s | % copy |"
+                  + graph_head + " check | notes |", "|---|---|---|---|---|---|---|" + graph_rule + "---|---|"]
         for r in (r for r in result["rows"] if r["op"] == op):
             extra = " ".join(f"{k}={v}" for k, v in (r.get("extra") or {}).items())
-            notes = " ".join(s for s in (r["status"] if r["status"] != "ok" else "", r.get("note") or "", extra) if s)
+            graph_note = (r.get("graph") or {}).get("note", "")
+            notes = " ".join(s for s in (r["status"] if r["status"] != "ok" else "", r.get("note") or "", extra,
+                                         f"graph: {graph_note}" if graph_note else "") if s)
             mb = "-" if r.get("bytes") is None else f"{r['bytes'] / 1e6:.3g} MB"
+            g = _graph(r)
+            graph_cells = f" {_fmt_time(g.get('time_s'))} | {_fmt(g.get('pct_copy'), '.1f')} |" if graphs else ""
             lines.append(f"| {r['case']} | {r['impl']} | {_fmt_time(r.get('time_s'))} | {_fmt_time(r.get('time_min_s'))} | {mb} | "
-                         f"{_fmt(r.get('gbps'), '.1f')} | {_fmt(r.get('pct_copy'), '.1f')} | {r.get('check', 'n/a')} | "
-                         f"{notes} |")
+                         f"{_fmt(r.get('gbps'), '.1f')} | {_fmt(r.get('pct_copy'), '.1f')} |{graph_cells} "
+                         f"{r.get('check', 'n/a')} | {notes} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -153,17 +196,18 @@ def summary_text(result) -> str:
             lines.append(f"{op:<10} {case:<58} {'-':<14} {'':>10} {'':>8} {'':>6}  {why[:90]}"
                          + (f" | peers: {peers}" if peers else ""))
             continue
-        vs = ", ".join(f"{r['vs']} {r['speedup']:.2f}x" for r in rt if (r["op"], r["case"], r["impl"]) == (op, case, best["impl"]))
+        vs = ", ".join(f"{r['vs']} {_ratio_text(r)}" for r in rt if (r["op"], r["case"], r["impl"]) == (op, case, best["impl"]))
+        g = _graph(best)
+        graph = f" | graph {_fmt_time(g['time_s'])} {_fmt(g.get('pct_copy'), '.1f')}%" if g else ""
         lines.append(f"{op:<10} {case:<58} {best['impl']:<14} {_fmt_time(best['time_s']):>10} "
                      f"{_fmt(best.get('gbps'), '8.1f')} {_fmt(best.get('pct_copy'), '6.1f')}  "
-                     f"{vs or '-'} | {best['check']}")
+                     f"{vs or '-'}{graph} | {best['check']}")
     tg = targets(result)
     if tg:
         lines += ["", "Targets"]
         for t in tg:
-            value = "-" if t["value"] is None else f"{t['value']:.2f}{t['unit']}"
             lines.append(f"  [{t['verdict']}] {t['source']}: {t['op']} {t['case']}: {t['impl']} {t['metric']} "
-                         f"{value} (target >= {t['threshold']:g}{t['unit']})")
+                         f"{_target_value(t)} (target >= {t['threshold']:g}{t['unit']})")
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ import specdec.ops
 
 from . import cases as grids
 from . import op_accept, op_append, op_attention, op_rollback, report
-from .timing import copy_ceiling, machine_info, time_fn
+from .timing import copy_ceiling, machine_info, time_fn, time_graph
 
 OPS = {m.OP: m for m in (op_attention, op_accept, op_rollback, op_append)}
 SPECDEC_BACKENDS = ("torch", "cpp", "triton")
@@ -92,11 +92,31 @@ def measure(mod, x, case_name, name, kind, make_fn, expected, device, ceiling, b
     except Exception as exc:  # noqa: BLE001 - a broken implementation must not stop the run
         row["status"], row["note"] = _failure(exc)
         return row
-    row.update(timing)
-    if row["bytes"]:
-        row["gbps"] = row["bytes"] / row["time_s"] / 1e9
-        row["pct_copy"] = 100.0 * row["gbps"] / ceiling["gbps"]
+    row.update(timing, **_bandwidth(row["bytes"], timing["time_s"], ceiling))
+    if device.type == "cuda":
+        row["graph"] = measure_graph(fn, device, row["bytes"], ceiling, budget_s)
     return row
+
+
+def _bandwidth(nbytes, seconds, ceiling) -> dict:
+    if not nbytes:
+        return {}
+    gbps = nbytes / seconds / 1e9
+    return {"gbps": gbps, "pct_copy": 100.0 * gbps / ceiling["gbps"]}
+
+
+def measure_graph(fn, device, nbytes, ceiling, budget_s) -> dict:
+    """The CUDA-graph replay timing of `fn` ({"time_s", "time_min_s", "reps", "timer", "gbps", "pct_copy"}),
+    or {"note": why not} when it cannot be captured (the PyTorch peers with boolean-mask indexing sync)."""
+    specdec.set_value_checks(False)
+    try:
+        timing = time_graph(fn, device, budget_s=budget_s)
+    except Exception as exc:  # noqa: BLE001 - an uncapturable peer is a fact to report, not a failure
+        torch.cuda.synchronize(device)
+        return {"note": f"not capturable ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:100]})"}
+    finally:
+        specdec.set_value_checks(True)
+    return dict(timing, **_bandwidth(nbytes, timing["time_s"], ceiling))
 
 
 def run_case(case, device, backends, peer_names, ceiling, budget_s):

@@ -2,8 +2,8 @@
 BENCH_DEVICE=cuda). Each benchmark first checks the output of what it times.
 
 Plain `pytest bench/` also runs the harness's own tests: the peers and the harness's checks against the
-reference backend, negative controls of those checks, and the runner and report on toy cases.
-(`make test` runs `pytest tests` and does not collect this folder.)
+reference backend, negative controls of those checks, and the runner and report on toy cases. `make test`
+runs this file with --benchmark-disable (every benchmark once, untimed, as a test of its check).
 """
 from __future__ import annotations
 
@@ -173,8 +173,37 @@ def test_report_ratios_and_targets():
               "rows": [row("cpp", "specdec", 1.0, pct=40.0), row("peer", "peer", 4.0),
                        {"op": "accept", "case": "c", "impl": "triton", "kind": "specdec", "status": "skipped",
                         "note": "not implemented yet", "check": "n/a", "extra": {}}]}
-    assert report.ratios(result) == [{"op": "accept", "case": "c", "impl": "cpp", "vs": "peer", "speedup": 4.0}]
+    assert report.ratios(result) == [{"op": "accept", "case": "c", "impl": "cpp", "vs": "peer", "speedup": 4.0,
+                                      "graph_speedup": None}]
     verdicts = [t["verdict"] for t in report.targets(result)]
     assert verdicts == ["PASS", "FAIL", "n/a (not implemented yet)"]
     result["rows"][0]["check"] = "MISMATCH (x)"
     assert report.targets(result)[0]["verdict"] == "PASS (output MISMATCH)"
+
+
+def test_report_prefers_graph_replay_where_both_sides_were_captured():
+    def row(impl, kind, t, pct, graph):
+        return {"op": "accept", "case": "c", "impl": impl, "kind": kind, "status": "ok", "time_s": t,
+                "pct_copy": pct, "check": "ok", "extra": {}, "note": "", "graph": graph}
+    result = {"meta": {"device": "cuda", "date": "d", "cpu_count": 1, "cpu": "x", "torch_threads": 1,
+                       "python": "3", "torch": "t", "triton": "t", "git_commit": "c", "git_dirty": False,
+                       "triton_interpret": ""},
+              "ceiling": {"gbps": 10.0, "method": "m", "timer": "t"},
+              "cases": [{"op": "accept", "name": "c", "params": {},
+                         "targets": [Target("triton", "copy", 50.0, "s").__dict__,
+                                     Target("triton", "peer", 5.0, "s").__dict__,
+                                     Target("triton", "sync-peer", 5.0, "s").__dict__]}],
+              "rows": [row("triton", "specdec", 1.0, 40.0, {"time_s": 0.5, "pct_copy": 80.0}),
+                       row("peer", "peer", 3.0, None, {"time_s": 3.0}),
+                       row("sync-peer", "peer", 6.0, None, {"note": "not capturable (RuntimeError: sync)"})]}
+    by_vs = {r["vs"]: r for r in report.ratios(result)}
+    assert by_vs["peer"]["speedup"] == 3.0 and by_vs["peer"]["graph_speedup"] == 6.0
+    assert by_vs["sync-peer"]["speedup"] == 6.0 and by_vs["sync-peer"]["graph_speedup"] is None
+    tg = report.targets(result)
+    assert [(t["value"], t["timing"], t["eager_value"], t["verdict"]) for t in tg] == [
+        (80.0, "graph", 40.0, "PASS"), (6.0, "graph", 3.0, "PASS"), (6.0, "eager", 6.0, "PASS")]
+    text = report.markdown(result)
+    assert "80.00% (graph replay; eager 40.00%)" in text and "graph: not capturable" in text
+    assert "| 500.00 ms | 80.0 |" in text  # the graph columns of the triton row
+    result["rows"][0]["graph"] = {"note": "not capturable (x)"}  # no graph time: every target falls back to eager
+    assert [(t["value"], t["timing"]) for t in report.targets(result)] == [(40.0, "eager"), (3.0, "eager"), (6.0, "eager")]

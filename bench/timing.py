@@ -1,7 +1,9 @@
 """Timers, the copy-bandwidth ceiling, and the facts about the machine a result was measured on.
 
 GPU: triton.testing.do_bench (CUDA events; it clears the L2 cache before every call, so the inputs
-come from HBM as in a real decode step; median). CPU: time.perf_counter around each call after a
+come from HBM as in a real decode step; median), twice per implementation: called eagerly (Python and
+launch overhead included: what a plain script sees) and as the replay of a CUDA graph captured from one
+call (`time_graph`: how engines run a decode or verification step; launch gaps shrink to the GPU's own). CPU: time.perf_counter around each call after a
 warmup, median; the CPU timer does not flush caches (this machine's 480 MiB L3 can hold a benchmark's
 inputs), so a CPU kernel may exceed 100% of the copy ceiling: compare CPU backends with their peers.
 """
@@ -42,6 +44,26 @@ def time_fn(fn: Callable, device: torch.device, *, budget_s: float = 0.4, max_re
         fn()
         times.append(time.perf_counter() - t0)
     return {"time_s": statistics.median(times), "time_min_s": min(times), "reps": len(times), "timer": "perf_counter"}
+
+
+def time_graph(fn: Callable, device: torch.device, *, budget_s: float = 0.4) -> dict:
+    """time_fn of the replay of a CUDA graph captured from one call of `fn` (after warmup calls on a side
+    stream, as torch.cuda.graphs requires). Raises when `fn` cannot be captured (a host sync, say)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # first-call work (allocations, compilation) stays out of the capture
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    timing = time_fn(graph.replay, device, budget_s=budget_s)
+    timing["timer"] += " on CUDA-graph replay"
+    del graph
+    return timing
 
 
 def copy_ceiling(device: torch.device, sizes_mib=None, budget_s: float = 0.4) -> dict:
