@@ -12,9 +12,11 @@
 #                   (SPECDEC_TEST_DEVICE=cuda, TRITON_INTERPRET=0), when tests/helpers.py reads the switch
 #   copy            the copy-bandwidth ceiling (device-to-device copy_, 256 MiB .. 16 GiB)
 #   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
-#   summary         merged results + PASS/FAIL against the targets
-# RESULTS_DIR ends up with summary.md, bench-<date>-cuda.json/.md (merged results) and steps.tar.gz (every
-# log and per-step result); SPECDEC_GPU_PACK=0 keeps the steps/ folder unpacked instead.
+#   sweep           python -m bench.sweep: the Triton tunables at the target shapes (what the heuristics
+#                   should choose), one variant per row, ranked
+#   summary         merged results + PASS/FAIL against the targets, then the sweep's ranking
+# RESULTS_DIR ends up with summary.md, bench-<date>-cuda.json/.md (merged results), sweep.json/.md and
+# steps.tar.gz (every log and per-step result); SPECDEC_GPU_PACK=0 keeps the steps/ folder unpacked instead.
 #
 # Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds, default 470),
 # SPECDEC_GPU_TESTS (backend test files), SPECDEC_GPU_TESTS_TIMEOUT (seconds for them, default 150, run
@@ -120,6 +122,9 @@ grid attention 1 120
 grid accept 2 50
 grid rollback 3 40
 grid append 4 25
+SWEEP=("$PY" -m bench.sweep --device "$DEVICE")
+[ "$DEVICE" = cpu ] && SWEEP=(env TRITON_INTERPRET=1 "${SWEEP[@]}" --toy)  # dry run: the interpreter, toy shapes
+step sweep 80 "${SWEEP[@]}" --out "$STEPS" --name sweep --time-budget 55
 
 # the broad backend test files last: they compile every kernel variant they use (minutes), so they get
 # what the focused tests and the grid left of the budget
@@ -157,7 +162,11 @@ step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --n
   echo
   echo "## benchmark"
   grep -v '^wrote ' "$STEPS/summary.log" 2>/dev/null
+  echo
+  echo "## tuning sweep (fastest first)"
+  sed -n '/ (by \(graph\|eager\) time)$/,/^results: /p' "$STEPS/sweep.log" 2>/dev/null | grep -v '^results: '
 } >"$RESULTS/summary.md"
+cp "$STEPS"/sweep.json "$STEPS"/sweep.md "$RESULTS"/ 2>/dev/null
 # the tail of every failed step's log, so a failure can be read from stdout alone
 for line in "${STATUS[@]}"; do
   case "$line" in *"rc=0"*|*skipped*) ;; *)

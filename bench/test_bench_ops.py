@@ -14,7 +14,7 @@ import torch
 
 import specdec
 import specdec.ops
-from bench import op_accept, op_append, op_attention, op_rollback, report, run
+from bench import op_accept, op_append, op_attention, op_rollback, report, run, sweep
 from bench.cases import TOY, acc, app, attn, rb
 from bench.common import Case, Target
 
@@ -207,3 +207,29 @@ def test_report_prefers_graph_replay_where_both_sides_were_captured():
     assert "| 500.00 ms | 80.0 |" in text  # the graph columns of the triton row
     result["rows"][0]["graph"] = {"note": "not capturable (x)"}  # no graph time: every target falls back to eager
     assert [(t["value"], t["timing"]) for t in report.targets(result)] == [(40.0, "eager"), (3.0, "eager"), (6.0, "eager")]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton launchers on CPU need the interpreter")
+@pytest.mark.parametrize("case", [c for c in TOY if c.op in sweep.SWEEPS], ids=lambda c: c.op)
+def test_sweep_variants_compute_the_op(case):
+    """Every tuning variant the GPU sweep times returns a checked result (accept: the default's exact one)."""
+    rows = list(sweep.sweep_case(case, CPU, {"gbps": 10.0}, budget_s=0.01, smoke=True))
+    assert rows[0]["impl"] == "triton default" and len(rows) >= 4
+    for r in rows:
+        assert r["status"] == "ok" and r["check"].startswith("ok") and "MISMATCH" not in r["check"], r
+    if case.op == "accept":
+        assert all(r["check"].endswith("= default") for r in rows[1:])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton launchers on CPU need the interpreter")
+def test_sweep_flags_an_accept_variant_that_changes_the_result(monkeypatch):
+    from specdec.kernels import accept as ka
+
+    def other_stream(x, kwargs):  # negative control: every non-default variant draws from another Philox offset
+        return lambda: specdec.AcceptResult(*ka.accept(x.target_logits, x.tokens, x.parents, x.draft_logits,
+                                                       x.temperature, x.seeds, x.num_nodes, 7 if kwargs else 0,
+                                                       **kwargs))
+    monkeypatch.setitem(sweep.SWEEPS, "accept", (sweep.accept_variants, other_stream))
+    case = next(c for c in TOY if c.op == "accept")
+    rows = list(sweep.sweep_case(case, CPU, {"gbps": 10.0}, budget_s=0.01, smoke=True))
+    assert all("differs from the default" in r["check"] for r in rows[1:])

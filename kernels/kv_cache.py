@@ -115,11 +115,11 @@ def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_a
         tl.store(cache + (dst[:, None, None] + within), vals, mask=mask)
 
 
-def _tile(rows: int, H: int, D: int) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_H, BLOCK_D): whole head dim, about TILE_ELEMENTS elements per step."""
+def _tile(rows: int, H: int, D: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_H, BLOCK_D): whole head dim, about `tile_elements` elements per step."""
     block_d = triton.next_power_of_2(D)
     block_rows = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_STEP)
-    block_h = max(1, min(triton.next_power_of_2(H), TILE_ELEMENTS // (block_rows * block_d)))
+    block_h = max(1, min(triton.next_power_of_2(H), tile_elements // (block_rows * block_d)))
     return block_rows, block_h, block_d
 
 
@@ -176,12 +176,15 @@ def _entry_table(stacks: list[torch.Tensor]):
     return stacks[anchor_idx], entry[1], align
 
 
-def kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table) -> None:
+def kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table, *,
+                tile_elements: int = TILE_ELEMENTS, num_warps: int = 4) -> None:
+    """Normalized arguments of the `specdec::kv_rollback` schema; the keyword-only tunables (elements one
+    program moves per step, warps per program) are for the GPU tuning sweep (bench/sweep.py)."""
     B, P = accepted_nodes.shape
     stacks = [c if c.dim() == 5 else c.unsqueeze(0) for c in list(k_caches) + list(v_caches)]
     H, D = stacks[0].shape[-2:]
     table, block_size = _paging(stacks[0], block_table, B)
-    BLOCK_P, BLOCK_H, BLOCK_D = _tile(P, H, D)
+    BLOCK_P, BLOCK_H, BLOCK_D = _tile(P, H, D, tile_elements)
     lens, path, num_acc = cache_lens.contiguous(), accepted_nodes.contiguous(), num_accepted.contiguous()
     new_lens = torch.empty_like(lens)
     layouts: dict = {}
@@ -192,6 +195,7 @@ def kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, bl
         grid = (B, offsets.shape[0], triton.cdiv(H, BLOCK_H))
         _kv_rollback_kernel[grid](anchor, offsets, lens, path, num_acc, table, new_lens,
                                   P, H, D, block_size, path.stride(0), table.stride(0), s_blk, s_row, s_h, s_d,
-                                  ENTRY_ALIGN=align, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D)
+                                  ENTRY_ALIGN=align, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                                  num_warps=num_warps)
     # after every move is issued (the kernels read cache_lens): one device copy, no host sync
     cache_lens.copy_(new_lens)

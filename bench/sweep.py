@@ -1,0 +1,215 @@
+"""Tuning sweep: the Triton kernels' launch parameters at the issue-target shapes (the GPU script's `sweep`
+step), so that one GPU run measures what the heuristics should choose.
+
+    python -m bench.sweep [--device cuda] [--ops attention,accept,rollback] [--out DIR] [--name STEM]
+                          [--time-budget S]
+    TRITON_INTERPRET=1 python -m bench.sweep --device cpu --toy   # the mechanics on toy shapes, no timing
+
+For every target case of bench/cases.py (GPU_TARGETS; --toy: the toy cases), each variant of its op's
+tunables runs the Triton launcher directly, is checked like a benchmark row (accept variants must also
+return exactly what the default returns: the schedule may not change a result), and is timed eagerly and
+as a CUDA-graph replay. "default" is what the heuristics choose now; the others change one tunable each:
+
+  attention  num_splits (x1/2, x2, 1), block_n, num_warps, num_stages   (choose_num_splits, choose_config)
+  accept     block_v, num_splits, num_warps, split_steps=0 (the walker alone: one launch)    (_config)
+  rollback   tile_elements, num_warps                                    (kv_cache.TILE_ELEMENTS)
+
+Results: JSON + markdown like `python -m bench` (rows named "triton <variant>"), and a per-case ranking
+(fastest first by graph replay, else eager) on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import triton
+
+import specdec
+
+from . import cases as grids
+from . import op_accept, op_attention, op_rollback, report
+from .run import _failure, measure
+from .timing import copy_ceiling, machine_info
+
+OPS = {m.OP: m for m in (op_attention, op_accept, op_rollback)}
+
+
+def attention_variants(x) -> list[tuple[str, dict]]:
+    from specdec.kernels import tree_attention as ta
+    B, T, Hq, D = x.q.shape
+    Hkv = x.k_cache.shape[2]
+    cfg = ta.choose_config(T * (Hq // Hkv), D, x.q.element_size())
+    capacity = x.k_cache.shape[1] * (1 if x.block_table is None else x.block_table.shape[1])
+    splits = ta.choose_num_splits(B, Hkv, triton.cdiv(T * (Hq // Hkv), cfg.block_m), capacity,
+                                  ta._sm_count(x.q.device))
+    out = [("default", {})]
+    out += [(f"num_splits={s}", {"num_splits": s}) for s in sorted({1, max(1, splits // 2), 2 * splits} - {splits})]
+    out += [(f"block_n={n}", {"config": cfg._replace(block_n=n)}) for n in (32, 64, 128) if n != cfg.block_n]
+    out += [(f"num_warps={w}", {"config": cfg._replace(num_warps=w)}) for w in (4, 8) if w != cfg.num_warps]
+    out += [(f"num_stages={s}", {"config": cfg._replace(num_stages=s)}) for s in (2, 3, 4) if s != cfg.num_stages]
+    return out
+
+
+def attention_launch(x, kwargs):
+    from specdec.kernels import tree_attention as ta
+    return lambda: ta.tree_attention(x.q, x.k_cache, x.v_cache, x.cache_lens, x.tree_mask, x.block_table,
+                                     x.num_nodes, x.scale, **kwargs)[0]
+
+
+def accept_variants(x) -> list[tuple[str, dict]]:
+    from specdec.kernels import accept as ka
+    B, T, V = x.target_logits.shape
+    cfg = ka._config(T, V, x.target_logits.device)
+    out = [("default", {})]
+    out += [(f"block_v={v}", {"block_v": v}) for v in (1024, 4096) if v != cfg["block_v"]]
+    out += [(f"num_splits={s}", {"num_splits": s})
+            for s in sorted({max(1, cfg["num_splits"] // 2), 2 * cfg["num_splits"]} - {cfg["num_splits"]})]
+    out += [(f"num_warps={w}", {"num_warps": w}) for w in (4, 8, 16) if w != cfg["num_warps"]]
+    if cfg["split_steps"]:
+        out.append(("split_steps=0", {"split_steps": 0}))
+    return out
+
+
+def accept_launch(x, kwargs):
+    from specdec.kernels import accept as ka
+    return lambda: specdec.AcceptResult(*ka.accept(x.target_logits, x.tokens, x.parents, x.draft_logits,
+                                                   x.temperature, x.seeds, x.num_nodes, 0, **kwargs))
+
+
+def rollback_variants(x) -> list[tuple[str, dict]]:
+    from specdec.kernels import kv_cache as kc
+    out = [("default", {})]
+    out += [(f"tile_elements={n}", {"tile_elements": n}) for n in (1024, 2048, 8192, 16384) if n != kc.TILE_ELEMENTS]
+    out += [(f"num_warps={w}", {"num_warps": w}) for w in (2, 8)]
+    return out
+
+
+def rollback_launch(x, kwargs):
+    from specdec.kernels import kv_cache as kc
+
+    def run():
+        x.cache_lens.copy_(x.lens0)
+        kc.kv_rollback(x.k_caches, x.v_caches, x.cache_lens, x.accepted_nodes, x.num_accepted, x.block_table,
+                       **kwargs)
+    return run
+
+
+SWEEPS = {"attention": (attention_variants, attention_launch), "accept": (accept_variants, accept_launch),
+          "rollback": (rollback_variants, rollback_launch)}
+
+
+class _SameAsDefault:
+    """An op module whose check also requires the default variant's exact result (accept: the schedule
+    must not change which tokens are emitted)."""
+
+    def __init__(self, mod, default_out):
+        self.mod, self.default_out = mod, default_out
+
+    def __getattr__(self, name):
+        return getattr(self.mod, name)
+
+    def check(self, x, out, expected) -> str:
+        text = self.mod.check(x, out, expected)
+        same = all(torch.equal(a, b) for a, b in zip(out, self.default_out))
+        return text + ("; = default" if same else "; MISMATCH: differs from the default schedule")
+
+
+def sweep_case(case, device, ceiling, budget_s, smoke):
+    """Yield one row per variant of the case (the default first)."""
+    mod = OPS[case.op]
+    variants, launch = SWEEPS[case.op]
+    case_name = mod.describe(case.params)
+    torch.manual_seed(0)
+    try:
+        x = mod.Inputs(case.params, device, torch.Generator().manual_seed(0))
+        expected = mod.reference_value(x)
+        plan = variants(x)
+    except Exception as exc:  # noqa: BLE001 - a case that cannot be set up is reported, not fatal
+        status, note = _failure(exc)
+        yield {"op": case.op, "case": case_name, "impl": "-", "kind": "-", "status": status,
+               "note": f"inputs: {note}", "check": "n/a", "extra": {}}
+        return
+    checker = mod
+    for name, kwargs in plan:
+        row = measure(checker, x, case_name, f"triton {name}", "specdec", lambda k=kwargs: launch(x, k), expected,
+                      device, ceiling, budget_s, smoke=smoke)
+        row["variant"] = kwargs and {k: (v._asdict() if hasattr(v, "_asdict") else v) for k, v in kwargs.items()}
+        print("  " + report.row_line(row), flush=True)
+        yield row
+        if name == "default" and case.op == "accept" and row["status"] == "ok":
+            x.reset()
+            checker = _SameAsDefault(mod, launch(x, kwargs)())
+
+
+def ranking(result) -> str:
+    """Per case: the variants fastest first (graph replay when measured, else eager), vs the default."""
+    lines = []
+    for case in result["cases"]:
+        rows = [r for r in result["rows"] if r["case"] == case["name"] and r["status"] == "ok" and r.get("time_s")]
+        if not rows:
+            continue
+        key = "graph" if all((r.get("graph") or {}).get("time_s") for r in rows) else "eager"
+
+        def seconds(r):
+            return r["graph"]["time_s"] if key == "graph" else r["time_s"]
+
+        default = next((seconds(r) for r in rows if r["impl"] == "triton default"), None)
+        lines.append(f"{case['op']} {case['name']} (by {key} time)")
+        for r in sorted(rows, key=seconds):
+            pct = (r["graph"] if key == "graph" else r).get("pct_copy")
+            rel = f"{default / seconds(r):5.2f}x default" if default else ""
+            lines.append(f"  {r['impl']:<28} {seconds(r) * 1e6:10.1f} us  {pct or 0:6.1f}% copy  {rel}  {r['check']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--ops", default=",".join(SWEEPS), help=f"comma list of {','.join(SWEEPS)}")
+    ap.add_argument("--toy", action="store_true", help="the toy cases (a smoke run of the mechanics)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--name", default=None, help="results file stem (default: sweep-<date>-<device>)")
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds after which no new case starts")
+    ap.add_argument("--rep-budget", type=float, default=0.1, help="seconds of timed calls per measurement")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    ops = [o for o in args.ops.split(",") if o]
+    if set(ops) - set(SWEEPS):
+        raise SystemExit(f"--ops: choose from {list(SWEEPS)}")
+    smoke = device.type == "cpu"  # the interpreter: correctness of every variant only
+    if smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("on the CPU the sweep runs the Triton interpreter: set TRITON_INTERPRET=1")
+    start = time.monotonic()
+    meta = machine_info(device)
+    meta["args"] = vars(args)
+    ceiling = copy_ceiling(device, sizes_mib=(256,) if smoke else None)
+    stem = args.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}-{device.type}"
+    result = {"meta": meta, "ceiling": ceiling, "cases": [], "rows": []}
+    for case in (grids.TOY if args.toy else grids.GPU_TARGETS):
+        if case.op not in ops:
+            continue
+        name = OPS[case.op].describe(case.params)
+        result["cases"].append({"op": case.op, "name": name, "params": case.params, "targets": []})
+        if args.time_budget is not None and time.monotonic() - start > args.time_budget:
+            result["rows"].append({"op": case.op, "case": name, "impl": "-", "kind": "-", "status": "skipped",
+                                   "note": "time budget spent", "check": "n/a", "extra": {}})
+            continue
+        print(f"{case.op}: {name}", flush=True)
+        for row in sweep_case(case, device, ceiling, args.rep_budget, smoke):
+            result["rows"].append(row)
+            result["wall_s"] = round(time.monotonic() - start, 1)
+            report.write(result, args.out, stem)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["wall_s"] = round(time.monotonic() - start, 1)
+    paths = report.write(result, args.out, stem)
+    print()
+    print(ranking(result))
+    print(f"results: {' '.join(paths)} ({result['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
