@@ -10,7 +10,8 @@ tunables runs the Triton launcher directly, is checked like a benchmark row (acc
 return exactly what the default returns: the schedule may not change a result), and is timed eagerly and
 as a CUDA-graph replay. "default" is what the heuristics choose now; the others change one tunable each:
 
-  attention  num_splits (x1/2, x2, 1), block_n, num_warps, num_stages   (choose_num_splits, choose_config)
+  attention  num_splits (x1/2, x2, 1), block_n, num_warps, num_stages, float32 split partials
+             (choose_num_splits, choose_config)
   accept     block_v, num_splits, num_warps, split_steps=0 (the walker alone: one launch)    (_config)
   rollback   tile_elements, num_warps                                    (kv_cache.TILE_ELEMENTS)
 
@@ -49,6 +50,8 @@ def attention_variants(x) -> list[tuple[str, dict]]:
     out += [(f"block_n={n}", {"config": cfg._replace(block_n=n)}) for n in (32, 64, 128) if n != cfg.block_n]
     out += [(f"num_warps={w}", {"config": cfg._replace(num_warps=w)}) for w in (4, 8) if w != cfg.num_warps]
     out += [(f"num_stages={s}", {"config": cfg._replace(num_stages=s)}) for s in (2, 3, 4) if s != cfg.num_stages]
+    if splits > 1 and x.q.dtype != torch.float32:
+        out.append(("partial_dtype=float32", {"partial_dtype": torch.float32}))
     return out
 
 

@@ -21,8 +21,10 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
     computed on the device from cache_lens). Partial results are merged by LSE weight in a second
     kernel. The tree part is handled by the last split.
   * Bytes: K and V of the cache_lens[b] + num_nodes[b] positions, once per row tile (one tile while
-    T * group <= 128, or 64 at D = 256), q read, out and lse written; with S > 1 splits also the fp32
-    partials, B*S*T*Hq*(D+1)*4 bytes written and read back by the merge (small next to the prefix).
+    T * group <= 128, or 64 at D = 256), q read, out and lse written; with S > 1 splits also the
+    partials, B*S*T*Hq*(D*e + 4) bytes written and read back by the merge. They are stored in q's dtype
+    (e its size; the LSEs stay fp32), as vLLM's split-KV decode does: at B=1, L=8K fp32 partials would add
+    half as many bytes again as the prefix itself, for a rounding the final cast to q's dtype repeats.
   * Online softmax in fp32 (exp2 with log2(e) folded into the scale); dots accumulate in fp32 from
     fp16/bf16 operands on GPU (fp32 operands in IEEE precision, not TF32). The CPU interpreter upcasts
     every tile to fp32 right after the load (its bf16 arithmetic is wrong).
@@ -126,7 +128,7 @@ def _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECIS
 @triton.jit
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_lens_ptr, tree_mask_ptr, block_table_ptr, num_nodes_ptr,
-    out_ptr, lse_ptr,  # final outputs (NUM_SPLITS == 1) or per-split partials (fp32)
+    out_ptr, lse_ptr,  # final outputs (NUM_SPLITS == 1) or per-split partials (out: partial dtype; lse: fp32)
     qk_scale, T, block_size,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
@@ -224,6 +226,7 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     total = tl.sum(weight, 0)
     part_out = tl.load(part_out_ptr + b * stride_pb + node * stride_pt + head * stride_ph
                        + s[:, None] * stride_ps + d[None, :] * stride_pd, mask=s_ok[:, None], other=0.0)
+    part_out = part_out.to(tl.float32)
     total_safe = tl.where(total > 0, total, 1.0)
     out = tl.sum(weight[:, None] * part_out, 0) / total_safe
     lse = tl.where(total > 0, m_safe + tl.log(total_safe), float("-inf"))
@@ -235,12 +238,14 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                    tree_mask: torch.Tensor, block_table: Optional[torch.Tensor], num_nodes: torch.Tensor,
                    scale: float, *, num_splits: Optional[int] = None, config: Optional[TileConfig] = None,
-                   out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+                   out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                   partial_dtype: Optional[torch.dtype] = None):
     """Launcher (normalized args of the `specdec::tree_attention` schema); returns (out, lse).
 
     Keyword-only extras for tests, benchmarks and engines: `num_splits` overrides the split-KV heuristic
-    (`choose_num_splits`), `config` the tile heuristic (`choose_config`), and `out` (B, T, Hq, D) q.dtype /
-    `lse` (B, T, Hq) float32 are preallocated outputs to write into. Every element of them is written.
+    (`choose_num_splits`), `config` the tile heuristic (`choose_config`), `partial_dtype` the dtype of the
+    split partial outputs (default q.dtype), and `out` (B, T, Hq, D) q.dtype / `lse` (B, T, Hq) float32
+    are preallocated outputs to write into. Every element of them is written.
     """
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -270,7 +275,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if num_splits == 1:
         att_out, att_lse = out.unsqueeze(1), lse.unsqueeze(1)  # (B, 1, T, Hq, D), (B, 1, T, Hq)
     else:
-        att_out = torch.empty((B, num_splits, T, Hq, D), dtype=torch.float32, device=q.device)
+        att_out = torch.empty((B, num_splits, T, Hq, D), dtype=partial_dtype or q.dtype, device=q.device)
         att_lse = torch.empty((B, num_splits, T, Hq), dtype=torch.float32, device=q.device)
 
     _tree_attention_kernel[(row_tiles, Hkv * num_splits, B)](

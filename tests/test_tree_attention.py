@@ -135,6 +135,16 @@ def test_triton_split_kv_into_poisoned_outputs(num_splits, block_n):
     check_against_reference((out, lse), case)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("partial_dtype", [None, torch.float32], ids=["partials-in-q-dtype", "partials-fp32"])
+def test_triton_split_partials_dtype(dtype, partial_dtype):
+    """Split partial outputs stored in q's dtype (the default) or in float32 both meet q's tolerance."""
+    gen = torch.Generator().manual_seed(11)
+    case = make_case(gen, B=2, T=5, Hkv=2, group=2, dtype=dtype, lens=(3, 90), paged=True)
+    config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    check_against_reference(triton_call(case, num_splits=4, config=config, partial_dtype=partial_dtype), case)
+
+
 def test_triton_row_tiles_split_nodes():
     """T * group rows over several BLOCK_M tiles, with group 3 so a node's heads straddle two tiles."""
     gen = torch.Generator().manual_seed(5)
@@ -218,13 +228,13 @@ def hopper_report(paged: bool, num_splits: int) -> None:
     import json
     config = ta.choose_config(16 * 4, 128, 2)
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_lens_ptr": "*i32", "tree_mask_ptr": "*i32",
-             "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "out_ptr": "*fp32" if num_splits > 1 else "*bf16",
+             "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "out_ptr": "*bf16",
              "lse_ptr": "*fp32", "qk_scale": "fp32"}
     constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
                       UPCAST=False, DOT_PRECISION="tf32", IDENTITY_TABLE=not paged,
                       stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1)
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
-    merge_types = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
+    merge_types = {"part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
     merge_constexprs = dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=128,
                             stride_pd=1, stride_od=1)
     merge = compile_for_hopper(ta._merge_splits_kernel, merge_types, merge_constexprs)
