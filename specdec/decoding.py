@@ -77,7 +77,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         cache = self.target.new_cache(B, L, block_size=self.block_size)
         self.target.prefill(cache, tokens, seq_lens - 1)  # the last prompt token is the first root
-        self.drafter.start(tokens, seq_lens, L, temp, torch.Generator(device=dev).manual_seed(seeds[0]))
+        self.drafter.start(tokens, seq_lens, L, temp, seeds)
 
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         steps = torch.zeros(B, dtype=torch.long, device=dev)

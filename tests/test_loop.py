@@ -129,6 +129,21 @@ def test_mixed_temperatures_keep_greedy_requests_exact(pair):
     assert out.tokens[0] == ar.tokens[0] and out.tokens[2] == ar.tokens[2]
 
 
+def test_sampled_request_does_not_depend_on_its_batch(pair, monkeypatch):
+    """A sampled request's drafts and output depend on its own seed only: alone or beside other requests
+    (sampling or greedy), the same tokens. Negative control: one generator shared by the batch (the drafts
+    of request 1 then depend on request 0's draws) changes them."""
+    import specdec.drafters.draft_model as dm
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,2,1"))
+    alone = decoder.generate([PROMPTS[1]], 16, temperature=1.0, seed=[6]).tokens[0]
+    for temps in ([1.0, 1.0, 1.0], [0.0, 1.0, 0.7]):
+        assert decoder.generate(PROMPTS, 16, temperature=temps, seed=[5, 6, 7]).tokens[1] == alone
+    own = dm.request_generators
+    monkeypatch.setattr(dm, "request_generators", lambda seeds, device: own(seeds[1:2], device) * len(seeds))
+    assert decoder.generate(PROMPTS, 16, temperature=1.0, seed=[5, 6, 7]).tokens[1] != alone
+
+
 def test_vocab_mismatch_is_rejected(pair):
     target, _ = pair
     with pytest.raises(ValueError, match="vocab mismatch"):

@@ -10,7 +10,7 @@ request b's committed sequence; the last one is the root (node 0) of the next dr
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -34,9 +34,10 @@ class Drafter:
     vocab_size: Optional[int] = None  # None: any vocabulary (no model)
 
     def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
-              generator: torch.Generator) -> None:
+              seeds: Sequence[int]) -> None:
         """A new batch: `tokens`/`seq_lens` hold the prompts; sequences will not exceed max_len tokens;
-        temperature (B,) is fixed for the batch; `generator` drives the drafter's own sampling."""
+        temperature (B,) is fixed for the batch; request b's own sampling (if any) is driven by seeds[b]
+        alone (`request_generators`), so its drafts never depend on the rest of the batch."""
 
     def propose(self, tokens: torch.Tensor, seq_lens: torch.Tensor, temperature: torch.Tensor) -> Proposal:
         raise NotImplementedError
@@ -55,17 +56,28 @@ class NoDrafter(Drafter):
                         torch.ones(B, dtype=torch.int32, device=tokens.device))
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, generator: torch.Generator,
+# request b's drafter stream is seeded with a mix of seeds[b], never seeds[b] itself: the acceptance kernels
+# key their Philox streams by seeds[b], and a draw must not be correlated with the test that judges it
+_DRAFT_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def request_generators(seeds: Sequence[int], device: torch.device) -> list[torch.Generator]:
+    """One torch.Generator per request, from its seed only."""
+    return [torch.Generator(device=device).manual_seed((int(s) * _DRAFT_SEED_MIX + 1) % 2**63) for s in seeds]
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, generators: Sequence[torch.Generator],
            all_greedy: bool) -> torch.Tensor:
     """k children per row of logits (B, N, V): the top-k tokens for greedy requests (temperature 0),
-    k i.i.d. draws from softmax(logits / temperature) for the others. Returns (B, N, k) int64.
-    all_greedy (known when the batch starts) skips the softmax and the draws."""
+    k i.i.d. draws from softmax(logits / temperature) for the others, request b's from generators[b]
+    (every request draws the same count per call, so its stream never depends on the batch). Returns
+    (B, N, k) int64. all_greedy (known when the batch starts) skips the softmax and the draws."""
     B, N, V = logits.shape
     top = logits.topk(k, dim=-1).indices
     if all_greedy:
         return top
     greedy = (temperature == 0).view(B, 1, 1)
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(B, 1, 1)
-    probs = torch.softmax(logits.float() / t, dim=-1).view(B * N, V)
-    drawn = torch.multinomial(probs, k, replacement=True, generator=generator).view(B, N, k)
+    probs = torch.softmax(logits.float() / t, dim=-1)
+    drawn = torch.stack([torch.multinomial(probs[b], k, replacement=True, generator=generators[b]) for b in range(B)])
     return torch.where(greedy, top, drawn)

@@ -23,7 +23,7 @@ import torch
 
 import specdec
 from ..models.llama import Llama
-from .base import Drafter, Proposal, sample
+from .base import Drafter, Proposal, request_generators, sample
 
 
 @dataclass(frozen=True)
@@ -110,9 +110,9 @@ class DraftModelDrafter(Drafter):
         self.depth, self.mask = info.depth, info.mask  # (1, T), (1, T, W)
 
     # -------------------------------------------------------------------------------------------
-    def start(self, tokens, seq_lens, max_len, temperature, generator):
+    def start(self, tokens, seq_lens, max_len, temperature, seeds):
         B = tokens.shape[0]
-        self.generator, self.temperature = generator, temperature
+        self.generators, self.temperature = request_generators(seeds, tokens.device), temperature
         self.all_greedy = bool((temperature == 0).all())
         self.cache = self.model.new_cache(B, max_len + self.num_fed + 2)
         self.model.prefill(self.cache, tokens, seq_lens - 1)
@@ -155,7 +155,7 @@ class DraftModelDrafter(Drafter):
             (ps, pe), (s, e) = self.levels[d - 1], self.levels[d]
             if draft_logits is not None:
                 draft_logits[:, ps:pe] = level_logits
-            children = sample(level_logits, self.temperature, self.branching[d - 1], self.generator, self.all_greedy)
+            children = sample(level_logits, self.temperature, self.branching[d - 1], self.generators, self.all_greedy)
             out[:, s:e] = children[:, self.local_parent[s:e], self.rank[s:e]]
             if d + 1 < len(self.levels):  # expand this level: its children come next
                 level_logits = self.model.forward_cached(out[:, s:e], self.cache, self.depth[:, s:e].expand(B, -1),
