@@ -164,7 +164,7 @@ step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --n
   grep -v '^wrote ' "$STEPS/summary.log" 2>/dev/null
   echo
   echo "## tuning sweep (fastest first)"
-  sed -n '/ (by \(graph\|eager\) time)$/,/^results: /p' "$STEPS/sweep.log" 2>/dev/null | grep -v '^results: '
+  sed -n '/ (by \(graph\|eager\) time/,/^results: /p' "$STEPS/sweep.log" 2>/dev/null | grep -v '^results: '
 } >"$RESULTS/summary.md"
 cp "$STEPS"/sweep.json "$STEPS"/sweep.md "$RESULTS"/ 2>/dev/null
 # the tail of every failed step's log, so a failure can be read from stdout alone

@@ -159,11 +159,13 @@ def ranking(result) -> str:
             return r["graph"]["time_s"] if key == "graph" else r["time_s"]
 
         default = next((seconds(r) for r in rows if r["impl"] == "triton default"), None)
-        lines.append(f"{case['op']} {case['name']} (by {key} time)")
+        goal = case.get("copy_goal")
+        lines.append(f"{case['op']} {case['name']} (by {key} time" + (f"; target >= {goal:g}% copy)" if goal else ")"))
         for r in sorted(rows, key=seconds):
             pct = (r["graph"] if key == "graph" else r).get("pct_copy")
             rel = f"{default / seconds(r):5.2f}x default" if default else ""
-            lines.append(f"  {r['impl']:<28} {seconds(r) * 1e6:10.1f} us  {pct or 0:6.1f}% copy  {rel}  {r['check']}")
+            verdict = "" if goal is None or pct is None else (" meets the target" if pct >= goal else " below the target")
+            lines.append(f"  {r['impl']:<28} {seconds(r) * 1e6:10.1f} us  {pct or 0:6.1f}% copy  {rel}{verdict}  {r['check']}")
     return "\n".join(lines)
 
 
@@ -194,7 +196,8 @@ def main(argv=None) -> int:
         if case.op not in ops:
             continue
         name = OPS[case.op].describe(case.params)
-        result["cases"].append({"op": case.op, "name": name, "params": case.params, "targets": []})
+        goal = max((t.threshold for t in case.targets if t.vs == "copy"), default=None)  # for the ranking
+        result["cases"].append({"op": case.op, "name": name, "params": case.params, "targets": [], "copy_goal": goal})
         if args.time_budget is not None and time.monotonic() - start > args.time_budget:
             result["rows"].append({"op": case.op, "case": name, "impl": "-", "kind": "-", "status": "skipped",
                                    "note": "time budget spent", "check": "n/a", "extra": {}})

@@ -233,3 +233,18 @@ def test_sweep_flags_an_accept_variant_that_changes_the_result(monkeypatch):
     case = next(c for c in TOY if c.op == "accept")
     rows = list(sweep.sweep_case(case, CPU, {"gbps": 10.0}, budget_s=0.01, smoke=True))
     assert all("differs from the default" in r["check"] for r in rows[1:])
+
+
+def test_sweep_ranking_orders_variants_and_marks_the_copy_goal():
+    def row(impl, eager, graph, pct):
+        return {"op": "attention", "case": "c", "impl": impl, "status": "ok", "time_s": eager, "check": "ok",
+                "graph": {"time_s": graph, "pct_copy": pct}}
+    result = {"cases": [{"op": "attention", "name": "c", "targets": [], "copy_goal": 80.0}],
+              "rows": [row("triton default", 3e-6, 2e-6, 70.0), row("triton num_splits=8", 4e-6, 1.6e-6, 87.5),
+                       {"op": "attention", "case": "c", "impl": "triton block_n=128", "status": "error",
+                        "time_s": None, "check": "n/a"}]}
+    lines = sweep.ranking(result).splitlines()
+    assert lines[0] == "attention c (by graph time; target >= 80% copy)"
+    assert lines[1].split()[:2] == ["triton", "num_splits=8"] and "1.25x default meets the target" in lines[1]
+    assert lines[2].split()[:2] == ["triton", "default"] and "below the target" in lines[2]
+    assert len(lines) == 3  # the failed variant is not ranked
