@@ -6,8 +6,9 @@
 //   draft_logits  (B, T, V) or None: the drafter's logits at each node (its children were drawn i.i.d. from
 //                 softmax(draft / t)); None means the children are given proposals
 //   temperature   (B,) float: 0 = greedy for that request
-//   seeds         (B,) int64, offset int: request b's random stream is Philox4x32(seeds[b], offset) only,
-//                 so a request's result does not depend on the rest of the batch
+//   seeds         (B,) int64, offset int, offsets (B,) int or None: request b's random stream is
+//                 Philox4x32(seeds[b], offset + offsets[b]) only, so a request's result does not depend on
+//                 the rest of the batch
 //   num_nodes     (B,) int32/int64
 // -> accepted_nodes (B, T) int32 (path from node 0, padded with -1), num_accepted (B,) int32,
 //    next_tokens (B,) int64
@@ -157,6 +158,7 @@ struct Accept {
   const int32_t *tokens, *parents, *num_nodes;
   const float* temperature;
   const int64_t* seeds;
+  const int64_t* offsets;  // (B,): request b's stream offset is offset + offsets[b]
   int64_t T, V, offset;
   int32_t* accepted;  // (B, T), pre-filled with -1
   int32_t* num_accepted;
@@ -282,7 +284,7 @@ struct Accept {
     }
     const double t = temperature[b];
     const double inv_t = std::min(1.0 / t, static_cast<double>(std::numeric_limits<acc_t>::max()));
-    RequestRng rng(seeds[b], offset);
+    RequestRng rng(seeds[b], offset + offsets[b]);
     acc_t *r = res.r.data(), *q = res.q.data();
     std::vector<bool> scanned(lazy_target != nullptr ? T : 0, false);
     auto scan = [&](int64_t i) {
@@ -339,8 +341,9 @@ struct Accept {
 
 std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Tensor& tokens, const Tensor& parents,
                                               const std::optional<Tensor>& draft_in, const Tensor& temperature,
-                                              const Tensor& seeds, const Tensor& num_nodes, int64_t offset) {
-  AcceptInputs in = check_accept(target_in, tokens, parents, draft_in, temperature, seeds, num_nodes, offset);
+                                              const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
+                                              const std::optional<Tensor>& offsets) {
+  AcceptInputs in = check_accept(target_in, tokens, parents, draft_in, temperature, seeds, num_nodes, offset, offsets);
   const int64_t B = target_in.size(0), T = target_in.size(1), V = target_in.size(2);
   // mixed target/draft dtypes: both promoted (exactly) to a common one, so q is the drafter's own law
   const auto dtype = draft_in.has_value() ? c10::promoteTypes(target_in.scalar_type(), draft_in->scalar_type())
@@ -369,6 +372,7 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                               in.num_nodes.const_data_ptr<int32_t>(),
                               in.temperature.const_data_ptr<float>(),
                               in.seeds.const_data_ptr<int64_t>(),
+                              in.offsets.const_data_ptr<int64_t>(),
                               T, V, offset,
                               accepted.data_ptr<int32_t>(),
                               num_accepted.data_ptr<int32_t>(),

@@ -133,10 +133,13 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
 
 struct AcceptInputs {
   Tensor tokens, parents, num_nodes, temperature, seeds;
+  Tensor offsets;  // (B,) int64: request b's random-stream offset, offset + offsets[b] (offsets: 0 if absent)
 };
+constexpr int64_t kMaxOffset = int64_t{1} << 60;  // _validation.MAX_OFFSET
 AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, const Tensor& parents,
                           const std::optional<Tensor>& draft_logits, const Tensor& temperature,
-                          const Tensor& seeds, const Tensor& num_nodes, int64_t offset);
+                          const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
+                          const std::optional<Tensor>& offsets);
 // Per-row flags of a logits tensor, computed by the accept kernel's first pass; raises the errors of
 // _validation.check_accept ("contains NaN", "contains +inf", "a real node's row is entirely -inf").
 void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf,

@@ -205,7 +205,7 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
 
 AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, const Tensor& parents,
                           const std::optional<Tensor>& draft_logits, const Tensor& temperature, const Tensor& seeds,
-                          const Tensor& num_nodes, int64_t offset) {
+                          const Tensor& num_nodes, int64_t offset, const std::optional<Tensor>& offsets) {
   check_tensor("target_logits", target_logits, 3, kFloat);
   const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
   const c10::Device device = target_logits.device();
@@ -225,7 +225,19 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   check_tensor("seeds", seeds, 1, kInt, &device);
   check_shape("seeds", seeds, {B});
   in.seeds = seeds.to(at::kLong).contiguous();
-  TORCH_CHECK_TYPE(offset >= 0, "offset: expected a non-negative int");
+  TORCH_CHECK_TYPE(offset >= 0, "offset: expected a non-negative int or a (B,) int tensor");
+  TORCH_CHECK_VALUE(offset < kMaxOffset, "offset: must be < 2**60, got ", offset);
+  if (offsets.has_value()) {
+    check_tensor("offset", *offsets, 1, kInt, &device);
+    check_shape("offset", *offsets, {B});
+    in.offsets = offsets->to(at::kLong).contiguous();
+  } else {
+    in.offsets = at::zeros({B}, target_logits.options().dtype(at::kLong));
+  }
+  const int64_t* off = in.offsets.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(off[b] >= 0 && off[b] < kMaxOffset - offset, "offset: must be in [0, 2**60)");
+  }
   in.parents = int32_contiguous(parents);
   check_parents(in.parents, in.num_nodes);
 

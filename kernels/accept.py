@@ -3,7 +3,8 @@ and trees, fused from logits.
 
 Shapes: target_logits (B, T, V) and draft_logits (B, T, V) or None (any float dtype, last dim
 contiguous), tokens/parents (B, T) int32, temperature (B,) float32 (0 = greedy), seeds (B,) int64,
-num_nodes (B,) int32, offset int >= 0. Returns accepted_nodes (B, T) int32 (the path from node 0, padded
+num_nodes (B,) int32, offset int >= 0 and offsets (B,) int or None (request b's stream offset is
+offset + offsets[b], read on the device). Returns accepted_nodes (B, T) int32 (the path from node 0, padded
 with -1), num_accepted (B,) int32, next_tokens (B,) int64. Semantics are those of reference.accept.
 
 Algorithm (per request, walking from the root; p = softmax(target/t), q = softmax(draft/t)):
@@ -24,7 +25,7 @@ Algorithm (per request, walking from the root; p = softmax(target/t), q = softma
 Only the rows of walked nodes are read; no softmax row is materialized.
 
 Randomness: Philox-4x32-10 (tl.philox) keyed by seeds[b], counters (index, node, 4 * (offset >> 31) + stream,
-offset mod 2^31): u of child i uses (i, 0, U), the race noise of vocab entry x at node n is word x % 4 of
+offset mod 2^31), with request b's offset = offset + offsets[b] (< 2^60): u of child i uses (i, 0, U), the race noise of vocab entry x at node n is word x % 4 of
 (x // 4, n, RACE). A request's result therefore depends only on its own inputs, seed and offset, never on
 the batch or the tiling.
 
@@ -298,11 +299,11 @@ def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri,
     return kind, node, depth, cursor, c, z, lse_p, lse_q
 
 
-@triton.jit(do_not_specialize=["off_lo", "stream_base", "read_buf", "write_buf"])
-def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr,
+@triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf", "write_buf"])
+def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
                    acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr,
-                   B, T, V, stride_tb, stride_tt, stride_db, stride_dt, off_lo, stream_base, read_buf, write_buf,
-                   HAS_DRAFT: tl.constexpr, IS_FIRST: tl.constexpr, WALK: tl.constexpr,
+                   B, T, V, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf, write_buf,
+                   HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, IS_FIRST: tl.constexpr, WALK: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
                    T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr):
     """Split launch (WALK=False, grid (B, NUM_SPLITS)): merge the previous launch's partials, decide,
@@ -315,6 +316,13 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
     use_q = t != 0.0
     seed = tl.load(seeds_ptr + b)
+    # the int offset arrives as two int32 words (one argument type for every value: a Python int in
+    # [2^31, 2^32) would be typed uint32 and one above as int64)
+    off = offset_hi.to(tl.int64) * 2147483648 + offset_lo.to(tl.int64)
+    if HAS_OFFSETS:
+        off += tl.load(offsets_ptr + b).to(tl.int64)
+    off_lo = (off & 0x7FFFFFFF).to(tl.int32)  # the Philox counter words of this request's offset
+    stream_base = (((off >> 31) & 0x1FFFFFFF) * 4).to(tl.int32)
     n_nodes = tl.load(num_nodes_ptr + b)
     idx_t = tl.arange(0, T_BLOCK)
     valid = (idx_t < n_nodes) & (idx_t < T)  # (paths only ascend: a walk ends even on unchecked input)
@@ -423,7 +431,7 @@ def _config(T: int, V: int, device: torch.device) -> dict:
     return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4)
 
 
-def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, *,
+def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None, *,
            block_v=None, num_splits=None, split_steps=None, num_warps=None):
     """Normalized arguments of the `specdec::accept` schema (validated by specdec.ops.accept).
 
@@ -453,11 +461,12 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     state_f = torch.empty((2, B, 4), dtype=torch.float32, device=dev)
     part_f = torch.empty((2, B, S, 4), dtype=torch.float32, device=dev)
     part_i = torch.empty((2, B, S), dtype=torch.int32, device=dev)
+    has_offsets = offsets is not None
+    offsets = offsets.contiguous() if has_offsets else seeds  # absent: any int tensor stands in, never read
     args = (target, d, tokens.contiguous(), parents.contiguous(), temperature.contiguous(), seeds.contiguous(),
-            num_nodes.contiguous(), accepted, num_accepted, next_tokens, state_i, state_f, part_f, part_i,
-            B, T, V, target.stride(0), target.stride(1), d.stride(0), d.stride(1),
-            offset & 0x7FFFFFFF, ((offset >> 31) & 0x1FFFFFFF) * 4)
-    meta = dict(HAS_DRAFT=draft is not None, NUM_SPLITS=S, SPLIT_V=split_v, BLOCK_V=cfg["block_v"],
+            num_nodes.contiguous(), offsets, accepted, num_accepted, next_tokens, state_i, state_f, part_f, part_i,
+            B, T, V, target.stride(0), target.stride(1), d.stride(0), d.stride(1), offset & 0x7FFFFFFF, offset >> 31)
+    meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, NUM_SPLITS=S, SPLIT_V=split_v, BLOCK_V=cfg["block_v"],
                 T_BLOCK=triton.next_power_of_2(T), S_BLOCK=triton.next_power_of_2(S), num_warps=cfg["num_warps"])
     steps = cfg["split_steps"]
     for step in range(steps):

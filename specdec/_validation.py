@@ -23,6 +23,7 @@ _value_checks = os.environ.get("SPECDEC_VALUE_CHECKS", "1") not in ("0", "false"
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)
+MAX_OFFSET = 2**60  # accept's random-stream offsets (Philox counter words: 31 + 29 bits)
 
 
 def set_value_checks(enabled: bool) -> None:
@@ -274,9 +275,18 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
     temperature = normalize_temperature(temperature, B, dev)
     seeds = normalize_seeds(seeds, B, dev)
-    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise TypeError("offset: expected a non-negative int")
+    offsets = None
+    if isinstance(offset, torch.Tensor):
+        _tensor("offset", offset, dim=1, dtypes=INT_DTYPES, device=dev)
+        _shape("offset", offset, (B,))
+        offset, offsets = 0, offset
+    elif not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise TypeError("offset: expected a non-negative int or a (B,) int tensor")
+    elif offset >= MAX_OFFSET:
+        raise ValueError(f"offset: must be < 2**60, got {offset}")
     values = values and value_checks_enabled()
+    if values and offsets is not None:
+        _fail_if("offset", (offsets < 0) | (offsets >= MAX_OFFSET), "must be in [0, 2**60)")
     check_parents(parents, num_nodes, values)
     if values:
         idx = torch.arange(T, device=dev)
@@ -292,7 +302,7 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
             _fail_if(name, row_max == float("inf"), "contains +inf")
             rows_real = idx.unsqueeze(0) < num_nodes.long().unsqueeze(1)
             _fail_if(name, rows_real & (row_max == float("-inf")), "a real node's row is entirely -inf")
-    return num_nodes, temperature, seeds
+    return num_nodes, temperature, seeds, offset, offsets
 
 
 def normalize_temperature(temperature, B, device):

@@ -7,7 +7,7 @@ One step for the whole batch:
   1. the drafter proposes a tree per request (node 0 = the last emitted token, the root);
   2. the target runs the tree against its cache (`kv_append` + `tree_attention`, positions lens + depth);
   3. `specdec.accept` picks the longest accepted path plus one next token (greedy, or lossless sampling
-     with per-request temperature and seed);
+     with per-request temperature, seed and step counter as the random-stream offset);
   4. `kv_rollback` keeps the path's K/V in the target's cache (and the drafter's, in `commit`);
   5. the path's tokens and the next token are appended to each sequence.
 Requests finish independently (EOS or max_new_tokens); a finished request keeps riding along with
@@ -93,7 +93,7 @@ class SpeculativeDecoder:
             tree = specdec.build_tree(prop.parents, prop.num_nodes)
             logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes)
             res = specdec.accept(logits, prop.tokens, prop.parents, draft_logits=prop.draft_logits,
-                                 temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes, offset=step)
+                                 temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes, offset=steps)
             live = ~done
             num_acc = torch.where(live, res.num_accepted, 0)
             cache.rollback(res.accepted_nodes, num_acc)

@@ -31,7 +31,8 @@ SCHEMAS = {
     "tree_attention": "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
                       "Tensor tree_mask, Tensor? block_table, Tensor num_nodes, float scale) -> (Tensor, Tensor)",
     "accept": "accept(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, "
-              "Tensor temperature, Tensor seeds, Tensor num_nodes, int offset) -> (Tensor, Tensor, Tensor)",
+              "Tensor temperature, Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None) "
+              "-> (Tensor, Tensor, Tensor)",
     "kv_append": "kv_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
                  "Tensor cache_lens, Tensor? block_table) -> ()",
     "kv_rollback": "kv_rollback(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, "
@@ -80,7 +81,7 @@ def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset):
+def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None):
     B, T, _ = target_logits.shape
     return (tokens.new_empty((B, T), dtype=torch.int32), tokens.new_empty((B,), dtype=torch.int32),
             tokens.new_empty((B,), dtype=torch.int64))
@@ -205,7 +206,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, *,
            draft_logits: Optional[torch.Tensor] = None,
            temperature: Union[None, float, torch.Tensor] = None, seeds: Optional[torch.Tensor] = None,
-           num_nodes: Optional[torch.Tensor] = None, offset: int = 0,
+           num_nodes: Optional[torch.Tensor] = None, offset: Union[int, torch.Tensor] = 0,
            backend: Optional[str] = None) -> AcceptResult:
     """Verify draft trees against the target: the longest accepted path plus one next token.
 
@@ -213,15 +214,19 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     i's draft token (tokens[:, 0], the root, is unused). parents: (B, T) int. draft_logits: (B, T, V) or
     None: the drafter's logits at each node, whose softmax at the same temperature is the law node's
     children were drawn from (i.i.d.); None means the children are given proposals. temperature: None/0
-    (greedy), a float, or (B,) floats, 0 = greedy per request. seeds: (B,) int64, a request's result
-    depends only on its own inputs, seed and `offset` (None draws seeds from torch's generator).
+    (greedy), a float, or (B,) floats, 0 = greedy per request. seeds: (B,) int64 (None draws seeds from
+    torch's generator). offset: the position in the request's random stream, an int for the whole batch
+    or a (B,) int tensor on the device, one per request (e.g. each request's own step counter: an
+    engine updates it in place, so a captured CUDA graph draws fresh numbers at every replay, and a
+    request's numbers do not depend on when it joined the batch); 0 <= offset < 2**60. Request b's result
+    depends only on its own inputs, seeds[b] and its offset.
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
     """
-    num_nodes, temperature, seeds = val.check_accept(target_logits, tokens, parents, draft_logits, temperature,
-                                                     seeds, num_nodes, offset,
-                                                     _python_value_checks(backend, target_logits))
+    num_nodes, temperature, seeds, offset, offsets = val.check_accept(
+        target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset,
+        _python_value_checks(backend, target_logits))
     res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
-                parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset)
+                parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset, offsets)
     return AcceptResult(*res)
 
 

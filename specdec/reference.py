@@ -140,7 +140,7 @@ def children_of(parents_row: list[int], n: int) -> list[list[int]]:
     return kids
 
 
-def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset):
+def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None):
     """Walk each request's tree from the root and return (accepted_nodes, num_accepted, next_tokens).
 
     Greedy (temperature 0): descend into the first child (node order) whose token is the target argmax.
@@ -148,6 +148,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     node order. With draft logits (children drawn i.i.d. from q = softmax(draft / t)), child x is
     accepted iff u * q(x) < r(x), else r <- max(r - q, 0). Without draft logits (given proposals),
     x is accepted iff u < r(x) / sum(r), else r(x) <- 0. The next token is drawn from r (normalized).
+    Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
     """
     B, T, V = target_logits.shape
     accepted = torch.full((B, T), -1, dtype=torch.int32)
@@ -157,7 +158,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
         n = int(num_nodes[b])
         kids = children_of(parents[b].tolist(), n)
         t = float(temperature[b])
-        gen = request_generator(int(seeds[b]), offset)
+        gen = request_generator(int(seeds[b]), offset + (0 if offsets is None else int(offsets[b])))
         path, node = [0], 0
         while True:
             logits = target_logits[b, node].double().cpu()

@@ -160,6 +160,33 @@ def test_sampling_structure_and_determinism(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_per_request_offsets(backend):
+    """offset as a (B,) tensor: all equal == that int; request b with offsets[b] == request b alone with the
+    int offset offsets[b] (a request's numbers do not depend on when it joined the batch); each offset
+    moves the stream (a request whose offset changes gets another result, the others keep theirs)."""
+    gen = torch.Generator().manual_seed(41)
+    batch = _batch(5, 7, gen, draft=True, temperature=torch.tensor([0.9, 1.0, 0.6, 1.2, 0.8]), kinds=("chain", "random"))
+    B = 5
+    res_int = _accept(batch, backend, offset=3)
+    assert _same(res_int, _accept(batch, backend, offset=torch.full((B,), 3, dtype=torch.int64)))
+    offsets = torch.tensor([0, 2**40 + 5, 3, 2**31 + 1, 77])
+    res = _accept(batch, backend, offset=offsets)
+    _check_structure(res, batch)
+    for b in range(B):
+        alone = {k: (v[b:b + 1] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        assert _same([x[b:b + 1] for x in res], _accept(alone, backend, offset=int(offsets[b]))), f"request {b}"
+    changed = 0
+    for b in range(B):
+        moved = offsets.clone()
+        moved[b] += 1
+        other = _accept(batch, backend, offset=moved)
+        keep = torch.arange(B) != b
+        assert all(torch.equal(x[keep], y[keep]) for x, y in zip(res, other))
+        changed += not all(torch.equal(x[b], y[b]) for x, y in zip(res, other))
+    assert changed >= 3, "the result does not depend on the offset"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
 def test_batch_invariance(backend, draft):
     """A request's result depends only on its own inputs and seed: reorder the batch, replace the others."""
@@ -246,13 +273,13 @@ def hopper_compile_report() -> None:
     cfg = ka._config(T, V, torch.device("cuda"))
     S = cfg["num_splits"]
     types = {"target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "parents_ptr": "*i32",
-             "temp_ptr": "*fp32", "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "acc_ptr": "*i32",
+             "temp_ptr": "*fp32", "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "offsets_ptr": "*i64", "acc_ptr": "*i32",
              "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32", "state_f_ptr": "*fp32",
              "part_f_ptr": "*fp32", "part_i_ptr": "*i32"}
     report = {}
     for has_draft in (True, False):
         for first, walk in ((True, False), (False, False), (False, True)):
-            constexprs = dict(HAS_DRAFT=has_draft, IS_FIRST=first, WALK=walk, NUM_SPLITS=S,
+            constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, IS_FIRST=first, WALK=walk, NUM_SPLITS=S,
                               SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
                               BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S))
             kernel = compile_for_hopper(ka._accept_kernel, types, constexprs, cfg["num_warps"])

@@ -234,8 +234,11 @@ def bad_cases():
         return "tree_attention", val.check_tree_attention, (q, k, v, lens, mask, table, nn, 0.5)
 
     def accept(logits=x["logits"], tokens=x["tokens"], parents=x["parents"], draft=x["draft"],
-               temperature=x["temperature"], seeds=x["seeds"], nn=x["num_nodes"], offset=0):
-        return "accept", val.check_accept, (logits, tokens, parents, draft, temperature, seeds, nn, offset)
+               temperature=x["temperature"], seeds=x["seeds"], nn=x["num_nodes"], offset=0, offsets=None):
+        # the schema takes (int offset, Tensor? offsets); the public op one `offset`, an int or a tensor
+        def python_check(*a):
+            return val.check_accept(*a[:7], a[7] if a[8] is None else a[8])
+        return "accept", python_check, (logits, tokens, parents, draft, temperature, seeds, nn, offset, offsets)
 
     def append(k=x["k"], v=x["v"], k_new=x["k_new"], v_new=x["v_new"], lens=x["lens"], table=None):
         return "kv_append", val.check_kv_append, (k, v, k_new, v_new, lens, table)
@@ -277,6 +280,11 @@ def bad_cases():
         "accept/temperature_shape": accept(temperature=torch.ones(3)),
         "accept/seeds_dtype": accept(seeds=x["seeds"].float()),
         "accept/offset": accept(offset=-1),
+        "accept/offset_range": accept(offset=2**60),
+        "accept/offsets_dtype": accept(offsets=torch.zeros(2)),
+        "accept/offsets_shape": accept(offsets=torch.zeros(3, dtype=torch.int64)),
+        "accept/offsets_negative": accept(offsets=torch.tensor([0, -1])),
+        "accept/offsets_range": accept(offsets=torch.tensor([2**60, 0])),
         "accept/parents_values": accept(parents=with_(x["parents"], (0, 3), 3)),
         "accept/token_range": accept(tokens=with_(x["tokens"], (1, 2), 10)),
         "accept/temperature_negative": accept(temperature=torch.tensor([0.0, -1.0])),

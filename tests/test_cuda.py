@@ -149,3 +149,44 @@ def test_cuda_graph_capture_of_a_verification_step():
         assert torch.equal(lens.cpu(), torch.full((B,), 500, dtype=torch.int32) + res.num_accepted.cpu() + 1)
     finally:
         specdec.set_value_checks(True)
+
+
+def test_cuda_graph_accept_draws_fresh_numbers_from_a_device_offset():
+    """accept captured with `offset` a device tensor: updating it in place between replays gives what eager
+    calls with those offsets give (an int offset would be frozen into the graph)."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    specdec.set_value_checks(False)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        B, T, V = 16, 6, 5000
+        parents, num_nodes = random_trees(B, T, gen, ragged=False)
+        parents = parents.cuda()
+        logits = torch.randn(B, T, V, device="cuda")
+        draft = logits + 0.5 * torch.randn_like(logits)
+        tokens = torch.randint(0, V, (B, T), device="cuda")
+        seeds = torch.arange(B, device="cuda") + 17
+        offsets = torch.zeros(B, dtype=torch.int64, device="cuda")
+
+        def call(offset):
+            return specdec.accept(logits, tokens, parents, draft_logits=draft, temperature=1.0, seeds=seeds,
+                                  offset=offset)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call(offsets)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = call(offsets)
+        seen = []
+        for step in range(3):
+            offsets.copy_(torch.arange(B, device="cuda") * 1000 + step)
+            graph.replay()
+            eager = call(offsets.clone())
+            assert all(torch.equal(x, y) for x, y in zip(res, eager)), f"step {step}"
+            seen.append(res.next_tokens.clone())
+        assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+    finally:
+        specdec.set_value_checks(True)

@@ -45,12 +45,17 @@ def test_opcheck(name):
     torch.library.opcheck(getattr(torch.ops.specdec, name).default, op_samples()[name])
 
 
-def speculative_step(q, k, v, lens, parents, num_nodes, k_new, v_new, logits, tokens, temperature, seeds):
+def test_opcheck_accept_with_per_request_offsets():
+    args = op_samples()["accept"]
+    torch.library.opcheck(torch.ops.specdec.accept.default, (*args[:7], 2, torch.tensor([7, 0])))
+
+
+def speculative_step(q, k, v, lens, parents, num_nodes, k_new, v_new, logits, tokens, temperature, seeds, steps):
     info = specdec.build_tree(parents, num_nodes)
     specdec.kv_append(k, v, k_new, v_new, lens)
     out = specdec.tree_attention(q, k, v, lens, info.mask, num_nodes=num_nodes)
     res = specdec.accept(logits + out.sum(), tokens, parents, temperature=temperature, seeds=seeds,
-                         num_nodes=num_nodes)
+                         num_nodes=num_nodes, offset=steps)
     specdec.kv_rollback(k, v, lens, res.accepted_nodes, res.num_accepted)
     return out, res
 
@@ -59,7 +64,7 @@ def test_torch_compile_fullgraph_matches_eager():
     x = sample_inputs()
     k_new, v_new = torch.randn(B, T, Hkv, D), torch.randn(B, T, Hkv, D)
     args = lambda: (x["q"], x["k"].clone(), x["v"].clone(), x["lens"].clone(), x["parents"], x["num_nodes"],  # noqa: E731
-                    k_new, v_new, x["logits"], x["tokens"], x["temperature"], x["seeds"])
+                    k_new, v_new, x["logits"], x["tokens"], x["temperature"], x["seeds"], torch.tensor([3, 2**33]))
     eager_args, compiled_args = args(), args()
     torch._dynamo.reset()
     compiled = torch.compile(speculative_step, fullgraph=True)

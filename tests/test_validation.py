@@ -154,6 +154,11 @@ ACCEPT_CASES = [
     ("seeds", ValueError, lambda a: a.update(seeds=torch.tensor([1, 2, 3]))),
     ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([0, 1], dtype=torch.int32))),
     ("offset", TypeError, lambda a: a.update(offset=-1)),
+    ("offset", TypeError, lambda a: a.update(offset=1.0)),
+    ("offset", ValueError, lambda a: a.update(offset=2**60)),
+    ("offset", TypeError, lambda a: a.update(offset=torch.tensor([0.0, 1.0]))),
+    ("offset", ValueError, lambda a: a.update(offset=torch.tensor([1, 2, 3]))),
+    ("offset", ValueError, lambda a: a.update(offset=torch.tensor([5, -1]))),
 ]
 
 
