@@ -148,13 +148,18 @@ def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table) -> None:
 
 
 _entry_tables: OrderedDict = OrderedDict()  # (device, dtype, layers) -> (anchor index, offsets, align)
+# host tables whose copy was captured into a CUDA graph: the graph re-reads them at every replay, so they
+# live as long as the process (a few bytes per cache set), also after their entry is evicted
+_captured_sources: list = []
 
 
 def _entry_table(stacks: list[torch.Tensor]):
     """For 5-D caches sharing one stride layout: (anchor, offsets, align) with every (tensor, layer)
     base = anchor + offsets[e] * align elements; anchor is the lowest-addressed tensor so offsets are
     >= 0, align the largest power of two <= 16 dividing them all. Built once per set of tensors (the
-    host-to-device copy is asynchronous) and reused: an engine passes the same caches every step."""
+    host-to-device copy is asynchronous) and reused: an engine passes the same caches every step. Built
+    during a CUDA-graph capture, the copy becomes a graph node reading the pinned host table, which is
+    then kept alive for good."""
     key = (stacks[0].device, stacks[0].dtype, tuple((c.data_ptr(), c.shape[0], c.stride(0)) for c in stacks))
     if key in _entry_tables:
         _entry_tables.move_to_end(key)
@@ -170,6 +175,8 @@ def _entry_table(stacks: list[torch.Tensor]):
     host = torch.tensor([o // align for o in offsets], dtype=torch.int64,
                         pin_memory=stacks[0].is_cuda)
     entry = (anchor_idx, host.to(stacks[0].device, non_blocking=True), align)
+    if stacks[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        _captured_sources.append(host)
     _entry_tables[key] = entry
     if len(_entry_tables) > MAX_TABLES:
         _entry_tables.popitem(last=False)

@@ -33,7 +33,14 @@ def set_value_checks(enabled: bool) -> None:
 
 
 def value_checks_enabled() -> bool:
-    return _value_checks and not torch.compiler.is_compiling()
+    """On unless turned off, and never while torch.compile traces or a CUDA graph is being captured (a host
+    sync there is an error; the checks ran, or could have run, on the eager warm-up calls)."""
+    return _value_checks and not torch.compiler.is_compiling() and not _capturing_cuda_graph()
+
+
+def _capturing_cuda_graph() -> bool:
+    # is_initialized first: a process that never touched CUDA cannot be capturing, and the query is skipped
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 # ----------------------------------------------------------------------------------------------

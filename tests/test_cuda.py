@@ -190,3 +190,38 @@ def test_cuda_graph_accept_draws_fresh_numbers_from_a_device_offset():
         assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
     finally:
         specdec.set_value_checks(True)
+
+
+def test_cuda_graph_capture_with_value_checks_on_and_a_cold_rollback_table():
+    """Capturing works with the value checks left on (skipped while capturing), and a rollback whose entry
+    table is first built inside the capture replays correctly (the captured copy's host table stays alive)."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    gen = torch.Generator().manual_seed(6)
+    layers, B, T, Hkv, D, cap = 3, 8, 16, 4, 64, 256
+    parents, _ = random_trees(B, T, gen, ragged=False)
+    paths, num_accepted = random_root_paths(parents, gen)
+    lens0 = torch.randint(0, cap - T, (B,), generator=gen, dtype=torch.int32)
+    ks = [torch.randn(B, cap, Hkv, D, generator=gen) for _ in range(layers)]
+    vs = [torch.randn(B, cap, Hkv, D, generator=gen) for _ in range(layers)]
+    ref_k, ref_v, ref_lens = [k.clone() for k in ks], [v.clone() for v in vs], lens0.clone()
+    specdec.kv_rollback(ref_k, ref_v, ref_lens, paths, num_accepted, backend="torch")
+    gk, gv = [k.cuda() for k in ks], [v.cuda() for v in vs]
+    glens, gpaths, gnum = lens0.cuda(), paths.cuda(), num_accepted.cuda()
+    # compile the kernel on other caches of the same shapes: the table of gk/gv stays cold until the capture
+    warm_k, warm_v = [k.clone() for k in gk], [v.clone() for v in gv]
+    specdec.kv_rollback(warm_k, warm_v, glens.clone(), gpaths, gnum)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        specdec.kv_rollback(gk, gv, glens, gpaths, gnum)
+    del warm_k, warm_v
+    torch.cuda.empty_cache()
+    for _ in range(2):  # the caches and lengths restored before each replay
+        for dst, src in zip(gk + gv, ks + vs):
+            dst.copy_(src)
+        glens.copy_(lens0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(glens.cpu(), ref_lens)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(gk + gv, ref_k + ref_v))
