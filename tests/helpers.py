@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 import specdec.ops
@@ -126,3 +127,47 @@ def compile_for_hopper(fn, types: dict, constexprs: dict, divisible=None, num_wa
              if name not in constexprs and divisible(name)}
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+class MemorySpy:
+    """Records every element address the Triton interpreter loads from or stores to (masked-off lanes
+    excluded): what a kernel really reads and writes, element by element."""
+
+    def __init__(self, monkeypatch):
+        from triton.runtime import interpreter
+        self.loads, self.stores = [], []
+        builder = interpreter.InterpreterBuilder
+        load, store = builder.create_masked_load, builder.create_masked_store
+
+        def spy_load(b, ptrs, mask, *args):
+            self.loads.append(ptrs.data[mask.data].copy())
+            return load(b, ptrs, mask, *args)
+
+        def spy_store(b, ptrs, value, mask, *args):
+            self.stores.append(ptrs.data[mask.data].copy())
+            return store(b, ptrs, value, mask, *args)
+
+        monkeypatch.setattr(builder, "create_masked_load", spy_load)
+        monkeypatch.setattr(builder, "create_masked_store", spy_store)
+
+    @staticmethod
+    def inside(addresses, tensors):
+        addresses = np.concatenate(addresses).astype(np.int64)
+        keep = np.zeros(addresses.shape, dtype=bool)
+        for t in tensors:  # the whole storage: a view's neighbours (V beside K in one buffer) count too
+            start = t.untyped_storage().data_ptr()
+            keep |= (addresses >= start) & (addresses < start + t.untyped_storage().nbytes())
+        return addresses[keep]
+
+    def counts(self, tensors, which="loads"):
+        """{element address: times accessed} inside `tensors` (their whole storage)."""
+        addresses = self.inside(getattr(self, which) or [np.zeros(0, dtype=np.int64)], tensors)
+        values, counts = np.unique(addresses, return_counts=True)
+        return dict(zip(values.tolist(), counts.tolist()))
+
+
+def element_addresses(t: torch.Tensor) -> torch.Tensor:
+    """int64 tensor shaped like `t`: the byte address of each of its elements."""
+    index = torch.as_strided(torch.arange(t.untyped_storage().nbytes() // t.element_size()), t.shape, t.stride(),
+                             t.storage_offset())
+    return t.untyped_storage().data_ptr() + index * t.element_size()

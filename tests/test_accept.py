@@ -12,7 +12,7 @@ import triton
 
 import specdec
 from specdec.ops import AcceptResult
-from tests.helpers import BACKENDS, DEVICE, random_trees, to_device
+from tests.helpers import BACKENDS, DEVICE, MemorySpy, element_addresses, random_trees, to_device
 
 # the interpreted kernel computes log(0) = -inf and exp(-inf) on purpose (masked entries); numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -165,7 +165,8 @@ def test_per_request_offsets(backend):
     int offset offsets[b] (a request's numbers do not depend on when it joined the batch); each offset
     moves the stream (a request whose offset changes gets another result, the others keep theirs)."""
     gen = torch.Generator().manual_seed(41)
-    batch = _batch(5, 7, gen, draft=True, temperature=torch.tensor([0.9, 1.0, 0.6, 1.2, 0.8]), kinds=("chain", "random"))
+    temps = torch.tensor([0.9, 1.0, 0.6, 1.2, 0.8])
+    batch = _batch(5, 7, gen, draft=True, temperature=temps, kinds=("chain", "random"))
     B = 5
     res_int = _accept(batch, backend, offset=3)
     assert _same(res_int, _accept(batch, backend, offset=torch.full((B,), 3, dtype=torch.int64)))
@@ -257,6 +258,57 @@ def test_triton_schedules_agree():
             assert _same(base, triton_accept(*args, block_v=block_v, num_splits=splits, split_steps=1))
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
+@pytest.mark.parametrize("schedule", [dict(num_splits=1, split_steps=0), dict(num_splits=3, split_steps=7)],
+                         ids=["walker", "split-launches"])
+def test_triton_reads_only_the_walked_rows(monkeypatch, schedule):
+    """The bytes claim of the kernel (issue 4), element by element, on chains mixing greedy and sampling
+    requests: a row off the accepted path is never read; a path row is read once (greedy: the argmax;
+    sampling: target and draft statistics), except the last one of a sampling request, read twice (the
+    statistics, then the residual's race) when its child was rejected and once (the target's race, no
+    draft) when it is a leaf; a greedy request never reads a draft row. The tested child tokens' own
+    entries are excluded (single-element lookups, repeated by every program of a split launch)."""
+    from specdec.kernels.accept import accept as triton_accept
+
+    gen = torch.Generator().manual_seed(61)
+    B, T = 8, 7
+    temps = torch.tensor([0.0, 1.0, 0.8, 0.0, 1.3, 1.0, 0.0, 0.6])
+    batch = _batch(B, T, gen, draft=True, temperature=temps, kinds=("chain",))
+    # a draft close to the target, chain tokens drawn from it: long paths, some accepted to the leaf
+    target = batch["target_logits"] * 3
+    draft = batch["draft_logits"] = target + 0.3 * torch.randn(B, T, V, generator=gen)
+    batch["target_logits"] = target
+    for i in range(1, T):
+        law = torch.softmax(draft[:, i - 1] / torch.where(temps > 0, temps, 1.0).unsqueeze(1), -1)
+        batch["tokens"][:, i] = torch.multinomial(law, 1, generator=gen).squeeze(1)
+    spy = MemorySpy(monkeypatch)
+    res = AcceptResult(*triton_accept(target, batch["tokens"].int(), batch["parents"].int(), draft, temps,
+                                      batch["seeds"], batch["num_nodes"], 0, block_v=16, **schedule))
+    _check_structure(res, batch)
+    finals = [(int(res.num_accepted[b]) + 1 == int(batch["num_nodes"][b])) for b in range(B) if temps[b] > 0]
+    assert any(finals) and not all(finals), "both kinds of last rows (leaf, rejected child) are exercised"
+    reads = {name: spy.counts([x]) for name, x in (("target", target), ("draft", draft))}
+    lookups = set()
+    expected = {"target": {}, "draft": {}}
+    for b in range(B):
+        n, last = int(res.num_accepted[b]), int(res.accepted_nodes[b, int(res.num_accepted[b])])
+        sampling, leaf = bool(temps[b] > 0), last == int(batch["num_nodes"][b]) - 1
+        for node in res.accepted_nodes[b, : n + 1].tolist():
+            if node == last and sampling:
+                times = {"target": 1, "draft": 0} if leaf else {"target": 2, "draft": 2}
+            else:
+                times = {"target": 1, "draft": 1 if sampling else 0}
+            for name, x in (("target", target), ("draft", draft)):
+                row = element_addresses(x)[b, node].tolist()
+                expected[name].update({a: times[name] for a in row if times[name]})
+                if sampling and node + 1 < int(batch["num_nodes"][b]):  # its child's token was tested
+                    lookups.add(row[int(batch["tokens"][b, node + 1])])
+    for name in ("target", "draft"):
+        assert {a: c for a, c in reads[name].items() if a not in lookups} == \
+            {a: c for a, c in expected[name].items() if a not in lookups}, name
+        assert all(reads[name].get(a, 0) >= expected[name].get(a, 0) for a in lookups)
+
+
 # ----------------------------------------------------------------------------------------------
 # compiled code for an H100/H200 (sm_90), no GPU needed: the interpreter runs code the compiler
 # rejects (e.g. a name bound only under a constexpr branch) and says nothing of registers
@@ -273,7 +325,8 @@ def hopper_compile_report() -> None:
     cfg = ka._config(T, V, torch.device("cuda"))
     S = cfg["num_splits"]
     types = {"target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "parents_ptr": "*i32",
-             "temp_ptr": "*fp32", "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "offsets_ptr": "*i64", "acc_ptr": "*i32",
+             "temp_ptr": "*fp32", "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "offsets_ptr": "*i64",
+             "acc_ptr": "*i32",
              "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32", "state_f_ptr": "*fp32",
              "part_f_ptr": "*fp32", "part_i_ptr": "*i32"}
     report = {}

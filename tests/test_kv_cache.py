@@ -14,8 +14,8 @@ import torch
 import triton
 
 import specdec
-from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, compile_for_hopper, from_paged, random_cache, random_trees,
-                           root_path, to_device, to_paged)
+from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, MemorySpy, compile_for_hopper, from_paged, random_cache,
+                           random_trees, root_path, to_device, to_paged)
 
 LAYOUTS = ["contiguous", "paged"]
 BLOCK_SIZE = 4
@@ -163,36 +163,6 @@ def test_rollback_list_of_layers_with_different_strides(backend):
     assert all(same_bits(a, b) for a, b in zip(outs[backend], outs["torch"]))
 
 
-class StoreSpy:
-    """Records every element address the Triton interpreter loads from or stores to."""
-
-    def __init__(self, monkeypatch):
-        from triton.runtime import interpreter
-        self.loads, self.stores = [], []
-        builder = interpreter.InterpreterBuilder
-        load, store = builder.create_masked_load, builder.create_masked_store
-
-        def spy_load(b, ptrs, mask, *args):
-            self.loads.append(ptrs.data[mask.data].copy())
-            return load(b, ptrs, mask, *args)
-
-        def spy_store(b, ptrs, value, mask, *args):
-            self.stores.append(ptrs.data[mask.data].copy())
-            return store(b, ptrs, value, mask, *args)
-
-        monkeypatch.setattr(builder, "create_masked_load", spy_load)
-        monkeypatch.setattr(builder, "create_masked_store", spy_store)
-
-    @staticmethod
-    def inside(addresses, tensors):
-        addresses = np.concatenate(addresses).astype(np.int64)
-        keep = np.zeros(addresses.shape, dtype=bool)
-        for t in tensors:
-            start = t.data_ptr()
-            keep |= (addresses >= start) & (addresses < start + t.numel() * t.element_size())
-        return addresses[keep]
-
-
 def row_addresses(cache, table, b, positions):
     """Element addresses of logical rows `positions` of request b in every layer of a 5-D cache."""
     rows = logical(torch.arange(cache[0].numel(), dtype=torch.int64).view(cache.shape[1:]), table)
@@ -219,7 +189,7 @@ def test_rollback_moves_only_rows_off_place(monkeypatch, layout, form):
         for cache in (k, v):
             expected_reads.append(row_addresses(cache, table, b, int(lens[b]) + paths[b, :n].long()[off]))
             expected_writes.append(row_addresses(cache, table, b, int(lens[b]) + i[off]))
-    spy = StoreSpy(monkeypatch)
+    spy = MemorySpy(monkeypatch)
     specdec.kv_rollback(as_form(k, form), as_form(v, form), lens.clone(), paths, num_accepted,
                         block_table=table, backend="triton")
     writes, reads = spy.inside(spy.stores, (k, v)), spy.inside(spy.loads, (k, v))

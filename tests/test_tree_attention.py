@@ -15,7 +15,8 @@ import triton
 import specdec
 from specdec.kernels import tree_attention as ta
 from tests import helpers
-from tests.helpers import BACKENDS, DEVICE, FLOAT_DTYPES, assert_close, poison_, random_cache, random_trees, to_device, to_paged
+from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, MemorySpy, assert_close, element_addresses, from_paged,
+                           poison_, random_cache, random_trees, to_device, to_paged)
 
 BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the tree at odd places
 
@@ -151,6 +152,38 @@ def test_triton_row_tiles_split_nodes():
     case = make_case(gen, B=2, T=9, Hkv=1, group=3, lens=(20, 33), kinds=("random",), paged=True)
     config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     check_against_reference(triton_call(case, config=config), case)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_triton_reads_each_kv_element_once(monkeypatch, paged, num_splits):
+    """The bytes claim of the kernel (issue 3): every K and V element of a request's cache_lens[b] +
+    num_nodes[b] positions is loaded exactly once for all its T nodes and the Hq/Hkv query heads sharing
+    it (one row tile), whatever the split count; nothing else in the caches is touched. With two row
+    tiles (the documented cost when T * group > BLOCK_M) the prefix is read twice: the spy sees it."""
+    gen = torch.Generator().manual_seed(17 + num_splits)
+    case = make_case(gen, B=3, T=5, Hkv=2, group=4, D=16, lens=(37, 0, 20), paged=paged)
+    B, T, Hq, D = case["q"].shape
+    config = ta.TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)  # 20 rows: one row tile
+    def expected_reads(times_read):
+        """{address: times} of K and V at request b's position p read times_read(b, p) times."""
+        expected = {}
+        for cache in (case["k_cache"], case["v_cache"]):
+            addresses = element_addresses(cache)
+            addresses = addresses if case["block_table"] is None else from_paged(addresses, case["block_table"])
+            for b in range(B):
+                for p in range(int(case["cache_lens"][b]) + int(case["num_nodes"][b])):
+                    expected.update(dict.fromkeys(addresses[b, p].reshape(-1).tolist(), times_read(b, p)))
+        return expected
+
+    spy = MemorySpy(monkeypatch)
+    triton_call(case, num_splits=num_splits, config=config)
+    assert spy.counts([case["k_cache"]]) == expected_reads(lambda b, p: 1)  # K and V share one buffer
+    spy.loads.clear()
+    triton_call(case, num_splits=num_splits, config=config._replace(block_m=16))  # tiles: nodes 0-3, nodes 4
+    first_tile_sees = lambda b, p: p < int(case["cache_lens"][b]) + 4  # noqa: E731 (prefix, tree nodes 0-3)
+    assert spy.counts([case["k_cache"]]) == expected_reads(lambda b, p: 1 + first_tile_sees(b, p))
 
 
 def test_choose_num_splits_from_shapes():
