@@ -7,6 +7,8 @@
 # Steps, each in its own process with its own timeout and log (a failure or a hang costs only its step):
 #   env             GPU, driver, versions, the imports
 #   tests-cuda      tests/test_cuda.py: the compiled Triton kernels on CUDA vs the reference
+#   loop            the shipped model pair on CUDA: speculative vs autoregressive, fp32 (greedy outputs must be
+#                   identical) and bf16
 #   (then copy and grid, below; the broad backend tests run after the grid)
 #   tests-backends  the backend test files (tree_attention, accept, accept_lossless, kv_cache) on CUDA
 #                   (SPECDEC_TEST_DEVICE=cuda, TRITON_INTERPRET=0), when tests/helpers.py reads the switch
@@ -108,6 +110,17 @@ step env 40 bash -c env_probe
 PYTEST_ARGS=(-q -rfE --tb=short -p no:cacheprovider)
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
 step tests-cuda 110 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/test_cuda.py
+loop_on_device() {
+  local dtype
+  for dtype in fp32 bf16; do
+    echo "### $dtype"
+    "$PY" -m specdec generate --device "$DEVICE" --dtype "$dtype" --no-progress --max-new-tokens 96 --compare-ar \
+      --prompt "$(printf 'import unittest\n\n\nclass TestStack(unittest.TestCase):\n')" --prompt "def parse(" || return 1
+  done
+}
+export -f loop_on_device
+export DEVICE
+step loop 60 bash -c loop_on_device
 step copy 40 "$PY" -m bench --device "$DEVICE" --ceiling-only --out "$STEPS/parts" --name 0-copy
 
 # grid OP N TIMEOUT_S: one process per op (a crashed CUDA context or a hang loses one op, not the grid);
@@ -159,6 +172,9 @@ step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --n
   for t in tests-cuda tests-backends; do
     [ -f "$STEPS/$t.log" ] && { echo; echo "## $t"; test_outcome "$t"; }
   done
+  echo
+  echo "## loop (shipped pair, $DEVICE)"
+  grep -E '^(### |speculative |acceptance |autoregressive: )' "$STEPS/loop.log" 2>/dev/null
   echo
   echo "## benchmark"
   grep -v '^wrote ' "$STEPS/summary.log" 2>/dev/null

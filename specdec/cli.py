@@ -12,6 +12,7 @@ import specdec
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_TREE = "chain:4"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--compare-ar", action="store_true", help="also run plain autoregressive decoding")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--device", default="cpu", help="cpu (C++ ops) or cuda (Triton kernels); default %(default)s")
+    g.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights, activations and KV caches")
     g.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small models gain nothing from more, and a busy machine "
                         "makes multi-threaded small matmuls wait on each other)")
@@ -48,7 +51,7 @@ def make_drafter(args, target):
         if tree.parents is None or list(tree.parents) != list(range(-1, len(tree.parents) - 1)):
             raise ValueError(f"--tree {args.tree}: the ngram drafter proposes chains (chain:K)")
         return NgramDrafter(num_tokens=len(tree.parents) - 1)
-    draft = load_model(args.draft)
+    draft = load_model(args.draft, dtype=DTYPES[args.dtype], device=args.device)
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"vocab mismatch: draft {args.draft} has {draft.cfg.vocab_size} tokens, target "
                          f"{args.target} has {target.cfg.vocab_size}")
@@ -63,9 +66,17 @@ def generate(args) -> dict:
         raise ValueError("--max-new-tokens must be >= 1")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: expected cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device available")
     torch.set_num_threads(max(1, args.threads))
     specdec.set_value_checks(args.check_values)
-    target = load_model(args.target)
+    target = load_model(args.target, dtype=DTYPES[args.dtype], device=device)
     tok = load_tokenizer(args.target, target.cfg.vocab_size)
     drafter = make_drafter(args, target)
     prompts = [tok.encode(p) for p in args.prompt]
@@ -79,7 +90,7 @@ def generate(args) -> dict:
               "acceptance_by_depth": spec.summary["acceptance_by_depth"],
               "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
               "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree,
-              "temperature": args.temperature, "requests": spec.stats}
+              "temperature": args.temperature, "device": str(device), "dtype": args.dtype, "requests": spec.stats}
     if args.compare_ar:
         ar = generate_ar(target, prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress)
         result.update(ar_tokens=ar.tokens, ar_tokens_per_s=ar.summary["tokens_per_s"], ar_wall_s=ar.summary["wall_s"],

@@ -48,6 +48,19 @@ def test_greedy_draft_model_equals_ar(pair, tree):
     assert all(len(t) == 10 for t in out.tokens)
 
 
+def test_greedy_loop_on_the_triton_kernels_equals_ar(monkeypatch):
+    """The whole loop on the Triton kernels (the GPU path; here through the interpreter): greedy speculative
+    output equals greedy autoregressive output, which equals the default CPU backend's."""
+    target, draft = tiny(0, dim=64), tiny(1, dim=64, layers=1)  # head dim 16: the Triton kernels' smallest
+    prompts = PROMPTS[:2]
+    default_ar = generate_ar(target, prompts, 5).tokens
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    assert generate_ar(target, prompts, 5).tokens == default_ar
+    for block_size in (None, 4):
+        out = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,1"), block_size=block_size)
+        assert out.generate(prompts, 5).tokens == default_ar
+
+
 def test_greedy_with_paged_target_cache(pair):
     target, draft = pair
     ar = generate_ar(target, PROMPTS, 10)
@@ -249,12 +262,22 @@ def test_cli_json(capsys, byte_pair):
     (["--drafter", "ngram", "--tree", "tree:2,2"], "ngram drafter proposes chains"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--temperature", "-1"], "temperature"),
-])
+    (["--device", "tpu"], "expected cpu or cuda"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA device")]))
 def test_cli_bad_inputs(capsys, byte_pair, args, message):
     args = [a.format(root=byte_pair) for a in args]
     base = ["--target", str(byte_pair / "target"), "--draft", str(byte_pair / "draft")]
     rc, out, err = run_cli(capsys, "--prompt", "x", *base, *args)
     assert rc == 2 and message in err and out == ""
+
+
+def test_cli_half_precision(capsys, byte_pair):
+    """--dtype: weights, activations and caches in bf16 (the C++ ops on CPU, Triton on CUDA)."""
+    rc, out, _ = run_cli(capsys, "--prompt", "def f(x):", "--target", str(byte_pair / "target"), "--draft",
+                         str(byte_pair / "draft"), "--max-new-tokens", "6", "--dtype", "bf16", "--json")
+    assert rc == 0
+    r = json.loads(out)
+    assert r["dtype"] == "bf16" and r["device"] == "cpu" and len(r["tokens"][0]) == 6
 
 
 def test_cli_shipped_pair_text(capsys):
