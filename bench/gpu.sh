@@ -22,8 +22,12 @@
 #
 # Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds, default 470),
 # SPECDEC_GPU_TESTS (backend test files), SPECDEC_GPU_TESTS_TIMEOUT (seconds for them, default 150, run
-# last with what is left: every kernel variant they use compiles first), SPECDEC_GIT_COMMIT (recorded when the tree has no .git);
-# for a dry run of the script's mechanics without a GPU: SPECDEC_GPU_DEVICE=cpu SPECDEC_GPU_BENCH_ARGS=--quick.
+# last with what is left: every kernel variant they use compiles first), SPECDEC_GIT_COMMIT (recorded when
+# the tree has no .git), SPECDEC_GPU_STEPS (the steps to run, default all: env tests loop copy grid sweep;
+# "tests" = tests-cuda and tests-backends, "grid" = every grid-<op>; the summary always runs).
+# A second, short run after tuning the heuristics from the sweep (the targets only, about 2 minutes):
+#   SPECDEC_GPU_STEPS="env copy grid" SPECDEC_GPU_BENCH_ARGS=--quick bash bench/gpu.sh DIR
+# A dry run of the script's mechanics without a GPU: SPECDEC_GPU_DEVICE=cpu SPECDEC_GPU_BENCH_ARGS=--quick.
 set -u
 set -o pipefail
 
@@ -58,9 +62,15 @@ unset SPECDEC_BACKEND              # the default backend for CUDA tensors: trito
 
 # step NAME TIMEOUT_S CMD... : run CMD with a timeout (cut to what the total budget leaves), log to
 # steps/NAME.log, record the outcome; never stops the script.
+WANTED=" ${SPECDEC_GPU_STEPS:-env tests loop copy grid sweep} summary "
+
 step() {
   local name=$1 limit=$2
   shift 2
+  case "$WANTED" in
+    *" $name "*|*" ${name%%-*} "*) ;;
+    *) STATUS+=("$(printf '%-16s skipped (not in SPECDEC_GPU_STEPS)' "$name")"); return 0 ;;
+  esac
   local left=$((BUDGET - SUMMARY_RESERVE - SECONDS))
   if [ "$left" -lt 15 ]; then
     STATUS+=("$(printf '%-16s skipped (total budget spent)' "$name")")
@@ -172,15 +182,19 @@ step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --n
   for t in tests-cuda tests-backends; do
     [ -f "$STEPS/$t.log" ] && { echo; echo "## $t"; test_outcome "$t"; }
   done
-  echo
-  echo "## loop (shipped pair, $DEVICE)"
-  grep -E '^(### |speculative |acceptance |autoregressive: )' "$STEPS/loop.log" 2>/dev/null
+  if [ -f "$STEPS/loop.log" ]; then
+    echo
+    echo "## loop (shipped pair, $DEVICE)"
+    grep -E '^(### |speculative |acceptance |autoregressive: )' "$STEPS/loop.log"
+  fi
   echo
   echo "## benchmark"
   grep -v '^wrote ' "$STEPS/summary.log" 2>/dev/null
-  echo
-  echo "## tuning sweep (fastest first)"
-  sed -n '/ (by \(graph\|eager\) time/,/^results: /p' "$STEPS/sweep.log" 2>/dev/null | grep -v '^results: '
+  if [ -f "$STEPS/sweep.log" ]; then
+    echo
+    echo "## tuning sweep (fastest first)"
+    sed -n '/ (by \(graph\|eager\) time/,/^results: /p' "$STEPS/sweep.log" | grep -v '^results: '
+  fi
 } >"$RESULTS/summary.md"
 cp "$STEPS"/sweep.json "$STEPS"/sweep.md "$RESULTS"/ 2>/dev/null
 # the tail of every failed step's log, so a failure can be read from stdout alone
