@@ -25,7 +25,6 @@ import os
 import time
 
 import torch
-import triton
 
 import specdec
 
@@ -39,12 +38,8 @@ OPS = {m.OP: m for m in (op_attention, op_accept, op_rollback)}
 
 def attention_variants(x) -> list[tuple[str, dict]]:
     from specdec.kernels import tree_attention as ta
-    B, T, Hq, D = x.q.shape
-    Hkv = x.k_cache.shape[2]
-    cfg = ta.choose_config(T * (Hq // Hkv), D, x.q.element_size())
-    capacity = x.k_cache.shape[1] * (1 if x.block_table is None else x.block_table.shape[1])
-    splits = ta.choose_num_splits(B, Hkv, triton.cdiv(T * (Hq // Hkv), cfg.block_m), capacity,
-                                  ta._sm_count(x.q.device))
+    cfg = ta.default_config(x.q, x.k_cache)
+    splits = ta.default_num_splits(x.q, x.k_cache, x.block_table, cfg)
     out = [("default", {})]
     out += [(f"num_splits={s}", {"num_splits": s}) for s in sorted({1, max(1, splits // 2), 2 * splits} - {splits})]
     out += [(f"block_n={n}", {"config": cfg._replace(block_n=n)}) for n in (32, 64, 128) if n != cfg.block_n]

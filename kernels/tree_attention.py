@@ -88,6 +88,22 @@ def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, capacity: int, 
     return max(1, min(wanted, triton.cdiv(capacity, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
 
 
+def default_config(q: torch.Tensor, k_cache: torch.Tensor) -> TileConfig:
+    """The tile heuristic's choice for these tensors' shapes."""
+    _, T, Hq, D = q.shape
+    return choose_config(T * (Hq // k_cache.shape[2]), D, q.element_size())
+
+
+def default_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_table: Optional[torch.Tensor],
+                       config: TileConfig) -> int:
+    """The split-KV heuristic's choice for these shapes and tiles (the capacity of the cache, never its
+    lengths: no host sync)."""
+    B, T, Hq, _ = q.shape
+    Hkv = k_cache.shape[2]
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    return choose_num_splits(B, Hkv, triton.cdiv(T * (Hq // Hkv), config.block_m), capacity, _sm_count(q.device))
+
+
 @triton.jit
 def _load_kv_tile(k_ptr, v_ptr, table_row_ptr, stride_table, request, pos, key_ok, block_size,
                   stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
@@ -259,11 +275,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     identity_table = block_table is None
     # the kernel never reads the table of a contiguous cache: any int32 tensor stands in, with strides 0
     table, table_strides = (cache_lens, (0, 0)) if identity_table else (block_table, block_table.stride())
-    config = config or choose_config(T * group, D, q.element_size())
+    config = config or default_config(q, k_cache)
     row_tiles = triton.cdiv(T * group, config.block_m)
     if num_splits is None:
-        capacity = block_size * (1 if identity_table else block_table.shape[1])
-        num_splits = choose_num_splits(B, Hkv, row_tiles, capacity, _sm_count(q.device))
+        num_splits = default_num_splits(q, k_cache, block_table, config)
     if out is None:
         out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
     if lse is None:
