@@ -225,3 +225,64 @@ def test_cuda_graph_capture_with_value_checks_on_and_a_cold_rollback_table():
         torch.cuda.synchronize()
         assert torch.equal(glens.cpu(), ref_lens)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(gk + gv, ref_k + ref_v))
+
+
+# ----------------------------------------------------------------------------------------------
+# caches past 2**31 elements (int64 offsets everywhere) and a 128K-token prefix; each checked on the
+# request / rows it touches at the far end, against the reference on CPU copies of just those rows
+# ----------------------------------------------------------------------------------------------
+def _big_randn(shape, dtype, seed):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(shape, dtype=dtype, device=DEVICE, generator=gen)
+
+
+@pytest.mark.parametrize("B,L", [(1, 131_072), (36, 60_000)], ids=["prefix-128K", "cache-past-2^31-elements"])
+def test_tree_attention_long_prefix_and_huge_cache(B, L, scale=1):
+    """The last request of a contiguous bf16 cache (36 x 60016 x 8 x 128 elements > 2**31), and one 128K
+    prefix: the Triton result equals the reference computed on that request's own rows."""
+    L //= scale
+    T, Hq, Hkv, D = 16, 32, 8, 128
+    gen = torch.Generator().manual_seed(B)
+    parents, num_nodes = random_trees(1, T, gen, ragged=False)
+    info = specdec.build_tree(parents, num_nodes)
+    k, v = _big_randn((B, L + T, Hkv, D), torch.bfloat16, 1), _big_randn((B, L + T, Hkv, D), torch.bfloat16, 2)
+    q = _big_randn((B, T, Hq, D), torch.bfloat16, 3)
+    lens = torch.full((B,), L, dtype=torch.int32, device=DEVICE)
+    mask, nn = info.mask.expand(B, -1, -1).to(DEVICE), num_nodes.expand(B).to(DEVICE)
+    out, lse = specdec.tree_attention(q, k, v, lens, mask, num_nodes=nn, return_lse=True, backend="triton")
+    last = B - 1
+    ref_out, ref_lse = specdec.tree_attention(q[last:].cpu(), k[last:].cpu(), v[last:].cpu(), lens[last:].cpu(),
+                                              info.mask, num_nodes=num_nodes, return_lse=True, backend="torch")
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out[last:].cpu().float(), ref_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse[last:].cpu(), ref_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_kv_append_and_rollback_past_2_31_elements(scale=1):
+    """A stacked bf16 cache of 32 layers x 64 requests x 1088 rows x 8 x 128 (2.3e9 elements per K or V):
+    append into the last layer and roll every layer back; the last requests' tree rows of the first and
+    last layers equal the reference on CPU copies of those rows."""
+    layers, B, T, Hkv, D = 32 // scale, 64 // scale, 64, 8, 128
+    L = 1024 // scale
+    gen = torch.Generator().manual_seed(9)
+    k = _big_randn((layers, B, L + T, Hkv, D), torch.bfloat16, 4)
+    v = _big_randn((layers, B, L + T, Hkv, D), torch.bfloat16, 5)
+    lens0 = torch.full((B,), L, dtype=torch.int32)
+    parents, _ = random_trees(B, T, gen, ragged=False)
+    paths, num_accepted = random_root_paths(parents, gen)
+    k_new, v_new = _big_randn((B, T, Hkv, D), torch.bfloat16, 6), _big_randn((B, T, Hkv, D), torch.bfloat16, 7)
+    watched = [(layer, b) for layer in (0, layers - 1) for b in (B - 2, B - 1)]
+    rows = {key: (k[key][L:].cpu(), v[key][L:].cpu()) for key in watched}  # the tree rows, before
+    lens = lens0.clone().to(DEVICE)
+    specdec.kv_append(k[layers - 1], v[layers - 1], k_new, v_new, lens, backend="triton")
+    specdec.kv_rollback(k, v, lens, paths.to(DEVICE), num_accepted.to(DEVICE), backend="triton")
+    assert torch.equal(lens.cpu(), lens0 + num_accepted + 1)
+    for (layer, b), (k_rows, v_rows) in rows.items():
+        if layer == layers - 1:  # appended first
+            k_rows, v_rows = k_new[b].cpu(), v_new[b].cpu()
+        n = int(num_accepted[b]) + 1
+        idx = paths[b, :n].long()
+        for cache, before in ((k, k_rows), (v, v_rows)):
+            after = cache[layer, b, L:L + T].cpu()
+            assert torch.equal(after[:n], before[idx]), (layer, b)
+            assert torch.equal(after[n:], before[n:]), (layer, b)  # rows past the path: untouched
