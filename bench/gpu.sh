@@ -119,7 +119,7 @@ step env 40 bash -c env_probe
 
 PYTEST_ARGS=(-q -rfE --tb=short -p no:cacheprovider)
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
-step tests-cuda 110 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/test_cuda.py
+step tests-cuda 130 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/test_cuda.py
 loop_on_device() {
   local dtype
   for dtype in fp32 bf16; do
