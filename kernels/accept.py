@@ -13,40 +13,51 @@ Algorithm (per request, walking from the root; p = softmax(target/t), q = softma
   * draft logits (children i.i.d. from q), children tried in node order: accept x iff
     u * q(x) < r(x). After k rejections r = max(p - c_k q, 0) / Z_k with c_0 = 0, Z_0 = 1 and
     c_{k+1} = c_k + Z_k, Z_k = sum_x max(p - c_k q, 0): the normalized residual of the reference is
-    recomputed elementwise from one scalar c, so rejection k costs one V-pass (for Z_k) only when
-    another child remains. The test uses the logit ratio rho = q/p = exp((l_q - lse_q) - (l_p - lse_p)):
-    accept iff u * Z_k * rho < 1 - c_k * rho.
+    recomputed elementwise from one scalar c, so each rejection costs one V-pass (for Z_k). The test
+    uses the logit ratio rho = q/p = exp((l_q - lse_q) - (l_p - lse_p)): accept iff
+    u * Z_k * rho < 1 - c_k * rho.
   * given proposals (no draft logits): accept x iff u * S_k < p(x) (x not already rejected), with the
     closed-form residual mass S_{k+1} = S_k - p(x); no extra pass.
-  * the next token (correction or bonus) is an exponential race over the vocab on the unnormalized
-    final residual: argmax_x log r(x) - log E_x, E_x ~ Exp(1) from Philox, computed blockwise in
-    parallel (r = p for a leaf, p minus the rejected tokens for given proposals, max(p - c q, 0) after
-    rejections with draft logits). Entries with -inf target logits or >= V are never candidates.
-Only the rows of walked nodes are read; no softmax row is materialized.
+  * the next token (correction or bonus) is drawn from the unnormalized final residual r (p at a leaf,
+    p minus the rejected tokens for given proposals, max(p - c q, 0) after rejections with draft logits)
+    by inverse transform with ONE uniform u per request: the last full pass (statistics, or Z after the
+    last rejection) leaves each chunk's residual mass; the chunk holding u * sum(r) is found from those,
+    and only the program of that chunk scans it (tile sums, then a cumulative sum inside one tile).
+    Entries with -inf target logits or >= V have r = 0 and are never drawn.
+Only the rows of walked nodes are read (plus one chunk of the last row for the draw); no softmax row is
+materialized.
 
-Randomness: Philox-4x32-10 (tl.philox) keyed by seeds[b], counters (index, node, 4 * (offset >> 31) + stream,
-offset mod 2^31), with request b's offset = offset + offsets[b] (< 2^60): u of child i uses (i, 0, U), the race noise of vocab entry x at node n is word x % 4 of
-(x // 4, n, RACE). A request's result therefore depends only on its own inputs, seed and offset, never on
-the batch or the tiling.
+Cost per vocab entry (why this shape): every pass keeps per-lane running statistics (max, sum of exp
+against the lane max, first argmax, residual sums) and reduces across lanes once per chunk, not once per
+tile: a block-wide reduction costs barriers and shuffles that would otherwise dominate a memory-bound
+pass. The draw needs no random number per vocab entry (an exponential race would need a Philox call and
+two logs per entry, several times the instruction budget of a bf16 row read at HBM speed on an H200).
+
+Randomness: Philox-4x32-10 (tl.philox) keyed by seeds[b], counters (index, word, 4 * (offset >> 31) +
+STREAM_U, offset mod 2^31), with request b's offset = offset + offsets[b] (< 2^60): u of child i's test
+is word 0 of (i, 0), u of the draw at node n is word 0 of (n, 1). A request's result therefore depends
+only on its own inputs, seed and offset, never on the batch or the tiling.
 
 Parallel schedule (the choice and why). A walk is a chain of dependent V-reductions (one per pass:
-node statistics, Z_k, the race), so one program per request streaming V leaves most of the GPU idle at
-B=64 (64 CTAs, each latency-bound at a fraction of its SM's bandwidth) and makes every request pay its
+node statistics, Z_k), so one program per request streaming V leaves most of the GPU idle at B=64
+(64 CTAs, each latency-bound at a fraction of its SM's bandwidth) and makes every request pay its
 whole path serially. Instead each pass is split over the vocab: the row is cut into NUM_SPLITS chunks of
 SPLIT_V entries, one program per (request, chunk) writes partial statistics, and the next launch merges
 them and takes the decisions. Every program of a launch takes the same decisions redundantly (same
-inputs, same merge order, so bit-identical results) and chunk 0 alone writes the walk state and the
-outputs; nothing waits on another program, so there are no atomics, no spin locks and no host syncs.
-SPLIT_STEPS such launches run (grid (B, NUM_SPLITS)), then one walker launch (grid (B,)) merges the
-last partials and finishes any walk still running by looping over the same chunk passes itself. The
-walker merges its chunk results exactly like the split launches do, so the result does not depend on
-SPLIT_STEPS (bit-identical on the interpreter). A walk needs at most T + 1 passes, so with
+inputs, same merge order, so bit-identical results); chunk 0 alone writes the walk state and the path,
+and the program whose chunk holds the drawn token writes the outputs; nothing waits on another program,
+so there are no atomics, no spin locks and no host syncs. SPLIT_STEPS such launches run (grid
+(B, NUM_SPLITS)), then one walker launch (grid (B,)) merges the last partials and finishes any walk
+still running by looping over the same chunk passes itself. The walker merges its chunk results exactly
+like the split launches do, so the result does not depend on SPLIT_STEPS (bit-identical on the
+interpreter). A walk needs at most T + 1 launches (path nodes + rejections + the draw), so with
 SPLIT_STEPS = T + 1 every pass runs at full width; requests that finished early exit at once.
 Launch count: SPLIT_STEPS + 1 (fixed by shapes: CUDA-graph capturable).
 
 Bytes floor (for the benchmark): sum_b (num_accepted[b] + 1) * V * (target itemsize + draft itemsize if
-draft logits are given and temperature[b] > 0). Extra traffic over the floor: one re-read of a row per
-residual pass (Z_k and the final race of a rejected node), usually from L2.
+draft logits are given and temperature[b] > 0). Extra traffic over the floor: the Z pass after each
+rejection with draft logits (a re-read of the node's rows, partly from L2) and one chunk of the last
+row for the draw.
 
 Tunables (functions of T, V and the device only, never of B, so results are batch invariant):
 BLOCK_V (tile), NUM_SPLITS, SPLIT_V = chunk size, SPLIT_STEPS, num_warps; see `_config`.
@@ -65,115 +76,122 @@ from triton.language.standard import _sum_combine as _SUM
 # pass kinds (walk state "kind": the pass to run next at the current node)
 STATS = tl.constexpr(0)  # argmax (greedy) or log-sum-exp of target/draft rows (sampling)
 ZPASS = tl.constexpr(1)  # Z_k = sum max(p - c q, 0) after a rejection with draft logits
-RACE = tl.constexpr(2)  # exponential race over the final residual: the next token
+LOCATE = tl.constexpr(2)  # the draw: the chosen chunk's scan for the token holding the threshold
 DONE = tl.constexpr(3)
-# Philox streams
-STREAM_U = tl.constexpr(0)  # u of a child's acceptance test
-STREAM_RACE = tl.constexpr(1)  # per-vocab-entry noise of the race
+STREAM_U = tl.constexpr(0)  # the Philox stream of every uniform
 NEG_INF = tl.constexpr(float("-inf"))
-FLT_MAX = tl.constexpr(3.4028234663852886e38)
 INT_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _uniform(seed, idx, off_lo, stream_base):
-    """U[0, 1) (24 bits) of the acceptance test of node `idx`: Philox(seed; idx, 0, stream_base | U, off_lo)."""
-    r, _, _, _ = tl.philox(seed, idx, tl.full((), 0, tl.int32), stream_base + STREAM_U, off_lo)
+def _uniform(seed, idx, word, off_lo, stream_base):
+    """U[0, 1) (24 bits): word 0 of Philox(seed; idx, word, stream_base | U, off_lo)."""
+    r, _, _, _ = tl.philox(seed, idx, word, stream_base + STREAM_U, off_lo)
     return (r >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
-def _log_exponential(seed, start, node, off_lo, stream_base, BLOCK_V: tl.constexpr):
-    """log E, E ~ Exp(1), for vocab entries start .. start + BLOCK_V - 1 (start % 4 == 0), exact to a few ulps
-    also for small E. Entry x takes word x % 4 of Philox(seed; x // 4, node, stream_base | RACE, off_lo): one
-    Philox call per four entries, the same numbers whatever the tiling."""
-    quad = start // 4 + tl.arange(0, BLOCK_V // 4)
-    r0, r1, r2, r3 = tl.philox(seed, quad, node, stream_base + STREAM_RACE, off_lo)
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_V,))  # entry 4i + j <- word j of quad i
-    w = r.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10  # (r + 1/2) / 2^32 in (0, 1]
-    v = 1.0 - w
-    # E = -log1p(-w): the w / (1 - v) factor corrects the rounding of v (Goldberg's log1p)
-    e = tl.where(v == 1.0, w, -tl.log(v) * (w / (1.0 - v)))
-    return tl.log(e)
+def _lane_lse(m, s, x):
+    """Fold x into per-lane (max, sum exp(. - max)) with one exp per entry; -inf entries add nothing."""
+    t = tl.exp(-tl.abs(x - m))  # exp(min - max) of the pair; the max's own term is 1
+    t = tl.where(x == NEG_INF, 0.0, t)
+    up = x > m
+    return tl.maximum(m, x), tl.where(up, s * t + 1.0, s + t)
 
 
 @triton.jit
-def _lse_add(m1, s1, m2, s2):
-    """Combine two (max, sum exp(x - max)) pairs; -inf maxima (empty sets) are handled."""
-    m = tl.maximum(m1, m2)
-    ms = tl.where(m == NEG_INF, 0.0, m)
-    return m, s1 * tl.exp(m1 - ms) + s2 * tl.exp(m2 - ms)
+def _lanes_to_lse(m, s):
+    """(max, sum exp(. - max)) of per-lane pairs."""
+    mm = tl.reduce(m, 0, _MAX)
+    return mm, tl.reduce(s * tl.exp(m - tl.where(mm == NEG_INF, 0.0, mm)), 0, _SUM)
 
 
 @triton.jit
-def _first_max(x, cols):
-    """(max of x, first index in `cols` where it is reached)."""
-    best = tl.reduce(x, 0, _MAX)
-    return best, tl.reduce(tl.where(x == best, cols, INT_MAX), 0, _MIN)
+def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
+    """r = max(p - c q, 0) (p itself when c <= 0: q is not read then), from logits already divided by t."""
+    p = tl.exp(a - lse_p)
+    if HAS_DRAFT:
+        p = tl.where(c > 0, tl.maximum(p - c * tl.exp(b - lse_q), 0.0), p)
+    return p
 
 
 @triton.jit
-def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
-                seed, off_lo, stream_base, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr):
+def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, thresh, node, par_row, tok_row,
+                n_nodes, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr):
     """One pass of `kind` over vocab entries [lo, hi) of the current node's rows.
 
     Returns (r0, r1, r2, r3, ri), merged across chunks by `_merge`:
-      STATS: (max, sum exp(. - max)) of target/t in (r0, r1) and of draft/t in (r2, r3), argmax in ri;
-      ZPASS: (0, sum max(p - c q, 0)); RACE: (best key, -, -, -, its vocab index).
+      STATS: (max, sum exp(. - max)) of target/t in (r0, r1) and of draft/t in (r2, r3) when `use_q`,
+             the first argmax of target in ri;
+      ZPASS: (0, sum max(p - c q, 0));
+      LOCATE: in ri the first entry where the running sum of the residual passes `thresh` (the last
+             entry with r > 0 if rounding leaves it short); given proposals skip the rejected children's
+             tokens unless c < 0 (a fallback that draws from p itself).
     """
-    r0 = inv_t * 0.0 + NEG_INF
-    r1 = inv_t * 0.0
-    r2 = r0
-    r3 = r1
-    ri = tl.full((), -1, tl.int32)
-    if kind == ZPASS:
-        r0 = r1  # merged like a log-sum-exp with a common max 0: a plain sum
-    # the draft row is read by sampling statistics, Z passes and races after a rejection; scalar
-    # conditions enter masks through the bound (the interpreter mis-types vector & scalar bools)
-    need_q = ((kind == STATS) & use_q) | (kind == ZPASS) | ((kind == RACE) & (c > 0))
-    hi_q = tl.where(need_q, hi, lo)
     ar = tl.arange(0, BLOCK_V)
-    a_next = tl.load(t_row + lo + ar, mask=lo + ar < hi, other=NEG_INF)
-    if HAS_DRAFT:
-        b_next = tl.load(d_row + lo + ar, mask=lo + ar < hi_q, other=NEG_INF)
-    for start in range(lo, hi, BLOCK_V):
-        cols = start + ar
-        # prefetch: the next tile's loads are in flight while this tile is reduced
-        a = a_next.to(tl.float32) * inv_t
-        a_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < hi, other=NEG_INF)
+    zero = tl.zeros([BLOCK_V], tl.float32)
+    # scalar conditions enter masks through the bound (the interpreter mis-types vector & scalar bools)
+    need_q = ((kind == STATS) & use_q) | (kind == ZPASS) | ((kind == LOCATE) & (c > 0))
+    hi_q = tl.where(need_q, hi, lo)
+    ri = tl.full((), -1, tl.int32)
+    # per-lane accumulators over the tiles, one cross-lane reduction at the end
+    m_a = zero + float("-inf")
+    s_a = zero
+    m_b = m_a
+    s_b = zero
+    best_i = tl.full([BLOCK_V], -1, tl.int32)
+    if kind == LOCATE:  # one chunk, tile by tile until the threshold is passed
+        last = ri
+        acc = inv_t * 0.0  # the residual's running sum over the tiles scanned
+        start = lo
+        while (start < hi) & (ri < 0):
+            cols = start + ar
+            a = tl.load(t_row + cols, mask=cols < hi, other=float("-inf")).to(tl.float32) * inv_t
+            b = a
+            if HAS_DRAFT:
+                b = tl.load(d_row + cols, mask=cols < hi_q, other=float("-inf")).to(tl.float32) * inv_t
+            r = _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
+            if not HAS_DRAFT:
+                if c >= 0:
+                    for j in range(node + 1, n_nodes):
+                        is_child = tl.load(par_row + j) == node
+                        r = tl.where(cols == tl.where(is_child, tl.load(tok_row + j), -1), 0.0, r)
+            last = tl.maximum(last, tl.reduce(tl.where(r > 0, cols, -1), 0, _MAX))
+            tile = tl.reduce(r, 0, _SUM)
+            if acc + tile > thresh:
+                run = tl.cumsum(r, 0) + acc
+                ri = tl.reduce(tl.where((run > thresh) & (r > 0), cols, INT_MAX), 0, _MIN)
+                ri = tl.where(ri == INT_MAX, last, ri)
+            acc += tile
+            start += BLOCK_V
+        ri = tl.where(ri < 0, last, ri)
+    else:
+        a_next = tl.load(t_row + lo + ar, mask=lo + ar < hi, other=float("-inf"))
         if HAS_DRAFT:
-            b = b_next.to(tl.float32) * inv_t
-            b_next = tl.load(d_row + cols + BLOCK_V, mask=cols + BLOCK_V < hi_q, other=NEG_INF)
-        if kind == STATS:
-            bm, bi = _first_max(a, cols)
-            ri = tl.where(bm > r0, bi, ri)
-            r0, r1 = _lse_add(r0, r1, bm, tl.reduce(tl.exp(a - tl.where(bm == NEG_INF, 0.0, bm)), 0, _SUM))
+            b_next = tl.load(d_row + lo + ar, mask=lo + ar < hi_q, other=float("-inf"))
+        for start in range(lo, hi, BLOCK_V):
+            cols = start + ar
+            # prefetch: the next tile's loads are in flight while this tile is folded in
+            a = a_next.to(tl.float32) * inv_t
+            a_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < hi, other=float("-inf"))
+            b = a
             if HAS_DRAFT:
-                bq = tl.reduce(b, 0, _MAX)
-                r2, r3 = _lse_add(r2, r3, bq, tl.reduce(tl.exp(b - tl.where(bq == NEG_INF, 0.0, bq)), 0, _SUM))
-        elif kind == ZPASS:
-            if HAS_DRAFT:  # (only after a rejection with draft logits)
-                r1 += tl.reduce(tl.maximum(tl.exp(a - lse_p) - c * tl.exp(b - lse_q), 0.0), 0, _SUM)
-        else:  # RACE
-            if HAS_DRAFT:
-                # after rejections: log max(p - c q, 0) = lp + log max(1 - c q/p, 0); a leaf (c = 0): a
-                lp = a - lse_p
-                rho = tl.exp(b - lse_q - tl.where(lp == NEG_INF, 0.0, lp))
-                log_r = tl.where(c > 0, lp + tl.log(tl.maximum(1.0 - c * rho, 0.0)), a)
-            else:
-                # given proposals: every child of the node was rejected, its token has residual 0
-                rejected = cols < 0
-                for j in range(node + 1, n_nodes):
-                    is_child = tl.load(par_row + j) == node
-                    rejected = rejected | (cols == tl.where(is_child, tl.load(tok_row + j), -1))
-                log_r = tl.where(rejected, NEG_INF, a)
-            noise = _log_exponential(seed, start, node, off_lo, stream_base, BLOCK_V)
-            # r > 0 entries race; r == 0 entries with a finite logit only as a never-expected fallback
-            # (a residual that rounded to zero everywhere); -inf logits and the tail never
-            key = tl.where(log_r > NEG_INF, log_r - noise, tl.where(a > NEG_INF, -FLT_MAX, NEG_INF))
-            bk, bi = _first_max(key, cols)
-            ri = tl.where(bk > r0, bi, ri)
-            r0 = tl.maximum(r0, bk)
+                b = b_next.to(tl.float32) * inv_t
+                b_next = tl.load(d_row + cols + BLOCK_V, mask=cols + BLOCK_V < hi_q, other=float("-inf"))
+            if kind == STATS:
+                best_i = tl.where(a > m_a, cols, best_i)  # strictly greater: a lane keeps its first maximum
+                m_a, s_a = _lane_lse(m_a, s_a, a)
+                if HAS_DRAFT:
+                    m_b, s_b = _lane_lse(m_b, s_b, b)
+            else:  # ZPASS (only after a rejection with draft logits)
+                s_a += _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
+        if kind == ZPASS:
+            m_a = zero  # a plain sum: merged like a log-sum-exp with a common max 0
+    r0, r1 = _lanes_to_lse(m_a, s_a)
+    r2, r3 = _lanes_to_lse(m_b, s_b)
+    if kind == STATS:
+        ri = tl.reduce(tl.where((m_a == r0) & (best_i >= 0), best_i, INT_MAX), 0, _MIN)
+        ri = tl.where(ri == INT_MAX, -1, ri)
     return r0, r1, r2, r3, ri
 
 
@@ -181,7 +199,8 @@ def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, node,
 def _merge(f0, f1, f2, f3, fi, S_BLOCK: tl.constexpr):
     """Merge per-chunk results (vectors over chunks, identity-padded) in chunk order."""
     sidx = tl.arange(0, S_BLOCK)
-    m0, first = _first_max(f0, sidx)
+    m0 = tl.reduce(f0, 0, _MAX)
+    first = tl.reduce(tl.where(f0 == m0, sidx, S_BLOCK), 0, _MIN)
     ri = tl.reduce(tl.where(sidx == first, fi, 0), 0, _SUM)
     r1 = tl.reduce(f1 * tl.exp(f0 - tl.where(m0 == NEG_INF, 0.0, m0)), 0, _SUM)
     m2 = tl.reduce(f2, 0, _MAX)
@@ -191,12 +210,10 @@ def _merge(f0, f1, f2, f3, fi, S_BLOCK: tl.constexpr):
 
 @triton.jit
 def _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
-              seed, off_lo, stream_base, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
-              BLOCK_V: tl.constexpr, S_BLOCK: tl.constexpr):
-    """A whole-row pass in one program: the chunk passes of every split, merged like the split launches."""
-    if NUM_SPLITS == 1:  # merging one chunk is the identity
-        return _chunk_pass(kind, t_row, d_row, 0, V, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
-                           seed, off_lo, stream_base, HAS_DRAFT, BLOCK_V)
+              HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
+              S_BLOCK: tl.constexpr):
+    """A whole-row STATS/ZPASS pass in one program: the chunk passes of every split, as per-chunk vectors
+    (what the split launches' partials hold)."""
     sidx = tl.arange(0, S_BLOCK)
     f0 = tl.full((S_BLOCK,), NEG_INF, tl.float32)
     f1 = tl.full((S_BLOCK,), 0.0, tl.float32)
@@ -206,34 +223,65 @@ def _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_ro
     for s in range(NUM_SPLITS):
         lo = s * SPLIT_V
         q0, q1, q2, q3, qi = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q, lse_p,
-                                         lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo, stream_base,
-                                         HAS_DRAFT, BLOCK_V)
+                                         lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V)
         here = sidx == s
         f0 = tl.where(here, q0, f0)
         f1 = tl.where(here, q1, f1)
         f2 = tl.where(here, q2, f2)
         f3 = tl.where(here, q3, f3)
         fi = tl.where(here, qi, fi)
-    return _merge(f0, f1, f2, f3, fi, S_BLOCK)
+    return f0, f1, f2, f3, fi
 
 
 @triton.jit
-def _first_kind(node, greedy, par, valid):
-    """The pass to run on entering `node`: statistics, or directly the race for a sampling leaf."""
-    has_children = tl.reduce(((par == node) & valid).to(tl.int32), 0, _MAX) > 0
-    return tl.where(greedy | has_children, STATS, RACE).to(tl.int32)
+def _pick_chunk(kind, f0, f1, lse_p, c, u, node, inv_t, par, tok, idx_t, valid, t_base, stride_tt, V,
+                HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr):
+    """The draw's first level, from the chunk partials of the pass just merged: the chunk holding
+    u * (total residual mass), the threshold inside it, and the total. After a Z pass the partials are
+    the residual masses; after statistics they give p's masses, minus (given proposals) the rejected
+    children's tokens, each counted once."""
+    sidx = tl.arange(0, S_BLOCK)
+    if kind == ZPASS:
+        mass = f1
+    else:
+        mass = f1 * tl.exp(f0 - lse_p)
+        if not HAS_DRAFT:
+            if c >= 0:
+                child = (par == node) & valid
+                dup = tl.reduce(((tok[:, None] == tok[None, :]) & child[None, :]
+                                 & (idx_t[None, :] < idx_t[:, None])).to(tl.int32), 1, _MAX) > 0
+                rejected = child & (dup == 0) & (tok >= 0) & (tok < V)
+                lp = tl.load(t_base + node.to(tl.int64) * stride_tt + tok, mask=rejected, other=NEG_INF)
+                p = tl.exp(lp.to(tl.float32) * inv_t - lse_p)
+                owner = tok // SPLIT_V
+                mass -= tl.reduce(tl.where(owner[:, None] == sidx[None, :], p[:, None], 0.0), 0, _SUM)
+    mass = tl.where(sidx < NUM_SPLITS, tl.maximum(mass, 0.0), 0.0)
+    total = tl.reduce(mass, 0, _SUM)
+    run = tl.cumsum(mass, 0)
+    target = u * total
+    pick = tl.reduce(tl.where((run > target) & (mass > 0), sidx, S_BLOCK), 0, _MIN)
+    last = tl.reduce(tl.where(mass > 0, sidx, -1), 0, _MAX)
+    pick = tl.where(pick == S_BLOCK, tl.maximum(last, 0), pick)  # rounding left u * total past the sum
+    before = tl.reduce(tl.where(sidx < pick, mass, 0.0), 0, _SUM)
+    return pick, target - before, total
 
 
 @triton.jit
-def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri,
-             greedy, inv_t, u_all, par, tok, idx_t, valid, t_base, d_base, stride_tt, stride_dt, V,
-             acc_row, out_num, out_next, writer, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr):
-    """Consume the result (r0..ri) of the pass `kind` and walk on until the next pass is needed.
+def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, f0, f1,
+             greedy, inv_t, u_all, seed, off_lo, stream_base, par, tok, idx_t, valid, t_base, d_base, stride_tt,
+             stride_dt, V, acc_row, out_num, out_next, writer, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr,
+             SPLIT_V: tl.constexpr, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr):
+    """Consume the result of the pass `kind` (merged r0..ri; per-chunk f0, f1) and walk on until the next
+    pass is needed.
 
     State: kind (next pass), node, depth (its index on the path), cursor (last child tested at node),
     c and z (draft residual max(p - c q, 0) / z, or given-proposal residual mass z), lse_p/lse_q.
-    Writes the accepted path and, when done, num_accepted/next_tokens (only where `writer`).
+    Writes the accepted path, and for greedy walks the outputs (only where `writer`). A sampling walk
+    ends with kind = LOCATE and (pick, thresh): the chunk of the draw and the threshold inside it.
     """
+    pick = tl.full((), 0, tl.int32)
+    thresh = inv_t * 0.0
+    merged = kind
     testing = kind == ZPASS
     if kind == ZPASS:
         z = r1
@@ -255,14 +303,22 @@ def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri,
             z = c + 1.0
             cursor = node
             testing = kind == kind
-    if kind == RACE:
-        tl.store(out_num, depth, mask=writer)
-        tl.store(out_next, ri.to(tl.int64), mask=writer)
-        kind = tl.full((), DONE, tl.int32)
     while testing:
         child = tl.reduce(tl.where((par == node) & valid & (idx_t > cursor), idx_t, T_BLOCK), 0, _MIN)
-        if child == T_BLOCK:  # every child rejected: the next token comes from the residual
-            kind = tl.full((), RACE, tl.int32)
+        if child == T_BLOCK:  # every child rejected (or a leaf): the next token is drawn from the residual
+            u = _uniform(seed, node, tl.full((), 1, tl.int32), off_lo, stream_base)
+            pick, thresh, total = _pick_chunk(merged, f0, f1, lse_p, c, u, node, inv_t, par, tok, idx_t, valid,
+                                              t_base, stride_tt, V, HAS_DRAFT, SPLIT_V, NUM_SPLITS, S_BLOCK)
+            kind = tl.full((), LOCATE, tl.int32)
+            if not total > 0:  # the residual rounded to zero (a rejection of probability ~0): draw from p
+                if HAS_DRAFT:
+                    c = inv_t * 0.0
+                    kind = tl.full((), ZPASS, tl.int32)  # p's chunk masses, then the draw
+                else:
+                    c = inv_t * 0.0 - 1.0
+                    pick, thresh, total = _pick_chunk(merged, f0, f1, lse_p, c, u, node, inv_t, par, tok, idx_t,
+                                                      valid, t_base, stride_tt, V, HAS_DRAFT, SPLIT_V, NUM_SPLITS,
+                                                      S_BLOCK)
             testing = kind != kind
         else:
             x = tl.reduce(tl.where(idx_t == child, tok, 0), 0, _SUM)
@@ -283,20 +339,18 @@ def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri,
                 depth += 1
                 node = child
                 tl.store(acc_row + depth, node, mask=writer)
-                kind = _first_kind(node, greedy, par, valid)
+                kind = tl.full((), STATS, tl.int32)
                 c = inv_t * 0.0
                 z = c + 1.0
                 testing = kind != kind
             else:
-                if HAS_DRAFT:
+                if HAS_DRAFT:  # Z of the new residual: for the next child's test, or the draw's chunk masses
                     c = c + z
-                    more = tl.reduce(((par == node) & valid & (idx_t > child)).to(tl.int32), 0, _MAX) > 0
-                    if more:  # Z of the new residual is needed before testing the next child
-                        kind = tl.full((), ZPASS, tl.int32)
-                        testing = kind != kind
+                    kind = tl.full((), ZPASS, tl.int32)
+                    testing = kind != kind
                 else:
                     z = tl.where(dup, z, tl.maximum(z - p, 0.0))
-    return kind, node, depth, cursor, c, z, lse_p, lse_q
+    return kind, node, depth, cursor, c, z, lse_p, lse_q, pick, thresh
 
 
 @triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf", "write_buf"])
@@ -314,7 +368,6 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
     t = tl.load(temp_ptr + b)
     greedy = t == 0.0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
-    use_q = t != 0.0
     seed = tl.load(seeds_ptr + b)
     # the int offset arrives as two int32 words (one argument type for every value: a Python int in
     # [2^31, 2^32) would be typed uint32 and one above as int64)
@@ -333,15 +386,18 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
     # u of every node's acceptance test (node i is tested at most once), drawn up front in one call
     u_all = tl.full((T_BLOCK,), 0.0, tl.float32)
     if WALK or not IS_FIRST:  # launches that take decisions
-        if use_q:
-            u_all = _uniform(seed, idx_t, off_lo, stream_base)
+        if t != 0.0:
+            u_all = _uniform(seed, idx_t, tl.full((), 0, tl.int32), off_lo, stream_base)
     t_base = target_ptr + b.to(tl.int64) * stride_tb
     d_base = draft_ptr + b.to(tl.int64) * stride_db
     acc_row = acc_ptr + b * T
+    sidx = tl.arange(0, S_BLOCK)
+    pick = tl.full((), 0, tl.int32)
+    thresh = inv_t * 0.0
 
     if IS_FIRST:
         node = tl.full((), 0, tl.int32)
-        kind = _first_kind(node, greedy, par, valid)
+        kind = tl.full((), STATS, tl.int32)
         depth = node
         cursor = node
         c = inv_t * 0.0
@@ -361,7 +417,6 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
         lse_p = tl.load(s_f + 2)
         lse_q = tl.load(s_f + 3)
         if kind != DONE:
-            sidx = tl.arange(0, S_BLOCK)
             part = (read_buf * B + b) * NUM_SPLITS + sidx
             have = sidx < NUM_SPLITS
             f0 = tl.load(part_f_ptr + part * 4, mask=have, other=NEG_INF)
@@ -370,26 +425,38 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
             f3 = tl.load(part_f_ptr + part * 4 + 3, mask=have, other=0.0)
             fi = tl.load(part_i_ptr + part, mask=have, other=-1)
             r0, r1, r2, r3, ri = _merge(f0, f1, f2, f3, fi, S_BLOCK)
-            kind, node, depth, cursor, c, z, lse_p, lse_q = _advance(
-                kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, greedy, inv_t, u_all, par, tok,
-                idx_t, valid, t_base, d_base, stride_tt, stride_dt, V, acc_row, num_acc_ptr + b, next_ptr + b, writer,
-                HAS_DRAFT, T_BLOCK)
+            kind, node, depth, cursor, c, z, lse_p, lse_q, pick, thresh = _advance(
+                kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, f0, f1, greedy, inv_t, u_all,
+                seed, off_lo, stream_base, par, tok, idx_t, valid, t_base, d_base, stride_tt, stride_dt, V, acc_row,
+                num_acc_ptr + b, next_ptr + b, writer, HAS_DRAFT, T_BLOCK, SPLIT_V, NUM_SPLITS, S_BLOCK)
+    # draft statistics are needed only at a sampling node that has children (a leaf's q is never used)
+    use_q = (t != 0.0) & (tl.reduce(((par == node) & valid).to(tl.int32), 0, _MAX) > 0)
 
     if WALK:
         while kind != DONE:
             t_row = t_base + node.to(tl.int64) * stride_tt
             d_row = d_base + node.to(tl.int64) * stride_dt
-            r0, r1, r2, r3, ri = _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_row,
-                                           tok_row, n_nodes, seed, off_lo, stream_base, HAS_DRAFT, NUM_SPLITS, SPLIT_V,
-                                           BLOCK_V, S_BLOCK)
-            kind, node, depth, cursor, c, z, lse_p, lse_q = _advance(
-                kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, greedy, inv_t, u_all, par, tok,
-                idx_t, valid, t_base, d_base, stride_tt, stride_dt, V, acc_row, num_acc_ptr + b, next_ptr + b, writer,
-                HAS_DRAFT, T_BLOCK)
+            if kind == LOCATE:
+                lo = pick * SPLIT_V
+                _, _, _, _, token = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q,
+                                                lse_p, lse_q, c, thresh, node, par_row, tok_row, n_nodes, HAS_DRAFT,
+                                                BLOCK_V)
+                tl.store(num_acc_ptr + b, depth)
+                tl.store(next_ptr + b, token.to(tl.int64))
+                kind = tl.full((), DONE, tl.int32)
+            else:
+                f0, f1, f2, f3, fi = _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_row,
+                                               tok_row, n_nodes, HAS_DRAFT, NUM_SPLITS, SPLIT_V, BLOCK_V, S_BLOCK)
+                r0, r1, r2, r3, ri = _merge(f0, f1, f2, f3, fi, S_BLOCK)
+                kind, node, depth, cursor, c, z, lse_p, lse_q, pick, thresh = _advance(
+                    kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, f0, f1, greedy, inv_t, u_all,
+                    seed, off_lo, stream_base, par, tok, idx_t, valid, t_base, d_base, stride_tt, stride_dt, V,
+                    acc_row, num_acc_ptr + b, next_ptr + b, writer, HAS_DRAFT, T_BLOCK, SPLIT_V, NUM_SPLITS, S_BLOCK)
+                use_q = (t != 0.0) & (tl.reduce(((par == node) & valid).to(tl.int32), 0, _MAX) > 0)
     else:
         w_i = state_i_ptr + (write_buf * B + b) * 4
         w_f = state_f_ptr + (write_buf * B + b) * 4
-        tl.store(w_i, kind, mask=writer)
+        tl.store(w_i, tl.where(kind == LOCATE, DONE, kind), mask=writer)  # the draw ends the walk here
         tl.store(w_i + 1, node, mask=writer)
         tl.store(w_i + 2, depth, mask=writer)
         tl.store(w_i + 3, cursor, mask=writer)
@@ -397,13 +464,20 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
         tl.store(w_f + 1, z, mask=writer)
         tl.store(w_f + 2, lse_p, mask=writer)
         tl.store(w_f + 3, lse_q, mask=writer)
-        if kind != DONE:
+        t_row = t_base + node.to(tl.int64) * stride_tt
+        d_row = d_base + node.to(tl.int64) * stride_dt
+        if kind == LOCATE:
+            if split == pick:  # the program whose chunk holds the threshold draws and writes the outputs
+                lo = pick * SPLIT_V
+                _, _, _, _, token = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q,
+                                                lse_p, lse_q, c, thresh, node, par_row, tok_row, n_nodes, HAS_DRAFT,
+                                                BLOCK_V)
+                tl.store(num_acc_ptr + b, depth)
+                tl.store(next_ptr + b, token.to(tl.int64))
+        elif kind != DONE:
             lo = split * SPLIT_V
-            t_row = t_base + node.to(tl.int64) * stride_tt
-            d_row = d_base + node.to(tl.int64) * stride_dt
             r0, r1, r2, r3, ri = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q,
-                                             lse_p, lse_q, c, node, par_row, tok_row, n_nodes, seed, off_lo,
-                                             stream_base, HAS_DRAFT, BLOCK_V)
+                                             lse_p, lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V)
             part = ((write_buf * B + b) * NUM_SPLITS + split)
             tl.store(part_f_ptr + part * 4, r0)
             tl.store(part_f_ptr + part * 4 + 1, r1)
@@ -416,9 +490,10 @@ def _config(T: int, V: int, device: torch.device) -> dict:
     """Tile sizes and schedule from shapes and device only (never B: results stay batch invariant).
 
     GPU: 2048-entry tiles over 8 warps (one 16-byte load per thread and row, the next tile prefetched;
-    ptxas for sm_90 with triton 3.6: 128 registers, 2 CTAs/SM, no spills worth noting), up to 16 chunks per
-    row (V = 128K: 8192-entry chunks, 4 tiles each), every pass of a walk of up to 15 nodes in its own
-    full-width launch. Untuned: to be set from the H200 benchmark. Interpreter: 16-entry tiles so small test
+    ptxas for sm_90 with triton 3.6: 105 registers in a split launch, no spills; the statistics loop is
+    ~33 PTX instructions per vocab entry of a bf16 target + draft pair, no barrier or shuffle inside the
+    loop), up to 16 chunks per row (V = 128K: 8192-entry chunks, 4 tiles each), every pass of a walk of
+    up to 15 nodes in its own full-width launch. Untuned: to be set from the H200 benchmark. Interpreter: 16-entry tiles so small test
     vocabularies span several tiles, one chunk and only the walker (cheapest; test_accept.py checks that
     the split schedules give identical results).
     """
