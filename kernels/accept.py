@@ -116,13 +116,13 @@ def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, thresh, node, par_row, tok_row,
+def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, greedy, use_q, lse_p, lse_q, c, thresh, node, par_row, tok_row,
                 n_nodes, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr):
     """One pass of `kind` over vocab entries [lo, hi) of the current node's rows.
 
     Returns (r0, r1, r2, r3, ri), merged across chunks by `_merge`:
-      STATS: (max, sum exp(. - max)) of target/t in (r0, r1) and of draft/t in (r2, r3) when `use_q`,
-             the first argmax of target in ri;
+      STATS: (max, sum exp(. - max)) of target/t in (r0, r1) (greedy: the max alone) and of draft/t in
+             (r2, r3) when `use_q`, the first argmax of target in ri;
       ZPASS: (0, sum max(p - c q, 0));
       LOCATE: in ri the first entry where the running sum of the residual passes `thresh` (the last
              entry with r > 0 if rounding leaves it short); given proposals skip the rejected children's
@@ -180,7 +180,10 @@ def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, use_q, lse_p, lse_q, c, thres
                 b_next = tl.load(d_row + cols + BLOCK_V, mask=cols + BLOCK_V < hi_q, other=float("-inf"))
             if kind == STATS:
                 best_i = tl.where(a > m_a, cols, best_i)  # strictly greater: a lane keeps its first maximum
-                m_a, s_a = _lane_lse(m_a, s_a, a)
+                if greedy:  # the argmax alone: no exp
+                    m_a = tl.maximum(m_a, a)
+                else:
+                    m_a, s_a = _lane_lse(m_a, s_a, a)
                 if HAS_DRAFT:
                     m_b, s_b = _lane_lse(m_b, s_b, b)
             else:  # ZPASS (only after a rejection with draft logits)
@@ -209,7 +212,7 @@ def _merge(f0, f1, f2, f3, fi, S_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
+def _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
               HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
               S_BLOCK: tl.constexpr):
     """A whole-row STATS/ZPASS pass in one program: the chunk passes of every split, as per-chunk vectors
@@ -222,8 +225,8 @@ def _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_ro
     fi = tl.full((S_BLOCK,), -1, tl.int32)
     for s in range(NUM_SPLITS):
         lo = s * SPLIT_V
-        q0, q1, q2, q3, qi = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q, lse_p,
-                                         lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V)
+        q0, q1, q2, q3, qi = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, greedy, use_q,
+                                         lse_p, lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V)
         here = sidx == s
         f0 = tl.where(here, q0, f0)
         f1 = tl.where(here, q1, f1)
@@ -231,6 +234,18 @@ def _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_ro
         f3 = tl.where(here, q3, f3)
         fi = tl.where(here, qi, fi)
     return f0, f1, f2, f3, fi
+
+
+@triton.jit
+def _draw(kind, t_row, d_row, pick, thresh, V, inv_t, greedy, use_q, lse_p, lse_q, c, node, par_row, tok_row,
+          n_nodes, depth, out_num, out_next, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The draw's second level (kind == LOCATE): scan chunk `pick` for the token holding the threshold,
+    then write the request's outputs."""
+    lo = pick * SPLIT_V
+    _, _, _, _, token = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, greedy, use_q, lse_p,
+                                    lse_q, c, thresh, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V)
+    tl.store(out_num, depth)
+    tl.store(out_next, token.to(tl.int64))
 
 
 @triton.jit
@@ -437,16 +452,13 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
             t_row = t_base + node.to(tl.int64) * stride_tt
             d_row = d_base + node.to(tl.int64) * stride_dt
             if kind == LOCATE:
-                lo = pick * SPLIT_V
-                _, _, _, _, token = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q,
-                                                lse_p, lse_q, c, thresh, node, par_row, tok_row, n_nodes, HAS_DRAFT,
-                                                BLOCK_V)
-                tl.store(num_acc_ptr + b, depth)
-                tl.store(next_ptr + b, token.to(tl.int64))
+                _draw(kind, t_row, d_row, pick, thresh, V, inv_t, greedy, use_q, lse_p, lse_q, c, node, par_row,
+                      tok_row, n_nodes, depth, num_acc_ptr + b, next_ptr + b, HAS_DRAFT, SPLIT_V, BLOCK_V)
                 kind = tl.full((), DONE, tl.int32)
             else:
-                f0, f1, f2, f3, fi = _row_pass(kind, t_row, d_row, V, inv_t, use_q, lse_p, lse_q, c, node, par_row,
-                                               tok_row, n_nodes, HAS_DRAFT, NUM_SPLITS, SPLIT_V, BLOCK_V, S_BLOCK)
+                f0, f1, f2, f3, fi = _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, node,
+                                               par_row, tok_row, n_nodes, HAS_DRAFT, NUM_SPLITS, SPLIT_V, BLOCK_V,
+                                               S_BLOCK)
                 r0, r1, r2, r3, ri = _merge(f0, f1, f2, f3, fi, S_BLOCK)
                 kind, node, depth, cursor, c, z, lse_p, lse_q, pick, thresh = _advance(
                     kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, f0, f1, greedy, inv_t, u_all,
@@ -468,16 +480,13 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
         d_row = d_base + node.to(tl.int64) * stride_dt
         if kind == LOCATE:
             if split == pick:  # the program whose chunk holds the threshold draws and writes the outputs
-                lo = pick * SPLIT_V
-                _, _, _, _, token = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q,
-                                                lse_p, lse_q, c, thresh, node, par_row, tok_row, n_nodes, HAS_DRAFT,
-                                                BLOCK_V)
-                tl.store(num_acc_ptr + b, depth)
-                tl.store(next_ptr + b, token.to(tl.int64))
+                _draw(kind, t_row, d_row, pick, thresh, V, inv_t, greedy, use_q, lse_p, lse_q, c, node, par_row,
+                      tok_row, n_nodes, depth, num_acc_ptr + b, next_ptr + b, HAS_DRAFT, SPLIT_V, BLOCK_V)
         elif kind != DONE:
             lo = split * SPLIT_V
-            r0, r1, r2, r3, ri = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, use_q,
-                                             lse_p, lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V)
+            r0, r1, r2, r3, ri = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, greedy,
+                                             use_q, lse_p, lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT,
+                                             BLOCK_V)
             part = ((write_buf * B + b) * NUM_SPLITS + split)
             tl.store(part_f_ptr + part * 4, r0)
             tl.store(part_f_ptr + part * 4 + 1, r1)
@@ -493,9 +502,9 @@ def _config(T: int, V: int, device: torch.device) -> dict:
     ptxas for sm_90 with triton 3.6: 105 registers in a split launch, no spills; the statistics loop is
     ~33 PTX instructions per vocab entry of a bf16 target + draft pair, no barrier or shuffle inside the
     loop), up to 16 chunks per row (V = 128K: 8192-entry chunks, 4 tiles each), every pass of a walk of
-    up to 15 nodes in its own full-width launch. Untuned: to be set from the H200 benchmark. Interpreter: 16-entry tiles so small test
-    vocabularies span several tiles, one chunk and only the walker (cheapest; test_accept.py checks that
-    the split schedules give identical results).
+    up to 15 nodes in its own full-width launch. Untuned: to be set from the H200 benchmark (bench.sweep).
+    Interpreter: 16-entry tiles so small test vocabularies span several tiles, one chunk and only the
+    walker (cheapest; test_accept.py checks that the split schedules give identical results).
     """
     if device.type == "cuda":
         block_v = max(16, min(2048, triton.next_power_of_2(V)))
@@ -541,8 +550,9 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     args = (target, d, tokens.contiguous(), parents.contiguous(), temperature.contiguous(), seeds.contiguous(),
             num_nodes.contiguous(), offsets, accepted, num_accepted, next_tokens, state_i, state_f, part_f, part_i,
             B, T, V, target.stride(0), target.stride(1), d.stride(0), d.stride(1), offset & 0x7FFFFFFF, offset >> 31)
-    meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, NUM_SPLITS=S, SPLIT_V=split_v, BLOCK_V=cfg["block_v"],
-                T_BLOCK=triton.next_power_of_2(T), S_BLOCK=triton.next_power_of_2(S), num_warps=cfg["num_warps"])
+    meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, NUM_SPLITS=S, SPLIT_V=split_v,
+                BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T), S_BLOCK=triton.next_power_of_2(S),
+                num_warps=cfg["num_warps"])
     steps = cfg["split_steps"]
     for step in range(steps):
         _accept_kernel[(B, S)](*args, (step + 1) % 2, step % 2, IS_FIRST=step == 0, WALK=False, **meta)
