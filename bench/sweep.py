@@ -12,7 +12,8 @@ as a CUDA-graph replay. "default" is what the heuristics choose now; the others 
 
   attention  num_splits (x1/2, x2, 1), block_n, num_warps, num_stages, float32 split partials
              (choose_num_splits, choose_config)
-  accept     block_v, num_splits, num_warps, split_steps=0 (the walker alone: one launch)    (_config)
+  accept     block_v, num_splits, num_warps, prefetch, split_steps=0 (the walker alone: one launch)
+             (_config)
   rollback   tile_elements, num_warps                                    (kv_cache.TILE_ELEMENTS)
 
 Results: JSON + markdown like `python -m bench` (rows named "triton <variant>"), and a per-case ranking
@@ -59,12 +60,13 @@ def attention_launch(x, kwargs):
 def accept_variants(x) -> list[tuple[str, dict]]:
     from specdec.kernels import accept as ka
     B, T, V = x.target_logits.shape
-    cfg = ka._config(T, V, x.target_logits.device)
+    cfg = ka._config(T, V, x.target_logits.element_size(), x.target_logits.device)
     out = [("default", {})]
     out += [(f"block_v={v}", {"block_v": v}) for v in (1024, 4096) if v != cfg["block_v"]]
     out += [(f"num_splits={s}", {"num_splits": s})
             for s in sorted({max(1, cfg["num_splits"] // 2), 2 * cfg["num_splits"]} - {cfg["num_splits"]})]
     out += [(f"num_warps={w}", {"num_warps": w}) for w in (4, 8, 16) if w != cfg["num_warps"]]
+    out += [(f"prefetch={n}", {"prefetch": n}) for n in (1, 2) if n != cfg["prefetch"]]
     if cfg["split_steps"]:
         out.append(("split_steps=0", {"split_steps": 0}))
     return out

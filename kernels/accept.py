@@ -60,7 +60,8 @@ rejection with draft logits (a re-read of the node's rows, partly from L2) and o
 row for the draw.
 
 Tunables (functions of T, V and the device only, never of B, so results are batch invariant):
-BLOCK_V (tile), NUM_SPLITS, SPLIT_V = chunk size, SPLIT_STEPS, num_warps; see `_config`.
+BLOCK_V (tile), NUM_SPLITS, SPLIT_V = chunk size, SPLIT_STEPS, PREFETCH (tiles in flight ahead), num_warps;
+see `_config`.
 """
 from __future__ import annotations
 
@@ -107,6 +108,12 @@ def _lanes_to_lse(m, s):
 
 
 @triton.jit
+def _tile(row, start, hi, ar):
+    """Entries start + ar of a row, -inf past hi (hi = start: nothing is read)."""
+    return tl.load(row + start + ar, mask=start + ar < hi, other=float("-inf"))
+
+
+@triton.jit
 def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
     """r = max(p - c q, 0) (p itself when c <= 0: q is not read then), from logits already divided by t."""
     p = tl.exp(a - lse_p)
@@ -117,8 +124,9 @@ def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
 
 @triton.jit
 def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, greedy, use_q, lse_p, lse_q, c, thresh, node, par_row, tok_row,
-                n_nodes, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One pass of `kind` over vocab entries [lo, hi) of the current node's rows.
+                n_nodes, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr):
+    """One pass of `kind` over vocab entries [lo, hi) of the current node's rows (PREFETCH: tiles in flight
+    ahead of the one being folded in, 1 or 2).
 
     Returns (r0, r1, r2, r3, ri), merged across chunks by `_merge`:
       STATS: (max, sum exp(. - max)) of target/t in (r0, r1) (greedy: the max alone) and of draft/t in
@@ -166,18 +174,34 @@ def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, greedy, use_q, lse_p, lse_q, 
             start += BLOCK_V
         ri = tl.where(ri < 0, last, ri)
     else:
-        a_next = tl.load(t_row + lo + ar, mask=lo + ar < hi, other=float("-inf"))
+        # prefetch: the next PREFETCH tiles' loads are in flight while this tile is folded in (the compiler
+        # does not pipeline loads that feed no dot)
+        a_next = _tile(t_row, lo, hi, ar)
+        b_next = a_next  # (the draft's tiles exist only with draft logits)
         if HAS_DRAFT:
-            b_next = tl.load(d_row + lo + ar, mask=lo + ar < hi_q, other=float("-inf"))
+            b_next = _tile(d_row, lo, hi_q, ar)
+        a_later = a_next
+        b_later = b_next
+        if PREFETCH == 2:
+            a_later = _tile(t_row, lo + BLOCK_V, hi, ar)
+            if HAS_DRAFT:
+                b_later = _tile(d_row, lo + BLOCK_V, hi_q, ar)
         for start in range(lo, hi, BLOCK_V):
             cols = start + ar
-            # prefetch: the next tile's loads are in flight while this tile is folded in
             a = a_next.to(tl.float32) * inv_t
-            a_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < hi, other=float("-inf"))
             b = a
             if HAS_DRAFT:
                 b = b_next.to(tl.float32) * inv_t
-                b_next = tl.load(d_row + cols + BLOCK_V, mask=cols + BLOCK_V < hi_q, other=float("-inf"))
+            if PREFETCH == 2:
+                a_next = a_later
+                a_later = _tile(t_row, start + 2 * BLOCK_V, hi, ar)
+                if HAS_DRAFT:
+                    b_next = b_later
+                    b_later = _tile(d_row, start + 2 * BLOCK_V, hi_q, ar)
+            else:
+                a_next = _tile(t_row, start + BLOCK_V, hi, ar)
+                if HAS_DRAFT:
+                    b_next = _tile(d_row, start + BLOCK_V, hi_q, ar)
             if kind == STATS:
                 best_i = tl.where(a > m_a, cols, best_i)  # strictly greater: a lane keeps its first maximum
                 if greedy:  # the argmax alone: no exp
@@ -214,7 +238,7 @@ def _merge(f0, f1, f2, f3, fi, S_BLOCK: tl.constexpr):
 @triton.jit
 def _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
               HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-              S_BLOCK: tl.constexpr):
+              S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     """A whole-row STATS/ZPASS pass in one program: the chunk passes of every split, as per-chunk vectors
     (what the split launches' partials hold)."""
     sidx = tl.arange(0, S_BLOCK)
@@ -226,7 +250,8 @@ def _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, node
     for s in range(NUM_SPLITS):
         lo = s * SPLIT_V
         q0, q1, q2, q3, qi = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, greedy, use_q,
-                                         lse_p, lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V)
+                                         lse_p, lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V,
+                                         PREFETCH)
         here = sidx == s
         f0 = tl.where(here, q0, f0)
         f1 = tl.where(here, q1, f1)
@@ -243,7 +268,7 @@ def _draw(kind, t_row, d_row, pick, thresh, V, inv_t, greedy, use_q, lse_p, lse_
     then write the request's outputs."""
     lo = pick * SPLIT_V
     _, _, _, _, token = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, greedy, use_q, lse_p,
-                                    lse_q, c, thresh, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V)
+                                    lse_q, c, thresh, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V, 1)
     tl.store(out_num, depth)
     tl.store(out_next, token.to(tl.int64))
 
@@ -374,7 +399,7 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
                    B, T, V, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf, write_buf,
                    HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, IS_FIRST: tl.constexpr, WALK: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                   T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr):
+                   T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     """Split launch (WALK=False, grid (B, NUM_SPLITS)): merge the previous launch's partials, decide,
     run this chunk of the next pass. Walker (WALK=True, grid (B,)): merge, decide, finish the walk."""
     b = tl.program_id(0)
@@ -458,7 +483,7 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
             else:
                 f0, f1, f2, f3, fi = _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, node,
                                                par_row, tok_row, n_nodes, HAS_DRAFT, NUM_SPLITS, SPLIT_V, BLOCK_V,
-                                               S_BLOCK)
+                                               S_BLOCK, PREFETCH)
                 r0, r1, r2, r3, ri = _merge(f0, f1, f2, f3, fi, S_BLOCK)
                 kind, node, depth, cursor, c, z, lse_p, lse_q, pick, thresh = _advance(
                     kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, f0, f1, greedy, inv_t, u_all,
@@ -486,7 +511,7 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
             lo = split * SPLIT_V
             r0, r1, r2, r3, ri = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, greedy,
                                              use_q, lse_p, lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT,
-                                             BLOCK_V)
+                                             BLOCK_V, PREFETCH)
             part = ((write_buf * B + b) * NUM_SPLITS + split)
             tl.store(part_f_ptr + part * 4, r0)
             tl.store(part_f_ptr + part * 4 + 1, r1)
@@ -495,10 +520,12 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
             tl.store(part_i_ptr + part, ri)
 
 
-def _config(T: int, V: int, device: torch.device) -> dict:
-    """Tile sizes and schedule from shapes and device only (never B: results stay batch invariant).
+def _config(T: int, V: int, elem_bytes: int, device: torch.device) -> dict:
+    """Tile sizes and schedule from shapes, logit width and device only (never B: results stay batch
+    invariant).
 
-    GPU: 2048-entry tiles over 8 warps (one 16-byte load per thread and row, the next tile prefetched;
+    GPU: 2048-entry tiles over 8 warps (one 16-byte load per thread and row; the next tile prefetched,
+    the next two for 16-bit logits so that a CTA keeps as many bytes in flight as with fp32;
     ptxas for sm_90 with triton 3.6: 105 registers in a split launch, no spills; the statistics loop is
     ~33 PTX instructions per vocab entry of a bf16 target + draft pair, no barrier or shuffle inside the
     loop), up to 16 chunks per row (V = 128K: 8192-entry chunks, 4 tiles each), every pass of a walk of
@@ -511,21 +538,22 @@ def _config(T: int, V: int, device: torch.device) -> dict:
         num_splits = min(16, triton.cdiv(V, block_v))
         # a row of one chunk gains nothing from split launches: the walker alone, one launch
         return dict(block_v=block_v, num_splits=num_splits, split_steps=min(T + 1, 16) if num_splits > 1 else 0,
-                    num_warps=8)
-    return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4)
+                    num_warps=8, prefetch=2 if elem_bytes <= 2 else 1)
+    return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4, prefetch=1)
 
 
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None, *,
-           block_v=None, num_splits=None, split_steps=None, num_warps=None):
+           block_v=None, num_splits=None, split_steps=None, num_warps=None, prefetch=None):
     """Normalized arguments of the `specdec::accept` schema (validated by specdec.ops.accept).
 
     Keyword tunables override `_config` (tests use them to compare schedules).
     """
     B, T, V = target_logits.shape
     dev = target_logits.device
-    cfg = _config(T, V, dev)
+    elem_bytes = max(target_logits.element_size(), 0 if draft_logits is None else draft_logits.element_size())
+    cfg = _config(T, V, elem_bytes, dev)
     for name, value in (("block_v", block_v), ("num_splits", num_splits), ("split_steps", split_steps),
-                        ("num_warps", num_warps)):
+                        ("num_warps", num_warps), ("prefetch", prefetch)):
         if value is not None:
             cfg[name] = value
     accepted = torch.empty((B, T), dtype=torch.int32, device=dev)
@@ -538,8 +566,10 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
                                                else draft_logits.contiguous())
     d = target if draft is None else draft
     S = cfg["num_splits"]
-    if cfg["block_v"] < 16 or cfg["block_v"] & (cfg["block_v"] - 1) or S < 1 or cfg["split_steps"] < 0:
-        raise ValueError(f"accept: invalid tunables {cfg} (block_v: a power of 2 >= 16, num_splits >= 1)")
+    if (cfg["block_v"] < 16 or cfg["block_v"] & (cfg["block_v"] - 1) or S < 1 or cfg["split_steps"] < 0
+            or cfg["prefetch"] not in (1, 2)):
+        raise ValueError(f"accept: invalid tunables {cfg} (block_v: a power of 2 >= 16, num_splits >= 1, "
+                         "prefetch 1 or 2)")
     split_v = triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"]
     state_i = torch.empty((2, B, 4), dtype=torch.int32, device=dev)
     state_f = torch.empty((2, B, 4), dtype=torch.float32, device=dev)
@@ -552,7 +582,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
             B, T, V, target.stride(0), target.stride(1), d.stride(0), d.stride(1), offset & 0x7FFFFFFF, offset >> 31)
     meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, NUM_SPLITS=S, SPLIT_V=split_v,
                 BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T), S_BLOCK=triton.next_power_of_2(S),
-                num_warps=cfg["num_warps"])
+                PREFETCH=cfg["prefetch"], num_warps=cfg["num_warps"])
     steps = cfg["split_steps"]
     for step in range(steps):
         _accept_kernel[(B, S)](*args, (step + 1) % 2, step % 2, IS_FIRST=step == 0, WALK=False, **meta)

@@ -256,11 +256,15 @@ def test_triton_schedules_agree():
         # other tilings only change float rounding, which these inputs are far from
         for block_v, splits in ((16, 1), (32, 2), (64, 1)):
             assert _same(base, triton_accept(*args, block_v=block_v, num_splits=splits, split_steps=1))
+        # deeper prefetch: the same tiles folded in the same order
+        for steps in (0, T + 1):
+            assert _same(base, triton_accept(*args, block_v=16, num_splits=3, split_steps=steps, prefetch=2))
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
-@pytest.mark.parametrize("schedule", [dict(num_splits=1, split_steps=0), dict(num_splits=3, split_steps=7)],
-                         ids=["walker", "split-launches"])
+@pytest.mark.parametrize("schedule", [dict(num_splits=1, split_steps=0), dict(num_splits=3, split_steps=7),
+                                      dict(num_splits=2, split_steps=7, prefetch=2)],
+                         ids=["walker", "split-launches", "split-launches-prefetch-2"])
 def test_triton_reads_only_the_walked_rows(monkeypatch, schedule):
     """The bytes claim of the kernel (issue 4), element by element, on chains mixing greedy and sampling
     requests: a row off the accepted path is never read; a path row is read once (greedy: the argmax;
@@ -329,7 +333,7 @@ def hopper_compile_report() -> None:
     from tests.test_tree_attention import compile_for_hopper, spilled_bytes
 
     T, V = 8, 128_256
-    cfg = ka._config(T, V, torch.device("cuda"))
+    cfg = ka._config(T, V, 2, torch.device("cuda"))
     S = cfg["num_splits"]
     types = {"target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "parents_ptr": "*i32",
              "temp_ptr": "*fp32", "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "offsets_ptr": "*i64",
@@ -341,7 +345,8 @@ def hopper_compile_report() -> None:
         for first, walk in ((True, False), (False, False), (False, True)):
             constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, IS_FIRST=first, WALK=walk, NUM_SPLITS=S,
                               SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
-                              BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S))
+                              BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
+                              PREFETCH=cfg["prefetch"])
             kernel = compile_for_hopper(ka._accept_kernel, types, constexprs, cfg["num_warps"])
             report[f"draft={has_draft},first={first},walk={walk}"] = spilled_bytes(kernel)
     print(json.dumps(report))
