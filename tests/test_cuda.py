@@ -90,6 +90,36 @@ def test_accept_sampling_is_lossless_on_gpu():
     assert chisquare(counts[keep].numpy(), (p[keep] * N).numpy()).pvalue > 1e-4
 
 
+@pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])
+def test_accept_sampling_is_lossless_with_split_launches(draft_dtype):
+    """A vocabulary of several chunks (split launches, the draw's chunk pick and scan): a one-child chain
+    with draft logits, 20k requests; the first emitted token (the accepted child or the correction drawn
+    from max(p - q, 0)) follows p, the mass spread over tokens in different chunks and the vocab tail."""
+    from scipy.stats import chisquare
+
+    gen = torch.Generator().manual_seed(1)
+    N, V = 20_000, 6_000
+    special = torch.tensor([7, 2_100, 4_500, V - 1])
+    p_row, q_row = torch.full((V,), -4.0), torch.full((V,), -4.0)
+    p_row[special] = torch.tensor([3.0, 2.5, 2.8, 2.0])
+    q_row[special] = torch.tensor([1.0, 3.0, 0.0, 2.5])
+    q_row[100] = float("-inf")
+    tokens = torch.zeros(N, 2, dtype=torch.int64)
+    tokens[:, 1] = torch.multinomial(torch.softmax(q_row.to(draft_dtype).double(), 0), N, replacement=True,
+                                     generator=gen)
+    parents = torch.tensor([-1, 0]).expand(N, 2)
+    res = specdec.accept(p_row.expand(N, 2, V).to(DEVICE), tokens.to(DEVICE), parents.to(DEVICE),
+                         draft_logits=q_row.to(draft_dtype).expand(N, 2, V).to(DEVICE), temperature=1.0,
+                         seeds=torch.arange(N, device=DEVICE) + 11, backend="triton")
+    first = torch.where(res.num_accepted.cpu() > 0, tokens[:, 1], res.next_tokens.cpu())
+    p = torch.softmax(p_row.double(), 0)
+    cells = [torch.tensor([int(t)]) for t in special] + [torch.tensor([i for i in range(V) if i not in special])]
+    observed = [float(torch.isin(first, c).sum()) for c in cells]
+    expected = [float(p[c].sum()) * N for c in cells]
+    assert chisquare(observed, expected).pvalue > 1e-4
+    assert 0.05 < float(res.num_accepted.float().mean()) < 0.95  # both the test and the draw were exercised
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kv_append_and_rollback(dtype):
     gen = torch.Generator().manual_seed(5)
