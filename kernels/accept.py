@@ -108,6 +108,12 @@ def _lanes_to_lse(m, s):
 
 
 @triton.jit
+def _has_children(node, par, valid):
+    """Whether `node` has a real child (par, valid: the request's parents and real-node mask)."""
+    return tl.reduce(((par == node) & valid).to(tl.int32), 0, _MAX) > 0
+
+
+@triton.jit
 def _tile(row, start, hi, ar):
     """Entries start + ar of a row, -inf past hi (hi = start: nothing is read)."""
     return tl.load(row + start + ar, mask=start + ar < hi, other=float("-inf"))
@@ -123,24 +129,20 @@ def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, greedy, use_q, lse_p, lse_q, c, thresh, node, par_row, tok_row,
-                n_nodes, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr):
-    """One pass of `kind` over vocab entries [lo, hi) of the current node's rows (PREFETCH: tiles in flight
-    ahead of the one being folded in, 1 or 2).
+def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, greedy, use_q, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr,
+                BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr):
+    """One STATS or ZPASS pass over vocab entries [lo, hi) of the current node's rows (PREFETCH: tiles in
+    flight ahead of the one being folded in, 1 or 2).
 
     Returns (r0, r1, r2, r3, ri), merged across chunks by `_merge`:
       STATS: (max, sum exp(. - max)) of target/t in (r0, r1) (greedy: the max alone) and of draft/t in
              (r2, r3) when `use_q`, the first argmax of target in ri;
-      ZPASS: (0, sum max(p - c q, 0));
-      LOCATE: in ri the first entry where the running sum of the residual passes `thresh` (the last
-             entry with r > 0 if rounding leaves it short); given proposals skip the rejected children's
-             tokens unless c < 0 (a fallback that draws from p itself).
+      ZPASS: (0, sum max(p - c q, 0)).
     """
     ar = tl.arange(0, BLOCK_V)
     zero = tl.zeros([BLOCK_V], tl.float32)
     # scalar conditions enter masks through the bound (the interpreter mis-types vector & scalar bools)
-    need_q = ((kind == STATS) & use_q) | (kind == ZPASS) | ((kind == LOCATE) & (c > 0))
-    hi_q = tl.where(need_q, hi, lo)
+    hi_q = tl.where(((kind == STATS) & use_q) | (kind == ZPASS), hi, lo)
     ri = tl.full((), -1, tl.int32)
     # per-lane accumulators over the tiles, one cross-lane reduction at the end
     m_a = zero + float("-inf")
@@ -148,72 +150,46 @@ def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, greedy, use_q, lse_p, lse_q, 
     m_b = m_a
     s_b = zero
     best_i = tl.full([BLOCK_V], -1, tl.int32)
-    if kind == LOCATE:  # one chunk, tile by tile until the threshold is passed
-        last = ri
-        acc = inv_t * 0.0  # the residual's running sum over the tiles scanned
-        start = lo
-        while (start < hi) & (ri < 0):
-            cols = start + ar
-            a = tl.load(t_row + cols, mask=cols < hi, other=float("-inf")).to(tl.float32) * inv_t
-            b = a
-            if HAS_DRAFT:
-                b = tl.load(d_row + cols, mask=cols < hi_q, other=float("-inf")).to(tl.float32) * inv_t
-            r = _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
-            if not HAS_DRAFT:
-                if c >= 0:
-                    for j in range(node + 1, n_nodes):
-                        is_child = tl.load(par_row + j) == node
-                        r = tl.where(cols == tl.where(is_child, tl.load(tok_row + j), -1), 0.0, r)
-            last = tl.maximum(last, tl.reduce(tl.where(r > 0, cols, -1), 0, _MAX))
-            tile = tl.reduce(r, 0, _SUM)
-            if acc + tile > thresh:
-                run = tl.cumsum(r, 0) + acc
-                ri = tl.reduce(tl.where((run > thresh) & (r > 0), cols, INT_MAX), 0, _MIN)
-                ri = tl.where(ri == INT_MAX, last, ri)
-            acc += tile
-            start += BLOCK_V
-        ri = tl.where(ri < 0, last, ri)
-    else:
-        # prefetch: the next PREFETCH tiles' loads are in flight while this tile is folded in (the compiler
-        # does not pipeline loads that feed no dot)
-        a_next = _tile(t_row, lo, hi, ar)
-        b_next = a_next  # (the draft's tiles exist only with draft logits)
+    # prefetch: the next PREFETCH tiles' loads are in flight while this tile is folded in (the compiler
+    # does not pipeline loads that feed no dot)
+    a_next = _tile(t_row, lo, hi, ar)
+    b_next = a_next  # (the draft's tiles exist only with draft logits)
+    if HAS_DRAFT:
+        b_next = _tile(d_row, lo, hi_q, ar)
+    a_later = a_next
+    b_later = b_next
+    if PREFETCH == 2:
+        a_later = _tile(t_row, lo + BLOCK_V, hi, ar)
         if HAS_DRAFT:
-            b_next = _tile(d_row, lo, hi_q, ar)
-        a_later = a_next
-        b_later = b_next
+            b_later = _tile(d_row, lo + BLOCK_V, hi_q, ar)
+    for start in range(lo, hi, BLOCK_V):
+        cols = start + ar
+        a = a_next.to(tl.float32) * inv_t
+        b = a
+        if HAS_DRAFT:
+            b = b_next.to(tl.float32) * inv_t
         if PREFETCH == 2:
-            a_later = _tile(t_row, lo + BLOCK_V, hi, ar)
+            a_next = a_later
+            a_later = _tile(t_row, start + 2 * BLOCK_V, hi, ar)
             if HAS_DRAFT:
-                b_later = _tile(d_row, lo + BLOCK_V, hi_q, ar)
-        for start in range(lo, hi, BLOCK_V):
-            cols = start + ar
-            a = a_next.to(tl.float32) * inv_t
-            b = a
+                b_next = b_later
+                b_later = _tile(d_row, start + 2 * BLOCK_V, hi_q, ar)
+        else:
+            a_next = _tile(t_row, start + BLOCK_V, hi, ar)
             if HAS_DRAFT:
-                b = b_next.to(tl.float32) * inv_t
-            if PREFETCH == 2:
-                a_next = a_later
-                a_later = _tile(t_row, start + 2 * BLOCK_V, hi, ar)
-                if HAS_DRAFT:
-                    b_next = b_later
-                    b_later = _tile(d_row, start + 2 * BLOCK_V, hi_q, ar)
+                b_next = _tile(d_row, start + BLOCK_V, hi_q, ar)
+        if kind == STATS:
+            best_i = tl.where(a > m_a, cols, best_i)  # strictly greater: a lane keeps its first maximum
+            if greedy:  # the argmax alone: no exp
+                m_a = tl.maximum(m_a, a)
             else:
-                a_next = _tile(t_row, start + BLOCK_V, hi, ar)
-                if HAS_DRAFT:
-                    b_next = _tile(d_row, start + BLOCK_V, hi_q, ar)
-            if kind == STATS:
-                best_i = tl.where(a > m_a, cols, best_i)  # strictly greater: a lane keeps its first maximum
-                if greedy:  # the argmax alone: no exp
-                    m_a = tl.maximum(m_a, a)
-                else:
-                    m_a, s_a = _lane_lse(m_a, s_a, a)
-                if HAS_DRAFT:
-                    m_b, s_b = _lane_lse(m_b, s_b, b)
-            else:  # ZPASS (only after a rejection with draft logits)
-                s_a += _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
-        if kind == ZPASS:
-            m_a = zero  # a plain sum: merged like a log-sum-exp with a common max 0
+                m_a, s_a = _lane_lse(m_a, s_a, a)
+            if HAS_DRAFT:
+                m_b, s_b = _lane_lse(m_b, s_b, b)
+        else:  # ZPASS (only after a rejection with draft logits)
+            s_a += _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
+    if kind == ZPASS:
+        m_a = zero  # a plain sum: merged like a log-sum-exp with a common max 0
     r0, r1 = _lanes_to_lse(m_a, s_a)
     r2, r3 = _lanes_to_lse(m_b, s_b)
     if kind == STATS:
@@ -223,22 +199,55 @@ def _chunk_pass(kind, t_row, d_row, lo, hi, inv_t, greedy, use_q, lse_p, lse_q, 
 
 
 @triton.jit
+def _locate(t_row, d_row, lo, hi, inv_t, lse_p, lse_q, c, thresh, node, par_row, tok_row, n_real,
+            HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The draw's scan of one chunk [lo, hi), tile by tile until the residual's running sum passes `thresh`:
+    the first such entry (the last entry with r > 0 if rounding leaves the sum short). Given proposals skip
+    the rejected children's tokens unless c < 0 (a fallback that draws from p itself)."""
+    ar = tl.arange(0, BLOCK_V)
+    hi_q = tl.where(c > 0, hi, lo)  # q is needed only for a residual max(p - c q, 0) with c > 0
+    token = tl.full((), -1, tl.int32)
+    last = token
+    acc = inv_t * 0.0  # the residual's running sum over the tiles scanned
+    start = lo
+    while (start < hi) & (token < 0):
+        cols = start + ar
+        a = _tile(t_row, start, hi, ar).to(tl.float32) * inv_t
+        b = a
+        if HAS_DRAFT:
+            b = _tile(d_row, start, hi_q, ar).to(tl.float32) * inv_t
+        r = _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
+        if not HAS_DRAFT:
+            if c >= 0:
+                for j in range(node + 1, n_real):
+                    is_child = tl.load(par_row + j) == node
+                    r = tl.where(cols == tl.where(is_child, tl.load(tok_row + j), -1), 0.0, r)
+        last = tl.maximum(last, tl.reduce(tl.where(r > 0, cols, -1), 0, _MAX))
+        tile = tl.reduce(r, 0, _SUM)
+        if acc + tile > thresh:
+            run = tl.cumsum(r, 0) + acc
+            token = tl.reduce(tl.where((run > thresh) & (r > 0), cols, INT_MAX), 0, _MIN)
+            token = tl.where(token == INT_MAX, last, token)
+        acc += tile
+        start += BLOCK_V
+    return tl.where(token < 0, last, token)
+
+
+@triton.jit
 def _merge(f0, f1, f2, f3, fi, S_BLOCK: tl.constexpr):
     """Merge per-chunk results (vectors over chunks, identity-padded) in chunk order."""
     sidx = tl.arange(0, S_BLOCK)
-    m0 = tl.reduce(f0, 0, _MAX)
+    m0, r1 = _lanes_to_lse(f0, f1)
+    m2, r3 = _lanes_to_lse(f2, f3)
     first = tl.reduce(tl.where(f0 == m0, sidx, S_BLOCK), 0, _MIN)
     ri = tl.reduce(tl.where(sidx == first, fi, 0), 0, _SUM)
-    r1 = tl.reduce(f1 * tl.exp(f0 - tl.where(m0 == NEG_INF, 0.0, m0)), 0, _SUM)
-    m2 = tl.reduce(f2, 0, _MAX)
-    r3 = tl.reduce(f3 * tl.exp(f2 - tl.where(m2 == NEG_INF, 0.0, m2)), 0, _SUM)
     return m0, r1, m2, r3, ri
 
 
 @triton.jit
-def _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, node, par_row, tok_row, n_nodes,
-              HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-              S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+def _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr,
+              NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, S_BLOCK: tl.constexpr,
+              PREFETCH: tl.constexpr):
     """A whole-row STATS/ZPASS pass in one program: the chunk passes of every split, as per-chunk vectors
     (what the split launches' partials hold)."""
     sidx = tl.arange(0, S_BLOCK)
@@ -250,8 +259,7 @@ def _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, node
     for s in range(NUM_SPLITS):
         lo = s * SPLIT_V
         q0, q1, q2, q3, qi = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, greedy, use_q,
-                                         lse_p, lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V,
-                                         PREFETCH)
+                                         lse_p, lse_q, c, HAS_DRAFT, BLOCK_V, PREFETCH)
         here = sidx == s
         f0 = tl.where(here, q0, f0)
         f1 = tl.where(here, q1, f1)
@@ -262,13 +270,13 @@ def _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, node
 
 
 @triton.jit
-def _draw(kind, t_row, d_row, pick, thresh, V, inv_t, greedy, use_q, lse_p, lse_q, c, node, par_row, tok_row,
-          n_nodes, depth, out_num, out_next, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The draw's second level (kind == LOCATE): scan chunk `pick` for the token holding the threshold,
-    then write the request's outputs."""
+def _draw(t_row, d_row, pick, thresh, V, inv_t, lse_p, lse_q, c, node, par_row, tok_row, n_real, depth, out_num,
+          out_next, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The draw's second level: scan chunk `pick` for the token holding the threshold, then write the
+    request's outputs."""
     lo = pick * SPLIT_V
-    _, _, _, _, token = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, greedy, use_q, lse_p,
-                                    lse_q, c, thresh, node, par_row, tok_row, n_nodes, HAS_DRAFT, BLOCK_V, 1)
+    token = _locate(t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, lse_p, lse_q, c, thresh, node, par_row,
+                    tok_row, n_real, HAS_DRAFT, BLOCK_V)
     tl.store(out_num, depth)
     tl.store(out_next, token.to(tl.int64))
 
@@ -407,7 +415,7 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
     writer = split == 0
     t = tl.load(temp_ptr + b)
     greedy = t == 0.0
-    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
+    inv_t = 1.0 / tl.where(greedy, 1.0, t)
     seed = tl.load(seeds_ptr + b)
     # the int offset arrives as two int32 words (one argument type for every value: a Python int in
     # [2^31, 2^32) would be typed uint32 and one above as int64)
@@ -418,7 +426,8 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
     stream_base = (((off >> 31) & 0x1FFFFFFF) * 4).to(tl.int32)
     n_nodes = tl.load(num_nodes_ptr + b)
     idx_t = tl.arange(0, T_BLOCK)
-    valid = (idx_t < n_nodes) & (idx_t < T)  # (paths only ascend: a walk ends even on unchecked input)
+    n_real = tl.minimum(n_nodes, T)
+    valid = idx_t < n_real  # (paths only ascend: a walk ends even on unchecked input)
     par_row = parents_ptr + b * T
     tok_row = tokens_ptr + b * T
     par = tl.load(par_row + idx_t, mask=valid, other=-2)
@@ -470,26 +479,25 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
                 seed, off_lo, stream_base, par, tok, idx_t, valid, t_base, d_base, stride_tt, stride_dt, V, acc_row,
                 num_acc_ptr + b, next_ptr + b, writer, HAS_DRAFT, T_BLOCK, SPLIT_V, NUM_SPLITS, S_BLOCK)
     # draft statistics are needed only at a sampling node that has children (a leaf's q is never used)
-    use_q = (t != 0.0) & (tl.reduce(((par == node) & valid).to(tl.int32), 0, _MAX) > 0)
+    use_q = (t != 0.0) & _has_children(node, par, valid)
 
     if WALK:
         while kind != DONE:
             t_row = t_base + node.to(tl.int64) * stride_tt
             d_row = d_base + node.to(tl.int64) * stride_dt
             if kind == LOCATE:
-                _draw(kind, t_row, d_row, pick, thresh, V, inv_t, greedy, use_q, lse_p, lse_q, c, node, par_row,
-                      tok_row, n_nodes, depth, num_acc_ptr + b, next_ptr + b, HAS_DRAFT, SPLIT_V, BLOCK_V)
+                _draw(t_row, d_row, pick, thresh, V, inv_t, lse_p, lse_q, c, node, par_row, tok_row, n_real, depth,
+                      num_acc_ptr + b, next_ptr + b, HAS_DRAFT, SPLIT_V, BLOCK_V)
                 kind = tl.full((), DONE, tl.int32)
             else:
-                f0, f1, f2, f3, fi = _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c, node,
-                                               par_row, tok_row, n_nodes, HAS_DRAFT, NUM_SPLITS, SPLIT_V, BLOCK_V,
-                                               S_BLOCK, PREFETCH)
+                f0, f1, f2, f3, fi = _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c,
+                                               HAS_DRAFT, NUM_SPLITS, SPLIT_V, BLOCK_V, S_BLOCK, PREFETCH)
                 r0, r1, r2, r3, ri = _merge(f0, f1, f2, f3, fi, S_BLOCK)
                 kind, node, depth, cursor, c, z, lse_p, lse_q, pick, thresh = _advance(
                     kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, f0, f1, greedy, inv_t, u_all,
                     seed, off_lo, stream_base, par, tok, idx_t, valid, t_base, d_base, stride_tt, stride_dt, V,
                     acc_row, num_acc_ptr + b, next_ptr + b, writer, HAS_DRAFT, T_BLOCK, SPLIT_V, NUM_SPLITS, S_BLOCK)
-                use_q = (t != 0.0) & (tl.reduce(((par == node) & valid).to(tl.int32), 0, _MAX) > 0)
+                use_q = (t != 0.0) & _has_children(node, par, valid)
     else:
         w_i = state_i_ptr + (write_buf * B + b) * 4
         w_f = state_f_ptr + (write_buf * B + b) * 4
@@ -505,13 +513,12 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
         d_row = d_base + node.to(tl.int64) * stride_dt
         if kind == LOCATE:
             if split == pick:  # the program whose chunk holds the threshold draws and writes the outputs
-                _draw(kind, t_row, d_row, pick, thresh, V, inv_t, greedy, use_q, lse_p, lse_q, c, node, par_row,
-                      tok_row, n_nodes, depth, num_acc_ptr + b, next_ptr + b, HAS_DRAFT, SPLIT_V, BLOCK_V)
+                _draw(t_row, d_row, pick, thresh, V, inv_t, lse_p, lse_q, c, node, par_row, tok_row, n_real, depth,
+                      num_acc_ptr + b, next_ptr + b, HAS_DRAFT, SPLIT_V, BLOCK_V)
         elif kind != DONE:
             lo = split * SPLIT_V
             r0, r1, r2, r3, ri = _chunk_pass(kind, t_row, d_row, lo, tl.minimum(lo + SPLIT_V, V), inv_t, greedy,
-                                             use_q, lse_p, lse_q, c, 0.0, node, par_row, tok_row, n_nodes, HAS_DRAFT,
-                                             BLOCK_V, PREFETCH)
+                                             use_q, lse_p, lse_q, c, HAS_DRAFT, BLOCK_V, PREFETCH)
             part = ((write_buf * B + b) * NUM_SPLITS + split)
             tl.store(part_f_ptr + part * 4, r0)
             tl.store(part_f_ptr + part * 4 + 1, r1)
