@@ -9,15 +9,14 @@
 #   tests-cuda      tests/test_cuda.py: the compiled Triton kernels on CUDA vs the reference
 #   loop            the shipped model pair on CUDA: speculative vs autoregressive, fp32 (greedy outputs must be
 #                   identical) and bf16
-#   (then copy and grid, below; the broad backend tests run after the grid)
-#   tests-backends  the backend test files (tree_attention, accept, accept_lossless, kv_cache) on CUDA
-#                   (SPECDEC_TEST_DEVICE=cuda, TRITON_INTERPRET=0), when tests/helpers.py reads the switch
 #   copy            the copy-bandwidth ceiling (device-to-device copy_, 256 MiB .. 16 GiB)
 #   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
 #   sweep           python -m bench.sweep: the Triton tunables at the target shapes (what the heuristics
 #                   should choose), one variant per row, ranked
+#   tests-backends  the backend test files (tree_attention, accept, accept_lossless, kv_cache, layouts) on CUDA
+#                   (SPECDEC_TEST_DEVICE=cuda, TRITON_INTERPRET=0), last, with what the budget has left
 #   summary         merged results + PASS/FAIL against the targets, then the sweep's ranking
-# RESULTS_DIR ends up with summary.md, bench-<date>-cuda.json/.md (merged results), sweep.json/.md and
+# RESULTS_DIR ends up with summary.md, bench-<date>-<device>.json/.md (merged results), sweep.json/.md and
 # steps.tar.gz (every log and per-step result); SPECDEC_GPU_PACK=0 keeps the steps/ folder unpacked instead.
 #
 # Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds, default 470),
@@ -151,22 +150,10 @@ step sweep 80 "${SWEEP[@]}" --out "$STEPS" --name sweep --time-budget 55
 
 # the broad backend test files last: they compile every kernel variant they use (minutes), so they get
 # what the focused tests and the grid left of the budget
-if grep -q SPECDEC_TEST_DEVICE "$REPO/tests/helpers.py"; then
-  if [ -n "${SPECDEC_GPU_TESTS:-}" ]; then
-    read -r -a BACKEND_TESTS <<<"$SPECDEC_GPU_TESTS"
-  else
-    BACKEND_TESTS=()
-    for f in tests/test_tree_attention.py tests/test_accept*.py tests/test_kv_cache.py; do
-      [ -f "$f" ] && BACKEND_TESTS+=("$f")
-    done
-  fi
-  if [ ${#BACKEND_TESTS[@]} -gt 0 ]; then
-    step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-150}" \
-      env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
-  fi
-else
-  STATUS+=("$(printf '%-16s skipped (tests/helpers.py has no SPECDEC_TEST_DEVICE switch)' tests-backends)")
-fi
+read -r -a BACKEND_TESTS <<<"${SPECDEC_GPU_TESTS:-tests/test_tree_attention.py tests/test_accept.py \
+tests/test_accept_lossless.py tests/test_kv_cache.py tests/test_layouts.py}"
+step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-150}" \
+  env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
 
 
 # summary: merged results and the table (also on stdout)

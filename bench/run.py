@@ -53,9 +53,13 @@ def plan_backends(case, device: torch.device, backends) -> list[tuple[str, str, 
     return plan
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
 def _failure(exc: BaseException) -> tuple[str, str]:
     """(status, note) of an implementation that raised."""
-    first_line = (str(exc).strip().splitlines() or [""])[0][:160]
+    first_line = _first_line(exc)[:160]
     if isinstance(exc, (ImportError, NotImplementedError)):
         return "skipped", f"not implemented yet ({type(exc).__name__}: {first_line})"
     if isinstance(exc, torch.OutOfMemoryError):
@@ -84,17 +88,16 @@ def measure(mod, x, case_name, name, kind, make_fn, expected, device, ceiling, b
         if smoke:
             row["note"] = "interpreter smoke run: correctness only, no speed claim"
             return row
-        specdec.set_value_checks(False)
+        specdec.set_value_checks(False)  # the GPU hot path setting, for the eager and the graph timing
         try:
             timing = time_fn(fn, device, budget_s=budget_s)
+            row.update(timing, **_bandwidth(row["bytes"], timing["time_s"], ceiling))
+            if device.type == "cuda":
+                row["graph"] = measure_graph(fn, device, row["bytes"], ceiling, budget_s)
         finally:
             specdec.set_value_checks(True)
     except Exception as exc:  # noqa: BLE001 - a broken implementation must not stop the run
         row["status"], row["note"] = _failure(exc)
-        return row
-    row.update(timing, **_bandwidth(row["bytes"], timing["time_s"], ceiling))
-    if device.type == "cuda":
-        row["graph"] = measure_graph(fn, device, row["bytes"], ceiling, budget_s)
     return row
 
 
@@ -108,14 +111,11 @@ def _bandwidth(nbytes, seconds, ceiling) -> dict:
 def measure_graph(fn, device, nbytes, ceiling, budget_s) -> dict:
     """The CUDA-graph replay timing of `fn` ({"time_s", "time_min_s", "reps", "timer", "gbps", "pct_copy"}),
     or {"note": why not} when it cannot be captured (the PyTorch peers with boolean-mask indexing sync)."""
-    specdec.set_value_checks(False)
     try:
         timing = time_graph(fn, device, budget_s=budget_s)
     except Exception as exc:  # noqa: BLE001 - an uncapturable peer is a fact to report, not a failure
         torch.cuda.synchronize(device)
-        return {"note": f"not capturable ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:100]})"}
-    finally:
-        specdec.set_value_checks(True)
+        return {"note": f"not capturable ({type(exc).__name__}: {_first_line(exc)[:100]})"}
     return dict(timing, **_bandwidth(nbytes, timing["time_s"], ceiling))
 
 

@@ -4,7 +4,6 @@
 // kv_rollback.cpp); the CUDA (Triton) kernels and the fake implementations are registered from Python.
 #include <Python.h>
 
-#include <set>
 
 #include "specdec.h"
 

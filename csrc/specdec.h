@@ -28,7 +28,6 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
-#include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <cstring>

@@ -159,9 +159,9 @@ class MemorySpy:
             keep |= (addresses >= start) & (addresses < start + t.untyped_storage().nbytes())
         return addresses[keep]
 
-    def counts(self, tensors, which="loads"):
-        """{element address: times accessed} inside `tensors` (their whole storage)."""
-        addresses = self.inside(getattr(self, which) or [np.zeros(0, dtype=np.int64)], tensors)
+    def counts(self, tensors):
+        """{element address: times loaded} inside `tensors` (their whole storage)."""
+        addresses = self.inside(self.loads or [np.zeros(0, dtype=np.int64)], tensors)
         values, counts = np.unique(addresses, return_counts=True)
         return dict(zip(values.tolist(), counts.tolist()))
 

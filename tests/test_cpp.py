@@ -171,7 +171,7 @@ def test_kv_rollback_stacked_layers_in_one_call(dtype, paged):
     """A 5-D stack of 3 layers plus a single 4-D layer, K and V, moved in one call like the reference,
     with overlapping moves (path [0, 2, 3]: 2 -> 1 then 3 -> 2) and an untouched request (path [0])."""
     gen = torch.Generator().manual_seed(7)
-    B, P, H, D, cap, block = 4, 6, 2, 8, 32, 8
+    B, H, D, cap, block = 4, 2, 8, 32, 8
     lens = torch.tensor([3, 0, 17, 9], dtype=torch.int32)
     path = torch.tensor([[0, 2, 3, -1, -1, -1], [0, -1, -1, -1, -1, -1], [0, 1, 4, 5, -1, -1],
                          [0, 1, 2, 3, 4, 5]], dtype=torch.int32)
@@ -204,7 +204,7 @@ def base_inputs():
     parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, -1]], dtype=torch.int32)
     num_nodes = torch.tensor([4, 3], dtype=torch.int32)
     return dict(
-        B=B, T=T, parents=parents, num_nodes=num_nodes, mask=reference.build_tree(parents, num_nodes)[1],
+        parents=parents, num_nodes=num_nodes, mask=reference.build_tree(parents, num_nodes)[1],
         q=torch.randn(B, T, Hq, D, generator=gen), k=torch.randn(B, cap, Hkv, D, generator=gen),
         v=torch.randn(B, cap, Hkv, D, generator=gen), lens=torch.tensor([2, 5], dtype=torch.int32),
         k_new=torch.randn(B, T, Hkv, D, generator=gen), v_new=torch.randn(B, T, Hkv, D, generator=gen),
@@ -246,7 +246,6 @@ def bad_cases():
     def rollback(ks=(x["k"],), vs=(x["v"],), lens=x["lens"], path=x["path"], na=x["num_accepted"], table=None):
         return "kv_rollback", val.check_kv_rollback, (list(ks), list(vs), lens, path, na, table)
 
-    B, T = x["B"], x["T"]
     return {
         "tree/dtype": tree(parents=x["parents"].float()),
         "tree/dim": tree(parents=x["parents"].view(-1)),

@@ -267,10 +267,9 @@ def _big_randn(shape, dtype, seed):
 
 
 @pytest.mark.parametrize("B,L", [(1, 131_072), (36, 60_000)], ids=["prefix-128K", "cache-past-2^31-elements"])
-def test_tree_attention_long_prefix_and_huge_cache(B, L, scale=1):
+def test_tree_attention_long_prefix_and_huge_cache(B, L):
     """The last request of a contiguous bf16 cache (36 x 60016 x 8 x 128 elements > 2**31), and one 128K
     prefix: the Triton result equals the reference computed on that request's own rows."""
-    L //= scale
     T, Hq, Hkv, D = 16, 32, 8, 128
     gen = torch.Generator().manual_seed(B)
     parents, num_nodes = random_trees(1, T, gen, ragged=False)
@@ -288,12 +287,11 @@ def test_tree_attention_long_prefix_and_huge_cache(B, L, scale=1):
     torch.testing.assert_close(lse[last:].cpu(), ref_lse, atol=1e-3, rtol=1e-4)
 
 
-def test_kv_append_and_rollback_past_2_31_elements(scale=1):
+def test_kv_append_and_rollback_past_2_31_elements():
     """A stacked bf16 cache of 32 layers x 64 requests x 1088 rows x 8 x 128 (2.3e9 elements per K or V):
     append into the last layer and roll every layer back; the last requests' tree rows of the first and
     last layers equal the reference on CPU copies of those rows."""
-    layers, B, T, Hkv, D = 32 // scale, 64 // scale, 64, 8, 128
-    L = 1024 // scale
+    layers, B, T, Hkv, D, L = 32, 64, 64, 8, 128, 1024
     gen = torch.Generator().manual_seed(9)
     k = _big_randn((layers, B, L + T, Hkv, D), torch.bfloat16, 4)
     v = _big_randn((layers, B, L + T, Hkv, D), torch.bfloat16, 5)

@@ -86,10 +86,10 @@ def test_paged_attention_bad_block_table(backend):
         call_attention(args, backend)
     args["block_table"] = torch.tensor([[0, 1]], dtype=torch.int32)
     with pytest.raises(ValueError, match="^block_table: expected 2 rows"):
-        call_attention(args)
+        call_attention(args, backend)
     args["block_table"] = torch.tensor([[0, 1], [2, 3]], dtype=torch.int64)
     with pytest.raises(TypeError, match="^block_table"):
-        call_attention(args)
+        call_attention(args, backend)
 
 
 def test_value_checks_switch():

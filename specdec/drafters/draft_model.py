@@ -150,7 +150,6 @@ class DraftModelDrafter(Drafter):
         out[:, 0] = root[:, 0]
         draft_logits = None if self.all_greedy else root_logits.new_zeros(B, T, V)
         level_logits = root_logits.unsqueeze(1)
-        parents = self.parents
         for d in range(1, len(self.levels)):
             (ps, pe), (s, e) = self.levels[d - 1], self.levels[d]
             if draft_logits is not None:
@@ -162,7 +161,7 @@ class DraftModelDrafter(Drafter):
                                                          self.mask[:, :e].expand(B, -1, -1)[..., :(e + 31) // 32],
                                                          start=s)
         nn = torch.full((B,), T, dtype=torch.int32, device=root.device)
-        return Proposal(out, parents.expand(B, T), nn, draft_logits)
+        return Proposal(out, self.parents.expand(B, T), nn, draft_logits)
 
     def _propose_dynamic(self, root, root_logits):
         """EAGLE-2 style growth (given proposals: no draft_logits)."""
