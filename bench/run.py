@@ -88,14 +88,11 @@ def measure(mod, x, case_name, name, kind, make_fn, expected, device, ceiling, b
         if smoke:
             row["note"] = "interpreter smoke run: correctness only, no speed claim"
             return row
-        specdec.set_value_checks(False)  # the GPU hot path setting, for the eager and the graph timing
-        try:
+        with specdec.value_checks(False):  # the GPU hot path setting, for the eager and the graph timing
             timing = time_fn(fn, device, budget_s=budget_s)
             row.update(timing, **_bandwidth(row["bytes"], timing["time_s"], ceiling))
             if device.type == "cuda":
                 row["graph"] = measure_graph(fn, device, row["bytes"], ceiling, budget_s)
-        finally:
-            specdec.set_value_checks(True)
     except Exception as exc:  # noqa: BLE001 - a broken implementation must not stop the run
         row["status"], row["note"] = _failure(exc)
     return row

@@ -57,11 +57,8 @@ def test_benchmark_op(benchmark, mod, impl):
         pytest.skip(f"{impl} not implemented yet: {exc}")
     assert mod.check(x, out, mod.reference_value(x)).startswith("ok")
     benchmark.extra_info["min_bytes"] = mod.min_bytes(x, out)
-    specdec.set_value_checks(False)
-    try:
+    with specdec.value_checks(False):
         benchmark(_timed(fn))
-    finally:
-        specdec.set_value_checks(True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ every check runs before anything is written, so a failed call never leaves a cac
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -30,6 +31,17 @@ def set_value_checks(enabled: bool) -> None:
     """Turn the host-syncing value checks on or off for every op (default: on)."""
     global _value_checks
     _value_checks = bool(enabled)
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """The value checks on or off inside a `with` block; the previous setting comes back after it."""
+    global _value_checks
+    previous, _value_checks = _value_checks, bool(enabled)
+    try:
+        yield
+    finally:
+        _value_checks = previous
 
 
 def value_checks_enabled() -> bool:

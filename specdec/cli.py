@@ -75,7 +75,6 @@ def generate(args) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device available")
     torch.set_num_threads(max(1, args.threads))
-    specdec.set_value_checks(args.check_values)
     target = load_model(args.target, dtype=DTYPES[args.dtype], device=device)
     tok = load_tokenizer(args.target, target.cfg.vocab_size)
     drafter = make_drafter(args, target)
@@ -114,16 +113,13 @@ def print_text(r: dict) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from ._validation import value_checks_enabled
     from .models.hf import CheckpointError
-    checks = value_checks_enabled()
     try:
-        result = generate(args)
+        with specdec.value_checks(args.check_values):
+            result = generate(args)
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        specdec.set_value_checks(checks)
     if args.json:
         print(json.dumps(result))
     else:

@@ -144,8 +144,7 @@ def test_cuda_graph_capture_of_a_verification_step():
     """attention + accept + rollback captured once and replayed: no host sync inside the ops."""
     if DEVICE != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    specdec.set_value_checks(False)
-    try:
+    with specdec.value_checks(False):
         gen = torch.Generator().manual_seed(2)
         B, T, Hq, Hkv, D, cap, V = 4, 8, 8, 2, 64, 1024, 1000
         parents, num_nodes = random_trees(B, T, gen, ragged=False)
@@ -177,8 +176,6 @@ def test_cuda_graph_capture_of_a_verification_step():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(lens.cpu(), torch.full((B,), 500, dtype=torch.int32) + res.num_accepted.cpu() + 1)
-    finally:
-        specdec.set_value_checks(True)
 
 
 def test_cuda_graph_accept_draws_fresh_numbers_from_a_device_offset():
@@ -186,8 +183,7 @@ def test_cuda_graph_accept_draws_fresh_numbers_from_a_device_offset():
     calls with those offsets give (an int offset would be frozen into the graph)."""
     if DEVICE != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    specdec.set_value_checks(False)
-    try:
+    with specdec.value_checks(False):
         gen = torch.Generator().manual_seed(3)
         B, T, V = 16, 6, 5000
         parents, num_nodes = random_trees(B, T, gen, ragged=False)
@@ -218,8 +214,6 @@ def test_cuda_graph_accept_draws_fresh_numbers_from_a_device_offset():
             assert all(torch.equal(x, y) for x, y in zip(res, eager)), f"step {step}"
             seen.append(res.next_tokens.clone())
         assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
-    finally:
-        specdec.set_value_checks(True)
 
 
 def test_cuda_graph_capture_with_value_checks_on_and_a_cold_rollback_table():

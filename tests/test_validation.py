@@ -103,6 +103,17 @@ def test_value_checks_switch():
         call_attention(args)
 
 
+def test_value_checks_block_restores_the_previous_setting():
+    args = no_self_bit()
+    with specdec.value_checks(False):
+        with specdec.value_checks(True):
+            with pytest.raises(ValueError):
+                call_attention(args)
+        call_attention(args)  # off again after the inner block
+    with pytest.raises(ValueError):
+        call_attention(args)
+
+
 def test_bad_backend_name():
     with pytest.raises(ValueError, match="^backend"):
         specdec.build_tree(torch.tensor([[-1, 0]]), backend="cuda")
