@@ -116,6 +116,29 @@ def measure_graph(fn, device, nbytes, ceiling, budget_s) -> dict:
     return dict(timing, **_bandwidth(nbytes, timing["time_s"], ceiling))
 
 
+def case_row(op, case_name, status, note) -> dict:
+    """The one row of a case that produced no measurement (its inputs failed, or it was not started)."""
+    return {"op": op, "case": case_name, "impl": "-", "kind": "-", "status": status, "note": note, "check": "n/a",
+            "extra": {}}
+
+
+def run_cases(cases, rows_of, result, out, stem, start, time_budget=None, entry=lambda case: {}):
+    """Every case into `result` (its entry in result["cases"] extended by `entry(case)`; its rows from
+    `rows_of(case)`), saved after each row so a run cut short keeps them; no case starts after
+    `time_budget` seconds."""
+    for case in cases:
+        name = OPS[case.op].describe(case.params)
+        result["cases"].append({"op": case.op, "name": name, "params": case.params, **entry(case)})
+        if time_budget is not None and time.monotonic() - start > time_budget:
+            result["rows"].append(case_row(case.op, name, "skipped", "time budget spent"))
+            continue
+        print(f"{case.op}: {name}", flush=True)
+        for row in rows_of(case):
+            result["rows"].append(row)
+            result["wall_s"] = round(time.monotonic() - start, 1)
+            report.write(result, out, stem)
+
+
 def run_case(case, device, backends, peer_names, ceiling, budget_s):
     """Yield the case's rows one by one (the caller saves after each: a step killed mid-case keeps them)."""
     mod = OPS[case.op]
@@ -128,8 +151,7 @@ def run_case(case, device, backends, peer_names, ceiling, budget_s):
         expected = _UNCHECKED if big else mod.reference_value(x)
     except Exception as exc:  # noqa: BLE001
         status, note = _failure(exc)
-        yield {"op": case.op, "case": case_name, "impl": "-", "kind": "-", "status": status,
-               "note": f"inputs: {note}", "check": "n/a", "extra": {}}
+        yield case_row(case.op, case_name, status, f"inputs: {note}")
         return
     for name, backend, note in plan_backends(case, device, backends):
         if note and note != "smoke":
@@ -203,21 +225,9 @@ def main(argv=None) -> int:
     result = {"meta": meta, "ceiling": ceiling, "cases": [], "rows": []}
     if args.ceiling_only:
         ops = []
-    for case in grids.GRIDS[(device.type, args.quick)]:
-        if case.op not in ops:
-            continue
-        name = OPS[case.op].describe(case.params)
-        result["cases"].append({"op": case.op, "name": name, "params": case.params,
-                                "targets": [t.__dict__ for t in case.targets]})
-        if args.time_budget is not None and time.monotonic() - start > args.time_budget:
-            result["rows"].append({"op": case.op, "case": name, "impl": "-", "kind": "-", "status": "skipped",
-                                   "note": "time budget spent", "check": "n/a", "extra": {}})
-            continue
-        print(f"{case.op}: {name}", flush=True)
-        for row in run_case(case, device, backends, peer_names, ceiling, budget_s):
-            result["rows"].append(row)
-            result["wall_s"] = round(time.monotonic() - start, 1)
-            report.write(result, args.out, stem)
+    run_cases([c for c in grids.GRIDS[(device.type, args.quick)] if c.op in ops],
+              lambda case: run_case(case, device, backends, peer_names, ceiling, budget_s), result, args.out, stem,
+              start, args.time_budget, entry=lambda case: {"targets": [t.__dict__ for t in case.targets]})
     result["wall_s"] = round(time.monotonic() - start, 1)
     meta["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
     paths = report.write(result, args.out, stem)

@@ -31,7 +31,7 @@ import specdec
 
 from . import cases as grids
 from . import op_accept, op_attention, op_rollback, report
-from .run import _failure, measure
+from .run import _failure, case_row, measure, run_cases
 from .timing import copy_ceiling, machine_info
 
 OPS = {m.OP: m for m in (op_attention, op_accept, op_rollback)}
@@ -128,8 +128,7 @@ def sweep_case(case, device, ceiling, budget_s, smoke):
         plan = variants(x)
     except Exception as exc:  # noqa: BLE001 - a case that cannot be set up is reported, not fatal
         status, note = _failure(exc)
-        yield {"op": case.op, "case": case_name, "impl": "-", "kind": "-", "status": status,
-               "note": f"inputs: {note}", "check": "n/a", "extra": {}}
+        yield case_row(case.op, case_name, status, f"inputs: {note}")
         return
     checker = mod
     for name, kwargs in plan:
@@ -189,23 +188,16 @@ def main(argv=None) -> int:
     ceiling = copy_ceiling(device, sizes_mib=(256,) if smoke else None)
     stem = args.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}-{device.type}"
     result = {"meta": meta, "ceiling": ceiling, "cases": [], "rows": []}
-    for case in (grids.TOY if args.toy else grids.GPU_TARGETS):
-        if case.op not in ops:
-            continue
-        name = OPS[case.op].describe(case.params)
-        goal = max((t.threshold for t in case.targets if t.vs == "copy"), default=None)  # for the ranking
-        result["cases"].append({"op": case.op, "name": name, "params": case.params, "targets": [], "copy_goal": goal})
-        if args.time_budget is not None and time.monotonic() - start > args.time_budget:
-            result["rows"].append({"op": case.op, "case": name, "impl": "-", "kind": "-", "status": "skipped",
-                                   "note": "time budget spent", "check": "n/a", "extra": {}})
-            continue
-        print(f"{case.op}: {name}", flush=True)
-        for row in sweep_case(case, device, ceiling, args.rep_budget, smoke):
-            result["rows"].append(row)
-            result["wall_s"] = round(time.monotonic() - start, 1)
-            report.write(result, args.out, stem)
+    def rows_of(case):
+        yield from sweep_case(case, device, ceiling, args.rep_budget, smoke)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def entry(case):  # the case's copy-bandwidth target, for the ranking
+        return {"targets": [], "copy_goal": max((t.threshold for t in case.targets if t.vs == "copy"), default=None)}
+
+    run_cases([c for c in (grids.TOY if args.toy else grids.GPU_TARGETS) if c.op in ops], rows_of, result, args.out,
+              stem, start, args.time_budget, entry)
     result["wall_s"] = round(time.monotonic() - start, 1)
     paths = report.write(result, args.out, stem)
     print()
