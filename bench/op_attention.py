@@ -1,14 +1,16 @@
 """Tree attention in the benchmark: inputs, minimal bytes moved, and the PyTorch peers.
 
 params: B requests, T tree nodes (random trees), Hq/Hkv heads, D head dim, L committed prefix (equal for
-every request), dtype ("fp32"/"fp16"/"bf16"), page (block size of a paged cache, 0 = contiguous).
+every request), dtype ("fp32"/"fp16"/"bf16"), page (block size of a paged cache, 0 = contiguous), kv
+("fp8": a float8_e4m3fn cache with per-tensor scales, as vLLM's fp8 KV cache; default: q's dtype).
 
-Minimal bytes: the K and V rows of the prefix and of the tree (L + T positions) read once, q read once,
-out written once, lse (float32) written once.
+Minimal bytes: the K and V rows of the prefix and of the tree (L + T positions) read once in the cache's
+dtype, q read once, out written once, lse (float32) written once.
 
 Peers, timed from the same inputs as the op:
-  sdpa  what a user writes in plain PyTorch: gather the cache rows, expand the KV heads to Hq (GQA), build
-        the (B, Hq, T, L+T) bool mask from the packed tree mask, F.scaled_dot_product_attention.
+  sdpa  what a user writes in plain PyTorch: gather the cache rows (dequantized to q's dtype for a float8
+        cache), expand the KV heads to Hq (GQA), build the (B, Hq, T, L+T) bool mask from the packed tree
+        mask, F.scaled_dot_product_attention.
   flex  FlexAttention (compiled; CUDA only) with a tree mask_mod reading the same packed mask, native GQA.
         Its block mask is built once outside the timed call, which favours it.
 """
@@ -18,12 +20,13 @@ import torch
 import torch.nn.functional as F
 
 import specdec
-from specdec.reference import unpack_bits
+from specdec.reference import quantize, unpack_bits
 from specdec.tree import build_tree_vectorized
 
 from .common import DTYPES, cache_layout, close_check, random_parents
 
 OP = "attention"
+FP8_SCALES = (0.01, 0.02)  # k_scale, v_scale of a float8 cache: N(0, 1) values stored around +-100 and +-50
 
 
 class Inputs:
@@ -35,6 +38,11 @@ class Inputs:
         shape, self.block_table = cache_layout(B, L + T, Hkv, D, self.page, gen, device)
         self.k_cache = torch.randn(shape, dtype=self.dtype, device=device)
         self.v_cache = torch.randn(shape, dtype=self.dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if p.get("kv") == "fp8":
+            self.k_scale, self.v_scale = FP8_SCALES
+            self.k_cache = quantize(self.k_cache, self.k_scale, torch.float8_e4m3fn)
+            self.v_cache = quantize(self.v_cache, self.v_scale, torch.float8_e4m3fn)
         self.cache_lens = torch.full((B,), L, dtype=torch.int32, device=device)
         parents = random_parents(B, T, "tree", gen).to(device)
         self.num_nodes = torch.full((B,), T, dtype=torch.int32, device=device)
@@ -49,24 +57,27 @@ def min_bytes(x: Inputs, out) -> int:
     B, T, Hq, D = x.q.shape
     Hkv = x.k_cache.shape[2]
     e = x.q.element_size()
-    return 2 * B * (x.L + T) * Hkv * D * e + 2 * B * T * Hq * D * e + B * T * Hq * 4
+    return 2 * B * (x.L + T) * Hkv * D * x.k_cache.element_size() + 2 * B * T * Hq * D * e + B * T * Hq * 4
 
 
 def specdec_fn(x: Inputs, backend: str):
     def run():
         return specdec.tree_attention(x.q, x.k_cache, x.v_cache, x.cache_lens, x.tree_mask,
                                       block_table=x.block_table, num_nodes=x.num_nodes, scale=x.scale,
-                                      return_lse=True, backend=backend)[0]
+                                      k_scale=x.k_scale, v_scale=x.v_scale, return_lse=True, backend=backend)[0]
     return run
 
 
-def _gathered(x: Inputs, cache: torch.Tensor) -> torch.Tensor:
-    """(B, L+T, Hkv, D): the logical rows of every request (a view for a contiguous cache)."""
+def _gathered(x: Inputs, cache: torch.Tensor, scale) -> torch.Tensor:
+    """(B, L+T, Hkv, D): the logical rows of every request (a view for a contiguous cache), dequantized to
+    q's dtype when the cache is float8 (scale not None)."""
     n = x.L + x.q.shape[1]
     if x.block_table is None:
-        return cache[:, :n]
-    blocks = -(-n // x.page)
-    return cache[x.block_table[:, :blocks].long()].flatten(1, 2)[:, :n]
+        rows = cache[:, :n]
+    else:
+        blocks = -(-n // x.page)
+        rows = cache[x.block_table[:, :blocks].long()].flatten(1, 2)[:, :n]
+    return rows if scale is None else rows.to(x.q.dtype) * scale
 
 
 def sdpa_tree_attention(x: Inputs, dtype=None) -> torch.Tensor:
@@ -74,7 +85,7 @@ def sdpa_tree_attention(x: Inputs, dtype=None) -> torch.Tensor:
     B, T, Hq, D = x.q.shape
     group = Hq // x.k_cache.shape[2]
     q = x.q if dtype is None else x.q.to(dtype)
-    keys, vals = (_gathered(x, c) for c in (x.k_cache, x.v_cache))
+    keys, vals = _gathered(x, x.k_cache, x.k_scale), _gathered(x, x.v_cache, x.v_scale)
     if dtype is not None:
         keys, vals = keys.to(dtype), vals.to(dtype)
     keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # (B, Hq, L+T, D)
@@ -107,7 +118,8 @@ def flex_tree_attention(x: Inputs):
     block_mask = create_block_mask(tree_mask_mod, B, None, T, n, device=x.q.device)
 
     def run():
-        keys, vals = (_gathered(x, c).transpose(1, 2) for c in (x.k_cache, x.v_cache))
+        keys = _gathered(x, x.k_cache, x.k_scale).transpose(1, 2)
+        vals = _gathered(x, x.v_cache, x.v_scale).transpose(1, 2)
         out = _compiled_flex(x.q.transpose(1, 2), keys, vals, block_mask=block_mask, scale=x.scale,
                              enable_gqa=True)
         return out.transpose(1, 2)
@@ -142,7 +154,8 @@ def summary(x: Inputs, out) -> dict:
 
 def describe(p: dict) -> str:
     layout = f"paged{p['page']}" if p.get("page") else "contig"
-    return (f"B{p['B']} T{p['T']} L{_k(p['L'])} Hq{p['Hq']}/Hkv{p['Hkv']} D{p['D']} {p['dtype']} {layout}")
+    kv = f" kv-{p['kv']}" if p.get("kv") else ""
+    return f"B{p['B']} T{p['T']} L{_k(p['L'])} Hq{p['Hq']}/Hkv{p['Hkv']} D{p['D']} {p['dtype']}{kv} {layout}"
 
 
 def _k(n: int) -> str:

@@ -2,7 +2,8 @@
 //
 //   k_caches, v_caches  lists of tensors, each one layer (4-D) or a stack of layers (5-D, leading layer
 //                       dim); every layer (B, L_max, Hkv, D) contiguous or (num_blocks, block_size, Hkv, D)
-//                       paged, all with the same layer shape and dtype
+//                       paged, all with the same layer shape and dtype (any float dtype or float8: rows are
+//                       moved as raw elements, so a float8 cache's scales play no part)
 //   cache_lens          (B,) int32, += num_accepted + 1 after all moves (in place)
 //   accepted_nodes      (B, P) int32/int64, strictly increasing from 0 on the path
 //   num_accepted        (B,) int32/int64

@@ -39,16 +39,21 @@ namespace specdec {
 using at::Tensor;
 using at::vec::Vectorized;
 
-// fp16/bf16/fp32 compute in fp32; fp64 in fp64.
+// The float8 KV cache dtypes (_validation.FP8_DTYPES): such a cache holds x / scale (per-tensor scales).
+inline bool is_float8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+// fp16/bf16/fp32 (and float8) compute in fp32; fp64 in fp64.
 template <typename scalar_t>
 using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
-// dst[0:n] = src[0:n] converted to the accumulation type.
-template <typename scalar_t>
-inline void load_row(const scalar_t* src, acc_type_t<scalar_t>* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, acc_type_t<scalar_t>>) {
+// dst[0:n] = src[0:n] converted to the accumulation type (by default src's; a float8 cache row is loaded
+// into its queries' accumulation type, which is fp64 for fp64 queries).
+template <typename scalar_t, typename acc_t = acc_type_t<scalar_t>>
+inline void load_row(const scalar_t* src, acc_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
     std::memcpy(dst, src, n * sizeof(scalar_t));
-  } else {
+  } else if constexpr (std::is_same_v<acc_t, float> &&
+                       (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>)) {
     using Vec = Vectorized<scalar_t>;
     constexpr int64_t kF = Vectorized<float>::size();
     int64_t i = 0;
@@ -58,6 +63,9 @@ inline void load_row(const scalar_t* src, acc_type_t<scalar_t>* dst, int64_t n) 
       hi.store(dst + i + kF);
     }
     for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  } else {
+    // float8: exact in fp32, so converting through float loses nothing for fp64 either
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(static_cast<float>(src[i]));
   }
 }
 
@@ -109,6 +117,7 @@ inline void copy_row(T* dst, int64_t dst_head_stride, int64_t dst_elem_stride, c
 template <typename F>
 inline void dispatch_by_element_size(int64_t size, F&& f) {
   switch (size) {
+    case 1: return f(uint8_t{});
     case 2: return f(uint16_t{});
     case 4: return f(uint32_t{});
     case 8: return f(uint64_t{});
@@ -128,7 +137,8 @@ TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes);
 
 Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             const Tensor& cache_lens, const Tensor& tree_mask,
-                            const std::optional<Tensor>& block_table, const Tensor& num_nodes);
+                            const std::optional<Tensor>& block_table, const Tensor& num_nodes, double k_scale,
+                            double v_scale);
 
 struct AcceptInputs {
   Tensor tokens, parents, num_nodes, temperature, seeds;
@@ -145,7 +155,8 @@ void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row
                       const Tensor& row_max, const Tensor& num_nodes);
 
 void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_new, const Tensor& v_new,
-                     const Tensor& cache_lens, const std::optional<Tensor>& block_table);
+                     const Tensor& cache_lens, const std::optional<Tensor>& block_table, double k_scale,
+                     double v_scale);
 
 struct PathInputs {
   Tensor accepted_nodes, num_accepted;

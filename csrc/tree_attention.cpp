@@ -1,17 +1,21 @@
 // tree_attention: attention of T draft-tree queries over the committed prefix plus their ancestors.
 //
 //   q                (B, T, Hq, D) fp16/bf16/fp32/fp64
-//   k_cache, v_cache (B, L_max, Hkv, D) contiguous or (num_blocks, block_size, Hkv, D) paged, q's dtype
+//   k_cache, v_cache (B, L_max, Hkv, D) contiguous or (num_blocks, block_size, Hkv, D) paged, q's dtype or
+//                    float8_e4m3fn / float8_e5m2 holding K / k_scale and V / v_scale
 //   cache_lens       (B,) int32: committed tokens; the tree's K/V sit at positions L .. L + T - 1
 //   tree_mask        (B, T, ceil(T/32)) int32: node i sees tree position L + j iff bit j of tree_mask[b, i]
 //   block_table      (B, max_blocks) int32 or None
 //   num_nodes        (B,) int32/int64: nodes i >= num_nodes[b] are padding (out = 0, lse = -inf)
 //   scale            float
+//   k_scale, v_scale float > 0, per-tensor dequantization scales (1 unless the cache is float8)
 // -> out (B, T, Hq, D) q.dtype, lse (B, T, Hq) float32 (natural-log sum of exp of the scaled scores)
 //
 // One work item per (request, KV head): its T x G query rows (G = Hq / Hkv, the GQA group) share every
 // K/V row, so each row is loaded (and converted to fp32) once for all of them. Flash-style online
-// softmax over blocks of kKeys keys, all in fp32 (fp64 for fp64 inputs). Matrices are kept with the
+// softmax over blocks of kKeys keys, all in fp32 (fp64 for fp64 inputs). The scales are folded in where
+// they cost nothing: k_scale into the pre-scaled queries (q * scale * k_scale . K = q * scale . K * k_scale),
+// v_scale into the final normalization (out = O * v_scale / sum). Matrices are kept with the
 // query rows on the vector lanes (transposed: Q^T, S^T, O^T), so both products are broadcast-FMA
 // register tiles and the softmax statistics of a whole vector of query rows update at once.
 #include "specdec.h"
@@ -76,19 +80,21 @@ void gemm(int64_t rows, int64_t Mp, const acc_t* X, int64_t xi, int64_t xr, cons
   }
 }
 
-template <typename scalar_t>
+// scalar_t: q's and out's dtype; cache_t: the caches', scalar_t or a float8 type.
+template <typename scalar_t, typename cache_t>
 struct TreeAttention {
   using acc_t = acc_type_t<scalar_t>;
   using Vec = Vectorized<acc_t>;
   static constexpr int64_t VS = Vec::size();
 
   const scalar_t* q;  // contiguous (B, T, Hq, D)
-  CacheRows<const scalar_t> k, v;
+  CacheRows<const cache_t> k, v;
   const int32_t* cache_lens;
   const int32_t* tree_mask;  // contiguous (B, T, W)
   const int32_t* num_nodes;
   int64_t T, Hq, Hkv, D, W;
-  acc_t scale;
+  acc_t q_scale;  // scale * k_scale
+  acc_t v_scale;
   scalar_t* out;  // contiguous (B, T, Hq, D)
   float* lse;     // contiguous (B, T, Hq)
 
@@ -109,14 +115,14 @@ struct TreeAttention {
     const int64_t G = Hq / Hkv, n = num_nodes[b], L = cache_lens[b], M = n * G, Mp = round_up(M, VS);
     const int64_t Dp = w.Dp;
     acc_t *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *kb = w.kb.data(), *vb = w.vb.data();
-    // Q^T (Dp x Mp), query row m = node * G + g, pre-scaled; padding lanes and dims are 0
+    // Q^T (Dp x Mp), query row m = node * G + g, pre-scaled by q_scale; padding lanes and dims are 0
     std::fill(qt, qt + Dp * Mp, acc_t(0));
     std::fill(ot, ot + Dp * Mp, acc_t(0));
     std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<acc_t>::infinity());
     std::fill(w.row_sum.begin(), w.row_sum.end(), acc_t(0));
     for (int64_t m = 0; m < M; ++m) {
       const scalar_t* src = q + ((b * T + m / G) * Hq + kv_head * G + m % G) * D;
-      for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = static_cast<acc_t>(src[d]) * scale;
+      for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = static_cast<acc_t>(src[d]) * q_scale;
     }
     // keys: the committed prefix and the real nodes' tree positions (padding nodes' rows are never seen)
     const int64_t keys = L + n;
@@ -143,7 +149,7 @@ struct TreeAttention {
     }
     for (int64_t m = 0; m < M; ++m) {
       const int64_t row = (b * T + m / G) * Hq + kv_head * G + m % G;
-      const acc_t inv = acc_t(1) / w.row_sum[m];
+      const acc_t inv = v_scale / w.row_sum[m];
       for (int64_t d = 0; d < D; ++d) out[row * D + d] = static_cast<scalar_t>(ot[d * Mp + m] * inv);
       lse[row] = static_cast<float>(w.row_max[m] + std::log(w.row_sum[m]));
     }
@@ -183,8 +189,9 @@ struct TreeAttention {
 std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                               const Tensor& cache_lens, const Tensor& tree_mask_in,
                                               const std::optional<Tensor>& block_table, const Tensor& num_nodes_in,
-                                              double scale) {
-  Tensor num_nodes = check_tree_attention(q_in, k_in, v_in, cache_lens, tree_mask_in, block_table, num_nodes_in);
+                                              double scale, double k_scale, double v_scale) {
+  Tensor num_nodes = check_tree_attention(q_in, k_in, v_in, cache_lens, tree_mask_in, block_table, num_nodes_in,
+                                          k_scale, v_scale);
   const Tensor q = q_in.contiguous(), tree_mask = tree_mask_in.contiguous(), lens = cache_lens.contiguous();
   // rows are read as D contiguous values; any other layout is copied once
   const Tensor k_cache = k_in.stride(-1) == 1 ? k_in : k_in.contiguous();
@@ -193,17 +200,28 @@ std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& 
   Tensor out = at::empty_like(q);
   Tensor lse = at::empty({B, T, Hq}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "specdec::tree_attention", [&] {
-    using acc_t = acc_type_t<scalar_t>;
-    const TreeAttention<scalar_t> op{q.const_data_ptr<scalar_t>(),
-                                     CacheRows<const scalar_t>(k_cache.const_data_ptr<scalar_t>(), k_cache, block_table),
-                                     CacheRows<const scalar_t>(v_cache.const_data_ptr<scalar_t>(), v_cache, block_table),
-                                     lens.const_data_ptr<int32_t>(), tree_mask.const_data_ptr<int32_t>(),
-                                     num_nodes.const_data_ptr<int32_t>(), T, Hq, Hkv, D, tree_mask.size(2),
-                                     static_cast<acc_t>(scale), out.data_ptr<scalar_t>(), lse.data_ptr<float>()};
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      typename TreeAttention<scalar_t>::Scratch scratch(D, T * (Hq / Hkv));
-      for (int64_t item = begin; item < end; ++item) op.run(item / Hkv, item % Hkv, scratch);
-    });
+    auto launch = [&](auto cache_tag) {
+      using cache_t = decltype(cache_tag);
+      using acc_t = acc_type_t<scalar_t>;
+      using Op = TreeAttention<scalar_t, cache_t>;
+      const Op op{q.const_data_ptr<scalar_t>(),
+                  CacheRows<const cache_t>(k_cache.const_data_ptr<cache_t>(), k_cache, block_table),
+                  CacheRows<const cache_t>(v_cache.const_data_ptr<cache_t>(), v_cache, block_table),
+                  lens.const_data_ptr<int32_t>(), tree_mask.const_data_ptr<int32_t>(),
+                  num_nodes.const_data_ptr<int32_t>(), T, Hq, Hkv, D, tree_mask.size(2),
+                  static_cast<acc_t>(scale * k_scale), static_cast<acc_t>(v_scale), out.data_ptr<scalar_t>(),
+                  lse.data_ptr<float>()};
+      at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+        typename Op::Scratch scratch(D, T * (Hq / Hkv));
+        for (int64_t item = begin; item < end; ++item) op.run(item / Hkv, item % Hkv, scratch);
+      });
+    };
+    // the checks allow a cache in q's dtype or a float8 one
+    switch (k_cache.scalar_type()) {
+      case at::kFloat8_e4m3fn: return launch(c10::Float8_e4m3fn{});
+      case at::kFloat8_e5m2: return launch(c10::Float8_e5m2{});
+      default: return launch(scalar_t{});
+    }
   });
   return {out, lse};
 }

@@ -3,6 +3,7 @@
 // ValueError = TORCH_CHECK_VALUE, TypeError = TORCH_CHECK_TYPE.
 #include "specdec.h"
 
+#include <cstdio>
 #include <cmath>
 #include <initializer_list>
 #include <sstream>
@@ -15,6 +16,10 @@ using at::ScalarType;
 
 const std::initializer_list<ScalarType> kFloat = {ScalarType::Half, ScalarType::BFloat16, ScalarType::Float,
                                                   ScalarType::Double};
+// _validation.CACHE_DTYPES, in its order (the "expected one of" message lists them)
+const std::initializer_list<ScalarType> kCache = {ScalarType::Half, ScalarType::BFloat16, ScalarType::Float,
+                                                  ScalarType::Double, ScalarType::Float8_e4m3fn,
+                                                  ScalarType::Float8_e5m2};
 const std::initializer_list<ScalarType> kInt = {ScalarType::Int, ScalarType::Long};
 const std::initializer_list<ScalarType> kInt32 = {ScalarType::Int};
 
@@ -25,6 +30,8 @@ std::string dtype_name(ScalarType t) {
     case ScalarType::BFloat16: return "bfloat16";
     case ScalarType::Float: return "float32";
     case ScalarType::Double: return "float64";
+    case ScalarType::Float8_e4m3fn: return "float8_e4m3fn";
+    case ScalarType::Float8_e5m2: return "float8_e5m2";
     case ScalarType::Int: return "int32";
     case ScalarType::Long: return "int64";
     case ScalarType::Short: return "int16";
@@ -44,6 +51,13 @@ std::string shape_str(c10::IntArrayRef shape) {
   for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
   s << (shape.size() == 1 ? ",)" : ")");
   return s.str();
+}
+
+// printf's %g, which Python's format(x, "g") matches ("-1", "0.001", "1e-30", "nan", "-inf").
+std::string format_g(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", x);
+  return buf;
 }
 
 void check_tensor(const std::string& name, const Tensor& x, int64_t dim = -1,
@@ -104,9 +118,9 @@ void check_parents(const Tensor& parents, const Tensor& num_nodes) {
 
 void check_cache_pair(const Tensor& k_cache, const Tensor& v_cache, const std::optional<Tensor>& block_table,
                       int64_t B, const std::string& k_name = "k_cache", const std::string& v_name = "v_cache") {
-  check_tensor(k_name, k_cache, -1, kFloat);
+  check_tensor(k_name, k_cache, -1, kCache);
   const c10::Device device = k_cache.device();
-  check_tensor(v_name, v_cache, -1, kFloat, &device);
+  check_tensor(v_name, v_cache, -1, kCache, &device);
   TORCH_CHECK_VALUE(k_cache.dim() == 4 || k_cache.dim() == 5, k_name,
                     ": expected (B, L_max, Hkv, D), (num_blocks, block_size, Hkv, D) or a stack of those with a "
                     "leading layer dimension, got shape ", shape_str(k_cache.sizes()));
@@ -128,6 +142,16 @@ void check_block_table(const std::optional<Tensor>& block_table, int64_t B, cons
 void check_cache_lens(const Tensor& cache_lens, int64_t B, const c10::Device& device) {
   check_tensor("cache_lens", cache_lens, 1, kInt32, &device);
   check_shape("cache_lens", cache_lens, {B});
+}
+
+// The dequantization scales of a cache of dtype `cache`: finite, > 0, and 1 unless the cache is float8.
+void check_scales(ScalarType cache, double k_scale, double v_scale) {
+  for (const auto& [name, scale] : {std::pair<const char*, double>{"k_scale", k_scale}, {"v_scale", v_scale}}) {
+    TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0, name, ": must be a finite number > 0, got ",
+                      format_g(scale));
+    TORCH_CHECK_VALUE(scale == 1.0 || is_float8(cache), name, ": only float8 caches are scaled; this cache is ",
+                      dtype_name(cache));
+  }
 }
 
 // Positions [cache_lens[b], cache_lens[b] + extent(b)) exist and map to valid blocks.
@@ -165,15 +189,17 @@ TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes) {
 
 Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& cache_lens,
                             const Tensor& tree_mask, const std::optional<Tensor>& block_table,
-                            const Tensor& num_nodes) {
+                            const Tensor& num_nodes, double k_scale, double v_scale) {
   check_tensor("q", q, 4, kFloat);
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
   const c10::Device device = q.device();
   check_tensor("k_cache", k_cache, 4, {}, &device);
   check_cache_pair(k_cache, v_cache, block_table, B);
   const int64_t Hkv = k_cache.size(-2), Dk = k_cache.size(-1);
-  TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type(), "k_cache: dtype torch.",
-                   dtype_name(k_cache.scalar_type()), " differs from q dtype torch.", dtype_name(q.scalar_type()));
+  TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type() || is_float8(k_cache.scalar_type()),
+                   "k_cache: dtype torch.", dtype_name(k_cache.scalar_type()), " differs from q dtype torch.",
+                   dtype_name(q.scalar_type()), " (a cache holds q's dtype or float8)");
+  check_scales(k_cache.scalar_type(), k_scale, v_scale);
   TORCH_CHECK_VALUE(Dk == D, "k_cache: head dim ", Dk, " differs from q head dim ", D);
   TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "q: ", Hq, " query heads is not a multiple of the ", Hkv, " KV heads");
   check_cache_lens(cache_lens, B, device);
@@ -273,7 +299,8 @@ void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row
 }
 
 void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_new, const Tensor& v_new,
-                     const Tensor& cache_lens, const std::optional<Tensor>& block_table) {
+                     const Tensor& cache_lens, const std::optional<Tensor>& block_table, double k_scale,
+                     double v_scale) {
   check_tensor("k_new", k_new, 4, kFloat);
   const int64_t B = k_new.size(0), T = k_new.size(1), Hkv = k_new.size(2), D = k_new.size(3);
   const c10::Device device = k_new.device();
@@ -284,10 +311,13 @@ void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor&
   const int64_t Hc = k_cache.size(-2), Dc = k_cache.size(-1);
   TORCH_CHECK_VALUE(Hc == Hkv && Dc == D, "k_new: (Hkv, D) = (", Hkv, ", ", D, ") differs from the cache's (", Hc,
                     ", ", Dc, ")");
+  check_tensor("v_new", v_new, -1, kFloat);
   for (const auto& [name, x] : {std::pair<const char*, const Tensor&>{"k_new", k_new}, {"v_new", v_new}}) {
-    TORCH_CHECK_TYPE(x.scalar_type() == k_cache.scalar_type(), name, ": dtype torch.", dtype_name(x.scalar_type()),
-                     " differs from cache dtype torch.", dtype_name(k_cache.scalar_type()));
+    TORCH_CHECK_TYPE(x.scalar_type() == k_cache.scalar_type() || is_float8(k_cache.scalar_type()), name,
+                     ": dtype torch.", dtype_name(x.scalar_type()), " differs from cache dtype torch.",
+                     dtype_name(k_cache.scalar_type()));
   }
+  check_scales(k_cache.scalar_type(), k_scale, v_scale);
   check_cache_lens(cache_lens, B, device);
   check_block_table(block_table, B, device);
   check_positions(k_cache.sizes(), cache_lens, block_table, [T](int64_t) { return T; }, "the T new tokens");

@@ -1,8 +1,9 @@
 """KV-cache maintenance for tree verification: append the tree's K/V, roll back to the accepted path.
 
-kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table) -> None
+kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale, v_scale) -> None
     One layer. k_new, v_new (B, T, Hkv, D); writes row i of request b at logical position
-    cache_lens[b] + i. K and V in one launch; grid (B, T tiles, head tiles).
+    cache_lens[b] + i (quantized with the per-tensor scales for a float8 cache). K and V in one launch;
+    grid (B, T tiles, head tiles).
 kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table) -> None
     Every layer given: lists of 4-D (one layer) or 5-D (layers, ...) tensors. For each request b with
     L = cache_lens[b], moves row L + accepted_nodes[b, i] to L + i for i <= num_accepted[b], then
@@ -21,7 +22,7 @@ layouts cannot share one set of strides: they are launched once per distinct lay
 every layer shares one layout, so one launch). The table addresses other tensors through the anchor's
 pointer, which is fine on the GPU and under TRITON_INTERPRET=1 with CPU tensors (the interpreter's case
 that copies CUDA tensors to the host one by one would break it). Pure copies (no arithmetic): every
-float dtype is bit-exact.
+dtype, float8 included, is bit-exact.
 """
 from __future__ import annotations
 
@@ -52,21 +53,27 @@ def _within_row(h, d, s_h, s_d):
 
 
 @triton.jit
-def _append_rows(cache, new, table_row, pos, b, t, h, d, rows, mask, block_size,
-                 sc_blk, sc_row, sc_h, sc_d, sn_b, sn_t, sn_h, sn_d):
-    """cache at logical positions pos[j] <- new[b, t[j]], for the (t, h, d) tile under `mask`."""
+def _append_rows(cache, new, inv_scale, table_row, pos, b, t, h, d, rows, mask, block_size,
+                 sc_blk, sc_row, sc_h, sc_d, sn_b, sn_t, sn_h, sn_d, FP8_LIMIT: tl.constexpr):
+    """cache at logical positions pos[j] <- new[b, t[j]], for the (t, h, d) tile under `mask`; a float8
+    cache (FP8_LIMIT > 0, its largest finite value) gets fp32(x) * inv_scale, saturated, rounded to nearest
+    even (NaN stays NaN: both comparisons are false)."""
     dst = _physical_rows(table_row, pos, block_size, sc_blk, sc_row, rows)
     src = b * sn_b + t.to(tl.int64) * sn_t
     vals = tl.load(new + (src[:, None, None] + _within_row(h, d, sn_h, sn_d)), mask=mask)
+    if FP8_LIMIT > 0:
+        y = vals.to(tl.float32) * inv_scale
+        y = tl.where(y > FP8_LIMIT, FP8_LIMIT, tl.where(y < -FP8_LIMIT, -FP8_LIMIT, y))
+        vals = y.to(cache.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(cache + (dst[:, None, None] + _within_row(h, d, sc_h, sc_d)), vals, mask=mask)
 
 
 @triton.jit
-def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table,
+def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_inv_scale, v_inv_scale,
                       T, H, D, block_size, s_table,
                       skc_blk, skc_row, skc_h, skc_d, svc_blk, svc_row, svc_h, svc_d,
                       skn_b, skn_t, skn_h, skn_d, svn_b, svn_t, svn_h, svn_d,
-                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_LIMIT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -75,10 +82,10 @@ def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table,
     mask = rows[:, None, None] & (h < H)[None, :, None] & (d < D)[None, None, :]
     pos = tl.load(cache_lens + b).to(tl.int64) + t
     table_row = block_table + b * s_table
-    _append_rows(k_cache, k_new, table_row, pos, b, t, h, d, rows, mask, block_size,
-                 skc_blk, skc_row, skc_h, skc_d, skn_b, skn_t, skn_h, skn_d)
-    _append_rows(v_cache, v_new, table_row, pos, b, t, h, d, rows, mask, block_size,
-                 svc_blk, svc_row, svc_h, svc_d, svn_b, svn_t, svn_h, svn_d)
+    _append_rows(k_cache, k_new, k_inv_scale, table_row, pos, b, t, h, d, rows, mask, block_size,
+                 skc_blk, skc_row, skc_h, skc_d, skn_b, skn_t, skn_h, skn_d, FP8_LIMIT)
+    _append_rows(v_cache, v_new, v_inv_scale, table_row, pos, b, t, h, d, rows, mask, block_size,
+                 svc_blk, svc_row, svc_h, svc_d, svn_b, svn_t, svn_h, svn_d, FP8_LIMIT)
 
 
 @triton.jit
@@ -136,15 +143,18 @@ def _paging(cache: torch.Tensor, block_table, B: int):
     return block_table.contiguous(), cache.shape[-3]
 
 
-def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table) -> None:
+def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=1.0, v_scale=1.0) -> None:
     B, T, H, D = k_new.shape
     table, block_size = _paging(k_cache, block_table, B)
     BLOCK_T, BLOCK_H, BLOCK_D = _tile(T, H, D)
     grid = (B, triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
-    _kv_append_kernel[grid](k_cache, v_cache, k_new, v_new, cache_lens.contiguous(), table,
-                            T, H, D, block_size, table.stride(0),
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    # the kernel multiplies by fp32(1 / scale), computed here in double as the reference does
+    _kv_append_kernel[grid](k_cache, v_cache, k_new, v_new, cache_lens.contiguous(), table, 1.0 / k_scale,
+                            1.0 / v_scale, T, H, D, block_size, table.stride(0),
                             *k_cache.stride(), *v_cache.stride(), *k_new.stride(), *v_new.stride(),
-                            BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D)
+                            BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                            FP8_LIMIT=torch.finfo(k_cache.dtype).max if fp8 else 0.0)
 
 
 _entry_tables: OrderedDict = OrderedDict()  # (device, dtype, layers) -> (anchor index, offsets, align)

@@ -4,7 +4,8 @@
         -> out (B, T, Hq, D) in q.dtype, lse (B, T, Hq) float32 (natural log)
 
 q (B, T, Hq, D); caches (B, L_max, Hkv, D) contiguous when block_table is None, else
-(num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32; cache_lens (B,) int32;
+(num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32, in q's dtype or float8 (e4m3fn,
+e5m2) holding K / k_scale and V / v_scale; cache_lens (B,) int32;
 tree_mask (B, T, ceil(T/32)) int32 packed ancestor-or-self bits; num_nodes (B,) int32. Node i attends
 to the committed prefix [0, cache_lens[b]) unmasked and to tree position cache_lens[b] + j iff bit j of
 tree_mask[b, i] is set. Padding nodes (i >= num_nodes[b]) get out = 0, lse = -inf.
@@ -28,6 +29,9 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
   * Online softmax in fp32 (exp2 with log2(e) folded into the scale); dots accumulate in fp32 from
     fp16/bf16 operands on GPU (fp32 operands in IEEE precision, not TF32). The CPU interpreter upcasts
     every tile to fp32 right after the load (its bf16 arithmetic is wrong).
+  * float8 caches (vLLM's fp8 KV cache, per-tensor scales): tiles are widened to q's dtype after the load
+    (exact: every e4m3/e5m2 value is a bf16 and an fp16 value), k_scale is folded into the score scale and
+    v_scale into the final normalization, so the prefix costs half the bytes of a 16-bit cache.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.0 / math.log(2.0)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _LN2 = tl.constexpr(math.log(2.0))  # the kernel works in log2; the op returns a natural-log LSE
 
 # Split-KV heuristic (shapes only). Aim for PROGRAMS_PER_SM resident programs per SM, give each split
@@ -107,7 +112,7 @@ def default_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_table: Opti
 @triton.jit
 def _load_kv_tile(k_ptr, v_ptr, table_row_ptr, stride_table, request, pos, key_ok, block_size,
                   stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
-                  HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, IDENTITY_TABLE: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, IDENTITY_TABLE: tl.constexpr):
     """K^T (D, BLOCK_N) and V (BLOCK_N, D) of logical positions `pos` (k_ptr/v_ptr already at the KV head).
     Masked-off keys read as 0 (never garbage: a NaN in V would survive a zero softmax weight)."""
     d = tl.arange(0, HEAD_DIM)
@@ -120,10 +125,8 @@ def _load_kv_tile(k_ptr, v_ptr, table_row_ptr, stride_table, request, pos, key_o
                   mask=key_ok[None, :], other=0.0)
     v = tl.load(v_ptr + (page * stride_vn + row * stride_vp)[:, None] + d[None, :] * stride_vd,
                 mask=key_ok[:, None], other=0.0)
-    if UPCAST:
-        k_t = k_t.to(tl.float32)
-        v = v.to(tl.float32)
-    return k_t, v
+    # the dots' operand dtype: q's (float8 caches are widened to it, exactly), fp32 in the interpreter
+    return k_t.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)
 
 
 @triton.jit
@@ -145,7 +148,7 @@ def _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECIS
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_lens_ptr, tree_mask_ptr, block_table_ptr, num_nodes_ptr,
     out_ptr, lse_ptr,  # final outputs (NUM_SPLITS == 1) or per-split partials (out: partial dtype; lse: fp32)
-    qk_scale, T, block_size,
+    qk_scale, v_scale, T, block_size,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_vn, stride_vp, stride_vh, stride_vd,
@@ -154,7 +157,7 @@ def _tree_attention_kernel(
     stride_ob, stride_os, stride_ot, stride_oh, stride_od,
     stride_lb, stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, IDENTITY_TABLE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, IDENTITY_TABLE: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -170,8 +173,7 @@ def _tree_attention_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + node[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=row_ok[:, None], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = q.to(COMPUTE_DTYPE)
 
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
@@ -191,7 +193,7 @@ def _tree_attention_kernel(
         key_ok = pos < hi
         k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, b, pos, key_ok, block_size,
                                stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
-                               HEAD_DIM, UPCAST, IDENTITY_TABLE)
+                               HEAD_DIM, COMPUTE_DTYPE, IDENTITY_TABLE)
         m_i, l_i, acc = _online_softmax_step(q, k_t, v, key_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     # Tree: nodes j < min(real nodes, last node of this row tile + 1) at positions prefix_len + j,
@@ -203,7 +205,7 @@ def _tree_attention_kernel(
         key_ok = j < tree_end
         k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, b, prefix_len + j, key_ok,
                                block_size, stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
-                               HEAD_DIM, UPCAST, IDENTITY_TABLE)
+                               HEAD_DIM, COMPUTE_DTYPE, IDENTITY_TABLE)
         words = tl.load(tree_mask_ptr + b * stride_mb + node[:, None] * stride_mt + (j // 32)[None, :] * stride_mw,
                         mask=row_ok[:, None] & key_ok[None, :], other=0)
         allowed = ((words >> (j % 32)[None, :]) & 1) != 0
@@ -212,7 +214,7 @@ def _tree_attention_kernel(
     # Rows that saw no key (an empty split, a padding node) end with l = 0: out 0, lse -inf.
     seen = (l_i > 0) & (node < real_nodes)
     l_safe = tl.where(seen, l_i, 1.0)
-    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    out = tl.where(seen[:, None], acc * (v_scale / l_safe)[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
     out_rows = out_ptr + b * stride_ob + split * stride_os + node * stride_ot + head * stride_oh
     tl.store(out_rows[:, None] + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -253,7 +255,7 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                    tree_mask: torch.Tensor, block_table: Optional[torch.Tensor], num_nodes: torch.Tensor,
-                   scale: float, *, num_splits: Optional[int] = None, config: Optional[TileConfig] = None,
+                   scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *, num_splits: Optional[int] = None, config: Optional[TileConfig] = None,
                    out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                    partial_dtype: Optional[torch.dtype] = None):
     """Launcher (normalized args of the `specdec::tree_attention` schema); returns (out, lse).
@@ -295,11 +297,11 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     _tree_attention_kernel[(row_tiles, Hkv * num_splits, B)](
         q, k_cache, v_cache, cache_lens, tree_mask, table, num_nodes, att_out, att_lse,
-        scale * LOG2E, T, block_size,
+        scale * k_scale * LOG2E, v_scale, T, block_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *table_strides,
         *att_out.stride(), *att_lse.stride(),
         GROUP=group, HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-        UPCAST=q.device.type == "cpu", DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        COMPUTE_DTYPE=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         IDENTITY_TABLE=identity_table,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -16,6 +16,7 @@ every check runs before anything is written, so a failed call never leaves a cac
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -23,6 +24,8 @@ import torch
 _value_checks = os.environ.get("SPECDEC_VALUE_CHECKS", "1") not in ("0", "false", "False", "")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # KV caches only, dequantized with a per-tensor scale
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INT_DTYPES = (torch.int32, torch.int64)
 MAX_OFFSET = 2**60  # accept's random-stream offsets (Philox counter words: 31 + 29 bits)
 
@@ -64,10 +67,14 @@ def _tensor(name, x, *, dim=None, dtypes=None, device=None):
     if dim is not None and x.dim() != dim:
         raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(x.shape)}")
     if dtypes is not None and x.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name}: dtype {str(x.dtype).replace('torch.', '')} not supported (expected one of {names})")
+        names = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name}: dtype {_dtype_name(x.dtype)} not supported (expected one of {names})")
     if device is not None and x.device != device:
         raise ValueError(f"{name}: on {x.device}, expected {device} like the other inputs")
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
 
 
 def _shape(name, x, expected):
@@ -120,8 +127,8 @@ def check_build_tree(parents, num_nodes, values=True):
 # ----------------------------------------------------------------------------------------------
 def check_cache_pair(k_cache, v_cache, block_table, B, *, k_name="k_cache", v_name="v_cache"):
     """Checks one layer's (4-D) or a stacked (5-D) K/V pair; returns (Hkv, D)."""
-    _tensor(k_name, k_cache, dtypes=FLOAT_DTYPES)
-    _tensor(v_name, v_cache, dtypes=FLOAT_DTYPES, device=k_cache.device)
+    _tensor(k_name, k_cache, dtypes=CACHE_DTYPES)
+    _tensor(v_name, v_cache, dtypes=CACHE_DTYPES, device=k_cache.device)
     if k_cache.dim() not in (4, 5):
         raise ValueError(f"{k_name}: expected (B, L_max, Hkv, D), (num_blocks, block_size, Hkv, D) or a stack of "
                          f"those with a leading layer dimension, got shape {tuple(k_cache.shape)}")
@@ -153,6 +160,24 @@ def capacity(cache_shape, block_table) -> int:
     return block_table.shape[1] * cache_shape[-3]
 
 
+def check_scales(cache_dtype, k_scale, v_scale):
+    """The per-tensor dequantization scales of a cache: (k_scale, v_scale) as floats, 1.0 for None.
+    A float8 cache stores x / scale (stored * scale is the value); other caches hold values as they are."""
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            scale = 1.0
+        if not isinstance(scale, (float, int)) or isinstance(scale, bool):
+            raise TypeError(f"{name}: expected a float, got {type(scale).__name__}")
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name}: must be a finite number > 0, got {scale:g}")
+        if scale != 1.0 and cache_dtype not in FP8_DTYPES:
+            raise ValueError(f"{name}: only float8 caches are scaled; this cache is {_dtype_name(cache_dtype)}")
+        scales.append(scale)
+    return tuple(scales)
+
+
 def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T new tokens"):
     """Value check: positions [cache_lens[b], cache_lens[b] + extent[b]) exist and map to valid blocks."""
     cap = capacity(cache_shape, block_table)
@@ -170,14 +195,17 @@ def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T
         _fail_if("block_table", bad, f"block ids in use must be in [0, {num_blocks})")
 
 
-def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, values=True):
+def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=None,
+                         v_scale=None, values=True):
     _tensor("q", q, dim=4, dtypes=FLOAT_DTYPES)
     B, T, Hq, D = q.shape
     dev = q.device
     _tensor("k_cache", k_cache, dim=4, device=dev)
     Hkv, Dk = check_cache_pair(k_cache, v_cache, block_table, B)
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache: dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    if k_cache.dtype != q.dtype and k_cache.dtype not in FP8_DTYPES:
+        raise TypeError(f"k_cache: dtype {k_cache.dtype} differs from q dtype {q.dtype} (a cache holds q's dtype "
+                        "or float8)")
+    k_scale, v_scale = check_scales(k_cache.dtype, k_scale, v_scale)
     if Dk != D:
         raise ValueError(f"k_cache: head dim {Dk} differs from q head dim {D}")
     if Hq % Hkv != 0:
@@ -203,10 +231,11 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         _fail_if("tree_mask", no_self, "every real node must have its own bit set")
         future = bits & (idx.view(1, 1, T) > idx.view(1, T, 1))
         _fail_if("tree_mask", future.any(-1) & real, "node i may only see nodes j <= i (ancestors and itself)")
-    return num_nodes, float(scale)
+    return num_nodes, float(scale), k_scale, v_scale
 
 
-def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, values=True):
+def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=None, v_scale=None,
+                    values=True):
     _tensor("k_new", k_new, dim=4, dtypes=FLOAT_DTYPES)
     B, T, Hkv, D = k_new.shape
     dev = k_new.device
@@ -216,13 +245,16 @@ def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, val
     Hc, Dc = check_cache_pair(k_cache, v_cache, block_table, B)
     if (Hc, Dc) != (Hkv, D):
         raise ValueError(f"k_new: (Hkv, D) = {(Hkv, D)} differs from the cache's {(Hc, Dc)}")
+    _tensor("v_new", v_new, dtypes=FLOAT_DTYPES)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
-        if x.dtype != k_cache.dtype:
+        if x.dtype != k_cache.dtype and k_cache.dtype not in FP8_DTYPES:
             raise TypeError(f"{name}: dtype {x.dtype} differs from cache dtype {k_cache.dtype}")
+    scales = check_scales(k_cache.dtype, k_scale, v_scale)
     check_cache_lens(cache_lens, B, dev)
     check_block_table(block_table, B, dev)
     if values and value_checks_enabled():
         check_positions(k_cache.shape, cache_lens, block_table, T)
+    return scales
 
 
 def as_layer_list(name, caches):

@@ -29,12 +29,13 @@ BACKENDS = ("torch", "triton", "cpp")
 SCHEMAS = {
     "build_tree": "build_tree(Tensor parents, Tensor num_nodes) -> (Tensor, Tensor)",
     "tree_attention": "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
-                      "Tensor tree_mask, Tensor? block_table, Tensor num_nodes, float scale) -> (Tensor, Tensor)",
+                      "Tensor tree_mask, Tensor? block_table, Tensor num_nodes, float scale, float k_scale=1.0, "
+                      "float v_scale=1.0) -> (Tensor, Tensor)",
     "accept": "accept(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, "
               "Tensor temperature, Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None) "
               "-> (Tensor, Tensor, Tensor)",
     "kv_append": "kv_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
-                 "Tensor cache_lens, Tensor? block_table) -> ()",
+                 "Tensor cache_lens, Tensor? block_table, float k_scale=1.0, float v_scale=1.0) -> ()",
     "kv_rollback": "kv_rollback(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, "
                    "Tensor accepted_nodes, Tensor num_accepted, Tensor? block_table) -> ()",
 }
@@ -77,7 +78,8 @@ def _fake_build_tree(parents, num_nodes):
     return (parents.new_empty((B, T), dtype=torch.int32), parents.new_empty((B, T, (T + 31) // 32), dtype=torch.int32))
 
 
-def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale):
+def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
+                         v_scale=1.0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -186,20 +188,23 @@ def build_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None, 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                    tree_mask: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
                    num_nodes: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                   k_scale: Optional[float] = None, v_scale: Optional[float] = None,
                    return_lse: bool = False, backend: Optional[str] = None):
     """Attention of T draft-tree queries over the committed prefix plus their ancestors.
 
     q: (B, T, Hq, D). k_cache, v_cache: (B, L_max, Hkv, D) contiguous, or (num_blocks, block_size, Hkv, D)
-    paged with block_table (B, max_blocks) int32. cache_lens: (B,) int32 committed tokens; the tree's K/V
-    are already stored at logical positions cache_lens[b] .. cache_lens[b] + T - 1. tree_mask:
-    (B, T, ceil(T/32)) int32 (TreeInfo.mask). num_nodes: (B,) or None. scale: default 1/sqrt(D).
-    Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 if return_lse. Padding nodes get
-    out = 0 and lse = -inf.
+    paged with block_table (B, max_blocks) int32; in q's dtype, or float8 (e4m3fn / e5m2) holding K / k_scale
+    and V / v_scale (per-tensor scales, None = 1.0; only float8 caches take scales). cache_lens: (B,) int32
+    committed tokens; the tree's K/V are already stored at logical positions cache_lens[b] .. cache_lens[b]
+    + T - 1. tree_mask: (B, T, ceil(T/32)) int32 (TreeInfo.mask). num_nodes: (B,) or None. scale: default
+    1/sqrt(D). Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 if return_lse. Padding nodes
+    get out = 0 and lse = -inf.
     """
-    num_nodes, scale = val.check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table,
-                                                num_nodes, scale, _python_value_checks(backend, q))
+    num_nodes, scale, k_scale, v_scale = val.check_tree_attention(
+        q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale, v_scale,
+        _python_value_checks(backend, q))
     out, lse = _call("tree_attention", backend, q.device, q, k_cache, v_cache, cache_lens, tree_mask,
-                     block_table, num_nodes, scale)
+                     block_table, num_nodes, scale, k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 
@@ -232,12 +237,17 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
 
 def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
               cache_lens: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
+              k_scale: Optional[float] = None, v_scale: Optional[float] = None,
               backend: Optional[str] = None) -> None:
     """Write k_new[b, i], v_new[b, i] ((B, T, Hkv, D)) at logical position cache_lens[b] + i of one
-    layer's cache (in place; cache_lens is not changed). Cache layouts as in `tree_attention`."""
-    val.check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table,
-                        _python_value_checks(backend, k_new))
-    _call("kv_append", backend, k_cache.device, k_cache, v_cache, k_new, v_new, cache_lens, block_table)
+    layer's cache (in place; cache_lens is not changed). Cache layouts as in `tree_attention`.
+    k_new/v_new are in the cache's dtype, or any float dtype for a float8 cache, which stores them
+    quantized: fp32(x) * fp32(1 / scale), clamped to the format's finite range, rounded to nearest even
+    (k_scale, v_scale: per-tensor, None = 1.0)."""
+    k_scale, v_scale = val.check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale,
+                                           v_scale, _python_value_checks(backend, k_new))
+    _call("kv_append", backend, k_cache.device, k_cache, v_cache, k_new, v_new, cache_lens, block_table,
+          k_scale, v_scale)
 
 
 CacheArg = Union[torch.Tensor, Sequence[torch.Tensor]]

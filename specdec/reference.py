@@ -68,11 +68,23 @@ def physical_row(cache_shape, block_table, b: int, pos: int) -> tuple[int, int]:
     return int(block_table[b, pos // block_size]), pos % block_size
 
 
-def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale):
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """What a cache of `dtype` stores for values x: float8 holds fp32(x) * fp32(1 / scale), clamped to the
+    format's finite range (NaN stays NaN), rounded to nearest even; other dtypes hold x as it is."""
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    y = x.float() * torch.tensor(1.0 / scale, dtype=torch.float32)
+    return torch.where(y > limit, limit, torch.where(y < -limit, -limit, y)).to(dtype)
+
+
+def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
+                   v_scale=1.0):
     """out (B, T, Hq, D) in q.dtype and lse (B, T, Hq) float32.
 
     Node i of request b attends to committed positions [0, L) (L = cache_lens[b]) and to tree position
-    L + j for every j whose bit is set in tree_mask[b, i]. Padding nodes get out = 0, lse = -inf.
+    L + j for every j whose bit is set in tree_mask[b, i]. Keys are k_cache * k_scale, values
+    v_cache * v_scale (scales other than 1 come with float8 caches). Padding nodes get out = 0, lse = -inf.
     """
     B, T, Hq, D = q.shape
     group = Hq // k_cache.shape[-2]
@@ -84,8 +96,8 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
         rows = [physical_row(k_cache.shape, block_table, b, p) for p in range(L + T)]
         where = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]))
         # (L+T, Hq, D): query head h reads KV head h // group
-        keys = k_cache.cpu()[where].double().repeat_interleave(group, dim=1)
-        vals = v_cache.cpu()[where].double().repeat_interleave(group, dim=1)
+        keys = (k_cache.cpu()[where].double() * k_scale).repeat_interleave(group, dim=1)
+        vals = (v_cache.cpu()[where].double() * v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("ihd,phd->hip", q[b, :n].cpu().double(), keys) * scale  # (Hq, n, L+T)
         allowed = torch.cat([torch.ones(n, L, dtype=torch.bool), allowed_tree[b, :n]], dim=1)  # (n, L+T)
         scores = scores.masked_fill(~allowed, -math.inf)
@@ -94,15 +106,16 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
     return out.to(q.dtype).to(q.device), lse.float().to(q.device)
 
 
-def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table) -> None:
-    """Write k_new[b, i], v_new[b, i] at logical position cache_lens[b] + i (in place)."""
+def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=1.0, v_scale=1.0) -> None:
+    """Write k_new[b, i], v_new[b, i] at logical position cache_lens[b] + i (in place), quantized for a
+    float8 cache."""
     B, T = k_new.shape[:2]
     for b in range(B):
         L = int(cache_lens[b])
         for i in range(T):
             where = physical_row(k_cache.shape, block_table, b, L + i)
-            k_cache[where] = k_new[b, i]
-            v_cache[where] = v_new[b, i]
+            k_cache[where] = quantize(k_new[b, i], k_scale, k_cache.dtype)
+            v_cache[where] = quantize(v_new[b, i], v_scale, v_cache.dtype)
 
 
 def kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table) -> None:

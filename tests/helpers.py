@@ -15,6 +15,7 @@ DEVICE = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cpu"))
 # Backends tested against the reference: Triton always, C++ when it is built (CPU only).
 BACKENDS = ["triton"] + (["cpp"] if specdec.ops.HAS_CPP and DEVICE.type == "cpu" else [])
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]  # KV caches only
 
 # (atol, rtol) for results computed in fp32 and rounded to the dtype, compared with a float64 reference.
 TOL = {torch.float64: (1e-9, 1e-9), torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3),

@@ -25,7 +25,7 @@ ops = torch.ops.specdec
 
 def test_schemas_match_python():
     for name, schema in specdec.ops.SCHEMAS.items():
-        assert str(getattr(ops, name).default._schema) == f"specdec::{schema}"
+        assert str(getattr(ops, name).default._schema) == str(torch._C.parse_schema(f"specdec::{schema}"))
 
 
 @pytest.mark.parametrize("name", list(specdec.ops.SCHEMAS))
@@ -230,8 +230,9 @@ def bad_cases():
     def tree(parents=x["parents"], num_nodes=x["num_nodes"]):
         return "build_tree", val.check_build_tree, (parents, num_nodes)
 
-    def attention(q=x["q"], k=x["k"], v=x["v"], lens=x["lens"], mask=x["mask"], table=None, nn=x["num_nodes"]):
-        return "tree_attention", val.check_tree_attention, (q, k, v, lens, mask, table, nn, 0.5)
+    def attention(q=x["q"], k=x["k"], v=x["v"], lens=x["lens"], mask=x["mask"], table=None, nn=x["num_nodes"],
+                  scales=(1.0, 1.0)):
+        return "tree_attention", val.check_tree_attention, (q, k, v, lens, mask, table, nn, 0.5, *scales)
 
     def accept(logits=x["logits"], tokens=x["tokens"], parents=x["parents"], draft=x["draft"],
                temperature=x["temperature"], seeds=x["seeds"], nn=x["num_nodes"], offset=0, offsets=None):
@@ -240,8 +241,10 @@ def bad_cases():
             return val.check_accept(*a[:7], a[7] if a[8] is None else a[8])
         return "accept", python_check, (logits, tokens, parents, draft, temperature, seeds, nn, offset, offsets)
 
-    def append(k=x["k"], v=x["v"], k_new=x["k_new"], v_new=x["v_new"], lens=x["lens"], table=None):
-        return "kv_append", val.check_kv_append, (k, v, k_new, v_new, lens, table)
+    def append(k=x["k"], v=x["v"], k_new=x["k_new"], v_new=x["v_new"], lens=x["lens"], table=None, scales=(1.0, 1.0)):
+        return "kv_append", val.check_kv_append, (k, v, k_new, v_new, lens, table, *scales)
+
+    k8, v8 = x["k"].to(torch.float8_e4m3fn), x["v"].to(torch.float8_e5m2)
 
     def rollback(ks=(x["k"],), vs=(x["v"],), lens=x["lens"], path=x["path"], na=x["num_accepted"], table=None):
         return "kv_rollback", val.check_kv_rollback, (list(ks), list(vs), lens, path, na, table)
@@ -271,6 +274,12 @@ def bad_cases():
         "attn/block_id": attention(k=x["paged_k"], v=x["paged_v"], table=with_(x["table"], (1, 0), 4)),
         "attn/no_self_bit": attention(mask=with_(x["mask"], (0, 2, 0), 1)),
         "attn/future_bit": attention(mask=with_(x["mask"], (0, 1, 0), 0b1011)),
+        "attn/q_float8": attention(q=x["q"].to(torch.float8_e4m3fn)),
+        "attn/v_float8_other_format": attention(k=k8, v=v8),
+        "attn/scale_not_float8": attention(scales=(2.0, 1.0)),
+        "attn/k_scale_negative": attention(k=k8, v=k8, scales=(-1.0, 1.0)),
+        "attn/v_scale_nan": attention(k=k8, v=k8, scales=(1.0, float("nan"))),
+        "attn/v_scale_inf": attention(k=k8, v=k8, scales=(1.0, float("inf"))),
         "accept/logits_dim": accept(logits=x["logits"][0]),
         "accept/tokens_shape": accept(tokens=x["tokens"][:, :3]),
         "accept/tokens_dtype": accept(tokens=x["tokens"].float()),
@@ -300,6 +309,10 @@ def bad_cases():
         "append/cache_dtype": append(k=x["k"].half(), v=x["v"].half()),
         "append/no_room": append(lens=torch.tensor([12, 13], dtype=torch.int32)),
         "append/block_id": append(k=x["paged_k"], v=x["paged_v"], table=with_(x["table"], (0, 0), -1)),
+        "append/k_new_float8": append(k_new=x["k_new"].to(torch.float8_e4m3fn)),
+        "append/v_new_int_float8_cache": append(k=k8, v=k8, v_new=x["v_new"].int()),
+        "append/v_scale_not_float8": append(scales=(1.0, 0.5)),
+        "append/k_scale_zero": append(k=k8, v=k8, k_new=x["k_new"].half(), scales=(0.0, 1.0)),
         "rollback/empty": rollback(ks=(), vs=()),
         "rollback/count": rollback(vs=(x["v"], x["v"])),
         "rollback/lens_dtype": rollback(lens=x["lens"].long()),

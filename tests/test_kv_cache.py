@@ -14,12 +14,14 @@ import torch
 import triton
 
 import specdec
-from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, MemorySpy, compile_for_hopper, from_paged, random_cache,
-                           random_trees, root_path, to_device, to_paged)
+from specdec import reference
+from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, compile_for_hopper, from_paged,
+                           random_cache, random_trees, root_path, to_device, to_paged)
 
 LAYOUTS = ["contiguous", "paged"]
 BLOCK_SIZE = 4
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in FLOAT_DTYPES]
+FP8_IDS = [str(d).removeprefix("torch.") for d in FP8_DTYPES]
 
 
 def seed_of(*parts) -> int:
@@ -103,7 +105,7 @@ def run_rollback(backend, k, v, table, lens, paths, num_accepted, form):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + FP8_DTYPES, ids=DTYPE_IDS + FP8_IDS)
 @pytest.mark.parametrize("form", ["layer", "stacked", "list", "list_of_stacks"])
 def test_rollback_matches_reference(backend, layout, dtype, form):
     gen = torch.Generator().manual_seed(seed_of(layout, dtype, form))
@@ -234,6 +236,45 @@ def test_append_matches_reference(backend, layout, dtype, T):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("new_dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=FP8_IDS)
+def test_append_float8_quantizes(backend, cache_dtype, new_dtype, layout):
+    """A float8 cache stores fp32(x) * fp32(1 / scale) saturated and rounded to nearest even: bit-identical to
+    the reference; independently, each stored value dequantizes to x within the format's precision, and
+    values (and infinities) beyond its range saturate to +-max."""
+    gen = torch.Generator().manual_seed(seed_of(cache_dtype, new_dtype, layout))
+    B, T, H, D, cap = 5, 6, 2, 16, 24
+    k, v, table = make_caches(1, B, cap, H, D, cache_dtype, layout, gen)
+    k, v = k[0], v[0]
+    lens = random_lens(B, T, cap, gen)
+    k_scale, v_scale = 0.013, 2.5
+    limit = torch.finfo(cache_dtype).max
+    k_new = (torch.randn(B, T, H, D, generator=gen) * k_scale * limit / 2).to(new_dtype)  # some beyond the range
+    k_new[0, 0, 0, :2] = torch.tensor([float("inf"), -float("inf")])
+    v_new = torch.randn(B, T, H, D, generator=gen).to(new_dtype)
+    outs = {}
+    for name in (backend, "torch"):
+        kc, vc, k_in, v_in, lens_in, table_in = for_backend(name, k.clone(), v.clone(), k_new, v_new, lens, table)
+        specdec.kv_append(kc, vc, k_in, v_in, lens_in, block_table=table_in, k_scale=k_scale, v_scale=v_scale,
+                          backend=name)
+        outs[name] = kc.cpu(), vc.cpu()
+    assert same_bits(outs[backend][0], outs["torch"][0]) and same_bits(outs[backend][1], outs["torch"][1])
+    info = torch.finfo(cache_dtype)
+    half_ulp, half_subnormal_step = info.eps / 2, info.smallest_normal * info.eps / 2
+    for new, src, scale in ((outs[backend][0], k_new, k_scale), (outs[backend][1], v_new, v_scale)):
+        new = logical(new, table)
+        for b in range(B):
+            L = int(lens[b])
+            stored, wanted = new[b, L: L + T].double(), src[b].double() / scale
+            saturated = wanted.abs() > limit
+            assert (stored[saturated] == wanted[saturated].sign() * limit).all()
+            assert (stored[~saturated] - wanted[~saturated]).abs().le(
+                half_ulp * wanted[~saturated].abs() + half_subnormal_step).all()
+    assert logical(outs[backend][0], table)[0, int(lens[0]), 0, :2].float().tolist() == [limit, -limit]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_append_engine_like_heads_over_several_tiles(backend):
     gen = torch.Generator().manual_seed(21)
     B, T, H, D, cap = 3, 16, 8, 128, 64
@@ -286,6 +327,13 @@ def test_kernels_compile_to_vectorized_copies(compiled_kv_cache, elem):
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # 16-byte loads and stores
     assert "bar.sync" in ptx  # sources read before destinations are written
     caches = {name: f"*{elem}" for name in ("k_cache", "v_cache", "k_new", "v_new")}
-    ptx = ptx_for_hopper(kv_cache._kv_append_kernel, {**caches, **ints},
-                             {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "skc_d": 1, "svc_d": 1, "skn_d": 1, "svn_d": 1})
+    scales = {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}
+    unit = {"skc_d": 1, "svc_d": 1, "skn_d": 1, "svn_d": 1}
+    ptx = ptx_for_hopper(kv_cache._kv_append_kernel, {**caches, **ints, **scales},
+                         {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 0.0, **unit})
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    # a float8 cache fed 16-bit rows: hardware conversion, round to nearest even, saturating
+    fp8 = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv", "k_new": "*bf16", "v_new": "*bf16"}
+    ptx = ptx_for_hopper(kv_cache._kv_append_kernel, {**fp8, **ints, **scales},
+                         {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 448.0, **unit})
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "ld.global.v4.b32" in ptx

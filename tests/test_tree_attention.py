@@ -13,9 +13,10 @@ import torch
 import triton
 
 import specdec
+from specdec import reference
 from specdec.kernels import tree_attention as ta
 from tests import helpers
-from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, MemorySpy, assert_close, element_addresses, from_paged,
+from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, assert_close, element_addresses, from_paged,
                            poison_, random_cache, random_trees, to_device, to_paged)
 
 BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the tree at odd places
@@ -73,6 +74,26 @@ def test_matches_reference(backend, dtype, group, D, paged):
     check_against_reference(run(case, backend), case)
 
 
+def to_float8(case, cache_dtype, k_scale, v_scale):
+    """The case with its caches quantized as kv_append stores them (NaN poison rows stay NaN)."""
+    return dict(case, k_cache=reference.quantize(case["k_cache"], k_scale, cache_dtype),
+                v_cache=reference.quantize(case["v_cache"], v_scale, cache_dtype))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float8_cache_matches_reference(backend, cache_dtype, dtype, paged):
+    """A float8 KV cache with per-tensor scales (values spread over the format's range) against the
+    reference, which dequantizes exactly: the result meets q's dtype tolerance."""
+    gen = torch.Generator().manual_seed(paged + 10 * FLOAT_DTYPES.index(dtype))
+    case = make_case(gen, B=3, T=6, Hkv=2, group=2, D=64, dtype=dtype, lens=(0, 21, 50), paged=paged)
+    case = to_float8(case, cache_dtype, k_scale=0.011, v_scale=0.37)
+    kw = dict(k_scale=0.011, v_scale=0.37)
+    check_against_reference(run(case, backend, **kw), case, **kw)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_paged_equals_contiguous(backend, dtype):
@@ -113,11 +134,12 @@ def test_scale_strides_and_head_dims(backend):
         check_against_reference(run(case, backend, scale=0.3), case, scale=0.3)
 
 
-def triton_call(case, **launcher_kw):
-    """The Triton launcher directly (normalized args) on DEVICE, for its test-only knobs; results stay there."""
+def triton_call(case, *scales, **launcher_kw):
+    """The Triton launcher directly (normalized args; `scales`: k_scale, v_scale) on DEVICE, for its test-only
+    knobs; results stay there."""
     B, T, Hq, D = case["q"].shape
     names = ("q", "k_cache", "v_cache", "cache_lens", "tree_mask", "block_table", "num_nodes")
-    return ta.tree_attention(*(to_device(case[name]) for name in names), D ** -0.5, **launcher_kw)
+    return ta.tree_attention(*(to_device(case[name]) for name in names), D ** -0.5, *scales, **launcher_kw)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
@@ -144,6 +166,16 @@ def test_triton_split_partials_dtype(dtype, partial_dtype):
     case = make_case(gen, B=2, T=5, Hkv=2, group=2, dtype=dtype, lens=(3, 90), paged=True)
     config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     check_against_reference(triton_call(case, num_splits=4, config=config, partial_dtype=partial_dtype), case)
+
+
+def test_triton_split_float8_cache():
+    """v_scale applied in every split's partial output (the merge is linear), k_scale in every score."""
+    gen = torch.Generator().manual_seed(12)
+    case = make_case(gen, B=2, T=5, Hkv=2, group=2, dtype=torch.bfloat16, lens=(3, 90), paged=True)
+    case = to_float8(case, torch.float8_e4m3fn, k_scale=0.05, v_scale=3.0)
+    config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    result = triton_call(case, 0.05, 3.0, num_splits=4, config=config)
+    check_against_reference(result, case, k_scale=0.05, v_scale=3.0)
 
 
 def test_triton_row_tiles_split_nodes():
@@ -255,16 +287,17 @@ def spilled_bytes(kernel):
     return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
-def hopper_report(paged: bool, num_splits: int) -> None:
-    """Prints (JSON) what compiling the kernels at the benchmark shape gives: bf16, D 128, T 16, GQA 4.
-    Runs in a fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
+def hopper_report(paged: bool, num_splits: int, cache: str = "bf16") -> None:
+    """Prints (JSON) what compiling the kernels at the benchmark shape gives: bf16 q, D 128, T 16, GQA 4, a
+    `cache` ("bf16" or "fp8e4nv") KV cache. Runs in a fresh process without TRITON_INTERPRET (the
+    interpreter's patches break the compiler)."""
     import json
     config = ta.choose_config(16 * 4, 128, 2)
-    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_lens_ptr": "*i32", "tree_mask_ptr": "*i32",
-             "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "out_ptr": "*bf16",
-             "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    types = {"q_ptr": "*bf16", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "cache_lens_ptr": "*i32",
+             "tree_mask_ptr": "*i32", "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "out_ptr": "*bf16",
+             "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"}
     constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-                      UPCAST=False, DOT_PRECISION="tf32", IDENTITY_TABLE=not paged,
+                      COMPUTE_DTYPE=triton.language.bfloat16, DOT_PRECISION="tf32", IDENTITY_TABLE=not paged,
                       stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1)
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
     merge_types = {"part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
@@ -277,8 +310,9 @@ def hopper_report(paged: bool, num_splits: int) -> None:
 
 @pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checked on the CPU machine; a GPU run runs the compiled kernels")
-@pytest.mark.parametrize("paged,num_splits", [(False, 1), (True, 4)], ids=["contiguous", "paged-split"])
-def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits):
+@pytest.mark.parametrize("paged,num_splits,cache", [(False, 1, "bf16"), (True, 4, "bf16"), (False, 1, "fp8e4nv")],
+                         ids=["contiguous", "paged-split", "contiguous-fp8"])
+def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache):
     """Tensor-core dots (wgmma), no register spills, and shared memory for two programs per SM
     (228 KiB per SM, 1 KiB reserved per program)."""
     import json
@@ -287,7 +321,7 @@ def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits):
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"from tests.test_tree_attention import hopper_report; hopper_report({paged}, {num_splits})"
+    code = f"from tests.test_tree_attention import hopper_report; hopper_report({paged}, {num_splits}, {cache!r})"
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

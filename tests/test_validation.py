@@ -54,6 +54,14 @@ ATTENTION_CASES = [
     ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([0, 4], dtype=torch.int32))),
     ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([5, 4], dtype=torch.int32))),
     ("scale", TypeError, lambda a: a.update(scale="big")),
+    ("q", TypeError, lambda a: a.update(q=a["q"].to(torch.float8_e4m3fn))),  # float8 is for caches only
+    ("k_scale", TypeError, lambda a: a.update(k_scale="big")),
+    ("k_scale", ValueError, lambda a: a.update(k_scale=2.0)),  # scales come with float8 caches only
+    ("v_scale", ValueError, lambda a: a.update(v_scale=0.5)),
+    ("k_scale", ValueError, lambda a: a.update(k_cache=a["k_cache"].to(torch.float8_e5m2),
+                                               v_cache=a["v_cache"].to(torch.float8_e5m2), k_scale=0.0)),
+    ("v_scale", ValueError, lambda a: a.update(k_cache=a["k_cache"].to(torch.float8_e4m3fn),
+                                               v_cache=a["v_cache"].to(torch.float8_e4m3fn), v_scale=float("nan"))),
 ]
 
 
@@ -210,6 +218,18 @@ def test_kv_append_rejects_before_writing(backend):
     with pytest.raises(ValueError, match="^v_new"):
         specdec.kv_append(k, v, torch.randn(B, 3, Hkv, D), torch.randn(B, 2, Hkv, D),
                           torch.zeros(B, dtype=torch.int32), backend="torch")
+    with pytest.raises(ValueError, match="^k_scale: only float8 caches are scaled; this cache is float32"):
+        specdec.kv_append(k, v, torch.randn(B, 3, Hkv, D), torch.randn(B, 3, Hkv, D),
+                          torch.zeros(B, dtype=torch.int32), k_scale=0.5, backend=backend)
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    k8, v8 = torch.zeros(B, CAP, Hkv, D, dtype=torch.float8_e4m3fn), torch.zeros(B, CAP, Hkv, D, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"^v_scale: must be a finite number > 0, got -inf"):
+        specdec.kv_append(k8, v8, torch.randn(B, 3, Hkv, D), torch.randn(B, 3, Hkv, D),
+                          torch.zeros(B, dtype=torch.int32), v_scale=-float("inf"), backend=backend)
+    with pytest.raises(TypeError, match="^v_new: dtype float8_e4m3fn not supported"):
+        specdec.kv_append(k8, v8, torch.randn(B, 3, Hkv, D), torch.zeros(B, 3, Hkv, D, dtype=torch.float8_e4m3fn),
+                          torch.zeros(B, dtype=torch.int32), backend=backend)
+    assert not k8.float().any() and not v8.float().any()
 
 
 ROLLBACK_CASES = [
