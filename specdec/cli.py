@@ -13,6 +13,8 @@ import specdec
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_TREE = "chain:4"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}  # vLLM's names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--device", default="cpu", help="cpu (C++ ops) or cuda (Triton kernels); default %(default)s")
     g.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights, activations and KV caches")
+    g.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                   help="the target's KV cache: auto (= --dtype) or float8 (fp8 = fp8_e4m3; scales 1)")
     g.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small models gain nothing from more, and a busy machine "
                         "makes multi-threaded small matmuls wait on each other)")
@@ -59,7 +63,7 @@ def make_drafter(args, target):
 
 
 def generate(args) -> dict:
-    from .decoding import SpeculativeDecoder, generate_ar
+    from .decoding import SpeculativeDecoder
     from .models.hf import load_model
     from .models.tokenizer import load_tokenizer
     if args.max_new_tokens < 1:
@@ -79,19 +83,21 @@ def generate(args) -> dict:
     tok = load_tokenizer(args.target, target.cfg.vocab_size)
     drafter = make_drafter(args, target)
     prompts = [tok.encode(p) for p in args.prompt]
-    for decoder in (SpeculativeDecoder(target, drafter), SpeculativeDecoder(target))[:1 + args.compare_ar]:
+    kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
+    decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype), SpeculativeDecoder(target, kv_dtype=kv_dtype))
+    for decoder in decoders[:1 + args.compare_ar]:
         decoder.generate(prompts[:1], 4)  # warm-up, so that the timings compare steady states
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
-    spec = SpeculativeDecoder(target, drafter).generate(prompts, args.max_new_tokens, args.temperature, args.seed,
-                                                        progress=progress)
+    spec = decoders[0].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress)
     result = {"prompt": args.prompt, "text": [tok.decode(t) for t in spec.tokens], "tokens": spec.tokens,
               "tokens_per_step": spec.summary["tokens_per_step"],
               "acceptance_by_depth": spec.summary["acceptance_by_depth"],
               "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
               "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree,
-              "temperature": args.temperature, "device": str(device), "dtype": args.dtype, "requests": spec.stats}
+              "temperature": args.temperature, "device": str(device), "dtype": args.dtype,
+              "kv_cache_dtype": args.kv_cache_dtype, "requests": spec.stats}
     if args.compare_ar:
-        ar = generate_ar(target, prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress)
+        ar = decoders[1].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress)
         result.update(ar_tokens=ar.tokens, ar_tokens_per_s=ar.summary["tokens_per_s"], ar_wall_s=ar.summary["wall_s"],
                       identical=ar.tokens == spec.tokens,
                       speedup=spec.summary["tokens_per_s"] / ar.summary["tokens_per_s"])

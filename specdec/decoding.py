@@ -38,10 +38,11 @@ class GenerationOutput:
 
 class SpeculativeDecoder:
     def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
-                 block_size: Optional[int] = None):
-        """block_size: page the target's KV cache in blocks of this many tokens (default contiguous)."""
+                 block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None):
+        """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
+        kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2)."""
         self.target = target
-        self.block_size = block_size
+        self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
         V = target.cfg.vocab_size
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != V:
@@ -75,7 +76,7 @@ class SpeculativeDecoder:
         seq_lens = prompt_lens.clone()
 
         t0 = time.perf_counter()
-        cache = self.target.new_cache(B, L, block_size=self.block_size)
+        cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
         self.target.prefill(cache, tokens, seq_lens - 1)  # the last prompt token is the first root
         self.drafter.start(tokens, seq_lens, L, temp, seeds)
 
@@ -155,9 +156,9 @@ class SpeculativeDecoder:
 
 
 def generate_ar(target: Llama, prompts, max_new_tokens: int = 128, temperature=0.0, seed=0,
-                progress: bool = False) -> GenerationOutput:
+                progress: bool = False, kv_dtype: Optional[torch.dtype] = None) -> GenerationOutput:
     """Plain autoregressive decoding through the same ops (one-node trees): the baseline."""
-    return SpeculativeDecoder(target).generate(prompts, max_new_tokens, temperature, seed, progress)
+    return SpeculativeDecoder(target, kv_dtype=kv_dtype).generate(prompts, max_new_tokens, temperature, seed, progress)
 
 
 def _progress(total: int):

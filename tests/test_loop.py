@@ -48,6 +48,20 @@ def test_greedy_draft_model_equals_ar(pair, tree):
     assert all(len(t) == 10 for t in out.tokens)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_greedy_with_float8_target_cache_equals_ar(pair, kv_dtype):
+    """A float8 target cache (quantized by kv_append, dequantized by tree_attention): greedy speculative output
+    equals greedy autoregressive output over the same cache dtype, contiguous and paged. The cache really is
+    lossy: with e5m2 the output differs from the full-precision cache's."""
+    target, draft = pair
+    ar = generate_ar(target, PROMPTS, 10, kv_dtype=kv_dtype)
+    for tree, block_size in (("chain:4", None), ("dynamic:7,3,2", 4)):
+        out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree), block_size=block_size, kv_dtype=kv_dtype)
+        assert out.generate(PROMPTS, 10).tokens == ar.tokens
+    if kv_dtype == torch.float8_e5m2:
+        assert ar.tokens != generate_ar(target, PROMPTS, 10).tokens
+
+
 def test_greedy_loop_on_the_triton_kernels_equals_ar(monkeypatch):
     """The whole loop on the Triton kernels (the GPU path; here through the interpreter): greedy speculative
     output equals greedy autoregressive output, which equals the default CPU backend's."""
@@ -59,6 +73,9 @@ def test_greedy_loop_on_the_triton_kernels_equals_ar(monkeypatch):
     for block_size in (None, 4):
         out = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,1"), block_size=block_size)
         assert out.generate(prompts, 5).tokens == default_ar
+    float8_ar = generate_ar(target, prompts, 5, kv_dtype=torch.float8_e4m3fn).tokens  # vLLM's fp8 KV cache
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,1"), block_size=4, kv_dtype=torch.float8_e4m3fn)
+    assert out.generate(prompts, 5).tokens == float8_ar
 
 
 def test_greedy_with_paged_target_cache(pair):
@@ -278,6 +295,16 @@ def test_cli_half_precision(capsys, byte_pair):
     assert rc == 0
     r = json.loads(out)
     assert r["dtype"] == "bf16" and r["device"] == "cpu" and len(r["tokens"][0]) == 6
+
+
+def test_cli_float8_kv_cache(capsys, byte_pair):
+    """--kv-cache-dtype fp8: the target's cache in float8_e4m3fn; greedy speculative == greedy AR on it."""
+    rc, out, _ = run_cli(capsys, "--prompt", "def f(x):", "--target", str(byte_pair / "target"), "--draft",
+                         str(byte_pair / "draft"), "--max-new-tokens", "6", "--kv-cache-dtype", "fp8", "--compare-ar",
+                         "--json")
+    assert rc == 0
+    r = json.loads(out)
+    assert r["kv_cache_dtype"] == "fp8" and r["identical"] is True and len(r["tokens"][0]) == 6
 
 
 def test_cli_shipped_pair_text(capsys):

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import specdec
+from specdec._validation import FP8_DTYPES
 
 
 @dataclass
@@ -96,10 +97,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 class KVCache:
     """Every layer's K/V in one stacked tensor, contiguous (layers, B, L_max, Hkv, D) or paged
     (layers, num_blocks, block_size, Hkv, D) with block_table (B, max_blocks); lens (B,) int32 counts
-    each request's committed tokens."""
+    each request's committed tokens. A float8 cache (dtype float8_e4m3fn / float8_e5m2) stores K / k_scale
+    and V / v_scale: `scales` holds the keyword arguments kv_append and tree_attention take for it."""
 
     def __init__(self, cfg: LlamaConfig, batch_size: int, max_len: int, *, dtype=torch.float32, device="cpu",
-                 block_size: Optional[int] = None):
+                 block_size: Optional[int] = None, k_scale: float = 1.0, v_scale: float = 1.0):
         shape_tail = (cfg.n_kv_heads, cfg.head_dim)
         if block_size is None:
             shape = (cfg.n_layers, batch_size, max_len) + shape_tail
@@ -113,6 +115,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lens = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self.max_len = max_len
+        self.scales = dict(k_scale=k_scale, v_scale=v_scale) if dtype in FP8_DTYPES else {}
 
     def commit(self, n: torch.Tensor) -> None:
         """Keep the first n[b] written slots of request b as they are (a chain: no moves needed)."""
@@ -162,14 +165,14 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, block_table, lens, start, tree_mask, num_nodes):
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, scales, block_table, lens, start, tree_mask, num_nodes):
         B, F_new, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        specdec.kv_append(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), lens[1], block_table=block_table)
+        specdec.kv_append(k_cache, v_cache, k, v, lens[1], block_table=block_table, **scales)
         if start:  # nodes before `start` are in the cache already: their queries are not needed
             q = torch.cat((q.new_zeros(B, start, *q.shape[2:]), q), dim=1)
         out = specdec.tree_attention(q, k_cache, v_cache, lens[0], tree_mask, block_table=block_table,
-                                     num_nodes=num_nodes)
+                                     num_nodes=num_nodes, **scales)
         return self.o_proj(out[:, start:].reshape(B, F_new, -1))
 
 
@@ -269,8 +272,8 @@ class Llama(nn.Module):
         both_lens = (lens, lens + start if start else lens)  # where the tree starts, where the new tokens go
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache.block_table, both_lens, start,
-                                     tree_mask, num_nodes)
+            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache.scales, cache.block_table, both_lens,
+                                     start, tree_mask, num_nodes)
         if logits_at is False:
             return None
         if logits_at is not None:
@@ -289,8 +292,11 @@ class Llama(nn.Module):
             self.forward_cached(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes, logits_at=False)
             cache.commit(n)
 
-    def new_cache(self, batch_size: int, max_len: int, block_size: Optional[int] = None) -> KVCache:
-        return KVCache(self.cfg, batch_size, max_len, dtype=self.dtype, device=self.device, block_size=block_size)
+    def new_cache(self, batch_size: int, max_len: int, block_size: Optional[int] = None,
+                  kv_dtype: Optional[torch.dtype] = None) -> KVCache:
+        """kv_dtype: the model's dtype (default) or a float8 dtype (scales 1, as an uncalibrated vLLM fp8 cache)."""
+        return KVCache(self.cfg, batch_size, max_len, dtype=kv_dtype or self.dtype, device=self.device,
+                       block_size=block_size)
 
 
 def chain_tree(B: int, T: int, num_nodes: Optional[torch.Tensor] = None, device="cpu") -> specdec.TreeInfo:
