@@ -10,8 +10,9 @@ from .common import Case, Target
 # ----------------------------------------------------------------------------------------------
 
 
-def attn(B, T, L, dtype="bf16", Hq=32, Hkv=8, D=128, page=0, kv=None):
-    return dict(B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, L=L, dtype=dtype, page=page, **({"kv": kv} if kv else {}))
+def attn(B, T, L, dtype="bf16", Hq=32, Hkv=8, D=128, page=0, kv=None, window=None):
+    extra = {**({"kv": kv} if kv else {}), **({"window": window} if window is not None else {})}
+    return dict(B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, L=L, dtype=dtype, page=page, **extra)
 
 
 def acc(B, T, V, dtype="fp32", tree="chain", draft="iid", temp=1.0):
@@ -52,6 +53,7 @@ CPU_FULL = CPU_QUICK + [
     Case("attention", attn(4, 16, 2048, "fp32", Hq=16, Hkv=4, page=16)),
     Case("attention", attn(4, 16, 2048, "bf16", Hq=16, Hkv=4)),
     Case("attention", attn(4, 16, 2048, "fp32", Hq=16, Hkv=4, kv="fp8")),
+    Case("attention", attn(4, 16, 2048, "fp32", Hq=16, Hkv=4, window=511)),
     Case("accept", acc(32, 8, 32000, temp=0.0)),
     Case("accept", acc(32, 8, 32000, "bf16")),
     Case("accept", acc(1, 8, 152064)),
@@ -91,6 +93,8 @@ GPU_GRID = GPU_TARGETS + [
     Case("attention", attn(8, 16, 32768, page=16), targets=_attention_goals(False)),
     Case("attention", attn(8, 16, 32768, kv="fp8"), targets=_attention_goals(False)),
     Case("attention", attn(1, 16, 8192, kv="fp8", page=16), targets=_attention_goals(False)),
+    Case("attention", attn(8, 16, 32768, window=4095), flex=True, targets=_attention_goals(True)),  # Mistral-like
+    Case("attention", attn(64, 8, 2048, window=127, page=16), targets=_attention_goals(False)),  # gpt-oss-like
     Case("attention", attn(1, 1, 512), targets=_attention_goals(False)),
     Case("attention", attn(1, 64, 32768), targets=_attention_goals(False)),
     Case("attention", attn(4, 64, 16384), targets=_attention_goals(False)),

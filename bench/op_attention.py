@@ -2,10 +2,11 @@
 
 params: B requests, T tree nodes (random trees), Hq/Hkv heads, D head dim, L committed prefix (equal for
 every request), dtype ("fp32"/"fp16"/"bf16"), page (block size of a paged cache, 0 = contiguous), kv
-("fp8": a float8_e4m3fn cache with per-tensor scales, as vLLM's fp8 KV cache; default: q's dtype).
+("fp8": a float8_e4m3fn cache with per-tensor scales, as vLLM's fp8 KV cache; default: q's dtype), window
+(window_left of a sliding-window layer; default none).
 
-Minimal bytes: the K and V rows of the prefix and of the tree (L + T positions) read once in the cache's
-dtype, q read once, out written once, lse (float32) written once.
+Minimal bytes: the K and V rows of the prefix any node sees (min(L, window_left) positions with a window) and
+of the tree read once in the cache's dtype, q read once, out written once, lse (float32) written once.
 
 Peers, timed from the same inputs as the op:
   sdpa  what a user writes in plain PyTorch: gather the cache rows (dequantized to q's dtype for a float8
@@ -46,7 +47,8 @@ class Inputs:
         self.cache_lens = torch.full((B,), L, dtype=torch.int32, device=device)
         parents = random_parents(B, T, "tree", gen).to(device)
         self.num_nodes = torch.full((B,), T, dtype=torch.int32, device=device)
-        _, self.tree_mask = build_tree_vectorized(parents, self.num_nodes)
+        self.depth, self.tree_mask = build_tree_vectorized(parents, self.num_nodes)
+        self.window_left = p.get("window", -1)
         self.scale = D ** -0.5
 
     def reset(self):
@@ -57,14 +59,16 @@ def min_bytes(x: Inputs, out) -> int:
     B, T, Hq, D = x.q.shape
     Hkv = x.k_cache.shape[2]
     e = x.q.element_size()
-    return 2 * B * (x.L + T) * Hkv * D * x.k_cache.element_size() + 2 * B * T * Hq * D * e + B * T * Hq * 4
+    prefix = x.L if x.window_left < 0 else min(x.L, x.window_left)
+    return 2 * B * (prefix + T) * Hkv * D * x.k_cache.element_size() + 2 * B * T * Hq * D * e + B * T * Hq * 4
 
 
 def specdec_fn(x: Inputs, backend: str):
     def run():
         return specdec.tree_attention(x.q, x.k_cache, x.v_cache, x.cache_lens, x.tree_mask,
                                       block_table=x.block_table, num_nodes=x.num_nodes, scale=x.scale,
-                                      k_scale=x.k_scale, v_scale=x.v_scale, return_lse=True, backend=backend)[0]
+                                      k_scale=x.k_scale, v_scale=x.v_scale, window_left=x.window_left,
+                                      return_lse=True, backend=backend)[0]
     return run
 
 
@@ -91,7 +95,10 @@ def sdpa_tree_attention(x: Inputs, dtype=None) -> torch.Tensor:
     keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # (B, Hq, L+T, D)
     vals = vals.repeat_interleave(group, dim=2).transpose(1, 2)
     tree = unpack_bits(x.tree_mask, T)  # (B, T, T) bool
-    allowed = torch.cat([tree.new_ones(B, T, x.L), tree], dim=-1).unsqueeze(1).expand(B, Hq, T, x.L + T)
+    prefix = tree.new_ones(B, T, x.L)
+    if x.window_left >= 0:  # node i at position L + depth_i sees positions >= L + depth_i - window_left
+        prefix = torch.arange(x.L, device=q.device) >= (x.L + x.depth - x.window_left).unsqueeze(-1)
+    allowed = torch.cat([prefix, tree], dim=-1).unsqueeze(1).expand(B, Hq, T, x.L + T)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=allowed, scale=x.scale)
     return out.transpose(1, 2)
 
@@ -107,13 +114,16 @@ def flex_tree_attention(x: Inputs):
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     B, T, Hq, D = x.q.shape
     n = x.L + T
-    lens, packed = x.cache_lens, x.tree_mask
+    lens, packed, depth, window_left = x.cache_lens, x.tree_mask, x.depth, x.window_left
 
     def tree_mask_mod(b, h, q_idx, kv_idx):
         j = kv_idx - lens[b]  # tree position (negative: committed prefix)
         jc = j.clamp(0, T - 1)
         bit = (packed[b, q_idx, jc // 32] >> (jc % 32)) & 1
-        return (j < 0) | ((j < T) & (bit == 1))
+        prefix = j < 0
+        if window_left >= 0:
+            prefix = prefix & (kv_idx >= lens[b] + depth[b, q_idx] - window_left)
+        return prefix | ((j < T) & (bit == 1))
 
     block_mask = create_block_mask(tree_mask_mod, B, None, T, n, device=x.q.device)
 
@@ -155,7 +165,8 @@ def summary(x: Inputs, out) -> dict:
 def describe(p: dict) -> str:
     layout = f"paged{p['page']}" if p.get("page") else "contig"
     kv = f" kv-{p['kv']}" if p.get("kv") else ""
-    return f"B{p['B']} T{p['T']} L{_k(p['L'])} Hq{p['Hq']}/Hkv{p['Hkv']} D{p['D']} {p['dtype']}{kv} {layout}"
+    window = f" win{p['window']}" if "window" in p else ""
+    return f"B{p['B']} T{p['T']} L{_k(p['L'])}{window} Hq{p['Hq']}/Hkv{p['Hkv']} D{p['D']} {p['dtype']}{kv} {layout}"
 
 
 def _k(n: int) -> str:

@@ -27,8 +27,8 @@ int64_t parallel_threads() {
 TORCH_LIBRARY(specdec, m) {
   m.def("build_tree(Tensor parents, Tensor num_nodes) -> (Tensor, Tensor)");
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, Tensor tree_mask, "
-        "Tensor? block_table, Tensor num_nodes, float scale, float k_scale=1.0, float v_scale=1.0) "
-        "-> (Tensor, Tensor)");
+        "Tensor? block_table, Tensor num_nodes, float scale, float k_scale=1.0, float v_scale=1.0, "
+        "int window_left=-1, float logits_soft_cap=0.0) -> (Tensor, Tensor)");
   m.def("accept(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, Tensor temperature, "
         "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None) -> (Tensor, Tensor, Tensor)");
   m.def("kv_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "

@@ -9,7 +9,10 @@
 //   num_nodes        (B,) int32/int64: nodes i >= num_nodes[b] are padding (out = 0, lse = -inf)
 //   scale            float
 //   k_scale, v_scale float > 0, per-tensor dequantization scales (1 unless the cache is float8)
-// -> out (B, T, Hq, D) q.dtype, lse (B, T, Hq) float32 (natural-log sum of exp of the scaled scores)
+//   window_left      int: -1 = no window, else (>= T - 1) node i, at position L + depth_i (depth_i = the
+//                    tree nodes it sees - 1), sees only committed positions >= L + depth_i - window_left
+//   logits_soft_cap  float >= 0: c > 0 turns every score s into c * tanh(s / c) before masking; 0 = off
+// -> out (B, T, Hq, D) q.dtype, lse (B, T, Hq) float32 (natural-log sum of exp of the scaled, capped scores)
 //
 // One work item per (request, KV head): its T x G query rows (G = Hq / Hkv, the GQA group) share every
 // K/V row, so each row is loaded (and converted to fp32) once for all of them. Flash-style online
@@ -18,8 +21,12 @@
 // v_scale into the final normalization (out = O * v_scale / sum). Matrices are kept with the
 // query rows on the vector lanes (transposed: Q^T, S^T, O^T), so both products are broadcast-FMA
 // register tiles and the softmax statistics of a whole vector of query rows update at once.
+// A sliding window starts the key blocks at the item's smallest window start (the keys before it are
+// never read) and masks, per query row, the keys between that and the row's own start; the soft cap is
+// applied to each block's scores (vectorized tanh) before the masks.
 #include "specdec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -95,6 +102,8 @@ struct TreeAttention {
   int64_t T, Hq, Hkv, D, W;
   acc_t q_scale;  // scale * k_scale
   acc_t v_scale;
+  int64_t window_left;  // -1: no window
+  acc_t soft_cap;       // 0: no cap
   scalar_t* out;  // contiguous (B, T, Hq, D)
   float* lse;     // contiguous (B, T, Hq)
 
@@ -102,13 +111,25 @@ struct TreeAttention {
   struct Scratch {
     int64_t Dp, Mp;
     std::vector<acc_t> qt, ot, s, kb, vb, row_max, row_sum, alpha;
-    Scratch(int64_t D, int64_t M)
-        : Dp(round_up(D, kRows)), Mp(round_up(M, VS)), qt(Dp * Mp), ot(Dp * Mp), s(kKeys * Mp),
-          kb(kKeys * Dp, 0), vb(kKeys * Dp, 0), row_max(Mp), row_sum(Mp), alpha(Mp) {}
+    std::vector<int64_t> start;  // per node: its first visible committed position (with a window)
+    Scratch(int64_t D, int64_t T, int64_t G)
+        : Dp(round_up(D, kRows)), Mp(round_up(T * G, VS)), qt(Dp * Mp), ot(Dp * Mp), s(kKeys * Mp),
+          kb(kKeys * Dp, 0), vb(kKeys * Dp, 0), row_max(Mp), row_sum(Mp), alpha(Mp), start(T) {}
   };
 
   bool visible(int64_t b, int64_t node, int64_t j) const {
     return (static_cast<uint32_t>(tree_mask[(b * T + node) * W + j / 32]) >> (j % 32)) & 1u;
+  }
+
+  // depth of a node: the tree nodes it sees (bits j < T of its mask row) minus itself
+  int64_t depth(int64_t b, int64_t node) const {
+    int64_t seen = 0;
+    for (int64_t word = 0; word < W; ++word) {
+      uint32_t bits = static_cast<uint32_t>(tree_mask[(b * T + node) * W + word]);
+      if (word == W - 1 && T % 32 != 0) bits &= (uint32_t{1} << (T % 32)) - 1;
+      seen += __builtin_popcount(bits);
+    }
+    return seen - 1;
   }
 
   void run(int64_t b, int64_t kv_head, Scratch& w) const {
@@ -124,9 +145,19 @@ struct TreeAttention {
       const scalar_t* src = q + ((b * T + m / G) * Hq + kv_head * G + m % G) * D;
       for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = static_cast<acc_t>(src[d]) * q_scale;
     }
-    // keys: the committed prefix and the real nodes' tree positions (padding nodes' rows are never seen)
+    // keys: the committed prefix and the real nodes' tree positions (padding nodes' rows are never seen);
+    // with a window, node i sees the prefix from start[i] on, and the blocks begin at the smallest start
     const int64_t keys = L + n;
-    for (int64_t p0 = 0; p0 < keys; p0 += kKeys) {
+    int64_t first = 0;
+    int64_t* start = w.start.data();
+    if (window_left >= 0) {
+      first = L;
+      for (int64_t node = 0; node < n; ++node) {
+        start[node] = std::max<int64_t>(0, L + depth(b, node) - window_left);
+        first = std::min(first, start[node]);
+      }
+    }
+    for (int64_t p0 = first; p0 < keys; p0 += kKeys) {
       const int64_t count = std::min(kKeys, keys - p0), rows = round_up(count, kRows);
       for (int64_t j = 0; j < count; ++j) {
         load_row(k(b, p0 + j) + kv_head * k.head_stride, kb + j * Dp, D);
@@ -136,7 +167,18 @@ struct TreeAttention {
       std::fill(vb + count * Dp, vb + rows * Dp, acc_t(0));
       // S^T = K Q^T (rows x Mp): scores of every key in the block against every query row
       gemm<acc_t, false>(rows, Mp, kb, Dp, 1, qt, Dp, s);
+      if (soft_cap > 0) {  // s <- c * tanh(s / c); count * Mp is a whole number of vectors
+        const Vec cap(soft_cap);
+        for (int64_t i = 0; i < count * Mp; i += VS) (cap * (Vec::loadu(s + i) / cap).tanh()).store(s + i);
+      }
       constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+      if (window_left >= 0 && p0 < L) {  // committed keys before a row's window start
+        const int64_t prefix = std::min(count, L - p0);
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t hidden = std::min(prefix, start[m / G] - p0);
+          for (int64_t j = 0; j < hidden; ++j) s[j * Mp + m] = kNegInf;
+        }
+      }
       for (int64_t j = std::max<int64_t>(0, L - p0); j < count; ++j) {  // tree keys: ancestors-or-self only
         for (int64_t m = 0; m < M; ++m) {
           if (!visible(b, m / G, p0 + j - L)) s[j * Mp + m] = kNegInf;
@@ -189,9 +231,10 @@ struct TreeAttention {
 std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                               const Tensor& cache_lens, const Tensor& tree_mask_in,
                                               const std::optional<Tensor>& block_table, const Tensor& num_nodes_in,
-                                              double scale, double k_scale, double v_scale) {
+                                              double scale, double k_scale, double v_scale, int64_t window_left,
+                                              double logits_soft_cap) {
   Tensor num_nodes = check_tree_attention(q_in, k_in, v_in, cache_lens, tree_mask_in, block_table, num_nodes_in,
-                                          k_scale, v_scale);
+                                          k_scale, v_scale, window_left, logits_soft_cap);
   const Tensor q = q_in.contiguous(), tree_mask = tree_mask_in.contiguous(), lens = cache_lens.contiguous();
   // rows are read as D contiguous values; any other layout is copied once
   const Tensor k_cache = k_in.stride(-1) == 1 ? k_in : k_in.contiguous();
@@ -209,10 +252,10 @@ std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& 
                   CacheRows<const cache_t>(v_cache.const_data_ptr<cache_t>(), v_cache, block_table),
                   lens.const_data_ptr<int32_t>(), tree_mask.const_data_ptr<int32_t>(),
                   num_nodes.const_data_ptr<int32_t>(), T, Hq, Hkv, D, tree_mask.size(2),
-                  static_cast<acc_t>(scale * k_scale), static_cast<acc_t>(v_scale), out.data_ptr<scalar_t>(),
-                  lse.data_ptr<float>()};
+                  static_cast<acc_t>(scale * k_scale), static_cast<acc_t>(v_scale), window_left,
+                  static_cast<acc_t>(logits_soft_cap), out.data_ptr<scalar_t>(), lse.data_ptr<float>()};
       at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-        typename Op::Scratch scratch(D, T * (Hq / Hkv));
+        typename Op::Scratch scratch(D, T, Hq / Hkv);
         for (int64_t item = begin; item < end; ++item) op.run(item / Hkv, item % Hkv, scratch);
       });
     };

@@ -53,8 +53,10 @@ std::string shape_str(c10::IntArrayRef shape) {
   return s.str();
 }
 
-// printf's %g, which Python's format(x, "g") matches ("-1", "0.001", "1e-30", "nan", "-inf").
+// printf's %g, which Python's format(x, "g") matches ("-1", "0.001", "1e-30", "nan", "-inf"); a NaN
+// with its sign bit set is "nan" in Python but "-nan" in glibc's printf.
 std::string format_g(double x) {
+  if (std::isnan(x)) return "nan";
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%g", x);
   return buf;
@@ -189,7 +191,8 @@ TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes) {
 
 Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& cache_lens,
                             const Tensor& tree_mask, const std::optional<Tensor>& block_table,
-                            const Tensor& num_nodes, double k_scale, double v_scale) {
+                            const Tensor& num_nodes, double k_scale, double v_scale, int64_t window_left,
+                            double logits_soft_cap) {
   check_tensor("q", q, 4, kFloat);
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
   const c10::Device device = q.device();
@@ -208,6 +211,11 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
   const int64_t words = (T + 31) / 32;
   check_shape("tree_mask", tree_mask, {B, T, words});
   Tensor nn = normalize_num_nodes(num_nodes, B, device);
+  // (scale: any float the schema accepts; the Python TypeErrors for non-numbers cannot happen here)
+  TORCH_CHECK_VALUE(window_left == -1 || window_left >= T - 1, "window_left: must be -1 (no window) or >= T - 1 = ",
+                    T - 1, " (a node always sees its ancestors), got ", window_left);
+  TORCH_CHECK_VALUE(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0,
+                    "logits_soft_cap: must be a finite number >= 0 (0 = no cap), got ", format_g(logits_soft_cap));
 
   check_num_nodes_range(nn, T);
   check_positions(k_cache.sizes(), cache_lens, block_table, [T](int64_t) { return T; }, "the T new tokens");

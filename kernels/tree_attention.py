@@ -1,14 +1,15 @@
 """Tree-attention verification kernel: T draft-tree queries over a (paged) KV cache, GQA, split-KV.
 
-    tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale)
+    tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale,
+                   k_scale, v_scale, window_left, logits_soft_cap)
         -> out (B, T, Hq, D) in q.dtype, lse (B, T, Hq) float32 (natural log)
 
 q (B, T, Hq, D); caches (B, L_max, Hkv, D) contiguous when block_table is None, else
 (num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32, in q's dtype or float8 (e4m3fn,
 e5m2) holding K / k_scale and V / v_scale; cache_lens (B,) int32;
 tree_mask (B, T, ceil(T/32)) int32 packed ancestor-or-self bits; num_nodes (B,) int32. Node i attends
-to the committed prefix [0, cache_lens[b]) unmasked and to tree position cache_lens[b] + j iff bit j of
-tree_mask[b, i] is set. Padding nodes (i >= num_nodes[b]) get out = 0, lse = -inf.
+to the committed prefix [0, cache_lens[b]) unmasked (or its last positions: window_left) and to tree position
+cache_lens[b] + j iff bit j of tree_mask[b, i] is set. Padding nodes (i >= num_nodes[b]) get out = 0, lse = -inf.
 
 Design (decode verification is memory-bound: the prefix K/V are nearly all the bytes):
   * One code path for both layouts: a contiguous cache is a paged cache with block_size = L_max and
@@ -29,6 +30,11 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
   * Online softmax in fp32 (exp2 with log2(e) folded into the scale); dots accumulate in fp32 from
     fp16/bf16 operands on GPU (fp32 operands in IEEE precision, not TF32). The CPU interpreter upcasts
     every tile to fp32 right after the load (its bf16 arithmetic is wrong).
+  * Sliding windows (window_left >= 0): a row's window ends at its node's position cache_lens + depth, depth
+    = its mask bits - 1 (popcount in-kernel: no extra input); the splits partition the window only, from the
+    tile holding cache_lens - window_left, so older keys are never read. Soft-capping (logits_soft_cap > 0)
+    maps the scores through cap * tanh(score / cap) before the softmax. Both are constexpr branches: the
+    plain kernel compiles without them.
   * float8 caches (vLLM's fp8 KV cache, per-tensor scales): tiles are widened to q's dtype after the load
     (exact: every e4m3/e5m2 value is a bf16 and an fp16 value), k_scale is folded into the score scale and
     v_scale into the final normalization, so the prefix costs half the bytes of a 16-bit cache.
@@ -46,6 +52,7 @@ import triton.language as tl
 LOG2E = 1.0 / math.log(2.0)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _LN2 = tl.constexpr(math.log(2.0))  # the kernel works in log2; the op returns a natural-log LSE
+_LOG2E = tl.constexpr(LOG2E)
 
 # Split-KV heuristic (shapes only). Aim for PROGRAMS_PER_SM resident programs per SM, give each split
 # at least MIN_TOKENS_PER_SPLIT positions of the cache's capacity, and never more than MAX_SPLITS.
@@ -130,10 +137,25 @@ def _load_kv_tile(k_ptr, v_ptr, table_row_ptr, stride_table, request, pos, key_o
 
 
 @triton.jit
-def _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def _popcount(x):
+    """Set bits of each int32 (SWAR on the unsigned bits: Triton has no portable popcount)."""
+    x = x.to(tl.uint32, bitcast=True)
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_PRECISION: tl.constexpr,
+                         SOFT_CAP: tl.constexpr):
     """Fold one KV tile into the running (max, sum, accumulator), all in the log2 domain.
-    A row with no allowed key so far keeps m = -inf; m_safe = 0 then makes its weights exp2(-inf) = 0."""
+    A row with no allowed key so far keeps m = -inf; m_safe = 0 then makes its weights exp2(-inf) = 0.
+    SOFT_CAP: scores become cap * tanh(score / cap) (cap in the log2 domain too; tanh through exp2, exact
+    enough in fp32, and saturating to +-1 without overflow trouble)."""
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+    if SOFT_CAP:
+        s = cap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E / cap)) + 1.0))  # tanh(y) = 1 - 2 / (e^2y + 1)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -148,7 +170,7 @@ def _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECIS
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_lens_ptr, tree_mask_ptr, block_table_ptr, num_nodes_ptr,
     out_ptr, lse_ptr,  # final outputs (NUM_SPLITS == 1) or per-split partials (out: partial dtype; lse: fp32)
-    qk_scale, v_scale, T, block_size,
+    qk_scale, v_scale, cap, window_left, T, block_size,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_vn, stride_vp, stride_vh, stride_vd,
@@ -158,6 +180,7 @@ def _tree_attention_kernel(
     stride_lb, stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, IDENTITY_TABLE: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -183,10 +206,20 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # Prefix: this split's share of [0, prefix_len), whole tiles per split; every key is visible.
-    per_split = (prefix_len + NUM_SPLITS - 1) // NUM_SPLITS
+    # Prefix: this split's share of [first, prefix_len), whole tiles per split. Without a window every key is
+    # visible (first = 0). With one, row (i, h) sees positions >= prefix_len + depth_i - window_left, depth_i
+    # = its mask bits - 1; first (tile-aligned) is where depth 0 starts seeing, so nothing older is read.
+    first = 0
+    if WINDOW:
+        depth = tl.full([BLOCK_M], -1, tl.int32)
+        for w in range(0, (T + 31) // 32):
+            depth += _popcount(tl.load(tree_mask_ptr + b * stride_mb + node * stride_mt + w * stride_mw,
+                                       mask=row_ok, other=0))
+        row_first = prefix_len + depth - window_left
+        first = tl.maximum(prefix_len - window_left, 0) // BLOCK_N * BLOCK_N
+    per_split = (prefix_len - first + NUM_SPLITS - 1) // NUM_SPLITS
     chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = split * chunk
+    lo = first + split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
@@ -194,7 +227,11 @@ def _tree_attention_kernel(
         k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, b, pos, key_ok, block_size,
                                stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
                                HEAD_DIM, COMPUTE_DTYPE, IDENTITY_TABLE)
-        m_i, l_i, acc = _online_softmax_step(q, k_t, v, key_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        allowed = key_ok[None, :]
+        if WINDOW:
+            allowed = allowed & (pos[None, :] >= row_first[:, None])
+        m_i, l_i, acc = _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_PRECISION,
+                                             SOFT_CAP)
 
     # Tree: nodes j < min(real nodes, last node of this row tile + 1) at positions prefix_len + j,
     # visible to row (i, h) iff bit j % 32 of word j // 32 of tree_mask[b, i] is set. Last split only.
@@ -209,7 +246,8 @@ def _tree_attention_kernel(
         words = tl.load(tree_mask_ptr + b * stride_mb + node[:, None] * stride_mt + (j // 32)[None, :] * stride_mw,
                         mask=row_ok[:, None] & key_ok[None, :], other=0)
         allowed = ((words >> (j % 32)[None, :]) & 1) != 0
-        m_i, l_i, acc = _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_PRECISION,
+                                             SOFT_CAP)
 
     # Rows that saw no key (an empty split, a padding node) end with l = 0: out 0, lse -inf.
     seen = (l_i > 0) & (node < real_nodes)
@@ -255,7 +293,8 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                    tree_mask: torch.Tensor, block_table: Optional[torch.Tensor], num_nodes: torch.Tensor,
-                   scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *, num_splits: Optional[int] = None, config: Optional[TileConfig] = None,
+                   scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window_left: int = -1,
+                   logits_soft_cap: float = 0.0, *, num_splits: Optional[int] = None, config: Optional[TileConfig] = None,
                    out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                    partial_dtype: Optional[torch.dtype] = None):
     """Launcher (normalized args of the `specdec::tree_attention` schema); returns (out, lse).
@@ -297,12 +336,12 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     _tree_attention_kernel[(row_tiles, Hkv * num_splits, B)](
         q, k_cache, v_cache, cache_lens, tree_mask, table, num_nodes, att_out, att_lse,
-        scale * k_scale * LOG2E, v_scale, T, block_size,
+        scale * k_scale * LOG2E, v_scale, logits_soft_cap * LOG2E, window_left, T, block_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *table_strides,
         *att_out.stride(), *att_lse.stride(),
         GROUP=group, HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         COMPUTE_DTYPE=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        IDENTITY_TABLE=identity_table,
+        IDENTITY_TABLE=identity_table, WINDOW=window_left >= 0, SOFT_CAP=logits_soft_cap > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:

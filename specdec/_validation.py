@@ -196,7 +196,7 @@ def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T
 
 
 def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=None,
-                         v_scale=None, values=True):
+                         v_scale=None, window_left=-1, logits_soft_cap=0.0, values=True):
     _tensor("q", q, dim=4, dtypes=FLOAT_DTYPES)
     B, T, Hq, D = q.shape
     dev = q.device
@@ -219,6 +219,15 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         scale = D ** -0.5
     if not isinstance(scale, (float, int)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    if not isinstance(window_left, int) or isinstance(window_left, bool):
+        raise TypeError(f"window_left: expected an int, got {type(window_left).__name__}")
+    if window_left != -1 and window_left < T - 1:
+        raise ValueError(f"window_left: must be -1 (no window) or >= T - 1 = {T - 1} (a node always sees its "
+                         f"ancestors), got {window_left}")
+    if not isinstance(logits_soft_cap, (float, int)) or isinstance(logits_soft_cap, bool):
+        raise TypeError(f"logits_soft_cap: expected a float, got {type(logits_soft_cap).__name__}")
+    if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
+        raise ValueError(f"logits_soft_cap: must be a finite number >= 0 (0 = no cap), got {logits_soft_cap:g}")
     if values and value_checks_enabled():
         nn = num_nodes.long()
         _fail_if("num_nodes", (nn < 1) | (nn > T), f"every entry must be in [1, {T}]")
@@ -231,7 +240,7 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         _fail_if("tree_mask", no_self, "every real node must have its own bit set")
         future = bits & (idx.view(1, 1, T) > idx.view(1, T, 1))
         _fail_if("tree_mask", future.any(-1) & real, "node i may only see nodes j <= i (ancestors and itself)")
-    return num_nodes, float(scale), k_scale, v_scale
+    return num_nodes, float(scale), k_scale, v_scale, int(window_left), float(logits_soft_cap)
 
 
 def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=None, v_scale=None,

@@ -30,7 +30,7 @@ SCHEMAS = {
     "build_tree": "build_tree(Tensor parents, Tensor num_nodes) -> (Tensor, Tensor)",
     "tree_attention": "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
                       "Tensor tree_mask, Tensor? block_table, Tensor num_nodes, float scale, float k_scale=1.0, "
-                      "float v_scale=1.0) -> (Tensor, Tensor)",
+                      "float v_scale=1.0, int window_left=-1, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
     "accept": "accept(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, "
               "Tensor temperature, Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None) "
               "-> (Tensor, Tensor, Tensor)",
@@ -79,7 +79,7 @@ def _fake_build_tree(parents, num_nodes):
 
 
 def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
-                         v_scale=1.0):
+                         v_scale=1.0, window_left=-1, logits_soft_cap=0.0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -188,8 +188,8 @@ def build_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None, 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                    tree_mask: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
                    num_nodes: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                   k_scale: Optional[float] = None, v_scale: Optional[float] = None,
-                   return_lse: bool = False, backend: Optional[str] = None):
+                   k_scale: Optional[float] = None, v_scale: Optional[float] = None, window_left: int = -1,
+                   logits_soft_cap: float = 0.0, return_lse: bool = False, backend: Optional[str] = None):
     """Attention of T draft-tree queries over the committed prefix plus their ancestors.
 
     q: (B, T, Hq, D). k_cache, v_cache: (B, L_max, Hkv, D) contiguous, or (num_blocks, block_size, Hkv, D)
@@ -197,14 +197,18 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     and V / v_scale (per-tensor scales, None = 1.0; only float8 caches take scales). cache_lens: (B,) int32
     committed tokens; the tree's K/V are already stored at logical positions cache_lens[b] .. cache_lens[b]
     + T - 1. tree_mask: (B, T, ceil(T/32)) int32 (TreeInfo.mask). num_nodes: (B,) or None. scale: default
-    1/sqrt(D). Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 if return_lse. Padding nodes
-    get out = 0 and lse = -inf.
+    1/sqrt(D). window_left (sliding-window layers, FlashInfer's convention; a Hugging Face `sliding_window` w is
+    w - 1): node i, at position cache_lens[b] + depth_i (depth_i = the tree nodes it sees - 1, TreeInfo.depth),
+    sees committed positions >= cache_lens[b] + depth_i - window_left only; -1 = no window, else >= T - 1 so
+    every node still sees its ancestors. logits_soft_cap c > 0 (Gemma 2): scores become c * tanh(score / c).
+    Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 (of the capped scores) if return_lse.
+    Padding nodes get out = 0 and lse = -inf.
     """
-    num_nodes, scale, k_scale, v_scale = val.check_tree_attention(
-        q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale, v_scale,
-        _python_value_checks(backend, q))
+    num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap = val.check_tree_attention(
+        q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale, v_scale, window_left,
+        logits_soft_cap, _python_value_checks(backend, q))
     out, lse = _call("tree_attention", backend, q.device, q, k_cache, v_cache, cache_lens, tree_mask,
-                     block_table, num_nodes, scale, k_scale, v_scale)
+                     block_table, num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap)
     return (out, lse) if return_lse else out
 
 

@@ -79,12 +79,15 @@ def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
-                   v_scale=1.0):
+                   v_scale=1.0, window_left=-1, logits_soft_cap=0.0):
     """out (B, T, Hq, D) in q.dtype and lse (B, T, Hq) float32.
 
     Node i of request b attends to committed positions [0, L) (L = cache_lens[b]) and to tree position
     L + j for every j whose bit is set in tree_mask[b, i]. Keys are k_cache * k_scale, values
-    v_cache * v_scale (scales other than 1 come with float8 caches). Padding nodes get out = 0, lse = -inf.
+    v_cache * v_scale (scales other than 1 come with float8 caches). With window_left >= 0, node i (at
+    position L + depth_i, depth_i = its set bits - 1) sees only committed positions >= L + depth_i -
+    window_left. With logits_soft_cap c > 0 the scores are c * tanh(score / c). Padding nodes get out = 0,
+    lse = -inf.
     """
     B, T, Hq, D = q.shape
     group = Hq // k_cache.shape[-2]
@@ -99,7 +102,13 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
         keys = (k_cache.cpu()[where].double() * k_scale).repeat_interleave(group, dim=1)
         vals = (v_cache.cpu()[where].double() * v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("ihd,phd->hip", q[b, :n].cpu().double(), keys) * scale  # (Hq, n, L+T)
-        allowed = torch.cat([torch.ones(n, L, dtype=torch.bool), allowed_tree[b, :n]], dim=1)  # (n, L+T)
+        if logits_soft_cap > 0:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        prefix = torch.ones(n, L, dtype=torch.bool)
+        if window_left >= 0:
+            depth = allowed_tree[b, :n].sum(-1) - 1  # (n,)
+            prefix = torch.arange(L).unsqueeze(0) >= (L + depth - window_left).unsqueeze(1)
+        allowed = torch.cat([prefix, allowed_tree[b, :n]], dim=1)  # (n, L+T)
         scores = scores.masked_fill(~allowed, -math.inf)
         lse[b, :n] = torch.logsumexp(scores, -1).T
         out[b, :n] = torch.einsum("hip,phd->ihd", torch.softmax(scores, -1), vals)

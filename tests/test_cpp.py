@@ -231,8 +231,9 @@ def bad_cases():
         return "build_tree", val.check_build_tree, (parents, num_nodes)
 
     def attention(q=x["q"], k=x["k"], v=x["v"], lens=x["lens"], mask=x["mask"], table=None, nn=x["num_nodes"],
-                  scales=(1.0, 1.0)):
-        return "tree_attention", val.check_tree_attention, (q, k, v, lens, mask, table, nn, 0.5, *scales)
+                  scales=(1.0, 1.0), window_left=-1, cap=0.0):
+        return ("tree_attention", val.check_tree_attention,
+                (q, k, v, lens, mask, table, nn, 0.5, *scales, window_left, cap))
 
     def accept(logits=x["logits"], tokens=x["tokens"], parents=x["parents"], draft=x["draft"],
                temperature=x["temperature"], seeds=x["seeds"], nn=x["num_nodes"], offset=0, offsets=None):
@@ -280,6 +281,10 @@ def bad_cases():
         "attn/k_scale_negative": attention(k=k8, v=k8, scales=(-1.0, 1.0)),
         "attn/v_scale_nan": attention(k=k8, v=k8, scales=(1.0, float("nan"))),
         "attn/v_scale_inf": attention(k=k8, v=k8, scales=(1.0, float("inf"))),
+        "attn/window_too_small": attention(window_left=2),
+        "attn/window_negative": attention(window_left=-5),
+        "attn/cap_negative": attention(cap=-0.5),
+        "attn/cap_nan": attention(cap=float("nan")),
         "accept/logits_dim": accept(logits=x["logits"][0]),
         "accept/tokens_shape": accept(tokens=x["tokens"][:, :3]),
         "accept/tokens_dtype": accept(tokens=x["tokens"].float()),

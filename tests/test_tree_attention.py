@@ -94,6 +94,63 @@ def test_float8_cache_matches_reference(backend, cache_dtype, dtype, paged):
     check_against_reference(run(case, backend, **kw), case, **kw)
 
 
+# (window_left, logits_soft_cap): windows shorter and longer than the prefixes (37, 70), the smallest allowed
+# (T - 1 = 8), a cap alone, both
+WINDOW_CAP = [(8, 0.0), (30, 0.0), (1000, 0.0), (-1, 5.0), (20, 2.0)]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("window_left,cap", WINDOW_CAP)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_and_soft_cap_match_reference(backend, dtype, window_left, cap, paged):
+    """Sliding-window layers (each node's window ends at its own position: cache_lens + depth) and logit
+    soft-capping, on random trees with ragged node counts."""
+    gen = torch.Generator().manual_seed(window_left + 7 * int(cap) + paged)
+    case = make_case(gen, dtype=dtype, kinds=("random", "chain"), paged=paged)
+    kw = dict(window_left=window_left, logits_soft_cap=cap)
+    check_against_reference(run(case, backend, **kw), case, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_sinks_from_lse(backend):
+    """The README's recipe for attention sinks (gpt-oss: a learned per-head logit in every softmax's
+    denominator): out * sigmoid(lse - sink) equals attention with a sink key whose value is 0."""
+    gen = torch.Generator().manual_seed(6)
+    case = make_case(gen, B=2, T=5, Hkv=2, group=2, lens=(9, 20), kinds=("random",))
+    sinks = torch.randn(4, generator=gen) * 2  # (Hq,)
+    out, lse = run(case, backend)
+    with_sinks = out * torch.sigmoid(lse - sinks).unsqueeze(-1)
+    # by hand: scores of every key a node sees, plus the sink's logit, softmax, weights of the real keys only
+    B, T, Hq, D = case["q"].shape
+    bits = reference.unpack_bits(case["tree_mask"], T)
+    for b in range(B):
+        L = int(case["cache_lens"][b])
+        for i in range(int(case["num_nodes"][b])):
+            seen = torch.cat([torch.arange(L), L + bits[b, i].nonzero().flatten()])
+            for h in range(Hq):
+                keys, vals = case["k_cache"][b, seen, h // 2].double(), case["v_cache"][b, seen, h // 2].double()
+                scores = keys @ case["q"][b, i, h].double() * D ** -0.5
+                weights = torch.softmax(torch.cat([scores, sinks[h:h + 1].double()]), 0)[:-1]
+                torch.testing.assert_close(with_sinks[b, i, h].double(), weights @ vals, atol=2e-5, rtol=2e-5)
+
+
+def test_window_limits_what_the_reference_sees():
+    """The reference's window (the spec) by hand: a chain node at depth d sees the last window_left + 1 - d
+    committed positions; a window covering the prefix changes nothing; a cap changes the result."""
+    gen = torch.Generator().manual_seed(4)
+    case = make_case(gen, B=1, T=4, Hkv=1, group=1, lens=(30,), kinds=("chain",))
+    case["q"] = torch.zeros_like(case["q"])  # uniform weights: out = the mean of the values seen
+    out = run(case, "torch", window_left=5)[0]
+    values = case["v_cache"][0, :, 0]
+    for d in range(4):  # node d sees positions [30 + d - 5, 30) and tree nodes 0..d
+        seen = torch.cat([values[25 + d: 30], values[30: 31 + d]])
+        torch.testing.assert_close(out[0, d, 0], seen.mean(0))
+    torch.testing.assert_close(run(case, "torch", window_left=40)[0], run(case, "torch")[0])
+    case["q"] = torch.randn(case["q"].shape, generator=gen) * 4
+    assert not torch.allclose(run(case, "torch", logits_soft_cap=1.0)[0], run(case, "torch")[0])
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_paged_equals_contiguous(backend, dtype):
@@ -168,6 +225,16 @@ def test_triton_split_partials_dtype(dtype, partial_dtype):
     check_against_reference(triton_call(case, num_splits=4, config=config, partial_dtype=partial_dtype), case)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_split_window(num_splits):
+    """Splits partition the window, not the whole prefix; small tiles so the window starts mid-tile."""
+    gen = torch.Generator().manual_seed(13)
+    case = make_case(gen, B=3, T=6, Hkv=2, group=2, lens=(0, 45, 130), paged=True)
+    config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    result = triton_call(case, 1.0, 1.0, 27, 3.0, num_splits=num_splits, config=config)
+    check_against_reference(result, case, window_left=27, logits_soft_cap=3.0)
+
+
 def test_triton_split_float8_cache():
     """v_scale applied in every split's partial output (the merge is linear), k_scale in every score."""
     gen = torch.Generator().manual_seed(12)
@@ -212,6 +279,10 @@ def test_triton_reads_each_kv_element_once(monkeypatch, paged, num_splits):
     spy = MemorySpy(monkeypatch)
     triton_call(case, num_splits=num_splits, config=config)
     assert spy.counts([case["k_cache"]]) == expected_reads(lambda b, p: 1)  # K and V share one buffer
+    spy.loads.clear()  # a window: nothing before the tile holding its first position cache_lens - window_left
+    triton_call(case, 1.0, 1.0, 21, num_splits=num_splits, config=config)
+    in_window = lambda b, p: p >= (int(case["cache_lens"][b]) - 21) // 16 * 16  # noqa: E731 (tiles of 16 keys)
+    assert spy.counts([case["k_cache"]]) == {a: 1 for a, n in expected_reads(in_window).items() if n}
     spy.loads.clear()
     triton_call(case, num_splits=num_splits, config=config._replace(block_m=16))  # tiles: nodes 0-3, nodes 4
     first_tile_sees = lambda b, p: p < int(case["cache_lens"][b]) + 4  # noqa: E731 (prefix, tree nodes 0-3)
@@ -287,17 +358,18 @@ def spilled_bytes(kernel):
     return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
-def hopper_report(paged: bool, num_splits: int, cache: str = "bf16") -> None:
+def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap: bool = False) -> None:
     """Prints (JSON) what compiling the kernels at the benchmark shape gives: bf16 q, D 128, T 16, GQA 4, a
-    `cache` ("bf16" or "fp8e4nv") KV cache. Runs in a fresh process without TRITON_INTERPRET (the
-    interpreter's patches break the compiler)."""
+    `cache` ("bf16" or "fp8e4nv") KV cache, with a sliding window and soft-capping if `window_cap`. Runs in a
+    fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
     import json
     config = ta.choose_config(16 * 4, 128, 2)
     types = {"q_ptr": "*bf16", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "cache_lens_ptr": "*i32",
              "tree_mask_ptr": "*i32", "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "out_ptr": "*bf16",
-             "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"}
+             "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "cap": "fp32"}
     constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
                       COMPUTE_DTYPE=triton.language.bfloat16, DOT_PRECISION="tf32", IDENTITY_TABLE=not paged,
+                      WINDOW=window_cap, SOFT_CAP=window_cap,
                       stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1)
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
     merge_types = {"part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
@@ -310,9 +382,10 @@ def hopper_report(paged: bool, num_splits: int, cache: str = "bf16") -> None:
 
 @pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checked on the CPU machine; a GPU run runs the compiled kernels")
-@pytest.mark.parametrize("paged,num_splits,cache", [(False, 1, "bf16"), (True, 4, "bf16"), (False, 1, "fp8e4nv")],
-                         ids=["contiguous", "paged-split", "contiguous-fp8"])
-def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache):
+@pytest.mark.parametrize("paged,num_splits,cache,window_cap", [
+    (False, 1, "bf16", False), (True, 4, "bf16", False), (False, 1, "fp8e4nv", False), (True, 4, "bf16", True)],
+    ids=["contiguous", "paged-split", "contiguous-fp8", "paged-split-window-cap"])
+def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache, window_cap):
     """Tensor-core dots (wgmma), no register spills, and shared memory for two programs per SM
     (228 KiB per SM, 1 KiB reserved per program)."""
     import json
@@ -321,7 +394,7 @@ def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache):
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"from tests.test_tree_attention import hopper_report; hopper_report({paged}, {num_splits}, {cache!r})"
+    code = f"from tests.test_tree_attention import hopper_report; hopper_report({paged}, {num_splits}, {cache!r}, {window_cap})"
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

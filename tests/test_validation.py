@@ -54,6 +54,12 @@ ATTENTION_CASES = [
     ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([0, 4], dtype=torch.int32))),
     ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([5, 4], dtype=torch.int32))),
     ("scale", TypeError, lambda a: a.update(scale="big")),
+    ("window_left", ValueError, lambda a: a.update(window_left=T - 2)),  # a node could not see its parent
+    ("window_left", ValueError, lambda a: a.update(window_left=-2)),
+    ("window_left", TypeError, lambda a: a.update(window_left=4.0)),
+    ("logits_soft_cap", ValueError, lambda a: a.update(logits_soft_cap=-1.0)),
+    ("logits_soft_cap", ValueError, lambda a: a.update(logits_soft_cap=float("inf"))),
+    ("logits_soft_cap", TypeError, lambda a: a.update(logits_soft_cap=None)),
     ("q", TypeError, lambda a: a.update(q=a["q"].to(torch.float8_e4m3fn))),  # float8 is for caches only
     ("k_scale", TypeError, lambda a: a.update(k_scale="big")),
     ("k_scale", ValueError, lambda a: a.update(k_scale=2.0)),  # scales come with float8 caches only
