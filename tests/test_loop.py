@@ -20,10 +20,10 @@ from specdec.models.tokenizer import VOCAB_SIZE, ByteTokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny(seed, vocab=24, dim=32, layers=2, eos=None) -> Llama:
+def tiny(seed, vocab=24, dim=32, layers=2, eos=None, window=None) -> Llama:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, intermediate_size=2 * dim,
-                      eos_token_id=eos)
+                      eos_token_id=eos, sliding_window=window)
     model = Llama(cfg).eval()
     with torch.no_grad():  # sharper next-token laws than the default init, so drafts get accepted sometimes
         model.lm_head.weight.mul_(8.0)
@@ -60,6 +60,17 @@ def test_greedy_with_float8_target_cache_equals_ar(pair, kv_dtype):
         assert out.generate(PROMPTS, 10).tokens == ar.tokens
     if kv_dtype == torch.float8_e5m2:
         assert ar.tokens != generate_ar(target, PROMPTS, 10).tokens
+
+
+def test_greedy_with_sliding_window_target_equals_ar(pair):
+    """A target whose layers see the last 8 positions only (Mistral-style): the sequences outgrow the window,
+    greedy speculative output still equals greedy autoregressive output, and the window changes the output."""
+    target, draft = tiny(0, window=8), pair[1]
+    ar = generate_ar(target, PROMPTS, 12)
+    for tree, block_size in (("chain:4", None), ("dynamic:7,3,2", 4)):
+        out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree), block_size=block_size)
+        assert out.generate(PROMPTS, 12).tokens == ar.tokens
+    assert ar.tokens != generate_ar(pair[0], PROMPTS, 12).tokens
 
 
 def test_greedy_loop_on_the_triton_kernels_equals_ar(monkeypatch):

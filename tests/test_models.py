@@ -2,6 +2,7 @@
 forward, for prefill + decode and for tree verification; the shipped model pair."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -104,14 +105,46 @@ def test_matches_transformers(tmp_path):
         torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_sliding_window_matches_transformers_mistral(tmp_path):
+    """A windowed model is saved as Mistral and gives transformers' MistralForCausalLM logits (so the window's
+    off-by-one is Hugging Face's: a token sees the last sliding_window positions, itself included)."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny(sliding_window=5)
+    save_model(model, str(tmp_path), dtype=torch.float32)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "mistral"
+    assert [load_model(str(tmp_path)).cfg.window(i) for i in range(2)] == [5, 5]
+    hf = transformers.MistralForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    x = torch.randint(0, 40, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(model(x), tiny()(x), atol=1e-2)  # the window matters at this length
+
+
+def test_window_configs():
+    """Mistral windows every layer; Qwen2 only with use_sliding_window, from max_window_layers on; Llama never."""
+    from specdec.models.hf import config_from_hf
+    base = dict(vocab_size=40, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
+                sliding_window=16, max_window_layers=2)
+    mistral = config_from_hf(dict(base, model_type="mistral"))
+    qwen = config_from_hf(dict(base, model_type="qwen2", use_sliding_window=True))
+    qwen_off = config_from_hf(dict(base, model_type="qwen2", use_sliding_window=False))
+    llama = config_from_hf(dict(base, model_type="llama"))
+    assert [mistral.window(i) for i in range(3)] == [16, 16, 16]
+    assert [qwen.window(i) for i in range(3)] == [None, None, 16]
+    assert [c.window(i) for c in (qwen_off, llama) for i in range(3)] == [None] * 6
+    with pytest.raises(ValueError, match="Mistral"):  # per-layer windows: not expressible as Mistral
+        save_model(Llama(dataclasses.replace(mistral, max_window_layers=1)), "/nonexistent", dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------------------------
 # cached forward == causal forward
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("window", [None, 10])
 @pytest.mark.parametrize("block_size", [None, 4])
-def test_prefill_then_decode_matches_causal_forward(block_size):
+def test_prefill_then_decode_matches_causal_forward(block_size, window):
     """Ragged prompts prefilled in one chain-shaped call, then one token per call: every logit equals the
-    full causal forward's."""
-    model = tiny(seed=1)
+    full causal forward's (with a sliding window shorter than the sequences too)."""
+    model = tiny(seed=1, sliding_window=window)
     B, n = 3, 14
     x = torch.randint(0, 40, (B, n))
     lens = torch.tensor([6, 3, 9], dtype=torch.int32)
@@ -131,10 +164,12 @@ def test_prefill_then_decode_matches_causal_forward(block_size):
             cache.commit(torch.ones(B, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("block_size", [None, 8])
-def test_tree_verification_matches_each_branch(block_size):
-    """Node i's logits from one tree pass == the causal forward of prefix + the path root..i."""
-    model = tiny(seed=2)
+def test_tree_verification_matches_each_branch(block_size, window):
+    """Node i's logits from one tree pass == the causal forward of prefix + the path root..i (a window of 9
+    hides the oldest prefix tokens from the deeper nodes: each node's window ends at its own position)."""
+    model = tiny(seed=2, sliding_window=window)
     gen = torch.Generator().manual_seed(0)
     B, T, L = 2, 9, 5
     prefix = torch.randint(0, 40, (B, L))

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from .llama import Llama, LlamaConfig, rope_inv_freq
 
 SUPPORTED = ("llama", "mistral", "qwen2")
-# config.json fields we translate; everything else is kept in LlamaConfig.extra and written back
+# config.json fields we translate; everything else is kept in LlamaConfig.extra and written back (the window
+# fields too: read into LlamaConfig and kept as they were)
 _KNOWN = {"model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "intermediate_size", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
           "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias", "bos_token_id",
@@ -36,6 +37,10 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         raise CheckpointError(f"config.json: hidden_act {hf['hidden_act']!r} not supported (silu only)")
     eos = hf.get("eos_token_id")
     n_heads = hf["num_attention_heads"]
+    # Mistral windows every layer when sliding_window is set; Qwen2 only with use_sliding_window, from layer
+    # max_window_layers on
+    windowed = hf.get("use_sliding_window", False) if kind == "qwen2" else kind == "mistral"
+    window = hf.get("sliding_window") if windowed else None
     return LlamaConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, intermediate_size=hf["intermediate_size"],
@@ -45,21 +50,30 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         qkv_bias=kind == "qwen2" or hf.get("attention_bias", False),
         o_bias=kind != "qwen2" and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        sliding_window=window, max_window_layers=hf.get("max_window_layers", 0) if kind == "qwen2" else 0,
         extra={k: v for k, v in hf.items() if k not in _KNOWN})
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
+    """A Llama config, or a Mistral one for a model with a sliding window in every layer."""
     if cfg.qkv_bias != cfg.o_bias:
         raise ValueError("saving: q/k/v biases without an o_proj bias is Qwen2-only, not expressible as Llama")
+    kind = "llama"
+    if cfg.sliding_window is not None:
+        if cfg.max_window_layers or cfg.qkv_bias or cfg.mlp_bias:
+            raise ValueError("saving: a sliding window is written as Mistral, which has no biases and windows "
+                             "every layer")
+        kind = "mistral"
+    window = {"sliding_window": cfg.sliding_window} if kind == "mistral" else {}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "architectures": [f"{kind.capitalize()}ForCausalLM"], "model_type": kind, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.intermediate_size,
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "hidden_act": "silu",
-        "torch_dtype": str(dtype).replace("torch.", ""), **cfg.extra}
+        "torch_dtype": str(dtype).replace("torch.", ""), **window, **cfg.extra}
 
 
 def from_hf_state(state: dict, cfg: LlamaConfig) -> dict:

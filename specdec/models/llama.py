@@ -1,7 +1,8 @@
 """A compact Llama-architecture decoder (gpt-fast style) whose cached attention runs on specdec's ops.
 
 Covers Llama 1-3, Mistral and Qwen2 checkpoints: RMSNorm, rotary embeddings (incl. Llama-3 and linear
-rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional q/k/v biases.
+rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional q/k/v biases,
+sliding-window layers (Mistral, Qwen2), and a float8 KV cache (KVCache dtype).
 Module names follow the Hugging Face parameter names, except that q/k/v and gate/up projections are
 fused into one matmul each (`qkv_proj`, `gate_up_proj`; hf.py splits and joins them).
 
@@ -47,6 +48,10 @@ class LlamaConfig:
     mlp_bias: bool = False
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    # sliding-window attention (Mistral, Qwen2): a token sees the last `sliding_window` positions, itself
+    # included, in layers >= max_window_layers (Qwen2's field; Mistral windows every layer)
+    sliding_window: Optional[int] = None
+    max_window_layers: int = 0
     extra: dict = field(default_factory=dict)  # unknown config.json fields, kept for saving
 
     def __post_init__(self):
@@ -57,6 +62,10 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def window(self, layer: int) -> Optional[int]:
+        """The sliding window of layer `layer`, or None for full attention."""
+        return self.sliding_window if self.sliding_window is not None and layer >= self.max_window_layers else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,9 +152,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, window: Optional[int] = None):
         super().__init__()
         self.cfg = cfg
+        self.window = window
         hd = cfg.head_dim
         # q, k and v projections fused into one matmul (hf.py splits/joins them for checkpoints)
         self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=cfg.qkv_bias)
@@ -162,7 +172,12 @@ class Attention(nn.Module):
         """Causal self-attention over the whole sequence (training / ground truth)."""
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x, cos, sin))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # causal, and at most window - 1 positions back
+            back = torch.arange(T, device=x.device).unsqueeze(1) - torch.arange(T, device=x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=(back >= 0) & (back < self.window),
+                                                 enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def forward_cached(self, x, cos, sin, k_cache, v_cache, scales, block_table, lens, start, tree_mask, num_nodes):
@@ -172,7 +187,8 @@ class Attention(nn.Module):
         if start:  # nodes before `start` are in the cache already: their queries are not needed
             q = torch.cat((q.new_zeros(B, start, *q.shape[2:]), q), dim=1)
         out = specdec.tree_attention(q, k_cache, v_cache, lens[0], tree_mask, block_table=block_table,
-                                     num_nodes=num_nodes, **scales)
+                                     num_nodes=num_nodes, window_left=-1 if self.window is None else self.window - 1,
+                                     **scales)
         return self.o_proj(out[:, start:].reshape(B, F_new, -1))
 
 
@@ -188,9 +204,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, cfg.window(layer))
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -208,7 +224,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
@@ -285,6 +301,8 @@ class Llama(nn.Module):
         """Run tokens[b, :lengths[b]] into `cache` and commit them, in chain-shaped chunks of <= chunk."""
         B = tokens.shape[0]
         n_max = int(lengths.max())
+        if self.cfg.sliding_window is not None:  # a chunk's last token must still see its first
+            chunk = min(chunk, self.cfg.sliding_window)
         for c0 in range(0, n_max, chunk):
             T = min(chunk, n_max - c0)
             n = (lengths.to(torch.int32) - c0).clamp(0, T)
