@@ -53,8 +53,9 @@ def attention_variants(x) -> list[tuple[str, dict]]:
 
 def attention_launch(x, kwargs):
     from specdec.kernels import tree_attention as ta
+    scales = (x.k_scale or 1.0, x.v_scale or 1.0)  # None: a cache in q's dtype
     return lambda: ta.tree_attention(x.q, x.k_cache, x.v_cache, x.cache_lens, x.tree_mask, x.block_table,
-                                     x.num_nodes, x.scale, **kwargs)[0]
+                                     x.num_nodes, x.scale, *scales, x.window_left, **kwargs)[0]
 
 
 def accept_variants(x) -> list[tuple[str, dict]]:

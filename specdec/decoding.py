@@ -100,11 +100,9 @@ class SpeculativeDecoder:
             cache.rollback(res.accepted_nodes, num_acc)
             self.drafter.commit(res.accepted_nodes, num_acc)
 
-            # append the path's draft tokens and the next token
+            # append the path's draft tokens and the next token (finished requests: the next token only)
             Tp = prop.tokens.shape[1]
-            path_tokens = prop.tokens.gather(1, res.accepted_nodes.long().clamp(min=0))
-            new = torch.cat((path_tokens[:, 1:], path_tokens[:, :1]), dim=1)
-            new.scatter_(1, num_acc.long().unsqueeze(1), res.next_tokens.unsqueeze(1))
+            new = res._replace(num_accepted=num_acc).emitted_tokens(prop.tokens)
             n_new = num_acc.long() + 1
             where = (seq_lens.long().unsqueeze(1) + cols[:Tp]).clamp(max=L - 1)
             keep = cols[:Tp] < n_new.unsqueeze(1)

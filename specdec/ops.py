@@ -171,6 +171,16 @@ class AcceptResult(NamedTuple):
     num_accepted: torch.Tensor
     next_tokens: torch.Tensor
 
+    def emitted_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) int64: request b's new tokens, the accepted draft tokens tokens[b, accepted_nodes[b, 1:]] then
+        next_tokens[b], padded with -1 (vLLM's output_token_ids layout); on the device, no host sync."""
+        B, T = self.accepted_nodes.shape
+        drafted = tokens.long().gather(1, self.accepted_nodes[:, 1:].clamp(min=0).long())  # (B, T - 1)
+        out = torch.cat((drafted, drafted.new_empty(B, 1)), dim=1)
+        count = self.num_accepted.long().unsqueeze(1)
+        out = torch.where(torch.arange(T, device=out.device) < count, out, -1)
+        return out.scatter_(1, count, self.next_tokens.long().unsqueeze(1))
+
 
 def build_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None, *,
                backend: Optional[str] = None) -> TreeInfo:

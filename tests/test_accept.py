@@ -367,3 +367,11 @@ def test_compiles_for_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(spilled is None or spilled <= 64 for spilled in report.values()), report
+
+
+def test_emitted_tokens_layout():
+    """AcceptResult.emitted_tokens: accepted draft tokens in path order, then the next token, -1 after."""
+    res = AcceptResult(accepted_nodes=torch.tensor([[0, 2, 3, -1], [0, -1, -1, -1], [0, 1, 2, 3]], dtype=torch.int32),
+                       num_accepted=torch.tensor([2, 0, 3], dtype=torch.int32), next_tokens=torch.tensor([9, 7, 4]))
+    tokens = torch.tensor([[5, 11, 12, 13], [5, 21, 22, 23], [5, 31, 32, 33]], dtype=torch.int32)
+    assert res.emitted_tokens(tokens).tolist() == [[12, 13, 9, -1], [7, -1, -1, -1], [31, 32, 33, 4]]
