@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="cpu (C++ ops) or cuda (Triton kernels); default %(default)s")
     g.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights, activations and KV caches")
     g.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
-                   help="the target's KV cache: auto (= --dtype) or float8 (fp8 = fp8_e4m3; scales 1)")
+                   help="the KV caches (target's and draft model's): auto (= --dtype) or float8 (fp8 = fp8_e4m3; "
+                        "scales 1)")
     g.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: small models gain nothing from more, and a busy machine "
                         "makes multi-threaded small matmuls wait on each other)")
@@ -59,7 +60,7 @@ def make_drafter(args, target):
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"vocab mismatch: draft {args.draft} has {draft.cfg.vocab_size} tokens, target "
                          f"{args.target} has {target.cfg.vocab_size}")
-    return DraftModelDrafter(draft, tree)
+    return DraftModelDrafter(draft, tree, kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
 
 
 def generate(args) -> dict:

@@ -55,9 +55,11 @@ def test_greedy_with_float8_target_cache_equals_ar(pair, kv_dtype):
     lossy: with e5m2 the output differs from the full-precision cache's."""
     target, draft = pair
     ar = generate_ar(target, PROMPTS, 10, kv_dtype=kv_dtype)
-    for tree, block_size in (("chain:4", None), ("dynamic:7,3,2", 4)):
-        out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree), block_size=block_size, kv_dtype=kv_dtype)
+    for tree, block_size, draft_kv in (("chain:4", None, None), ("dynamic:7,3,2", 4, kv_dtype)):
+        drafter = DraftModelDrafter(draft, tree, kv_dtype=draft_kv)  # the draft's cache in float8 too
+        out = SpeculativeDecoder(target, drafter, block_size=block_size, kv_dtype=kv_dtype)
         assert out.generate(PROMPTS, 10).tokens == ar.tokens
+        assert drafter.cache.k.dtype == (draft_kv or draft.dtype)
     if kv_dtype == torch.float8_e5m2:
         assert ar.tokens != generate_ar(target, PROMPTS, 10).tokens
 

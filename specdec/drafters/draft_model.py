@@ -81,8 +81,9 @@ def _levels(parents: list[int]) -> list[tuple[int, int]]:
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model: Llama, tree: TreeSpec | str = "chain:4"):
-        self.model = model
+    def __init__(self, model: Llama, tree: TreeSpec | str = "chain:4", *, kv_dtype: Optional[torch.dtype] = None):
+        """kv_dtype: the draft's KV cache dtype, the model's (default) or float8."""
+        self.model, self.kv_dtype = model, kv_dtype
         self.tree = parse_tree(tree) if isinstance(tree, str) else tree
         self.max_nodes = self.tree.max_nodes
         self.max_depth = self.tree.depth if self.tree.parents is None else len(_levels(list(self.tree.parents))) - 1
@@ -114,7 +115,7 @@ class DraftModelDrafter(Drafter):
         B = tokens.shape[0]
         self.generators, self.temperature = request_generators(seeds, tokens.device), temperature
         self.all_greedy = bool((temperature == 0).all())
-        self.cache = self.model.new_cache(B, max_len + self.num_fed + 2)
+        self.cache = self.model.new_cache(B, max_len + self.num_fed + 2, kv_dtype=self.kv_dtype)
         self.model.prefill(self.cache, tokens, seq_lens - 1)
         dev = tokens.device
         self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=dev).expand(B, 2))
