@@ -35,6 +35,17 @@ def to_device(*tensors):
     return moved[0] if len(moved) == 1 else moved
 
 
+def on_backend(backend: str, args: dict) -> dict:
+    """An op's keyword arguments as `backend` gets them: the reference the CPU tensors themselves, any other
+    backend copies on DEVICE with the same strides (non-tensors as they are)."""
+    return args if backend == "torch" else {name: to_device(x) for name, x in args.items()}
+
+
+def accept_on(backend: str, **args):
+    """specdec.accept on `backend` (inputs as on_backend gives them); the result on the CPU."""
+    return specdec.ops.AcceptResult(*(x.cpu() for x in specdec.accept(**on_backend(backend, args), backend=backend)))
+
+
 def assert_close(actual, expected, dtype=None):
     atol, rtol = TOL[dtype or actual.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)

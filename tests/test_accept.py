@@ -10,9 +10,8 @@ import pytest
 import torch
 import triton
 
-import specdec
 from specdec.ops import AcceptResult
-from tests.helpers import BACKENDS, DEVICE, MemorySpy, element_addresses, random_trees, to_device
+from tests.helpers import BACKENDS, DEVICE, MemorySpy, accept_on, element_addresses, random_trees, to_device
 
 # the interpreted kernel computes log(0) = -inf and exp(-inf) on purpose (masked entries); numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -73,12 +72,8 @@ def _check_structure(res, batch):
 
 
 def _accept(batch, backend, **kw):
-    """specdec.accept on the batch (keyword overrides `kw`): the reference on the CPU, other backends on
-    DEVICE; the result on the CPU."""
-    args = {**batch, **kw}
-    if backend != "torch":
-        args = {k: to_device(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    return AcceptResult(*(x.cpu() for x in specdec.accept(**args, backend=backend)))
+    """specdec.accept on the batch with keyword overrides `kw` (tests.helpers.accept_on)."""
+    return accept_on(backend, **{**batch, **kw})
 
 
 def _same(a, b):

@@ -13,9 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdec
-from specdec.ops import AcceptResult
-from tests.helpers import BACKENDS, DEVICE, to_device
+from tests.helpers import BACKENDS, DEVICE, accept_on
 from tests.stats import ALPHA, assert_law, chi_square_pvalue, emitted_tokens, first_tokens, target_law
 
 # the interpreted kernel computes log(0) = -inf and exp(-inf) on purpose (masked entries); numpy warns
@@ -37,13 +35,6 @@ DRAFT_ROOT = torch.tensor([0.55, 1.25, -1.4, 0.8, -0.25, 0.0])
 
 def samples_for(backend: str) -> int:
     return INTERPRETED_SAMPLES if backend == "triton" and DEVICE.type == "cpu" else SAMPLES
-
-
-def _accept(backend, **batch):
-    """specdec.accept: the reference on the CPU, other backends on tests.helpers.DEVICE; result on the CPU."""
-    if backend != "torch":
-        batch = {k: to_device(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return AcceptResult(*(x.cpu() for x in specdec.accept(**batch, backend=backend)))
 
 
 def _draft_children(parents: list[int], draft: torch.Tensor, t: float, n: int, gen: torch.Generator):
@@ -93,7 +84,7 @@ def test_first_token_follows_target(backend, name):
     cfg = dict(SCENARIOS[name])
     t = cfg["t"]
     batch = _scenario(n=samples_for(backend), seed=len(name), **cfg)
-    result = _accept(backend, **batch)
+    result = accept_on(backend, **batch)
     assert_law(first_tokens(result, batch["tokens"]), target_law(TARGET_ROOT, t), f"{name} on {backend}")
 
 
@@ -139,13 +130,13 @@ def _first_two_tokens(backend, parents, t, with_draft, n, seed):
     gen = torch.Generator().manual_seed(seed)
     seeds = torch.arange(n, dtype=torch.int64) + 7919 * seed
     batch = _markov_step(torch.zeros(n, dtype=torch.int64), parents, t, with_draft, gen)
-    out = emitted_tokens(_accept(backend, **batch, seeds=seeds, offset=0), batch["tokens"])
+    out = emitted_tokens(accept_on(backend, **batch, seeds=seeds, offset=0), batch["tokens"])
     first = torch.tensor([o[0] for o in out])
     short = torch.tensor([len(o) == 1 for o in out])
     second = torch.tensor([o[1] if len(o) > 1 else -1 for o in out])
     if short.any():  # the next step starts from the emitted token, same seeds, next offset
         step2 = _markov_step(first[short], parents, t, with_draft, gen)
-        res2 = _accept(backend, **step2, seeds=seeds[short], offset=1)
+        res2 = accept_on(backend, **step2, seeds=seeds[short], offset=1)
         second[short] = first_tokens(res2, step2["tokens"])
     return torch.stack([first, second], 1)
 
@@ -205,6 +196,6 @@ def test_negative_control_rejects_misdeclared_draft():
     cfg = dict(SCENARIOS["tree_iid_draft"])
     batch = _scenario(n=INTERPRETED_SAMPLES, seed=11, **cfg)
     batch["draft_logits"] = batch["draft_logits"].flip(-1)
-    result = _accept("torch", **batch)
+    result = accept_on("torch", **batch)
     p_value = chi_square_pvalue(first_tokens(result, batch["tokens"]), target_law(TARGET_ROOT, cfg["t"]))
     assert p_value < ALPHA * 1e-6, f"the chi-square test fails to reject a misdeclared drafter (p = {p_value:.3g})"

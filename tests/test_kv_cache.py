@@ -14,7 +14,6 @@ import torch
 import triton
 
 import specdec
-from specdec import reference
 from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, compile_for_hopper, from_paged,
                            random_cache, random_trees, root_path, to_device, to_paged)
 

@@ -16,8 +16,8 @@ import specdec
 from specdec import reference
 from specdec.kernels import tree_attention as ta
 from tests import helpers
-from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, assert_close, element_addresses, from_paged,
-                           poison_, random_cache, random_trees, to_device, to_paged)
+from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, assert_close, element_addresses,
+                           from_paged, on_backend, poison_, random_cache, random_trees, to_device, to_paged)
 
 BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the tree at odd places
 
@@ -43,9 +43,8 @@ def make_case(gen, *, B=3, T=9, Hkv=2, group=4, D=64, dtype=torch.float32, lens=
 
 def run(case, backend, **kw):
     """The public op: the reference on the CPU, other backends on DEVICE; (out, lse) on the CPU."""
-    if backend != "torch":
-        case = {name: to_device(x) for name, x in case.items()}
-    return tuple(x.cpu() for x in specdec.tree_attention(**case, return_lse=True, backend=backend, **kw))
+    return tuple(x.cpu() for x in specdec.tree_attention(**on_backend(backend, case), return_lse=True, backend=backend,
+                                                         **kw))
 
 
 def check_against_reference(actual, case, **kw):
