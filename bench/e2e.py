@@ -16,12 +16,9 @@ Reports new tokens/s (best of --repeats passes: the machine may be shared), toke
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import glob
 import json
 import os
-import platform
-import subprocess
 import sysconfig
 import time
 import zlib
@@ -33,6 +30,8 @@ from specdec.decoding import SpeculativeDecoder
 from specdec.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from specdec.models.hf import load_model
 from specdec.models.tokenizer import ByteTokenizer
+
+from .timing import machine_info
 
 ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -90,32 +89,20 @@ def run_hf(model, prompts, max_new, eos, **kwargs):
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        commit = None
+    """bench.timing's machine record (CPU, versions, commit, date) plus what the end-to-end run depends on."""
     try:
         import transformers
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": tf_version,
-            "specdec_cpu_backend": "cpp" if specdec.ops.HAS_CPP else "torch (reference)", "commit": commit,
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    return {**machine_info(torch.device("cpu")), "transformers": tf_version,
+            "specdec_cpu_backend": "cpp" if specdec.ops.HAS_CPP else "torch (reference)"}
 
 
 def markdown(res: dict) -> str:
     m, cfg = res["machine"], res["config"]
     lines = [f"# End-to-end decoding: {cfg['target_params'] / 1e6:.1f}M target, {cfg['draft_params'] / 1e6:.2f}M draft",
-             "", f"{m['date']}, commit {m['commit']}, {m['cpu']} ({m['cores']} cores, torch threads "
+             "", f"{m['date']}, commit {m['git_commit'][:7]}, {m['cpu']} ({m['cpu_count']} cores, torch threads "
              f"{m['torch_threads']}), Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
              f"specdec CPU backend: {m['specdec_cpu_backend']}, value checks {cfg['value_checks']}.", "",
              f"{cfg['prompts']} held-out stdlib prompts (~{cfg['prompt_bytes']} bytes each), greedy, "
