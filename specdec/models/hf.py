@@ -76,18 +76,20 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).replace("torch.", ""), **window, **cfg.extra}
 
 
+# our fused projections: (the module holding it, its Hugging Face parts in the order they are joined)
+FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
+
+
 def from_hf_state(state: dict, cfg: LlamaConfig) -> dict:
     """Hugging Face parameter names -> ours: q/k/v and gate/up projections joined (fused matmuls)."""
     state = dict(state)
     for i in range(cfg.n_layers):
-        pre = f"model.layers.{i}."
-        for fused, parts in ((pre + "self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                             (pre + "mlp.gate_up_proj", ("gate_proj", "up_proj"))):
-            group = fused.rsplit(".", 1)[0]
+        for fused, (module, parts) in FUSED.items():
+            group = f"model.layers.{i}.{module}"
             for kind in ("weight", "bias"):
                 names = [f"{group}.{p}.{kind}" for p in parts]
                 if all(n in state for n in names):
-                    state[f"{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+                    state[f"{group}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
     return state
 
 
@@ -96,7 +98,7 @@ def to_hf_state(model: Llama) -> dict:
     cfg, out = model.cfg, {}
     sizes = {"qkv_proj": [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim],
              "gate_up_proj": [cfg.intermediate_size] * 2}
-    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    parts = {fused: names for fused, (_, names) in FUSED.items()}
     for name, value in model.state_dict().items():
         group, module, kind = ("." + name).rsplit(".", 2)  # "lm_head.weight" -> ("", "lm_head", "weight")
         if module in parts:
