@@ -35,26 +35,6 @@
 namespace specdec {
 namespace {
 
-// Calls vec_fn(Vectorized<acc_t> x, i) for the row's full vectors (converted to acc_t), starting at
-// element i, then scalar_fn(acc_t x, i) for the tail.
-template <typename scalar_t, typename VecFn, typename ScalarFn>
-inline void for_each_vec(const scalar_t* row, int64_t n, VecFn&& vec_fn, ScalarFn&& scalar_fn) {
-  using acc_t = acc_type_t<scalar_t>;
-  constexpr int64_t AS = Vectorized<acc_t>::size();
-  int64_t i = 0;
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    for (; i + AS <= n; i += AS) vec_fn(Vectorized<acc_t>::loadu(row + i), i);
-  } else {
-    using SVec = Vectorized<scalar_t>;
-    for (; i + SVec::size() <= n; i += SVec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(SVec::loadu(row + i));
-      vec_fn(lo, i);
-      vec_fn(hi, i + AS);
-    }
-  }
-  for (; i < n; ++i) scalar_fn(static_cast<acc_t>(row[i]), i);
-}
-
 // Pass 1: the max of every row of a (B, T, V) logits tensor, and from it the input checks' flags: the
 // max propagates NaN (at::vec::maximum), so a row holds NaN iff its max is NaN, and +inf iff its max is
 // +inf. Four independent accumulators keep the loop at memory speed (one max chain is latency-bound).

@@ -46,27 +46,33 @@ inline bool is_float8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t ==
 template <typename scalar_t>
 using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
-// dst[0:n] = src[0:n] converted to the accumulation type (by default src's; a float8 cache row is loaded
-// into its queries' accumulation type, which is fp64 for fp64 queries).
+// Calls vec_fn(Vectorized<acc_t> x, i) for the row's full vectors (converted to acc_t = acc_type_t<scalar_t>),
+// starting at element i, then scalar_fn(acc_t x, i) for the tail. float8 rows have no vector conversion: they
+// go element by element through scalar_fn.
+template <typename scalar_t, typename VecFn, typename ScalarFn>
+inline void for_each_vec(const scalar_t* row, int64_t n, VecFn&& vec_fn, ScalarFn&& scalar_fn) {
+  using acc_t = acc_type_t<scalar_t>;
+  constexpr int64_t AS = Vectorized<acc_t>::size();
+  int64_t i = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    for (; i + AS <= n; i += AS) vec_fn(Vectorized<acc_t>::loadu(row + i), i);
+  } else if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
+    using SVec = Vectorized<scalar_t>;
+    for (; i + SVec::size() <= n; i += SVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(SVec::loadu(row + i));
+      vec_fn(lo, i);
+      vec_fn(hi, i + AS);
+    }
+  }
+  for (; i < n; ++i) scalar_fn(static_cast<acc_t>(row[i]), i);
+}
+
+// dst[0:n] = src[0:n] converted to acc_t: src's accumulation type by default; a float8 cache row is loaded
+// into its queries' type, fp64 for fp64 queries (exact: float8 values are floats).
 template <typename scalar_t, typename acc_t = acc_type_t<scalar_t>>
 inline void load_row(const scalar_t* src, acc_t* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    std::memcpy(dst, src, n * sizeof(scalar_t));
-  } else if constexpr (std::is_same_v<acc_t, float> &&
-                       (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>)) {
-    using Vec = Vectorized<scalar_t>;
-    constexpr int64_t kF = Vectorized<float>::size();
-    int64_t i = 0;
-    for (; i + Vec::size() <= n; i += Vec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vec::loadu(src + i));
-      lo.store(dst + i);
-      hi.store(dst + i + kF);
-    }
-    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-  } else {
-    // float8: exact in fp32, so converting through float loses nothing for fp64 either
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(static_cast<float>(src[i]));
-  }
+  for_each_vec(src, n, [&](const auto& x, int64_t i) { x.store(dst + i); },
+               [&](auto x, int64_t i) { dst[i] = static_cast<acc_t>(x); });
 }
 
 // Addresses row `pos` of request b in a K/V cache (one layer): contiguous (B, L_max, H, D) when there is
