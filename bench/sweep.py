@@ -40,7 +40,7 @@ OPS = {m.OP: m for m in (op_attention, op_accept, op_rollback)}
 def attention_variants(x) -> list[tuple[str, dict]]:
     from specdec.kernels import tree_attention as ta
     cfg = ta.default_config(x.q, x.k_cache)
-    splits = ta.default_num_splits(x.q, x.k_cache, x.block_table, cfg)
+    splits = ta.default_num_splits(x.q, x.k_cache, x.block_table, cfg, x.window_left)
     out = [("default", {})]
     out += [(f"num_splits={s}", {"num_splits": s}) for s in sorted({1, max(1, splits // 2), 2 * splits} - {splits})]
     out += [(f"block_n={n}", {"config": cfg._replace(block_n=n)}) for n in (32, 64, 128) if n != cfg.block_n]

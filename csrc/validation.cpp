@@ -158,8 +158,10 @@ void check_scales(ScalarType cache, double k_scale, double v_scale) {
 
 // Positions [cache_lens[b], cache_lens[b] + extent(b)) exist and map to valid blocks.
 template <typename Extent>
+// With window_left >= 0 only the blocks from position cache_lens - window_left on are read (older ones may
+// have been freed by the engine), so only those must be valid.
 void check_positions(c10::IntArrayRef cache_shape, const Tensor& cache_lens, const std::optional<Tensor>& block_table,
-                     Extent extent, const char* what) {
+                     Extent extent, const char* what, int64_t window_left = -1) {
   const int64_t B = cache_lens.size(0), rows = cache_shape[cache_shape.size() - 3];
   const int64_t cap = block_table.has_value() ? block_table->size(1) * rows : rows;
   auto lens = cache_lens.accessor<int32_t, 1>();
@@ -173,7 +175,8 @@ void check_positions(c10::IntArrayRef cache_shape, const Tensor& cache_lens, con
   auto table = block_table->accessor<int32_t, 2>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t used = (lens[b] + extent(b) + rows - 1) / rows;
-    for (int64_t j = 0; j < used; ++j) {
+    const int64_t first = window_left >= 0 ? std::max<int64_t>(0, lens[b] - window_left) / rows : 0;
+    for (int64_t j = first; j < used; ++j) {
       TORCH_CHECK_VALUE(table[b][j] >= 0 && table[b][j] < num_blocks, "block_table: block ids in use must be in [0, ",
                         num_blocks, ")");
     }
@@ -218,7 +221,8 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
                     "logits_soft_cap: must be a finite number >= 0 (0 = no cap), got ", format_g(logits_soft_cap));
 
   check_num_nodes_range(nn, T);
-  check_positions(k_cache.sizes(), cache_lens, block_table, [T](int64_t) { return T; }, "the T new tokens");
+  check_positions(k_cache.sizes(), cache_lens, block_table, [T](int64_t) { return T; }, "the T new tokens",
+                  window_left);
   auto mask = tree_mask.accessor<int32_t, 3>();
   const int32_t* n = nn.data_ptr<int32_t>();
   auto bit = [&](int64_t b, int64_t i, int64_t j) { return (static_cast<uint32_t>(mask[b][i][j / 32]) >> (j % 32)) & 1u; };

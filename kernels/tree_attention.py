@@ -107,12 +107,14 @@ def default_config(q: torch.Tensor, k_cache: torch.Tensor) -> TileConfig:
 
 
 def default_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_table: Optional[torch.Tensor],
-                       config: TileConfig) -> int:
-    """The split-KV heuristic's choice for these shapes and tiles (the capacity of the cache, never its
-    lengths: no host sync)."""
+                       config: TileConfig, window_left: int = -1) -> int:
+    """The split-KV heuristic's choice for these shapes and tiles (the capacity of the cache, or of a window,
+    never its lengths: no host sync)."""
     B, T, Hq, _ = q.shape
     Hkv = k_cache.shape[2]
     capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    if window_left >= 0:
+        capacity = min(capacity, window_left + T)
     return choose_num_splits(B, Hkv, triton.cdiv(T * (Hq // Hkv), config.block_m), capacity, _sm_count(q.device))
 
 
@@ -208,15 +210,17 @@ def _tree_attention_kernel(
 
     # Prefix: this split's share of [first, prefix_len), whole tiles per split. Without a window every key is
     # visible (first = 0). With one, row (i, h) sees positions >= prefix_len + depth_i - window_left, depth_i
-    # = its mask bits - 1; first (tile-aligned) is where depth 0 starts seeing, so nothing older is read.
+    # = its mask bits below T - 1; first is where depth 0 starts seeing: nothing older is read (an engine may
+    # have freed those blocks).
     first = 0
     if WINDOW:
         depth = tl.full([BLOCK_M], -1, tl.int32)
         for w in range(0, (T + 31) // 32):
-            depth += _popcount(tl.load(tree_mask_ptr + b * stride_mb + node * stride_mt + w * stride_mw,
-                                       mask=row_ok, other=0))
+            word = tl.load(tree_mask_ptr + b * stride_mb + node * stride_mt + w * stride_mw, mask=row_ok, other=0)
+            bits = T - 32 * w  # word w holds nodes 32w..32w+31: count those below T only
+            depth += _popcount(word & tl.where(bits >= 32, -1, (1 << tl.minimum(bits, 31)) - 1))
         row_first = prefix_len + depth - window_left
-        first = tl.maximum(prefix_len - window_left, 0) // BLOCK_N * BLOCK_N
+        first = tl.maximum(prefix_len - window_left, 0)
     per_split = (prefix_len - first + NUM_SPLITS - 1) // NUM_SPLITS
     chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = first + split * chunk
@@ -319,7 +323,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     config = config or default_config(q, k_cache)
     row_tiles = triton.cdiv(T * group, config.block_m)
     if num_splits is None:
-        num_splits = default_num_splits(q, k_cache, block_table, config)
+        num_splits = default_num_splits(q, k_cache, block_table, config, window_left)
     if out is None:
         out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -340,7 +344,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *table_strides,
         *att_out.stride(), *att_lse.stride(),
         GROUP=group, HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-        COMPUTE_DTYPE=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        COMPUTE_DTYPE=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         IDENTITY_TABLE=identity_table, WINDOW=window_left >= 0, SOFT_CAP=logits_soft_cap > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -96,19 +96,20 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
     allowed_tree = unpack_bits(tree_mask.cpu(), T)  # (B, T, T) bool
     for b in range(B):
         L, n = int(cache_lens[b]), int(num_nodes[b])
-        rows = [physical_row(k_cache.shape, block_table, b, p) for p in range(L + T)]
+        first = max(0, L - window_left) if window_left >= 0 else 0  # older rows are never read
+        rows = [physical_row(k_cache.shape, block_table, b, p) for p in range(first, L + T)]
         where = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]))
         # (L+T, Hq, D): query head h reads KV head h // group
         keys = (k_cache.cpu()[where].double() * k_scale).repeat_interleave(group, dim=1)
         vals = (v_cache.cpu()[where].double() * v_scale).repeat_interleave(group, dim=1)
-        scores = torch.einsum("ihd,phd->hip", q[b, :n].cpu().double(), keys) * scale  # (Hq, n, L+T)
+        scores = torch.einsum("ihd,phd->hip", q[b, :n].cpu().double(), keys) * scale  # (Hq, n, L+T-first)
         if logits_soft_cap > 0:
             scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-        prefix = torch.ones(n, L, dtype=torch.bool)
+        prefix = torch.ones(n, L - first, dtype=torch.bool)
         if window_left >= 0:
             depth = allowed_tree[b, :n].sum(-1) - 1  # (n,)
-            prefix = torch.arange(L).unsqueeze(0) >= (L + depth - window_left).unsqueeze(1)
-        allowed = torch.cat([prefix, allowed_tree[b, :n]], dim=1)  # (n, L+T)
+            prefix = torch.arange(first, L).unsqueeze(0) >= (L + depth - window_left).unsqueeze(1)
+        allowed = torch.cat([prefix, allowed_tree[b, :n]], dim=1)  # (n, L+T-first)
         scores = scores.masked_fill(~allowed, -math.inf)
         lse[b, :n] = torch.logsumexp(scores, -1).T
         out[b, :n] = torch.einsum("hip,phd->ihd", torch.softmax(scores, -1), vals)

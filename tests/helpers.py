@@ -36,8 +36,8 @@ def to_device(*tensors):
 
 
 def on_backend(backend: str, args: dict) -> dict:
-    """An op's keyword arguments as `backend` gets them: the reference the CPU tensors themselves, any other
-    backend copies on DEVICE with the same strides (non-tensors as they are)."""
+    """An op's keyword arguments as `backend` gets them: the reference gets the CPU tensors themselves, any
+    other backend copies on DEVICE with the same strides (non-tensors pass through)."""
     return args if backend == "torch" else {name: to_device(x) for name, x in args.items()}
 
 

@@ -17,7 +17,8 @@ MIN_EXPECTED = 5.0  # chi-square needs about 5 expected counts per cell: rarer c
 
 
 def emitted_tokens(result, tokens: torch.Tensor) -> list[list[int]]:
-    """Per request: the tokens of the accepted draft nodes (root excluded), then the next token."""
+    """Per request: the tokens of the accepted draft nodes (root excluded), then the next token. (Plain Python on
+    purpose: the tests' own oracle, independent of AcceptResult.emitted_tokens.)"""
     acc, num, nxt = (x.cpu() for x in result)
     toks = tokens.cpu()
     return [[int(toks[b, int(acc[b, i])]) for i in range(1, int(num[b]) + 1)] + [int(nxt[b])]

@@ -241,7 +241,8 @@ def test_append_matches_reference(backend, layout, dtype, T):
 def test_append_float8_quantizes(backend, cache_dtype, new_dtype, layout):
     """A float8 cache stores fp32(x) * fp32(1 / scale) saturated and rounded to nearest even: bit-identical to
     the reference; independently, each stored value dequantizes to x within the format's precision, and
-    values (and infinities) beyond its range saturate to +-max."""
+    values (and infinities) beyond its range saturate to +-max. (Under the interpreter the final rounding is
+    torch's conversion, see conftest.py: the GPU's cvt.rn.satfinite is checked on a GPU run and in the PTX.)"""
     gen = torch.Generator().manual_seed(seed_of(cache_dtype, new_dtype, layout))
     B, T, H, D, cap = 5, 6, 2, 16, 24
     k, v, table = make_caches(1, B, cap, H, D, cache_dtype, layout, gen)

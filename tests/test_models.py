@@ -121,19 +121,27 @@ def test_sliding_window_matches_transformers_mistral(tmp_path):
 
 
 def test_window_configs():
-    """Mistral windows every layer; Qwen2 only with use_sliding_window, from max_window_layers on; Llama never."""
+    """transformers' rules: Mistral windows every layer (4096 by default, null = none); Qwen2 only with
+    use_sliding_window, in the layers layer_types names, else from max_window_layers on; Llama never."""
     from specdec.models.hf import config_from_hf
     base = dict(vocab_size=40, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
                 sliding_window=16, max_window_layers=2)
     mistral = config_from_hf(dict(base, model_type="mistral"))
     qwen = config_from_hf(dict(base, model_type="qwen2", use_sliding_window=True))
+    qwen_types = config_from_hf(dict(base, model_type="qwen2", use_sliding_window=True,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
     qwen_off = config_from_hf(dict(base, model_type="qwen2", use_sliding_window=False))
     llama = config_from_hf(dict(base, model_type="llama"))
+    mistral_default = config_from_hf({k: v for k, v in dict(base, model_type="mistral").items() if k != "sliding_window"})
+    mistral_none = config_from_hf(dict(base, model_type="mistral", sliding_window=None))
     assert [mistral.window(i) for i in range(3)] == [16, 16, 16]
+    assert [mistral_default.window(i) for i in range(3)] == [4096] * 3
     assert [qwen.window(i) for i in range(3)] == [None, None, 16]
-    assert [c.window(i) for c in (qwen_off, llama) for i in range(3)] == [None] * 6
+    assert [qwen_types.window(i) for i in range(3)] == [16, None, 16]
+    assert [c.window(i) for c in (qwen_off, llama, mistral_none) for i in range(3)] == [None] * 9
     with pytest.raises(ValueError, match="Mistral"):  # per-layer windows: not expressible as Mistral
-        save_model(Llama(dataclasses.replace(mistral, max_window_layers=1)), "/nonexistent", dtype=torch.float32)
+        save_model(Llama(dataclasses.replace(mistral, layer_types=qwen_types.layer_types)), "/nonexistent",
+                   dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,6 +170,28 @@ def test_prefill_then_decode_matches_causal_forward(block_size, window):
             step = model.forward_cached(x.gather(1, pos.unsqueeze(1)), cache, one.depth, one.mask)
             torch.testing.assert_close(step[:, 0], full[torch.arange(B), pos], atol=1e-5, rtol=1e-5)
             cache.commit(torch.ones(B, dtype=torch.int32))
+
+
+def test_float8_cache_with_scales_tracks_the_causal_forward(monkeypatch):
+    """A float8 cache with per-tensor scales (K stored as K / 0.05, V as V / 0.2): the cached forward stays
+    within float8 precision of the full-precision causal forward. A runner that passed the scales to
+    kv_append but not to tree_attention (the mutant below) is off by far more, so the bound means something."""
+    from specdec.models.llama import KVCache
+    model = tiny(seed=1)
+    B, n = 2, 12
+    x = torch.randint(0, 40, (B, n))
+    tree = chain_tree(B, n)
+
+    def error():
+        cache = KVCache(model.cfg, B, 16, dtype=torch.float8_e4m3fn, k_scale=0.05, v_scale=0.2)
+        with torch.no_grad():
+            return float((model.forward_cached(x, cache, tree.depth, tree.mask) - model(x)).abs().max())
+
+    assert error() < 0.1
+    attention = specdec.tree_attention
+    monkeypatch.setattr(specdec, "tree_attention",
+                        lambda *a, k_scale=None, v_scale=None, **kw: attention(*a, **kw))  # scales dropped
+    assert error() > 0.5
 
 
 @pytest.mark.parametrize("window", [None, 9])

@@ -23,15 +23,18 @@ BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the 
 
 
 def make_case(gen, *, B=3, T=9, Hkv=2, group=4, D=64, dtype=torch.float32, lens=(0, 37, 70), kinds=None,
-              paged=False):
-    """Random trees (ragged num_nodes), a cache whose rows past cache_lens + T are NaN (an over-read
-    shows), optionally paged with a shuffled block table; returns the public op's keyword arguments."""
+              paged=False, window_left=-1):
+    """Random trees (ragged num_nodes), a cache whose rows past cache_lens + T (and before a window:
+    cache_lens - window_left) are NaN (a read of them shows), optionally paged with a shuffled block table;
+    returns the public op's keyword arguments."""
     parents, num_nodes = random_trees(B, T, gen, **({"kinds": kinds} if kinds else {}))
     cache_lens = torch.tensor(lens, dtype=torch.int32)
     cap = math.ceil((max(lens) + T) / BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE
     kv = random_cache(B, cap, 2 * Hkv, D, dtype, gen)  # K and V side by side, so they page alike
     for b in range(B):
         kv[b, int(cache_lens[b]) + T:] = float("nan")
+        if window_left >= 0:
+            kv[b, :max(0, int(cache_lens[b]) - window_left)] = float("nan")
     block_table = None
     if paged:
         kv, block_table = to_paged(kv, BLOCK_SIZE, gen)
@@ -106,9 +109,37 @@ def test_window_and_soft_cap_match_reference(backend, dtype, window_left, cap, p
     """Sliding-window layers (each node's window ends at its own position: cache_lens + depth) and logit
     soft-capping, on random trees with ragged node counts."""
     gen = torch.Generator().manual_seed(window_left + 7 * int(cap) + paged)
-    case = make_case(gen, dtype=dtype, kinds=("random", "chain"), paged=paged)
+    case = make_case(gen, dtype=dtype, kinds=("random", "chain"), paged=paged, window_left=window_left)
     kw = dict(window_left=window_left, logits_soft_cap=cap)
     check_against_reference(run(case, backend, **kw), case, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_with_several_mask_words_and_stray_bits(backend):
+    """T = 40 (two mask words): depths up to 39 from both words; bits of nodes >= T in the last word (which
+    no node has) are ignored by every backend, as the reference ignores them."""
+    gen = torch.Generator().manual_seed(40)
+    case = make_case(gen, B=2, T=40, Hkv=1, group=2, lens=(64, 3), kinds=("random", "chain"), paged=True,
+                     window_left=45)
+    case["tree_mask"] = case["tree_mask"].clone()
+    case["tree_mask"][:, :, 1] |= 0b111 << 20  # "nodes" 52-54 (the input checks look at nodes < T only)
+    check_against_reference(run(case, backend, window_left=45), case, window_left=45)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_leaves_freed_blocks_alone(backend):
+    """An engine may free the blocks that slid out of the window (block id -1): they are neither checked nor
+    read with the window, and rejected without it."""
+    gen = torch.Generator().manual_seed(41)
+    case = make_case(gen, B=3, T=6, Hkv=2, group=2, lens=(0, 45, 130), paged=True, window_left=30)
+    table = case["block_table"].clone()
+    for b, L in enumerate((0, 45, 130)):
+        table[b, :max(0, L - 30) // BLOCK_SIZE] = -1
+    assert (table == -1).sum() > 0
+    case["block_table"] = table
+    check_against_reference(run(case, backend, window_left=30), case, window_left=30)
+    with pytest.raises(ValueError, match="^block_table: block ids in use"):
+        run(case, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -228,7 +259,7 @@ def test_triton_split_partials_dtype(dtype, partial_dtype):
 def test_triton_split_window(num_splits):
     """Splits partition the window, not the whole prefix; small tiles so the window starts mid-tile."""
     gen = torch.Generator().manual_seed(13)
-    case = make_case(gen, B=3, T=6, Hkv=2, group=2, lens=(0, 45, 130), paged=True)
+    case = make_case(gen, B=3, T=6, Hkv=2, group=2, lens=(0, 45, 130), paged=True, window_left=27)
     config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     result = triton_call(case, 1.0, 1.0, 27, 3.0, num_splits=num_splits, config=config)
     check_against_reference(result, case, window_left=27, logits_soft_cap=3.0)
@@ -278,9 +309,9 @@ def test_triton_reads_each_kv_element_once(monkeypatch, paged, num_splits):
     spy = MemorySpy(monkeypatch)
     triton_call(case, num_splits=num_splits, config=config)
     assert spy.counts([case["k_cache"]]) == expected_reads(lambda b, p: 1)  # K and V share one buffer
-    spy.loads.clear()  # a window: nothing before the tile holding its first position cache_lens - window_left
+    spy.loads.clear()  # a window: nothing before its first position cache_lens - window_left
     triton_call(case, 1.0, 1.0, 21, num_splits=num_splits, config=config)
-    in_window = lambda b, p: p >= (int(case["cache_lens"][b]) - 21) // 16 * 16  # noqa: E731 (tiles of 16 keys)
+    in_window = lambda b, p: p >= int(case["cache_lens"][b]) - 21  # noqa: E731
     assert spy.counts([case["k_cache"]]) == {a: 1 for a, n in expected_reads(in_window).items() if n}
     spy.loads.clear()
     triton_call(case, num_splits=num_splits, config=config._replace(block_m=16))  # tiles: nodes 0-3, nodes 4

@@ -37,10 +37,17 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         raise CheckpointError(f"config.json: hidden_act {hf['hidden_act']!r} not supported (silu only)")
     eos = hf.get("eos_token_id")
     n_heads = hf["num_attention_heads"]
-    # Mistral windows every layer when sliding_window is set; Qwen2 only with use_sliding_window, from layer
-    # max_window_layers on
+    # transformers' rules and defaults: Mistral windows every layer (sliding_window 4096 unless given, null = no
+    # window); Qwen2 only with use_sliding_window, in the layers layer_types marks "sliding_attention", or
+    # else from layer max_window_layers (default 28) on
     windowed = hf.get("use_sliding_window", False) if kind == "qwen2" else kind == "mistral"
-    window = hf.get("sliding_window") if windowed else None
+    window = hf.get("sliding_window", 4096) if windowed else None
+    if window is not None and kind == "qwen2":
+        first = hf.get("max_window_layers", 28)
+        layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                                for i in range(hf["num_hidden_layers"])]
+    else:
+        layer_types = None
     return LlamaConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, intermediate_size=hf["intermediate_size"],
@@ -50,7 +57,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         qkv_bias=kind == "qwen2" or hf.get("attention_bias", False),
         o_bias=kind != "qwen2" and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        sliding_window=window, max_window_layers=hf.get("max_window_layers", 0) if kind == "qwen2" else 0,
+        sliding_window=window, layer_types=layer_types,
         extra={k: v for k, v in hf.items() if k not in _KNOWN})
 
 
@@ -60,7 +67,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
         raise ValueError("saving: q/k/v biases without an o_proj bias is Qwen2-only, not expressible as Llama")
     kind = "llama"
     if cfg.sliding_window is not None:
-        if cfg.max_window_layers or cfg.qkv_bias or cfg.mlp_bias:
+        if any(cfg.window(i) is None for i in range(cfg.n_layers)) or cfg.qkv_bias or cfg.mlp_bias:
             raise ValueError("saving: a sliding window is written as Mistral, which has no biases and windows "
                              "every layer")
         kind = "mistral"
@@ -73,7 +80,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
         "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "hidden_act": "silu",
-        "torch_dtype": str(dtype).replace("torch.", ""), **window, **cfg.extra}
+        "torch_dtype": str(dtype).replace("torch.", ""), **cfg.extra, **window}
 
 
 # our fused projections: (the module holding it, its Hugging Face parts in the order they are joined)

@@ -49,9 +49,9 @@ class LlamaConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     # sliding-window attention (Mistral, Qwen2): a token sees the last `sliding_window` positions, itself
-    # included, in layers >= max_window_layers (Qwen2's field; Mistral windows every layer)
+    # included, in the layers layer_types marks "sliding_attention" (transformers' field), every layer if None
     sliding_window: Optional[int] = None
-    max_window_layers: int = 0
+    layer_types: Optional[list] = None
     extra: dict = field(default_factory=dict)  # unknown config.json fields, kept for saving
 
     def __post_init__(self):
@@ -65,7 +65,9 @@ class LlamaConfig:
 
     def window(self, layer: int) -> Optional[int]:
         """The sliding window of layer `layer`, or None for full attention."""
-        return self.sliding_window if self.sliding_window is not None and layer >= self.max_window_layers else None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,8 +303,8 @@ class Llama(nn.Module):
         """Run tokens[b, :lengths[b]] into `cache` and commit them, in chain-shaped chunks of <= chunk."""
         B = tokens.shape[0]
         n_max = int(lengths.max())
-        if self.cfg.sliding_window is not None:  # a chunk's last token must still see its first
-            chunk = min(chunk, self.cfg.sliding_window)
+        windows = [w for w in map(self.cfg.window, range(self.cfg.n_layers)) if w is not None]
+        chunk = min([chunk] + windows)  # a chunk's last token must still see its first
         for c0 in range(0, n_max, chunk):
             T = min(chunk, n_max - c0)
             n = (lengths.to(torch.int32) - c0).clamp(0, T)
@@ -313,6 +315,8 @@ class Llama(nn.Module):
     def new_cache(self, batch_size: int, max_len: int, block_size: Optional[int] = None,
                   kv_dtype: Optional[torch.dtype] = None) -> KVCache:
         """kv_dtype: the model's dtype (default) or a float8 dtype (scales 1, as an uncalibrated vLLM fp8 cache)."""
+        if kv_dtype not in (None, self.dtype) + FP8_DTYPES:
+            raise ValueError(f"kv_dtype: {kv_dtype} is neither the model's dtype ({self.dtype}) nor a float8 dtype")
         return KVCache(self.cfg, batch_size, max_len, dtype=kv_dtype or self.dtype, device=self.device,
                        block_size=block_size)
 
