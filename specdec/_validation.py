@@ -178,10 +178,10 @@ def check_scales(cache_dtype, k_scale, v_scale):
     return tuple(scales)
 
 
-def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T new tokens", window_left=-1):
-    """Value check: positions [cache_lens[b], cache_lens[b] + extent[b]) exist, and the blocks of every position
-    read map to valid blocks: [0, end), or with a window [cache_lens[b] - window_left, end) (an engine may free
-    the blocks that slid out of the window)."""
+def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T new tokens", first=None):
+    """Value check: positions [cache_lens[b], cache_lens[b] + extent[b]) exist, and the blocks the op touches,
+    those holding positions [first[b], cache_lens[b] + extent[b]) (first: default 0), are valid; an engine may
+    have freed the others (e.g. the blocks that slid out of a window)."""
     cap = capacity(cache_shape, block_table)
     lens = cache_lens.long()
     _fail_if("cache_lens", lens < 0, "must be >= 0")
@@ -190,9 +190,9 @@ def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T
     if block_table is not None:
         block_size = cache_shape[-3]
         used = (end + block_size - 1) // block_size  # blocks covering [0, end)
-        first = (lens - window_left).clamp(min=0) // block_size if window_left >= 0 else torch.zeros_like(lens)
+        first_block = torch.zeros_like(lens) if first is None else first.long() // block_size
         cols = torch.arange(block_table.shape[1], device=block_table.device)
-        in_use = (cols.unsqueeze(0) >= first.unsqueeze(1)) & (cols.unsqueeze(0) < used.unsqueeze(1))
+        in_use = (cols.unsqueeze(0) >= first_block.unsqueeze(1)) & (cols.unsqueeze(0) < used.unsqueeze(1))
         num_blocks = cache_shape[-4]
         bad = in_use & ((block_table < 0) | (block_table >= num_blocks))
         _fail_if("block_table", bad, f"block ids in use must be in [0, {num_blocks})")
@@ -234,7 +234,9 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
     if values and value_checks_enabled():
         nn = num_nodes.long()
         _fail_if("num_nodes", (nn < 1) | (nn > T), f"every entry must be in [1, {T}]")
-        check_positions(k_cache.shape, cache_lens, block_table, T, window_left=window_left)
+        # the committed prefix is read from position 0, or from the window's first position
+        first = (cache_lens.long() - window_left).clamp(min=0) if window_left >= 0 else None
+        check_positions(k_cache.shape, cache_lens, block_table, T, first=first)
         from .reference import unpack_bits
         bits = unpack_bits(tree_mask, T)  # (B, T, T)
         idx = torch.arange(T, device=dev)
@@ -265,7 +267,7 @@ def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_s
     check_cache_lens(cache_lens, B, dev)
     check_block_table(block_table, B, dev)
     if values and value_checks_enabled():
-        check_positions(k_cache.shape, cache_lens, block_table, T)
+        check_positions(k_cache.shape, cache_lens, block_table, T, first=cache_lens)  # writes from cache_lens on
     return scales
 
 
@@ -317,7 +319,8 @@ def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accept
         check_path(accepted_nodes, num_accepted)
         # the furthest row read is L + path[num_accepted]; its block must exist
         last = accepted_nodes.long().gather(1, num_accepted.long().clamp(0, accepted_nodes.shape[1] - 1).unsqueeze(1))
-        check_positions(ks[0].shape, cache_lens, block_table, last.squeeze(1) + 1, what="the tree rows")
+        check_positions(ks[0].shape, cache_lens, block_table, last.squeeze(1) + 1, what="the tree rows",
+                        first=cache_lens)  # moves rows from cache_lens on
     return ks, vs
 
 

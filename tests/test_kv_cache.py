@@ -291,6 +291,30 @@ def test_append_engine_like_heads_over_several_tiles(backend):
     assert same_bits(outs[backend][0], outs["torch"][0]) and same_bits(outs[backend][1], outs["torch"][1])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_append_and_rollback_touch_only_their_blocks(backend):
+    """Blocks wholly before cache_lens (freed by an engine whose sliding window left them behind: id -1) are
+    neither checked nor touched by append and rollback, which write and move rows from cache_lens on."""
+    gen = torch.Generator().manual_seed(31)
+    B, T, H, D, cap = 4, 6, 2, 8, 32
+    k, v, table = make_caches(2, B, cap, H, D, torch.float32, "paged", gen)
+    lens = torch.tensor([9, 0, 13, 20], dtype=torch.int32)
+    table = table.clone()
+    for b in range(B):
+        table[b, :int(lens[b]) // BLOCK_SIZE] = -1
+    k_new, v_new = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    paths, num_accepted = random_paths(B, T, gen)
+    outs = {}
+    for name in (backend, "torch"):
+        kc, vc, k_in, v_in, lens_in, table_in, paths_in, num_in = for_backend(
+            name, k.clone(), v.clone(), k_new, v_new, lens.clone(), table, paths, num_accepted)
+        specdec.kv_append(kc[0], vc[0], k_in, v_in, lens_in, block_table=table_in, backend=name)
+        specdec.kv_rollback(kc, vc, lens_in, paths_in, num_in, block_table=table_in, backend=name)
+        outs[name] = kc.cpu(), vc.cpu(), lens_in.cpu()
+    assert all(same_bits(a, b) for a, b in zip(outs[backend], outs["torch"]))
+    assert torch.equal(outs["torch"][2], lens + num_accepted + 1)
+
+
 # ----------------------------------------------------------------------------------------------
 # compiled code (no GPU needed): the interpreter accepts programs the compiler rejects
 # ----------------------------------------------------------------------------------------------
