@@ -47,6 +47,36 @@ def test_tree_attention(dtype, B, T, Hq, Hkv, D, max_len, paged):
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_tree_attention_float8_window_at_131k(kv_dtype):
+    """vLLM's fp8 cache under a 4K sliding window at position ~131K, with every block older than the window
+    freed (-1) and only the window's blocks allocated: the kernel reads the window alone."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, Hq, Hkv, D, page, window_left = 2, 16, 32, 8, 128, 16, 4095
+    lens = torch.tensor([131_000, 5_000], dtype=torch.int32)
+    parents, num_nodes = random_trees(B, T, gen)
+    info = specdec.build_tree(parents, num_nodes)
+    first = [(int(L) - window_left) // page for L in lens]
+    last = [(int(L) + T - 1) // page for L in lens]
+    num_blocks = sum(e - f + 1 for f, e in zip(first, last))
+    table = torch.full((B, max(last) + 1), -1, dtype=torch.int32)
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32).split([e - f + 1 for f, e in zip(first, last)])
+    for b in range(B):
+        table[b, first[b]:last[b] + 1] = ids[b]
+    k = specdec.reference.quantize(torch.randn(num_blocks, page, Hkv, D, generator=gen), 0.02, kv_dtype)
+    v = specdec.reference.quantize(torch.randn(num_blocks, page, Hkv, D, generator=gen), 0.05, kv_dtype)
+    q = torch.randn(B, T, Hq, D, generator=gen).to(torch.bfloat16)
+    kw = dict(block_table=table, num_nodes=num_nodes, k_scale=0.02, v_scale=0.05, window_left=window_left,
+              return_lse=True)
+    ref_out, ref_lse = specdec.tree_attention(q, k, v, lens, info.mask, backend="torch", **kw)
+    dev = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in kw.items()}
+    out, lse = specdec.tree_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), lens.to(DEVICE), info.mask.to(DEVICE),
+                                      backend="triton", **dev)
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,T,V", [(8, 8, 128_256), (4, 16, 32_003)])
 def test_accept_greedy(dtype, B, T, V):
