@@ -31,8 +31,9 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
     fp16/bf16 operands on GPU (fp32 operands in IEEE precision, not TF32). The CPU interpreter upcasts
     every tile to fp32 right after the load (its bf16 arithmetic is wrong).
   * Sliding windows (window_left >= 0): a row's window ends at its node's position cache_lens + depth, depth
-    = its mask bits - 1 (popcount in-kernel: no extra input); the splits partition the window only, from the
-    tile holding cache_lens - window_left, so older keys are never read. Soft-capping (logits_soft_cap > 0)
+    = its mask bits below T - 1 (popcount in-kernel: no extra input); the splits partition the window only,
+    from position cache_lens - window_left, so older keys are never read (their blocks may be freed) and the
+    split heuristic sizes splits from the window, not the cache. Soft-capping (logits_soft_cap > 0)
     maps the scores through cap * tanh(score / cap) before the softmax. Both are constexpr branches: the
     plain kernel compiles without them.
   * float8 caches (vLLM's fp8 KV cache, per-tensor scales): tiles are widened to q's dtype after the load
