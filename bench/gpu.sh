@@ -13,7 +13,7 @@
 #   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
 #   sweep           python -m bench.sweep: the Triton tunables at the target shapes (what the heuristics
 #                   should choose), one variant per row, ranked
-#   tests-backends  the backend test files (tree_attention, accept, accept_lossless, kv_cache, layouts) on CUDA
+#   tests-backends  the backend test files (kv_cache, layouts, accept, accept_lossless, tree_attention) on CUDA
 #                   (SPECDEC_TEST_DEVICE=cuda, TRITON_INTERPRET=0), last, with what the budget has left
 #   summary         merged results + PASS/FAIL against the targets, then the sweep's ranking
 # RESULTS_DIR ends up with summary.md, bench-<date>-<device>.json/.md (merged results), sweep.json/.md and
@@ -150,8 +150,9 @@ step sweep 80 "${SWEEP[@]}" --out "$STEPS" --name sweep --time-budget 55
 
 # the broad backend test files last: they compile every kernel variant they use (minutes), so they get
 # what the focused tests and the grid left of the budget
-read -r -a BACKEND_TESTS <<<"${SPECDEC_GPU_TESTS:-tests/test_tree_attention.py tests/test_accept.py \
-tests/test_accept_lossless.py tests/test_kv_cache.py tests/test_layouts.py}"
+# the file with the most kernel specializations to compile (tree_attention) last, so a budget cut costs the least
+read -r -a BACKEND_TESTS <<<"${SPECDEC_GPU_TESTS:-tests/test_kv_cache.py tests/test_layouts.py tests/test_accept.py \
+tests/test_accept_lossless.py tests/test_tree_attention.py}"
 step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-150}" \
   env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
 
