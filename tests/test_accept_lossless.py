@@ -88,6 +88,19 @@ def test_first_token_follows_target(backend, name):
     assert_law(first_tokens(result, batch["tokens"]), target_law(TARGET_ROOT, t), f"{name} on {backend}")
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton kernel's draw")
+@pytest.mark.parametrize("name,trials", [("chain_draft", 0), ("tree_iid_draft", 1)])
+def test_triton_draw_after_a_last_rejection_is_exact_for_any_candidate_count(monkeypatch, name, trials):
+    """The draw after a last rejection with draft logits: trials=0 is the Z-pass draw alone, trials=1 one
+    candidate then that fallback (the default tries 8, rarely falling back): a mixture of exact paths."""
+    from specdec.kernels import accept as kernel
+    monkeypatch.setattr(kernel, "TRIALS", trials)
+    cfg = dict(SCENARIOS[name])
+    batch = _scenario(n=samples_for("triton"), seed=len(name) + 7 * trials, **cfg)
+    result = accept_on("triton", **batch)
+    assert_law(first_tokens(result, batch["tokens"]), target_law(TARGET_ROOT, cfg["t"]), f"{name}, trials={trials}")
+
+
 # ----------------------------------------------------------------------------------------------
 # two tokens across steps: Markov-chain target and drafter over a small vocabulary
 # ----------------------------------------------------------------------------------------------
