@@ -209,13 +209,15 @@ def test_report_prefers_graph_replay_where_both_sides_were_captured():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton launchers on CPU need the interpreter")
 @pytest.mark.parametrize("case", [c for c in TOY if c.op in sweep.SWEEPS], ids=lambda c: c.op)
 def test_sweep_variants_compute_the_op(case):
-    """Every tuning variant the GPU sweep times returns a checked result (accept: the default's exact one)."""
+    """Every tuning variant the GPU sweep times returns a checked result (accept: a schedule the default's exact
+    one; a candidate count other, equally exact, draws)."""
     rows = list(sweep.sweep_case(case, CPU, {"gbps": 10.0}, budget_s=0.01, smoke=True))
     assert rows[0]["impl"] == "triton default" and len(rows) >= 4
     for r in rows:
         assert r["status"] == "ok" and r["check"].startswith("ok") and "MISMATCH" not in r["check"], r
     if case.op == "accept":
-        assert all(r["check"].endswith("= default") for r in rows[1:])
+        schedules = [r for r in rows[1:] if "trials" not in r["variant"]]
+        assert len(schedules) < len(rows) - 1 and all(r["check"].endswith("= default") for r in schedules)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton launchers on CPU need the interpreter")
@@ -229,7 +231,7 @@ def test_sweep_flags_an_accept_variant_that_changes_the_result(monkeypatch):
     monkeypatch.setitem(sweep.SWEEPS, "accept", (sweep.accept_variants, other_stream))
     case = next(c for c in TOY if c.op == "accept")
     rows = list(sweep.sweep_case(case, CPU, {"gbps": 10.0}, budget_s=0.01, smoke=True))
-    assert all("differs from the default" in r["check"] for r in rows[1:])
+    assert all("differs from the default" in r["check"] for r in rows[1:] if "trials" not in r["variant"])
 
 
 def test_sweep_ranking_orders_variants_and_marks_the_copy_goal():
