@@ -157,8 +157,8 @@ void check_scales(ScalarType cache, double k_scale, double v_scale) {
 }
 
 // Positions [cache_lens[b], cache_lens[b] + extent(b)) exist, and the blocks the op touches, those holding
-// positions [first(b), cache_lens[b] + extent(b)), are valid (an engine may have freed the others, e.g. the
-// blocks that slid out of a window).
+// positions [first(cache_lens[b]), cache_lens[b] + extent(b)), are valid (an engine may have freed the others,
+// e.g. the blocks that slid out of a window).
 template <typename Extent, typename First>
 void check_positions(c10::IntArrayRef cache_shape, const Tensor& cache_lens, const std::optional<Tensor>& block_table,
                      Extent extent, First first, const char* what) {
@@ -175,7 +175,7 @@ void check_positions(c10::IntArrayRef cache_shape, const Tensor& cache_lens, con
   auto table = block_table->accessor<int32_t, 2>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t used = (lens[b] + extent(b) + rows - 1) / rows;
-    for (int64_t j = first(b) / rows; j < used; ++j) {
+    for (int64_t j = first(int64_t{lens[b]}) / rows; j < used; ++j) {
       TORCH_CHECK_VALUE(table[b][j] >= 0 && table[b][j] < num_blocks, "block_table: block ids in use must be in [0, ",
                         num_blocks, ")");
     }
@@ -221,10 +221,10 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
 
   check_num_nodes_range(nn, T);
   // the committed prefix is read from position 0, or from the window's first position
-  auto lens = cache_lens.accessor<int32_t, 1>();
   check_positions(
       k_cache.sizes(), cache_lens, block_table, [T](int64_t) { return T; },
-      [&](int64_t b) { return window_left >= 0 ? std::max<int64_t>(0, lens[b] - window_left) : 0; }, "the T new tokens");
+      [window_left](int64_t L) { return window_left >= 0 ? std::max<int64_t>(0, L - window_left) : 0; },
+      "the T new tokens");
   auto mask = tree_mask.accessor<int32_t, 3>();
   const int32_t* n = nn.data_ptr<int32_t>();
   auto bit = [&](int64_t b, int64_t i, int64_t j) { return (static_cast<uint32_t>(mask[b][i][j / 32]) >> (j % 32)) & 1u; };
@@ -334,9 +334,8 @@ void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor&
   check_scales(k_cache.scalar_type(), k_scale, v_scale);
   check_cache_lens(cache_lens, B, device);
   check_block_table(block_table, B, device);
-  auto lens = cache_lens.accessor<int32_t, 1>();  // the new rows are written from cache_lens on
   check_positions(k_cache.sizes(), cache_lens, block_table, [T](int64_t) { return T; },
-                  [&](int64_t b) { return int64_t{lens[b]}; }, "the T new tokens");
+                  [](int64_t L) { return L; }, "the T new tokens");  // the new rows are written from L on
 }
 
 PathInputs check_kv_rollback(at::TensorList k_caches, at::TensorList v_caches, const Tensor& cache_lens,
@@ -382,10 +381,9 @@ PathInputs check_kv_rollback(at::TensorList k_caches, at::TensorList v_caches, c
     }
   }
   // rows from cache_lens to cache_lens + path[num_accepted] (the furthest row read) are touched
-  auto lens = cache_lens.accessor<int32_t, 1>();
   check_positions(k_caches[0].sizes(), cache_lens, block_table,
                   [&](int64_t b) { return static_cast<int64_t>(path[b * P + na[b]]) + 1; },
-                  [&](int64_t b) { return int64_t{lens[b]}; }, "the tree rows");
+                  [](int64_t L) { return L; }, "the tree rows");
   return in;
 }
 

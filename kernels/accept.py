@@ -354,6 +354,27 @@ def _trial(j, f0, f1, c_prev, c, node, inv_t, lse_p, lse_q, seed, off_lo, stream
 
 
 @triton.jit
+def _first_accepted(j0, step, f0, f1, c_prev, c, node, inv_t, lse_p, lse_q, seed, off_lo, stream_base, t_row, d_row,
+                    par, tok, idx_t, valid, t_base, stride_tt, par_row, tok_row, n_real, V, HAS_DRAFT: tl.constexpr,
+                    SPLIT_V: tl.constexpr, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+                    TRIALS: tl.constexpr):
+    """Candidates j0, j0 + step, ... < TRIALS in order until one is accepted: (its j as a float, its token),
+    or (+inf, -1). The walker tries them all (step 1); a split launch's program its share (step NUM_SPLITS)."""
+    first = inv_t * 0.0 + float("inf")
+    x_first = tl.full((), -1, tl.int32)
+    j = j0
+    while (j < TRIALS) & (first == float("inf")):
+        ok, x = _trial(j, f0, f1, c_prev, c, node, inv_t, lse_p, lse_q, seed, off_lo, stream_base, t_row, d_row, par,
+                       tok, idx_t, valid, t_base, stride_tt, par_row, tok_row, n_real, V, HAS_DRAFT, SPLIT_V,
+                       NUM_SPLITS, S_BLOCK, BLOCK_V)
+        if ok:
+            first = j.to(tl.float32)
+            x_first = x
+        j += step
+    return first, x_first
+
+
+@triton.jit
 def _advance(kind, node, depth, cursor, c, z, lse_p, lse_q, r0, r1, r2, r3, ri, f0, f1,
              greedy, inv_t, u_all, seed, off_lo, stream_base, par, tok, idx_t, valid, t_base, d_base, stride_tt,
              stride_dt, V, acc_row, out_num, out_next, writer, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr,
@@ -546,17 +567,15 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
                       num_acc_ptr + b, next_ptr + b, HAS_DRAFT, SPLIT_V, BLOCK_V)
                 kind = tl.full((), DONE, tl.int32)
             elif kind == TRIAL:  # candidates in order until one is accepted, else the Z pass
-                j = tl.full((), 0, tl.int32)
-                while (j < TRIALS) & (kind == TRIAL):
-                    ok, x = _trial(j, f0, f1, c_prev, c, node, inv_t, lse_p, lse_q, seed, off_lo, stream_base, t_row,
-                                   d_row, par, tok, idx_t, valid, t_base, stride_tt, par_row, tok_row, n_real, V,
-                                   HAS_DRAFT, SPLIT_V, NUM_SPLITS, S_BLOCK, BLOCK_V)
-                    if ok:
-                        tl.store(num_acc_ptr + b, depth)
-                        tl.store(next_ptr + b, x.to(tl.int64))
-                        kind = tl.full((), DONE, tl.int32)
-                    j += 1
-                if kind == TRIAL:
+                first, x = _first_accepted(tl.full((), 0, tl.int32), 1, f0, f1, c_prev, c, node, inv_t, lse_p, lse_q,
+                                           seed, off_lo, stream_base, t_row, d_row, par, tok, idx_t, valid, t_base,
+                                           stride_tt, par_row, tok_row, n_real, V, HAS_DRAFT, SPLIT_V, NUM_SPLITS,
+                                           S_BLOCK, BLOCK_V, TRIALS)
+                if first < TRIALS:
+                    tl.store(num_acc_ptr + b, depth)
+                    tl.store(next_ptr + b, x.to(tl.int64))
+                    kind = tl.full((), DONE, tl.int32)
+                else:
                     kind = tl.full((), ZPASS, tl.int32)
             else:
                 f0, f1, f2, f3, fi = _row_pass(kind, t_row, d_row, V, inv_t, greedy, use_q, lse_p, lse_q, c,
@@ -585,17 +604,10 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
                 _draw(t_row, d_row, pick, thresh, V, inv_t, lse_p, lse_q, c, node, par_row, tok_row, n_real, depth,
                       num_acc_ptr + b, next_ptr + b, HAS_DRAFT, SPLIT_V, BLOCK_V)
         elif kind == TRIAL:  # candidates j = split, split + NUM_SPLITS, ...: this program's first accepted one
-            first = inv_t * 0.0 + float("inf")
-            x_first = tl.full((), -1, tl.int32)
-            j = split
-            while (j < TRIALS) & (first == float("inf")):
-                ok, x = _trial(j, f0, f1, c_prev, c, node, inv_t, lse_p, lse_q, seed, off_lo, stream_base, t_row,
-                               d_row, par, tok, idx_t, valid, t_base, stride_tt, par_row, tok_row, n_real, V,
-                               HAS_DRAFT, SPLIT_V, NUM_SPLITS, S_BLOCK, BLOCK_V)
-                if ok:
-                    first = j.to(tl.float32)
-                    x_first = x
-                j += NUM_SPLITS
+            first, x_first = _first_accepted(split, NUM_SPLITS, f0, f1, c_prev, c, node, inv_t, lse_p, lse_q, seed,
+                                             off_lo, stream_base, t_row, d_row, par, tok, idx_t, valid, t_base,
+                                             stride_tt, par_row, tok_row, n_real, V, HAS_DRAFT, SPLIT_V, NUM_SPLITS,
+                                             S_BLOCK, BLOCK_V, TRIALS)
             part = ((write_buf * B + b) * NUM_SPLITS + split)
             tl.store(part_f_ptr + part * 4, first)
             tl.store(part_i_ptr + part, x_first)

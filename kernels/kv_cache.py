@@ -148,7 +148,7 @@ def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=1
     table, block_size = _paging(k_cache, block_table, B)
     BLOCK_T, BLOCK_H, BLOCK_D = _tile(T, H, D)
     grid = (B, triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
-    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = k_cache.element_size() == 1  # the one-byte cache dtypes the op accepts are the float8 ones
     # the kernel multiplies by fp32(1 / scale), computed here in double as the reference does
     _kv_append_kernel[grid](k_cache, v_cache, k_new, v_new, cache_lens.contiguous(), table, 1.0 / k_scale,
                             1.0 / v_scale, T, H, D, block_size, table.stride(0),

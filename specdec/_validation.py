@@ -73,6 +73,13 @@ def _tensor(name, x, *, dim=None, dtypes=None, device=None):
         raise ValueError(f"{name}: on {x.device}, expected {device} like the other inputs")
 
 
+def _number(name, value) -> float:
+    """A float argument (an int is accepted, a bool is not)."""
+    if not isinstance(value, (float, int)) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    return float(value)
+
+
 def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
@@ -165,11 +172,7 @@ def check_scales(cache_dtype, k_scale, v_scale):
     A float8 cache stores x / scale (stored * scale is the value); other caches hold values as they are."""
     scales = []
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is None:
-            scale = 1.0
-        if not isinstance(scale, (float, int)) or isinstance(scale, bool):
-            raise TypeError(f"{name}: expected a float, got {type(scale).__name__}")
-        scale = float(scale)
+        scale = 1.0 if scale is None else _number(name, scale)
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"{name}: must be a finite number > 0, got {scale:g}")
         if scale != 1.0 and cache_dtype not in FP8_DTYPES:
@@ -220,15 +223,13 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
     num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
     if scale is None:
         scale = D ** -0.5
-    if not isinstance(scale, (float, int)) or isinstance(scale, bool):
-        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    scale = _number("scale", scale)
     if not isinstance(window_left, int) or isinstance(window_left, bool):
         raise TypeError(f"window_left: expected an int, got {type(window_left).__name__}")
     if window_left != -1 and window_left < T - 1:
         raise ValueError(f"window_left: must be -1 (no window) or >= T - 1 = {T - 1} (a node always sees its "
                          f"ancestors), got {window_left}")
-    if not isinstance(logits_soft_cap, (float, int)) or isinstance(logits_soft_cap, bool):
-        raise TypeError(f"logits_soft_cap: expected a float, got {type(logits_soft_cap).__name__}")
+    logits_soft_cap = _number("logits_soft_cap", logits_soft_cap)
     if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
         raise ValueError(f"logits_soft_cap: must be a finite number >= 0 (0 = no cap), got {logits_soft_cap:g}")
     if values and value_checks_enabled():
@@ -245,7 +246,7 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         _fail_if("tree_mask", no_self, "every real node must have its own bit set")
         future = bits & (idx.view(1, 1, T) > idx.view(1, T, 1))
         _fail_if("tree_mask", future.any(-1) & real, "node i may only see nodes j <= i (ancestors and itself)")
-    return num_nodes, float(scale), k_scale, v_scale, int(window_left), float(logits_soft_cap)
+    return num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap
 
 
 def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=None, v_scale=None,

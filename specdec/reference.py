@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from ._validation import FP8_DTYPES
+
 
 # ----------------------------------------------------------------------------------------------
 # Trees
@@ -71,7 +73,7 @@ def physical_row(cache_shape, block_table, b: int, pos: int) -> tuple[int, int]:
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """What a cache of `dtype` stores for values x: float8 holds fp32(x) * fp32(1 / scale), clamped to the
     format's finite range (NaN stays NaN), rounded to nearest even; other dtypes hold x as it is."""
-    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if dtype not in FP8_DTYPES:
         return x.to(dtype)
     limit = torch.finfo(dtype).max
     y = x.float() * torch.tensor(1.0 / scale, dtype=torch.float32)
