@@ -6,14 +6,14 @@ step), so that one GPU run measures what the heuristics should choose.
     TRITON_INTERPRET=1 python -m bench.sweep --device cpu --toy   # the mechanics on toy shapes, no timing
 
 For every target case of bench/cases.py (GPU_TARGETS; --toy: the toy cases), each variant of its op's
-tunables runs the Triton launcher directly, is checked like a benchmark row (accept variants must also
-return exactly what the default returns: the schedule may not change a result), and is timed eagerly and
-as a CUDA-graph replay. "default" is what the heuristics choose now; the others change one tunable each:
+tunables runs the Triton launcher directly, is checked like a benchmark row (accept schedule variants must
+also return exactly what the default returns: the schedule may not change a result; a trials variant draws
+other, equally exact, samples), and is timed eagerly and as a CUDA-graph replay. "default" is what the heuristics choose now; the others change one tunable each:
 
   attention  num_splits (x1/2, x2, 1), block_n, num_warps, num_stages, float32 split partials
              (choose_num_splits, choose_config)
-  accept     block_v, num_splits, num_warps, prefetch, split_steps=0 (the walker alone: one launch)
-             (_config)
+  accept     block_v, num_splits, num_warps, prefetch, split_steps=0 (the walker alone: one launch),
+             trials (candidates of the draw after a last rejection)       (_config, TRIALS)
   rollback   tile_elements, num_warps                                    (kv_cache.TILE_ELEMENTS)
 
 Results: JSON + markdown like `python -m bench` (rows named "triton <variant>"), and a per-case ranking
