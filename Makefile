@@ -4,22 +4,31 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
-DEPS := torch==2.13.0 "triton>=3.0" numpy pytest pytest-benchmark scipy safetensors tqdm
+DEPS := torch==2.13.0 "triton>=3.0" numpy pytest pytest-xdist pytest-random-order pytest-benchmark scipy safetensors tqdm
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+# the suite on both cores (one torch thread per worker); PYTEST_ARGS adds options, e.g. a shuffled run:
+#   make test PYTEST_ARGS="--random-order-bucket=global"
+PYTEST_ARGS ?=
 
 .PHONY: demo test bench install clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): $(PY) setup.py $(wildcard csrc/*.cpp csrc/*.h)
-	$(PY) -m pip install -q --disable-pip-version-check $(DEPS)
-	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
+# the newest pip, setuptools and wheel, as a user's environment has them (a new venv brings old ones), so that
+# the install takes the path users take; then the package, its C++ ops compiled against the torch present
+$(STAMP): $(PY) setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
+	$(PIP) --upgrade pip setuptools wheel
+	$(PIP) $(DEPS)
+	$(PIP) --no-build-isolation -e .
+	$(PY) -c "import specdec._C" || { echo "the C++ ops (specdec._C) did not build"; exit 1; }
 	touch $(STAMP)
 
 install: $(STAMP)
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests bench/test_bench_ops.py --benchmark-disable
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests bench/test_bench_ops.py \
+		--benchmark-disable $(PYTEST_ARGS)
 
 # the main job: speculative decoding with the shipped model pair vs plain autoregressive decoding
 demo: $(STAMP)

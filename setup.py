@@ -3,7 +3,9 @@ C++ CPU ops (specdec._C). Build against the torch already installed:
 
     pip install --no-build-isolation -e .
 
-Set SPECDEC_NO_CPP=1 to skip the C++ extension (the package then runs on the reference backend).
+The build fails when torch cannot be imported (an isolated build environment has none): install torch
+first and build with --no-build-isolation, or set SPECDEC_NO_CPP=1 to skip the C++ extension on purpose
+(the package then runs on the PyTorch reference backend on CPU).
 The extension is compiled for the build machine's CPU (-march=native); SPECDEC_CPU_ARCH=<arch> (e.g.
 x86-64-v3) builds for another target, SPECDEC_CPU_ARCH= (empty) for the compiler's default.
 """
@@ -31,8 +33,10 @@ def cpu_arch_flags():
 if os.environ.get("SPECDEC_NO_CPP") != "1":
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
-    except ImportError:
-        sys.stderr.write("setup.py: torch not importable, building without the C++ extension\n")
+    except ImportError as exc:
+        sys.exit(f"setup.py: the C++ ops (specdec._C) are compiled against the installed torch, but torch cannot be "
+                 f"imported here ({exc}). Install torch first, then build without isolation: "
+                 "`pip install --no-build-isolation -e .` (or `.`). SPECDEC_NO_CPP=1 builds without the C++ ops.")
     else:
         sources = sorted(glob.glob("csrc/*.cpp"))
         if sources:
@@ -55,9 +59,13 @@ setup(
     package_dir={"specdec": "specdec", "specdec.kernels": "kernels"},
     package_data={"specdec": ["assets/*/*"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "numpy"],
-    extras_require={"triton": ["triton>=3.0"], "test": ["pytest", "scipy", "pytest-benchmark"],
-                    "bench": ["pytest-benchmark", "transformers"]},
+    # every import of the package at run time (the CLI loads safetensors checkpoints)
+    install_requires=["torch>=2.4", "safetensors>=0.4"],
+    # optional: Triton kernels (GPU, or CPU through TRITON_INTERPRET=1), progress bars, Hugging Face tokenizers
+    # and the comparison rows of the end-to-end benchmark; without them those features are skipped
+    extras_require={"triton": ["triton>=3.0"], "progress": ["tqdm"], "hf": ["transformers"],
+                    "test": ["pytest", "pytest-xdist", "pytest-random-order", "numpy", "scipy", "pytest-benchmark"],
+                    "bench": ["pytest-benchmark", "numpy", "transformers"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -141,6 +141,23 @@ def compile_for_hopper(fn, types: dict, constexprs: dict, divisible=None, num_wa
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def report_from_fresh_process(call: str, timeout: int = 600):
+    """Runs `call` (e.g. "from tests.test_x import report; report(...)", which prints one JSON line) in a new
+    Python process without TRITON_INTERPRET, and returns the parsed last line of its output.
+
+    Compiling for a GPU needs a process of its own: a test session runs with TRITON_INTERPRET=1, whose patches
+    of Triton's language module (made by whichever interpreted kernel ran first) break the compiler."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 class MemorySpy:
     """Records every element address the Triton interpreter loads from or stores to (masked-off lanes
     excluded): what a kernel really reads and writes, element by element."""

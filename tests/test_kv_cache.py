@@ -15,7 +15,8 @@ import triton
 
 import specdec
 from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, compile_for_hopper, from_paged,
-                           random_cache, random_trees, root_path, to_device, to_paged)
+                           random_cache, random_trees, report_from_fresh_process, root_path, to_device,
+                           to_paged)
 
 LAYOUTS = ["contiguous", "paged"]
 BLOCK_SIZE = 4
@@ -324,40 +325,39 @@ def ptx_for_hopper(fn, types, constexprs):
     return compile_for_hopper(fn, types, constexprs).asm["ptx"]
 
 
-@pytest.fixture
-def compiled_kv_cache(monkeypatch):
-    """A fresh copy of specdec.kernels.kv_cache whose kernels are compilable JIT functions (the test
-    session runs with TRITON_INTERPRET=1, under which @triton.jit makes interpreted ones)."""
-    import importlib.util
+def vectorized_copies_report(elem: str) -> None:
+    """Prints (JSON) which instructions the kernels compile to for sm_90 with `elem` ("fp16", "fp32") caches.
+    Runs in a fresh process without TRITON_INTERPRET (see tests.helpers.report_from_fresh_process)."""
+    import json
 
-    import triton.compiler.code_generator  # noqa: F401  (imports Triton's own jit helpers while interpreting)
     from specdec.kernels import kv_cache
-    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
-    spec = importlib.util.spec_from_file_location("kv_cache_compiled", kv_cache.__file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    ints = {"cache_lens": "*i32", "accepted_nodes": "*i32", "num_accepted": "*i32", "block_table": "*i32",
+            "new_lens": "*i32", "entry_offsets": "*i64"}
+    rollback = ptx_for_hopper(kv_cache._kv_rollback_kernel, {"caches": f"*{elem}", **ints},
+                              {"ENTRY_ALIGN": 16, "BLOCK_P": 8, "BLOCK_H": 4, "BLOCK_D": 128, "s_d": 1})
+    caches = {name: f"*{elem}" for name in ("k_cache", "v_cache", "k_new", "v_new")}
+    scales = {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}
+    unit = {"skc_d": 1, "svc_d": 1, "skn_d": 1, "svn_d": 1}
+    append = ptx_for_hopper(kv_cache._kv_append_kernel, {**caches, **ints, **scales},
+                            {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 0.0, **unit})
+    # a float8 cache fed 16-bit rows
+    fp8 = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv", "k_new": "*bf16", "v_new": "*bf16"}
+    append_fp8 = ptx_for_hopper(kv_cache._kv_append_kernel, {**fp8, **ints, **scales},
+                                {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 448.0, **unit})
+    found = {name: {ins: ins in ptx for ins in ("ld.global.v4.b32", "st.global.v4.b32", "bar.sync",
+                                                "cvt.rn.satfinite.e4m3x2.f32")}
+             for name, ptx in (("rollback", rollback), ("append", append), ("append_fp8", append_fp8))}
+    print(json.dumps(found))
 
 
 @pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checked on the CPU machine; a GPU run runs the compiled kernels")
 @pytest.mark.parametrize("elem", ["fp16", "fp32"])
-def test_kernels_compile_to_vectorized_copies(compiled_kv_cache, elem):
-    kv_cache = compiled_kv_cache
-    ints = {"cache_lens": "*i32", "accepted_nodes": "*i32", "num_accepted": "*i32", "block_table": "*i32",
-            "new_lens": "*i32", "entry_offsets": "*i64"}
-    ptx = ptx_for_hopper(kv_cache._kv_rollback_kernel, {"caches": f"*{elem}", **ints},
-                             {"ENTRY_ALIGN": 16, "BLOCK_P": 8, "BLOCK_H": 4, "BLOCK_D": 128, "s_d": 1})
-    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # 16-byte loads and stores
-    assert "bar.sync" in ptx  # sources read before destinations are written
-    caches = {name: f"*{elem}" for name in ("k_cache", "v_cache", "k_new", "v_new")}
-    scales = {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}
-    unit = {"skc_d": 1, "svc_d": 1, "skn_d": 1, "svn_d": 1}
-    ptx = ptx_for_hopper(kv_cache._kv_append_kernel, {**caches, **ints, **scales},
-                         {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 0.0, **unit})
-    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+def test_kernels_compile_to_vectorized_copies(elem):
+    found = report_from_fresh_process(
+        f"from tests.test_kv_cache import vectorized_copies_report; vectorized_copies_report({elem!r})")
+    for name in ("rollback", "append"):  # 16-byte loads and stores
+        assert found[name]["ld.global.v4.b32"] and found[name]["st.global.v4.b32"], name
+    assert found["rollback"]["bar.sync"]  # sources read before destinations are written
     # a float8 cache fed 16-bit rows: hardware conversion, round to nearest even, saturating
-    fp8 = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv", "k_new": "*bf16", "v_new": "*bf16"}
-    ptx = ptx_for_hopper(kv_cache._kv_append_kernel, {**fp8, **ints, **scales},
-                         {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 448.0, **unit})
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "ld.global.v4.b32" in ptx
+    assert found["append_fp8"]["cvt.rn.satfinite.e4m3x2.f32"] and found["append_fp8"]["ld.global.v4.b32"]
