@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 #   make test PYTEST_ARGS="--random-order-bucket=global"
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench install clean
+.PHONY: demo test check-install bench install clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ install: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests bench/test_bench_ops.py \
 		--benchmark-disable $(PYTEST_ARGS)
+
+# a regular install and a wheel build in a new venv, each checked from outside the checkout (CI runs it too)
+check-install:
+	bash scripts/check_install.sh
 
 # the main job: speculative decoding with the shipped model pair vs plain autoregressive decoding
 demo: $(STAMP)

@@ -60,7 +60,8 @@ setup(
     package_data={"specdec": ["assets/*/*"]},
     python_requires=">=3.9",
     # every import of the package at run time (the CLI loads safetensors checkpoints)
-    install_requires=["torch>=2.4", "safetensors>=0.4"],
+    # (numpy: torch warns at every start without it)
+    install_requires=["torch>=2.4", "safetensors>=0.4", "numpy"],
     # optional: Triton kernels (GPU, or CPU through TRITON_INTERPRET=1), progress bars, Hugging Face tokenizers
     # and the comparison rows of the end-to-end benchmark; without them those features are skipped
     extras_require={"triton": ["triton>=3.0"], "progress": ["tqdm"], "hf": ["transformers"],

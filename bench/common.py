@@ -20,7 +20,7 @@ class Target:
     impl: str
     vs: str
     threshold: float
-    source: str  # where the target comes from ("issue 6", "issue 3 goal", ...)
+    source: str  # what kind of target it is ("CPU floor: C++ vs PyTorch", "H200 floor", a goal)
 
 
 @dataclass

@@ -10,7 +10,7 @@ in training), one request at a time (transformers' assisted generation is single
                  prompt_lookup_num_tokens= (skipped when transformers is not installed)
 More rows run our AR and chain speculation on all prompts as one batch, and sampled (--sample-temperature):
 greedy outputs of a small model often repeat themselves, which flatters tau; sampled text does not.
-Reports new tokens/s (best of --repeats passes: the machine may be shared), tokens per target step
+Reports new tokens/s (best of --repeats passes: other work on the machine only ever slows a pass), tokens per target step
 (tau, ours), and whether each greedy output is identical to our AR output. Writes e2e.json and e2e.md under bench/results/ (machine, versions, commit, date).
 """
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main(argv=None):
             methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None),
                             lambda kw=kw: run_hf(hf_target, [prompts[0]], 8, eos, **kw)))
     best = {}
-    for rep in range(args.repeats):  # the machine may be shared: keep each method's best pass
+    for rep in range(args.repeats):  # other work on the machine only slows a pass: keep each method's best
         for name, run, warm_up in methods:
             warm_up()
             tokens, wall, tau = run()

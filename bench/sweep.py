@@ -1,4 +1,4 @@
-"""Tuning sweep: the Triton kernels' launch parameters at the issue-target shapes (the GPU script's `sweep`
+"""Tuning sweep: the Triton kernels' launch parameters at the target shapes (the GPU script's `sweep`
 step), so that one GPU run measures what the heuristics should choose.
 
     python -m bench.sweep [--device cuda] [--ops attention,accept,rollback] [--out DIR] [--name STEM]

@@ -44,7 +44,7 @@ def _deterministic():
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny matmuls on a shared 2-core machine: more threads only wait on each other."""
+    """Tiny matmuls: more threads than the work needs only wait on each other."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

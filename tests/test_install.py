@@ -23,8 +23,8 @@ def test_cpp_extension_is_built():
     if os.environ.get("SPECDEC_NO_CPP") == "1":
         pytest.skip("built with SPECDEC_NO_CPP=1")
     assert specdec.ops.HAS_CPP, "specdec._C did not build or does not load: `pip install --no-build-isolation -e .`"
-    import specdec._C
-    assert Path(specdec._C.__file__).parent == Path(specdec.__file__).parent
+    from specdec import _C
+    assert Path(_C.__file__).parent == Path(specdec.__file__).parent
 
 
 def _third_party_imports():

@@ -287,7 +287,7 @@ def test_triton_row_tiles_split_nodes():
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_triton_reads_each_kv_element_once(monkeypatch, paged, num_splits):
-    """The bytes claim of the kernel (issue 3): every K and V element of a request's cache_lens[b] +
+    """The bytes claim of the kernel (each K/V tile loaded once): every K and V element of a request's cache_lens[b] +
     num_nodes[b] positions is loaded exactly once for all its T nodes and the Hq/Hkv query heads sharing
     it (one row tile), whatever the split count; nothing else in the caches is touched. With two row
     tiles (the documented cost when T * group > BLOCK_M) the prefix is read twice: the spy sees it."""

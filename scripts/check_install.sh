@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The installs a user makes, each checked from outside the checkout, in a new venv with the newest pip and
+# setuptools: a regular install (`pip install --no-build-isolation .`) and a wheel build (`pip wheel
+# --no-build-isolation .`) must both contain the C++ ops, and `python -m specdec generate` must run after the
+# plain install (every runtime import a declared requirement). `make check-install` runs it; so does CI.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+tmp=$(mktemp -d /tmp/specdec-install.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+python3 -m venv "$tmp/venv"
+py="$tmp/venv/bin/python"
+pip=("$py" -m pip install -q --disable-pip-version-check)
+"${pip[@]}" --upgrade pip setuptools wheel
+"${pip[@]}" torch==2.13.0  # the CPU build from the local wheel; the package's own requirements come next
+
+echo "check-install: pip install --no-build-isolation ."
+"${pip[@]}" --no-build-isolation "$root"
+cd "$tmp"  # away from the checkout: the installed package, not the source folder, is imported
+"$py" -c "import specdec, specdec._C; assert specdec.ops.HAS_CPP; print('specdec._C:', specdec._C.__file__)"
+"$py" -m specdec generate --prompt 'def f(x):' --max-new-tokens 16 --threads 1
+
+echo "check-install: pip wheel --no-build-isolation ."
+"$py" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w "$tmp/dist" "$root"
+"$py" - "$tmp"/dist/specdec-*.whl <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+need = {"the C++ ops": "specdec/_C", "the Triton kernels": "specdec/kernels/accept.py",
+        "the shipped pair": "specdec/assets/target/config.json"}
+missing = [what for what, prefix in need.items() if not any(n.startswith(prefix) for n in names)]
+assert not missing, f"the wheel lacks {missing}"
+print("wheel:", sys.argv[1].rsplit("/", 1)[-1], "has", ", ".join(need))
+PY
+echo "check-install: ok"
