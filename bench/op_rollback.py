@@ -71,11 +71,11 @@ def _caches(x: Inputs):
 
 def specdec_fn(x: Inputs, backend: str):
     k, v = _caches(x)
+    plan = specdec.RollbackPlan(k, v, x.block_table, backend=backend)  # once, as an engine does
 
     def run():
         x.cache_lens.copy_(x.lens0)
-        specdec.kv_rollback(k, v, x.cache_lens, x.accepted_nodes, x.num_accepted,
-                            block_table=x.block_table, backend=backend)
+        plan.run(x.cache_lens, x.accepted_nodes, x.num_accepted)
     return run
 
 

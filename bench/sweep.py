@@ -92,10 +92,11 @@ def rollback_variants(x) -> list[tuple[str, dict]]:
 def rollback_launch(x, kwargs):
     from specdec.kernels import kv_cache as kc
 
+    tables = kc.layer_tables(x.k_caches, x.v_caches)  # once, as a RollbackPlan does
+
     def run():
         x.cache_lens.copy_(x.lens0)
-        kc.kv_rollback(x.k_caches, x.v_caches, x.cache_lens, x.accepted_nodes, x.num_accepted, x.block_table,
-                       **kwargs)
+        kc.rollback(tables, x.cache_lens, x.accepted_nodes, x.num_accepted, x.block_table, **kwargs)
     return run
 
 

@@ -13,22 +13,24 @@ kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_
 
 Caches: contiguous (B, L_max, Hkv, D) or paged (num_blocks, block_size, Hkv, D) with block_table
 (B, max_blocks) int32. One code path: a contiguous cache is a paged one with a single block of
-L_max rows per request and the identity block table (block_table[b] = [b]).
+L_max rows per request and the identity block table (block_table[b] = [b]), computed in the kernel
+(IDENTITY_TABLE), never allocated.
 
 Rollback, every layer in one launch: a device table holds each (K or V, layer) base as an element
 offset from the lowest-addressed cache tensor, so a stacked tensor and a list of per-layer tensors are
-launched alike (the table is built once per cache set and reused). Tensors with different stride
-layouts cannot share one set of strides: they are launched once per distinct layout (in practice
-every layer shares one layout, so one launch). The table addresses other tensors through the anchor's
-pointer, which is fine on the GPU and under TRITON_INTERPRET=1 with CPU tensors (the interpreter's case
-that copies CUDA tensors to the host one by one would break it). Pure copies (no arithmetic): every
-dtype, float8 included, is bit-exact.
+launched alike. `layer_tables` builds it (one small asynchronous host-to-device copy); a caller that
+rolls back the same caches every step builds it once and passes it to `rollback` (specdec.RollbackPlan
+does), the schema launcher `kv_rollback` builds it per call. Tensors with different stride layouts
+cannot share one set of strides: they are launched once per distinct layout (in practice every layer
+shares one layout, so one launch). The table addresses other tensors through the anchor's pointer,
+which is fine on the GPU and under TRITON_INTERPRET=1 with CPU tensors (the interpreter's case that
+copies CUDA tensors to the host one by one would break it). Pure copies (no arithmetic): every dtype,
+float8 included, is bit-exact.
 """
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,13 +38,15 @@ import triton.language as tl
 
 TILE_ELEMENTS = 4096  # elements one program copies per step: enough bytes in flight, few registers
 MAX_ROWS_PER_STEP = 8  # path nodes (or new rows) per step; accepted paths are short
-MAX_TABLES = 64  # entry tables kept (one per set of cache tensors an engine uses)
 
 
 @triton.jit
-def _physical_rows(table_row, pos, block_size, s_blk, s_row, mask):
-    """int64 element offsets of the rows holding logical positions `pos` (int64) of one request."""
-    block = tl.load(table_row + pos // block_size, mask=mask, other=0).to(tl.int64)
+def _physical_rows(table_row, request, pos, block_size, s_blk, s_row, mask, IDENTITY_TABLE: tl.constexpr):
+    """int64 element offsets of the rows holding logical positions `pos` (int64) of request `request`."""
+    if IDENTITY_TABLE:  # contiguous cache: the request's one block (of L_max rows) is block `request`
+        block = tl.zeros_like(pos) + request
+    else:
+        block = tl.load(table_row + pos // block_size, mask=mask, other=0).to(tl.int64)
     return block * s_blk + (pos % block_size) * s_row
 
 
@@ -54,11 +58,12 @@ def _within_row(h, d, s_h, s_d):
 
 @triton.jit
 def _append_rows(cache, new, inv_scale, table_row, pos, b, t, h, d, rows, mask, block_size,
-                 sc_blk, sc_row, sc_h, sc_d, sn_b, sn_t, sn_h, sn_d, FP8_LIMIT: tl.constexpr):
+                 sc_blk, sc_row, sc_h, sc_d, sn_b, sn_t, sn_h, sn_d, FP8_LIMIT: tl.constexpr,
+                 IDENTITY_TABLE: tl.constexpr):
     """cache at logical positions pos[j] <- new[b, t[j]], for the (t, h, d) tile under `mask`; a float8
     cache (FP8_LIMIT > 0, its largest finite value) gets fp32(x) * inv_scale, saturated, rounded to nearest
     even (NaN stays NaN: both comparisons are false)."""
-    dst = _physical_rows(table_row, pos, block_size, sc_blk, sc_row, rows)
+    dst = _physical_rows(table_row, b, pos, block_size, sc_blk, sc_row, rows, IDENTITY_TABLE)
     src = b * sn_b + t.to(tl.int64) * sn_t
     vals = tl.load(new + (src[:, None, None] + _within_row(h, d, sn_h, sn_d)), mask=mask)
     if FP8_LIMIT > 0:
@@ -73,7 +78,8 @@ def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k
                       T, H, D, block_size, s_table,
                       skc_blk, skc_row, skc_h, skc_d, svc_blk, svc_row, svc_h, svc_d,
                       skn_b, skn_t, skn_h, skn_d, svn_b, svn_t, svn_h, svn_d,
-                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_LIMIT: tl.constexpr):
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_LIMIT: tl.constexpr,
+                      IDENTITY_TABLE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -83,16 +89,16 @@ def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k
     pos = tl.load(cache_lens + b).to(tl.int64) + t
     table_row = block_table + b * s_table
     _append_rows(k_cache, k_new, k_inv_scale, table_row, pos, b, t, h, d, rows, mask, block_size,
-                 skc_blk, skc_row, skc_h, skc_d, skn_b, skn_t, skn_h, skn_d, FP8_LIMIT)
+                 skc_blk, skc_row, skc_h, skc_d, skn_b, skn_t, skn_h, skn_d, FP8_LIMIT, IDENTITY_TABLE)
     _append_rows(v_cache, v_new, v_inv_scale, table_row, pos, b, t, h, d, rows, mask, block_size,
-                 svc_blk, svc_row, svc_h, svc_d, svn_b, svn_t, svn_h, svn_d, FP8_LIMIT)
+                 svc_blk, svc_row, svc_h, svc_d, svn_b, svn_t, svn_h, svn_d, FP8_LIMIT, IDENTITY_TABLE)
 
 
 @triton.jit
 def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_accepted, block_table, new_lens,
                         P, H, D, block_size, s_path, s_table, s_blk, s_row, s_h, s_d,
                         ENTRY_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, IDENTITY_TABLE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     # this program's layer of K or V; offsets are stored divided by ENTRY_ALIGN so the compiler
     # knows the base stays aligned (vectorized loads)
@@ -114,8 +120,8 @@ def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_a
         i = p0 + tl.arange(0, BLOCK_P)
         node = tl.load(path_row + i, mask=i < n, other=0)
         moves = (i < n) & (node != i)  # rows already in place are not touched
-        src = _physical_rows(table_row, L + node, block_size, s_blk, s_row, moves)
-        dst = _physical_rows(table_row, L + i, block_size, s_blk, s_row, moves)
+        src = _physical_rows(table_row, b, L + node, block_size, s_blk, s_row, moves, IDENTITY_TABLE)
+        dst = _physical_rows(table_row, b, L + i, block_size, s_blk, s_row, moves, IDENTITY_TABLE)
         mask = moves[:, None, None] & in_row
         vals = tl.load(cache + (src[:, None, None] + within), mask=mask)
         tl.debug_barrier()
@@ -130,89 +136,100 @@ def _tile(rows: int, H: int, D: int, tile_elements: int = TILE_ELEMENTS) -> tupl
     return block_rows, block_h, block_d
 
 
-@lru_cache(maxsize=None)
-def _identity_table(B: int, device: torch.device) -> torch.Tensor:
-    """block_table[b] = [b]: a contiguous cache seen as one block of L_max rows per request."""
-    return torch.arange(B, dtype=torch.int32, device=device).view(B, 1)
-
-
-def _paging(cache: torch.Tensor, block_table, B: int):
-    """(block_table, block_size) addressing `cache` (4-D or 5-D) in both layouts."""
+def _paging(block_table, cache_lens):
+    """(table, its row stride, IDENTITY_TABLE) for the kernels. The kernels never read the table of a
+    contiguous cache: any int32 tensor stands in (cache_lens), with stride 0."""
     if block_table is None:
-        return _identity_table(B, cache.device), cache.shape[-3]
-    return block_table.contiguous(), cache.shape[-3]
+        return cache_lens, 0, True
+    table = block_table.contiguous()
+    return table, table.stride(0), False
 
 
 def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=1.0, v_scale=1.0) -> None:
     B, T, H, D = k_new.shape
-    table, block_size = _paging(k_cache, block_table, B)
+    lens = cache_lens.contiguous()
+    table, s_table, identity_table = _paging(block_table, lens)
     BLOCK_T, BLOCK_H, BLOCK_D = _tile(T, H, D)
     grid = (B, triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
     fp8 = k_cache.element_size() == 1  # the one-byte cache dtypes the op accepts are the float8 ones
     # the kernel multiplies by fp32(1 / scale), computed here in double as the reference does
-    _kv_append_kernel[grid](k_cache, v_cache, k_new, v_new, cache_lens.contiguous(), table, 1.0 / k_scale,
-                            1.0 / v_scale, T, H, D, block_size, table.stride(0),
+    _kv_append_kernel[grid](k_cache, v_cache, k_new, v_new, lens, table, 1.0 / k_scale,
+                            1.0 / v_scale, T, H, D, k_cache.shape[-3], s_table,
                             *k_cache.stride(), *v_cache.stride(), *k_new.stride(), *v_new.stride(),
                             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                            FP8_LIMIT=torch.finfo(k_cache.dtype).max if fp8 else 0.0)
+                            FP8_LIMIT=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
+                            IDENTITY_TABLE=identity_table)
 
 
-_entry_tables: OrderedDict = OrderedDict()  # (device, dtype, layers) -> (anchor index, offsets, align)
-# host tables whose copy was captured into a CUDA graph: the graph re-reads them at every replay, so they
-# live as long as the process (a few bytes per cache set), also after their entry is evicted
+class LayerTable(NamedTuple):
+    """Every (K or V, layer) of the cache tensors sharing one stride layout, for one rollback launch: the
+    base of entry e is `anchor` + offsets[e] * align elements. anchor is the lowest-addressed tensor, so
+    offsets are >= 0; align is the largest power of two <= 16 dividing every offset (offsets are stored
+    divided by it so the kernel knows each base stays aligned: vectorized loads)."""
+    anchor: torch.Tensor  # a 5-D view of the lowest-addressed tensor of the group
+    offsets: torch.Tensor  # (entries,) int64 on the caches' device
+    align: int
+    strides: tuple  # (s_blk, s_row, s_h, s_d) shared by the group
+    head_shape: tuple  # (Hkv, D)
+
+
+# Host sources of tables built while a CUDA graph was being captured: the captured copy re-reads its
+# source at every replay, and the graph may outlive the caller's table, so they live as long as the
+# process (a few bytes per capture). Tables built outside a capture (a RollbackPlan made before capturing
+# its run) never land here.
 _captured_sources: list = []
 
 
-def _entry_table(stacks: list[torch.Tensor]):
-    """For 5-D caches sharing one stride layout: (anchor, offsets, align) with every (tensor, layer)
-    base = anchor + offsets[e] * align elements; anchor is the lowest-addressed tensor so offsets are
-    >= 0, align the largest power of two <= 16 dividing them all. Built once per set of tensors (the
-    host-to-device copy is asynchronous) and reused: an engine passes the same caches every step. Built
-    during a CUDA-graph capture, the copy becomes a graph node reading the pinned host table, which is
-    then kept alive for good."""
-    key = (stacks[0].device, stacks[0].dtype, tuple((c.data_ptr(), c.shape[0], c.stride(0)) for c in stacks))
-    if key in _entry_tables:
-        _entry_tables.move_to_end(key)
-        anchor_idx, offsets, align = _entry_tables[key]
-        return stacks[anchor_idx], offsets, align
+def layer_tables(k_caches, v_caches) -> list[LayerTable]:
+    """The rollback tables of lists of 4-D (one layer) or 5-D ((layers, ...)) cache tensors, one per distinct
+    stride layout (in practice one). One asynchronous host-to-device copy each (pinned on CUDA)."""
+    stacks = [c if c.dim() == 5 else c.unsqueeze(0) for c in list(k_caches) + list(v_caches)]
+    layouts: dict = {}
+    for c in stacks:
+        layouts.setdefault(c.stride()[1:], []).append(c)
+    tables = []
     size = stacks[0].element_size()
-    anchor_idx = min(range(len(stacks)), key=lambda j: stacks[j].data_ptr())
-    base = stacks[anchor_idx].data_ptr()
-    assert all((c.data_ptr() - base) % size == 0 for c in stacks), "cache tensors must be element-aligned"
-    offsets = [(c.data_ptr() - base) // size + layer * c.stride(0) for c in stacks for layer in range(c.shape[0])]
-    common = math.gcd(*offsets)
-    align = min(common & -common, 16) if common else 16
-    host = torch.tensor([o // align for o in offsets], dtype=torch.int64,
-                        pin_memory=stacks[0].is_cuda)
-    entry = (anchor_idx, host.to(stacks[0].device, non_blocking=True), align)
-    if stacks[0].is_cuda and torch.cuda.is_current_stream_capturing():
-        _captured_sources.append(host)
-    _entry_tables[key] = entry
-    if len(_entry_tables) > MAX_TABLES:
-        _entry_tables.popitem(last=False)
-    return stacks[anchor_idx], entry[1], align
+    for strides, group in layouts.items():
+        anchor = min(group, key=lambda c: c.data_ptr())
+        base = anchor.data_ptr()
+        assert all((c.data_ptr() - base) % size == 0 for c in group), "cache tensors must be element-aligned"
+        offsets = [(c.data_ptr() - base) // size + layer * c.stride(0) for c in group for layer in range(c.shape[0])]
+        common = math.gcd(*offsets)
+        align = min(common & -common, 16) if common else 16
+        host = torch.tensor([o // align for o in offsets], dtype=torch.int64, pin_memory=anchor.is_cuda)
+        if anchor.is_cuda and torch.cuda.is_current_stream_capturing():
+            _captured_sources.append(host)
+        tables.append(LayerTable(anchor, host.to(anchor.device, non_blocking=True), align, strides,
+                                 tuple(anchor.shape[-2:])))
+    return tables
+
+
+def rollback(tables: list[LayerTable], cache_lens, accepted_nodes, num_accepted, block_table, *,
+             tile_elements: int = TILE_ELEMENTS, num_warps: int = 4) -> None:
+    """kv_rollback of the caches `tables` (from `layer_tables`) describe: one launch per table, then
+    cache_lens advanced on the device. Allocates only the (B,) int32 new lengths: CUDA-graph capturable."""
+    B, P = accepted_nodes.shape
+    H, D = tables[0].head_shape
+    lens, path, num_acc = cache_lens.contiguous(), accepted_nodes.contiguous(), num_accepted.contiguous()
+    table, s_table, identity_table = _paging(block_table, lens)
+    block_size = tables[0].anchor.shape[-3]
+    BLOCK_P, BLOCK_H, BLOCK_D = _tile(P, H, D, tile_elements)
+    new_lens = torch.empty_like(lens)
+    for entry in tables:
+        s_blk, s_row, s_h, s_d = entry.strides
+        grid = (B, entry.offsets.shape[0], triton.cdiv(H, BLOCK_H))
+        _kv_rollback_kernel[grid](entry.anchor, entry.offsets, lens, path, num_acc, table, new_lens,
+                                  P, H, D, block_size, path.stride(0), s_table, s_blk, s_row, s_h, s_d,
+                                  ENTRY_ALIGN=entry.align, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                                  IDENTITY_TABLE=identity_table, num_warps=num_warps)
+    # after every move is issued (the kernels read cache_lens): one device copy, no host sync
+    cache_lens.copy_(new_lens)
 
 
 def kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table, *,
                 tile_elements: int = TILE_ELEMENTS, num_warps: int = 4) -> None:
-    """Normalized arguments of the `specdec::kv_rollback` schema; the keyword-only tunables (elements one
-    program moves per step, warps per program) are for the GPU tuning sweep (bench/sweep.py)."""
-    B, P = accepted_nodes.shape
-    stacks = [c if c.dim() == 5 else c.unsqueeze(0) for c in list(k_caches) + list(v_caches)]
-    H, D = stacks[0].shape[-2:]
-    table, block_size = _paging(stacks[0], block_table, B)
-    BLOCK_P, BLOCK_H, BLOCK_D = _tile(P, H, D, tile_elements)
-    lens, path, num_acc = cache_lens.contiguous(), accepted_nodes.contiguous(), num_accepted.contiguous()
-    new_lens = torch.empty_like(lens)
-    layouts: dict = {}
-    for c in stacks:
-        layouts.setdefault(c.stride()[1:], []).append(c)
-    for (s_blk, s_row, s_h, s_d), group in layouts.items():
-        anchor, offsets, align = _entry_table(group)
-        grid = (B, offsets.shape[0], triton.cdiv(H, BLOCK_H))
-        _kv_rollback_kernel[grid](anchor, offsets, lens, path, num_acc, table, new_lens,
-                                  P, H, D, block_size, path.stride(0), table.stride(0), s_blk, s_row, s_h, s_d,
-                                  ENTRY_ALIGN=align, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                                  num_warps=num_warps)
-    # after every move is issued (the kernels read cache_lens): one device copy, no host sync
-    cache_lens.copy_(new_lens)
+    """Normalized arguments of the `specdec::kv_rollback` schema (the layer tables built for this call);
+    the keyword-only tunables (elements one program moves per step, warps per program) are for the GPU
+    tuning sweep (bench/sweep.py)."""
+    rollback(layer_tables(k_caches, v_caches), cache_lens, accepted_nodes, num_accepted, block_table,
+             tile_elements=tile_elements, num_warps=num_warps)

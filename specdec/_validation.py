@@ -4,8 +4,10 @@ Two kinds of checks:
   * metadata checks (shapes, dtypes, devices): free, always on;
   * value checks (index ranges, NaN logits, capacity, path shape): they read device data on the host,
     so they cost a sync on GPU. They are ON by default and switched off for the GPU hot path with
-    `specdec.set_value_checks(False)` or the environment variable `SPECDEC_VALUE_CHECKS=0`. They are
-    also skipped while torch.compile traces (they cannot run on fake tensors).
+    `specdec.set_value_checks(False)`, `with specdec.value_checks(False):` or the environment variable
+    `SPECDEC_VALUE_CHECKS=0` (the default of every thread). The switch is a context variable: setting it
+    in one thread (or asyncio task) leaves the others as they are. The checks are also skipped while
+    torch.compile traces (they cannot run on fake tensors) and while a CUDA graph is captured.
 
 The public ops skip the value checks in Python when the call goes to the C++ op, which runs the same
 checks with the same messages itself (tests/test_cpp.py compares them).
@@ -16,12 +18,14 @@ every check runs before anything is written, so a failed call never leaves a cac
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 
 import torch
 
-_value_checks = os.environ.get("SPECDEC_VALUE_CHECKS", "1") not in ("0", "false", "False", "")
+_VALUE_CHECKS = contextvars.ContextVar(
+    "specdec_value_checks", default=os.environ.get("SPECDEC_VALUE_CHECKS", "1") not in ("0", "false", "False", ""))
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # KV caches only, dequantized with a per-tensor scale
@@ -31,26 +35,28 @@ MAX_OFFSET = 2**60  # accept's random-stream offsets (Philox counter words: 31 +
 
 
 def set_value_checks(enabled: bool) -> None:
-    """Turn the host-syncing value checks on or off for every op (default: on)."""
-    global _value_checks
-    _value_checks = bool(enabled)
+    """Turn the host-syncing value checks on or off for every op called from the current thread (or
+    asyncio task) from now on; other threads keep theirs (default: on, or SPECDEC_VALUE_CHECKS)."""
+    _VALUE_CHECKS.set(bool(enabled))
 
 
 @contextlib.contextmanager
 def value_checks(enabled: bool):
-    """The value checks on or off inside a `with` block; the previous setting comes back after it."""
-    global _value_checks
-    previous, _value_checks = _value_checks, bool(enabled)
+    """The value checks on or off inside a `with` block, in the current thread only; the previous setting
+    comes back after it (blocks nest)."""
+    token = _VALUE_CHECKS.set(bool(enabled))
     try:
         yield
     finally:
-        _value_checks = previous
+        _VALUE_CHECKS.reset(token)
 
 
 def value_checks_enabled() -> bool:
     """On unless turned off, and never while torch.compile traces or a CUDA graph is being captured (a host
     sync there is an error; the checks ran, or could have run, on the eager warm-up calls)."""
-    return _value_checks and not torch.compiler.is_compiling() and not _capturing_cuda_graph()
+    if torch.compiler.is_compiling():  # first: the traced code never reads the context variable
+        return False
+    return _VALUE_CHECKS.get() and not _capturing_cuda_graph()
 
 
 def _capturing_cuda_graph() -> bool:
@@ -133,7 +139,8 @@ def check_build_tree(parents, num_nodes, values=True):
 # caches
 # ----------------------------------------------------------------------------------------------
 def check_cache_pair(k_cache, v_cache, block_table, B, *, k_name="k_cache", v_name="v_cache"):
-    """Checks one layer's (4-D) or a stacked (5-D) K/V pair; returns (Hkv, D)."""
+    """Checks one layer's (4-D) or a stacked (5-D) K/V pair; returns (Hkv, D). B: the requests, or None
+    where they are not known yet (a RollbackPlan checks a contiguous cache's rows at every run)."""
     _tensor(k_name, k_cache, dtypes=CACHE_DTYPES)
     _tensor(v_name, v_cache, dtypes=CACHE_DTYPES, device=k_cache.device)
     if k_cache.dim() not in (4, 5):
@@ -142,16 +149,22 @@ def check_cache_pair(k_cache, v_cache, block_table, B, *, k_name="k_cache", v_na
     _shape(v_name, v_cache, k_cache.shape)
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"{v_name}: dtype {v_cache.dtype} differs from {k_name} dtype {k_cache.dtype}")
-    if block_table is None and k_cache.shape[-4] != B:
-        raise ValueError(f"{k_name}: a contiguous cache needs one row per request ({B}), got {k_cache.shape[-4]}")
+    if block_table is None and B is not None:
+        check_contiguous_rows(k_cache, B, k_name)
     return k_cache.shape[-2], k_cache.shape[-1]
 
 
+def check_contiguous_rows(k_cache, B, k_name="k_cache"):
+    if k_cache.shape[-4] != B:
+        raise ValueError(f"{k_name}: a contiguous cache needs one row per request ({B}), got {k_cache.shape[-4]}")
+
+
 def check_block_table(block_table, B, device):
+    """B: the requests, or None where they are not known yet (a RollbackPlan checks the rows at every run)."""
     if block_table is None:
         return
     _tensor("block_table", block_table, dim=2, dtypes=(torch.int32,), device=device)
-    if block_table.shape[0] != B:
+    if B is not None and block_table.shape[0] != B:
         raise ValueError(f"block_table: expected {B} rows (one per request), got shape {tuple(block_table.shape)}")
 
 
@@ -296,20 +309,36 @@ def check_path(accepted_nodes, num_accepted, T_limit=None):
         _fail_if("accepted_nodes", on_path & (path >= T_limit), f"node indices must be < {T_limit}")
 
 
-def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table, values=True):
+def _layer_suffix(ks, i):
+    return "" if len(ks) == 1 else f"[{i}]"
+
+
+def check_rollback_caches(k_caches, v_caches, block_table):
+    """The metadata of kv_rollback's caches, which stay the same from step to step (RollbackPlan checks them
+    once): every layer on one device, of one shape and dtype. Returns the caches as lists (ks, vs)."""
     ks = as_layer_list("k_cache", k_caches)
     vs = as_layer_list("v_cache", v_caches)
     if len(ks) != len(vs):
         raise ValueError(f"v_cache: {len(vs)} layer tensors but k_cache has {len(ks)}")
-    _tensor("cache_lens", cache_lens, dim=1, dtypes=(torch.int32,))
-    B = cache_lens.shape[0]
-    dev = cache_lens.device
+    dev = ks[0].device
     for i, (k, v) in enumerate(zip(ks, vs)):
-        suffix = "" if len(ks) == 1 else f"[{i}]"
+        suffix = _layer_suffix(ks, i)
         _tensor(f"k_cache{suffix}", k, device=dev)
-        check_cache_pair(k, v, block_table, B, k_name=f"k_cache{suffix}", v_name=f"v_cache{suffix}")
+        check_cache_pair(k, v, block_table, None, k_name=f"k_cache{suffix}", v_name=f"v_cache{suffix}")
         if k.shape[-4:] != ks[0].shape[-4:] or k.dtype != ks[0].dtype:
             raise ValueError(f"k_cache{suffix}: every layer must share the first layer's shape and dtype")
+    check_block_table(block_table, None, dev)
+    return ks, vs
+
+
+def check_rollback_step(ks, block_table, cache_lens, accepted_nodes, num_accepted, values=True):
+    """The per-step arguments of kv_rollback for caches `ks` (and `block_table`) that passed
+    check_rollback_caches."""
+    dev = ks[0].device
+    _tensor("cache_lens", cache_lens, dim=1, dtypes=(torch.int32,), device=dev)
+    B = cache_lens.shape[0]
+    if block_table is None:
+        check_contiguous_rows(ks[0], B, f"k_cache{_layer_suffix(ks, 0)}")
     _tensor("accepted_nodes", accepted_nodes, dim=2, dtypes=INT_DTYPES, device=dev)
     if accepted_nodes.shape[0] != B:
         raise ValueError(f"accepted_nodes: expected {B} rows, got shape {tuple(accepted_nodes.shape)}")
@@ -322,6 +351,12 @@ def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accept
         last = accepted_nodes.long().gather(1, num_accepted.long().clamp(0, accepted_nodes.shape[1] - 1).unsqueeze(1))
         check_positions(ks[0].shape, cache_lens, block_table, last.squeeze(1) + 1, what="the tree rows",
                         first=cache_lens)  # moves rows from cache_lens on
+
+
+def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table, values=True):
+    """Both halves: check_rollback_caches, then check_rollback_step. Returns (ks, vs)."""
+    ks, vs = check_rollback_caches(k_caches, v_caches, block_table)
+    check_rollback_step(ks, block_table, cache_lens, accepted_nodes, num_accepted, values)
     return ks, vs
 
 

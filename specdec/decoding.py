@@ -8,7 +8,8 @@ One step for the whole batch:
   2. the target runs the tree against its cache (`kv_append` + `tree_attention`, positions lens + depth);
   3. `specdec.accept` picks the longest accepted path plus one next token (greedy, or lossless sampling
      with per-request temperature, seed and step counter as the random-stream offset);
-  4. `kv_rollback` keeps the path's K/V in the target's cache (and the drafter's, in `commit`);
+  4. `kv_rollback` keeps the path's K/V in the target's cache (and the drafter's, in `commit`, which gets
+     the proposal back with the accepted path);
   5. the path's tokens and the next token are appended to each sequence.
 Requests finish independently (EOS or max_new_tokens); a finished request keeps riding along with
 one token per step (its output is cut), so shapes stay static. The only host read per step is the
@@ -98,7 +99,7 @@ class SpeculativeDecoder:
             live = ~done
             num_acc = torch.where(live, res.num_accepted, 0)
             cache.rollback(res.accepted_nodes, num_acc)
-            self.drafter.commit(res.accepted_nodes, num_acc)
+            self.drafter.commit(prop, res.accepted_nodes, num_acc)
 
             # append the path's draft tokens and the next token (finished requests: the next token only)
             Tp = prop.tokens.shape[1]

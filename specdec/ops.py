@@ -1,7 +1,9 @@
 """The public ops, their torch.library registration and backend dispatch.
 
 Every op exists as a torch custom op `torch.ops.specdec.<name>` with a fake (meta) implementation and
-declared mutations, so it traces under `torch.compile(fullgraph=True)` and can be called from C++:
+declared mutations, so it traces under `torch.compile(fullgraph=True)` and can be called from C++. One
+record per op, `OPS[name]` (an OpSpec: schema, reference, fake, Triton implementation, input checks), drives
+the registration and the dispatch:
   * the schemas are defined by the C++ extension (`specdec._C`, csrc/) when it is built, else here;
   * CPU kernel: the C++ implementation when built, else the PyTorch reference;
   * CUDA kernel: the Triton implementation (specdec.kernels).
@@ -9,68 +11,56 @@ declared mutations, so it traces under `torch.compile(fullgraph=True)` and can b
 `backend=` picks an implementation explicitly: "torch" (reference), "triton" (also on CPU tensors when
 TRITON_INTERPRET=1 is set), "cpp" (CPU tensors). The default (None) is the registered op for the
 tensors' device; the environment variable SPECDEC_BACKEND overrides that default.
+
+`RollbackPlan` is kv_rollback split into a plan, made once for a set of caches, and a run per step;
+`kv_rollback` itself is a one-step plan.
 """
 from __future__ import annotations
 
 import importlib
 import os
 import warnings
-from typing import NamedTuple, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from . import _validation as val
 from . import reference
-from .tree import build_tree_vectorized
 
 BACKENDS = ("torch", "triton", "cpp")
 
-# The op schemas. csrc/ops.cpp declares the same strings (tests/test_registration.py compares them).
-SCHEMAS = {
-    "build_tree": "build_tree(Tensor parents, Tensor num_nodes) -> (Tensor, Tensor)",
-    "tree_attention": "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
-                      "Tensor tree_mask, Tensor? block_table, Tensor num_nodes, float scale, float k_scale=1.0, "
-                      "float v_scale=1.0, int window_left=-1, float logits_soft_cap=0.0) -> (Tensor, Tensor)",
-    "accept": "accept(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, "
-              "Tensor temperature, Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None) "
-              "-> (Tensor, Tensor, Tensor)",
-    "kv_append": "kv_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
-                 "Tensor cache_lens, Tensor? block_table, float k_scale=1.0, float v_scale=1.0) -> ()",
-    "kv_rollback": "kv_rollback(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, "
-                   "Tensor accepted_nodes, Tensor num_accepted, Tensor? block_table) -> ()",
-}
-
 
 # ----------------------------------------------------------------------------------------------
-# registration
+# the op table
 # ----------------------------------------------------------------------------------------------
-def _load_cpp() -> bool:
-    try:
-        importlib.import_module("specdec._C")  # loading the library runs TORCH_LIBRARY(specdec, ...)
-    except ImportError as exc:
-        reason = "not built" if getattr(exc, "name", None) == "specdec._C" else f"failed to load: {exc}"
-        warnings.warn(f"specdec: C++ extension specdec._C {reason}; CPU tensors use the PyTorch reference "
-                      "backend. Reinstall with `pip install --no-build-isolation -e .` to build it.", stacklevel=3)
-        return False
-    return True
+@dataclass(frozen=True)
+class OpSpec:
+    """Everything registration and dispatch need to know about one op `torch.ops.specdec.<name>`.
 
+    signature: the schema after the name, "(args) -> results"; csrc/ops.cpp declares the same schema
+    strings (tests/test_registration.py and tests/test_cpp.py compare them).
+    reference: the PyTorch reference (specdec/reference.py), the CPU kernel when the C++ extension is not built.
+    fake: the fake (meta) implementation: output shapes and dtypes, for torch.compile and opcheck.
+    triton: (module, attribute) of the implementation for CUDA tensors and backend="triton", imported on first
+    use (importing triton is slow); relative to the specdec package.
+    check: the Python input checks of the public op (its arguments in schema order before normalization,
+    then `values`: run the value checks), the ones the C++ op mirrors with the same messages.
+    """
+    name: str
+    signature: str
+    reference: Callable
+    fake: Callable
+    triton: tuple[str, str]
+    check: Callable
 
-HAS_CPP = _load_cpp()
+    @property
+    def schema(self) -> str:
+        return self.name + self.signature
 
-
-def _triton_impl(name):
-    """The Triton implementation of op `name` (imported lazily: importing triton is slow)."""
-    if name == "build_tree":
-        return build_tree_vectorized
-    if name == "tree_attention":
-        from .kernels.tree_attention import tree_attention as fn
-    elif name == "accept":
-        from .kernels.accept import accept as fn
-    elif name == "kv_append":
-        from .kernels.kv_cache import kv_append as fn
-    else:
-        from .kernels.kv_cache import kv_rollback as fn
-    return fn
+    def triton_impl(self) -> Callable:
+        module, attribute = self.triton
+        return getattr(importlib.import_module(module, __package__), attribute)
 
 
 def _fake_build_tree(parents, num_nodes):
@@ -93,21 +83,60 @@ def _fake_mutating(*args):
     return None
 
 
-_FAKES = {"build_tree": _fake_build_tree, "tree_attention": _fake_tree_attention, "accept": _fake_accept,
-          "kv_append": _fake_mutating, "kv_rollback": _fake_mutating}
+OPS = {spec.name: spec for spec in (
+    OpSpec("build_tree", "(Tensor parents, Tensor num_nodes) -> (Tensor, Tensor)",
+           reference.build_tree, _fake_build_tree,
+           (".tree", "build_tree_vectorized"),  # plain torch ops, sync-free: the GPU needs no kernel of its own
+           val.check_build_tree),
+    OpSpec("tree_attention",
+           "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, Tensor tree_mask, Tensor? block_table, "
+           "Tensor num_nodes, float scale, float k_scale=1.0, float v_scale=1.0, int window_left=-1, "
+           "float logits_soft_cap=0.0) -> (Tensor, Tensor)",
+           reference.tree_attention, _fake_tree_attention, (".kernels.tree_attention", "tree_attention"),
+           val.check_tree_attention),
+    OpSpec("accept",
+           "(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, Tensor temperature, "
+           "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None) -> (Tensor, Tensor, Tensor)",
+           reference.accept, _fake_accept, (".kernels.accept", "accept"), val.check_accept),
+    OpSpec("kv_append",
+           "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
+           "Tensor? block_table, float k_scale=1.0, float v_scale=1.0) -> ()",
+           reference.kv_append, _fake_mutating, (".kernels.kv_cache", "kv_append"), val.check_kv_append),
+    OpSpec("kv_rollback",
+           "(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, Tensor accepted_nodes, "
+           "Tensor num_accepted, Tensor? block_table) -> ()",
+           reference.kv_rollback, _fake_mutating, (".kernels.kv_cache", "kv_rollback"), val.check_kv_rollback),
+)}
 
-_REFERENCE = {"build_tree": reference.build_tree, "tree_attention": reference.tree_attention,
-              "accept": reference.accept, "kv_append": reference.kv_append, "kv_rollback": reference.kv_rollback}
+# The full schema strings, as csrc/ops.cpp declares them.
+SCHEMAS = {name: spec.schema for name, spec in OPS.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# registration
+# ----------------------------------------------------------------------------------------------
+def _load_cpp() -> bool:
+    try:
+        importlib.import_module("specdec._C")  # loading the library runs TORCH_LIBRARY(specdec, ...)
+    except ImportError as exc:
+        reason = "not built" if getattr(exc, "name", None) == "specdec._C" else f"failed to load: {exc}"
+        warnings.warn(f"specdec: C++ extension specdec._C {reason}; CPU tensors use the PyTorch reference "
+                      "backend. Reinstall with `pip install --no-build-isolation -e .` to build it.", stacklevel=3)
+        return False
+    return True
+
+
+HAS_CPP = _load_cpp()
 
 
 def _register() -> None:
-    for name, schema in SCHEMAS.items():
-        qualname = f"specdec::{name}"
+    for spec in OPS.values():
+        qualname = f"specdec::{spec.name}"
         if not HAS_CPP:
-            torch.library.define(qualname, schema[len(name):])
-            torch.library.register_kernel(qualname, "cpu", _REFERENCE[name])
-        torch.library.register_fake(qualname, _FAKES[name])
-        torch.library.register_kernel(qualname, "cuda", lambda *a, _n=name: _triton_impl(_n)(*a))
+            torch.library.define(qualname, spec.signature)
+            torch.library.register_kernel(qualname, "cpu", spec.reference)
+        torch.library.register_fake(qualname, spec.fake)
+        torch.library.register_kernel(qualname, "cuda", lambda *a, _spec=spec: _spec.triton_impl()(*a))
 
 
 _register()
@@ -144,12 +173,16 @@ def _python_value_checks(backend: Optional[str], x) -> bool:
 
 
 def _call(name: str, backend: Optional[str], device: torch.device, *args):
-    chosen = resolve_backend(backend, device)
+    return _dispatch(name, resolve_backend(backend, device), *args)
+
+
+def _dispatch(name: str, chosen: Optional[str], *args):
+    """Op `name` on normalized (schema) arguments, by `chosen` = resolve_backend(...)."""
     if chosen is None:
         return getattr(torch.ops.specdec, name)(*args)
     if chosen == "torch":
-        return _REFERENCE[name](*args)
-    return _triton_impl(name)(*args)
+        return OPS[name].reference(*args)
+    return OPS[name].triton_impl()(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,7 +222,7 @@ def build_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None, 
     parents: (B, T) int, parents[:, 0] == -1 and 0 <= parents[b, i] < i for real nodes.
     num_nodes: (B,) int or None (all T nodes real). Nodes >= num_nodes[b] are padding.
     """
-    num_nodes = val.check_build_tree(parents, num_nodes, _python_value_checks(backend, parents))
+    num_nodes = OPS["build_tree"].check(parents, num_nodes, _python_value_checks(backend, parents))
     parents = parents.to(torch.int32)
     depth, mask = _call("build_tree", backend, parents.device, parents, num_nodes)
     return TreeInfo(parents, depth, mask, num_nodes)
@@ -214,7 +247,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 (of the capped scores) if return_lse.
     Padding nodes get out = 0 and lse = -inf.
     """
-    num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap = val.check_tree_attention(
+    num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap = OPS["tree_attention"].check(
         q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale, v_scale, window_left,
         logits_soft_cap, _python_value_checks(backend, q))
     out, lse = _call("tree_attention", backend, q.device, q, k_cache, v_cache, cache_lens, tree_mask,
@@ -241,7 +274,7 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     depends only on its own inputs, seeds[b] and its offset.
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
     """
-    num_nodes, temperature, seeds, offset, offsets = val.check_accept(
+    num_nodes, temperature, seeds, offset, offsets = OPS["accept"].check(
         target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset,
         _python_value_checks(backend, target_logits))
     res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
@@ -258,13 +291,65 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     k_new/v_new are in the cache's dtype, or any float dtype for a float8 cache, which stores them
     quantized: fp32(x) * fp32(1 / scale), clamped to the format's finite range, rounded to nearest even
     (k_scale, v_scale: per-tensor, None = 1.0)."""
-    k_scale, v_scale = val.check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale,
-                                           v_scale, _python_value_checks(backend, k_new))
+    k_scale, v_scale = OPS["kv_append"].check(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale,
+                                              v_scale, _python_value_checks(backend, k_new))
     _call("kv_append", backend, k_cache.device, k_cache, v_cache, k_new, v_new, cache_lens, block_table,
           k_scale, v_scale)
 
 
 CacheArg = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class RollbackPlan:
+    """kv_rollback planned once for a set of caches, then run at every verification step (FlashInfer's
+    plan / run split):
+
+        plan = specdec.RollbackPlan(k_cache, v_cache, block_table=block_table)  # once, outside CUDA graphs
+        plan.run(cache_lens, accepted_nodes, num_accepted)                      # every step; capturable
+
+    k_cache, v_cache: one layer (4-D), a stack of layers (layers, ...) (5-D), or a list of either, every layer
+    of one shape, dtype and device: contiguous (B, L_max, Hkv, D) with block_table None, or paged
+    (num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32. backend: as the other ops
+    ("torch", "triton", "cpp"; None: the registered op of the caches' device, or SPECDEC_BACKEND), resolved
+    here, once.
+
+    The constructor checks the cache metadata (ValueError / TypeError naming the argument) and, for the
+    Triton kernel (backend "triton", or the default on CUDA), builds the device table of every (K or V,
+    layer) base offset: one small asynchronous host-to-device copy, owned by the plan. `run` then launches
+    the kernel on that table; the other backends call the registered op or the reference with the held
+    caches. The plan holds the tensors themselves (never copies) and the table addresses their memory as it
+    is now: a cache that is reallocated needs a new plan. block_table is read at every run, so an engine
+    may rewrite its entries in place between steps. Build the plan outside a CUDA-graph capture and run it
+    inside: a table first built during a capture makes its host source live as long as the process.
+    """
+
+    def __init__(self, k_cache: CacheArg, v_cache: CacheArg, block_table: Optional[torch.Tensor] = None, *,
+                 backend: Optional[str] = None):
+        self._ks, self._vs = val.check_rollback_caches(k_cache, v_cache, block_table)
+        self._block_table = block_table
+        device = self._ks[0].device
+        self._backend = resolve_backend(backend, device)
+        self._python_values = _python_value_checks(backend, self._ks[0])
+        self._tables = None  # the Triton kernel's layer tables (kernels/kv_cache.py), None on other backends
+        uses_triton = self._backend == "triton" or (self._backend is None and device.type == "cuda")
+        if uses_triton and not torch.compiler.is_compiling():  # traced: the registered op builds its own
+            from .kernels import kv_cache
+            self._tables = kv_cache.layer_tables(self._ks, self._vs)
+
+    def run(self, cache_lens: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """One step: for each request b, move row cache_lens[b] + accepted_nodes[b, i] to cache_lens[b] + i
+        for i <= num_accepted[b] in every layer, then cache_lens[b] += num_accepted[b] + 1 (in place, on the
+        device). cache_lens (B,) int32; accepted_nodes (B, P) int, strictly increasing from 0
+        (AcceptResult.accepted_nodes); num_accepted (B,) int. The checks of kv_rollback (the value checks
+        when enabled) run first: nothing is written on bad input."""
+        val.check_rollback_step(self._ks, self._block_table, cache_lens, accepted_nodes, num_accepted,
+                                self._python_values)
+        path, num = accepted_nodes.to(torch.int32), num_accepted.to(torch.int32)
+        if self._tables is not None and not torch.compiler.is_compiling():
+            from .kernels import kv_cache
+            kv_cache.rollback(self._tables, cache_lens, path, num, self._block_table)
+        else:
+            _dispatch("kv_rollback", self._backend, self._ks, self._vs, cache_lens, path, num, self._block_table)
 
 
 def kv_rollback(k_cache: CacheArg, v_cache: CacheArg, cache_lens: torch.Tensor, accepted_nodes: torch.Tensor,
@@ -275,9 +360,7 @@ def kv_rollback(k_cache: CacheArg, v_cache: CacheArg, cache_lens: torch.Tensor, 
     k_cache/v_cache: one layer (4-D), a stack of layers (layers, ...) (5-D), or a list of either.
     accepted_nodes: (B, P) int, strictly increasing from 0 (AcceptResult.accepted_nodes); num_accepted (B,).
     Moves row cache_lens[b] + accepted_nodes[b, i] to cache_lens[b] + i for i <= num_accepted[b], then
-    cache_lens[b] += num_accepted[b] + 1.
+    cache_lens[b] += num_accepted[b] + 1. A one-step RollbackPlan; an engine that rolls back the same caches
+    every step makes the plan once instead.
     """
-    ks, vs = val.check_kv_rollback(k_cache, v_cache, cache_lens, accepted_nodes, num_accepted, block_table,
-                                   _python_value_checks(backend, cache_lens))
-    _call("kv_rollback", backend, cache_lens.device, ks, vs, cache_lens, accepted_nodes.to(torch.int32),
-          num_accepted.to(torch.int32), block_table)
+    RollbackPlan(k_cache, v_cache, block_table, backend=backend).run(cache_lens, accepted_nodes, num_accepted)

@@ -334,16 +334,19 @@ def vectorized_copies_report(elem: str) -> None:
     ints = {"cache_lens": "*i32", "accepted_nodes": "*i32", "num_accepted": "*i32", "block_table": "*i32",
             "new_lens": "*i32", "entry_offsets": "*i64"}
     rollback = ptx_for_hopper(kv_cache._kv_rollback_kernel, {"caches": f"*{elem}", **ints},
-                              {"ENTRY_ALIGN": 16, "BLOCK_P": 8, "BLOCK_H": 4, "BLOCK_D": 128, "s_d": 1})
+                              {"ENTRY_ALIGN": 16, "BLOCK_P": 8, "BLOCK_H": 4, "BLOCK_D": 128, "s_d": 1,
+                               "IDENTITY_TABLE": False})
     caches = {name: f"*{elem}" for name in ("k_cache", "v_cache", "k_new", "v_new")}
     scales = {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}
     unit = {"skc_d": 1, "svc_d": 1, "skn_d": 1, "svn_d": 1}
     append = ptx_for_hopper(kv_cache._kv_append_kernel, {**caches, **ints, **scales},
-                            {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 0.0, **unit})
+                            {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 0.0, "IDENTITY_TABLE": False,
+                             **unit})
     # a float8 cache fed 16-bit rows
     fp8 = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv", "k_new": "*bf16", "v_new": "*bf16"}
     append_fp8 = ptx_for_hopper(kv_cache._kv_append_kernel, {**fp8, **ints, **scales},
-                                {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 448.0, **unit})
+                                {"BLOCK_T": 8, "BLOCK_H": 4, "BLOCK_D": 128, "FP8_LIMIT": 448.0,
+                                 "IDENTITY_TABLE": False, **unit})
     found = {name: {ins: ins in ptx for ins in ("ld.global.v4.b32", "st.global.v4.b32", "bar.sync",
                                                 "cvt.rn.satfinite.e4m3x2.f32")}
              for name, ptx in (("rollback", rollback), ("append", append), ("append_fp8", append_fp8))}

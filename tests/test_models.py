@@ -207,11 +207,12 @@ def test_tree_verification_matches_each_branch(block_size, window):
     parents = torch.tensor([random_parents(T, "random", gen) for _ in range(B)], dtype=torch.int32)
     cache = model.new_cache(B, 24, block_size=block_size)
     with torch.no_grad():
-        pre = chain_tree(B, L)
-        model.forward_cached(prefix, cache, pre.depth, pre.mask, logits_at=False)
-        cache.commit(torch.full((B,), L))
+        model.prefill(cache, prefix, torch.full((B,), L))
         tree = specdec.build_tree(parents)
         logits = model.forward_cached(tokens, cache, tree.depth, tree.mask)
+        picked = torch.tensor([T - 1, 3])  # at=: one node's logits per request, the same values
+        torch.testing.assert_close(model.forward_cached(tokens, cache, tree.depth, tree.mask, at=picked),
+                                   logits[torch.arange(B), picked], atol=1e-5, rtol=1e-5)
         for b in range(B):
             for i in range(T):
                 path, j = [], i

@@ -1,4 +1,6 @@
 """torch.library registration: schemas, fake impls (opcheck), torch.compile(fullgraph=True), dispatch."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,6 +40,16 @@ def test_every_schema_is_registered():
     for name, schema in specdec.ops.SCHEMAS.items():
         op = getattr(torch.ops.specdec, name).default
         assert str(op._schema) == str(torch._C.parse_schema(f"specdec::{schema}"))  # as torch prints it
+
+
+@pytest.mark.parametrize("name", list(specdec.ops.OPS))
+def test_every_op_record_resolves(name):
+    """OPS[name] drives registration: a CUDA kernel and a fake for every op, and its Triton implementation
+    (a lazily imported (module, attribute)) exists."""
+    spec = specdec.ops.OPS[name]
+    registered = {line.split(":")[0] for line in torch._C._dispatch_dump(f"specdec::{name}").splitlines()}
+    assert {"CUDA", "Meta"} <= registered
+    assert callable(spec.triton_impl())
 
 
 @pytest.mark.parametrize("name", list(specdec.ops.SCHEMAS))
@@ -93,8 +105,9 @@ def test_torch_compile_fullgraph_matches_eager():
 
 def test_env_overrides_default_backend(monkeypatch):
     calls = []
-    original = specdec.ops._REFERENCE["build_tree"]
-    monkeypatch.setitem(specdec.ops._REFERENCE, "build_tree", lambda *a: calls.append(1) or original(*a))
+    spec = specdec.ops.OPS["build_tree"]
+    monkeypatch.setitem(specdec.ops.OPS, "build_tree",
+                        dataclasses.replace(spec, reference=lambda *a: calls.append(1) or spec.reference(*a)))
     specdec.build_tree(torch.tensor([[-1, 0]]))
     assert calls == [] or not specdec.ops.HAS_CPP  # default: the registered op
     monkeypatch.setenv("SPECDEC_BACKEND", "torch")

@@ -1,8 +1,15 @@
 """Bad input: a clear ValueError/TypeError naming the argument, raised before anything is written."""
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
 import pytest
 import torch
 
 import specdec
+from specdec._validation import value_checks_enabled
 
 B, T, Hq, Hkv, D, CAP, V = 2, 4, 4, 2, 8, 16, 10
 
@@ -126,6 +133,73 @@ def test_value_checks_block_restores_the_previous_setting():
         call_attention(args)  # off again after the inner block
     with pytest.raises(ValueError):
         call_attention(args)
+
+
+def test_value_checks_block_undoes_a_switch_inside_it():
+    args = no_self_bit()
+    with specdec.value_checks(True):
+        specdec.set_value_checks(False)
+        call_attention(args)  # off for the rest of the block
+    with pytest.raises(ValueError):
+        call_attention(args)  # the setting from before the block
+    with pytest.raises(RuntimeError):
+        with specdec.value_checks(False):
+            raise RuntimeError
+    assert value_checks_enabled()
+
+
+def test_value_checks_switch_is_per_thread():
+    """Turning the checks off in one thread leaves them on in another, running at the same time; a new thread
+    starts from the default (SPECDEC_VALUE_CHECKS, unset here: on), whatever the thread starting it set."""
+    args = no_self_bit()
+    switched_off, main_checked = threading.Event(), threading.Event()
+    seen = {}
+
+    def worker():
+        seen["at_start"] = value_checks_enabled()
+        specdec.set_value_checks(False)
+        switched_off.set()
+        main_checked.wait(timeout=60)
+        try:
+            call_attention(args)
+            seen["call"] = "ran"
+        except ValueError:
+            seen["call"] = "raised"
+
+    with specdec.value_checks(False):
+        thread = threading.Thread(target=worker)
+        thread.start()
+    assert switched_off.wait(timeout=60)
+    with pytest.raises(ValueError):
+        call_attention(args)  # this thread's checks: on, the worker's switch notwithstanding
+    main_checked.set()
+    thread.join(timeout=60)
+    assert seen == {"at_start": True, "call": "ran"}
+
+
+def test_value_checks_switch_is_per_asyncio_task():
+    async def both():
+        async def switches_off():
+            specdec.set_value_checks(False)
+            await asyncio.sleep(0)  # the other task runs in between
+            return value_checks_enabled()
+
+        async def leaves_alone():
+            await asyncio.sleep(0)
+            return value_checks_enabled()
+        return await asyncio.gather(switches_off(), leaves_alone())
+    assert asyncio.run(both()) == [False, True]
+    assert value_checks_enabled()
+
+
+def test_value_checks_default_comes_from_the_environment():
+    code = ("import threading, specdec._validation as v; seen = []; "
+            "t = threading.Thread(target=lambda: seen.append(v.value_checks_enabled())); t.start(); t.join(); "
+            "print(v.value_checks_enabled(), seen[0])")
+    for setting, expected in (("0", ["False", "False"]), ("1", ["True", "True"])):
+        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPECDEC_VALUE_CHECKS": setting},
+                              capture_output=True, text=True, timeout=300)
+        assert done.stdout.split()[-2:] == expected, done.stderr[-2000:]
 
 
 def test_bad_backend_name():

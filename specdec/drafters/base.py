@@ -6,7 +6,10 @@ request b's committed sequence; the last one is the root (node 0) of the next dr
 
     proposal = drafter.propose(tokens, seq_lens, temperature)   # a tree per request
     ... the target verifies, specdec.accept picks the path ...
-    drafter.commit(accepted_nodes, num_accepted)               # keep own state in sync (rollback)
+    drafter.commit(proposal, accepted_nodes, num_accepted)     # keep own state in sync (rollback)
+
+What commit needs to know about a proposal travels in the proposal itself (`cache_slots`), so a drafter
+keeps no per-step state between the two calls.
 """
 from __future__ import annotations
 
@@ -18,11 +21,15 @@ import torch
 class Proposal(NamedTuple):
     """tokens (B, T) int64 (tokens[:, 0] is the root); parents (B, T) int32 (BFS order, parents[:, 0] = -1);
     num_nodes (B,) int32; draft_logits (B, T, V) or None: when given, node i's children were drawn i.i.d.
-    from softmax(draft_logits[:, i] / temperature) (sampling requests); None means given proposals."""
+    from softmax(draft_logits[:, i] / temperature) (sampling requests); None means given proposals.
+    cache_slots (B, T) int64 or None: the drafter's own bookkeeping, handed back to its commit (the loop
+    never reads it): the slot, after the committed tokens, of node i's K/V in the drafter's own cache
+    (DraftModelDrafter); None for drafters without a cache."""
     tokens: torch.Tensor
     parents: torch.Tensor
     num_nodes: torch.Tensor
     draft_logits: Optional[torch.Tensor] = None
+    cache_slots: Optional[torch.Tensor] = None
 
 
 class Drafter:
@@ -42,8 +49,8 @@ class Drafter:
     def propose(self, tokens: torch.Tensor, seq_lens: torch.Tensor, temperature: torch.Tensor) -> Proposal:
         raise NotImplementedError
 
-    def commit(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """The target accepted path accepted_nodes[b, :num_accepted[b] + 1] of the last proposal."""
+    def commit(self, proposal: Proposal, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """The target accepted path accepted_nodes[b, :num_accepted[b] + 1] of `proposal` (the last one)."""
 
 
 class NoDrafter(Drafter):

@@ -9,10 +9,11 @@ Tree shapes (`parse_tree`):
                    are expanded into their top-k children; the N-1 best nodes of all those candidates
                    (plus the root) form the tree.
 
-The draft keeps its own KV cache. Node i's K/V is written at slot lens + slot[i] while drafting (the
-root at slot 0); after verification `kv_rollback` keeps the accepted path. Only expanded nodes are run
-through the draft, so the path's last node may still be missing from the cache: it is run, together
-with the next root, at the start of the next proposal ("pending" tokens, never more than two).
+The draft keeps its own KV cache. Node i's K/V is written at slot lens + cache_slots[i] while drafting
+(the root at slot 0; a node never run through the draft has slot num_fed); the proposal carries
+cache_slots to commit, where `kv_rollback` keeps the accepted path. Only expanded nodes are run through
+the draft, so the path's last node may still be missing from the cache: it is run, together with the
+next root, at the start of the next proposal ("pending" tokens, never more than two).
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ class DraftModelDrafter(Drafter):
         level_start = [s for s, e in self.levels for _ in range(s, e)]
         self.local_parent = torch.tensor([p - level_start[p] if p >= 0 else 0 for p in parents])  # within its level
         self.rank = torch.tensor(rank)
+        self.cache_slots = torch.arange(T).clamp(max=self.num_fed).unsqueeze(0)  # (1, T): the deepest level unfed
         info = specdec.build_tree(self.parents.unsqueeze(0))
         self.depth, self.mask = info.depth, info.mask  # (1, T), (1, T, W)
 
@@ -120,11 +122,8 @@ class DraftModelDrafter(Drafter):
         dev = tokens.device
         self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=dev).expand(B, 2))
         if self.tree.parents is not None:
-            T = self.max_nodes
-            for name in ("parents", "local_parent", "rank", "depth", "mask"):
+            for name in ("parents", "local_parent", "rank", "cache_slots", "depth", "mask"):
                 setattr(self, name, getattr(self, name).to(dev))
-            self.slot = torch.arange(T, device=dev).clamp(max=self.num_fed).expand(B, T)
-            self.fed = (torch.arange(T, device=dev) < self.num_fed).expand(B, T)
 
     def _root_logits(self, tokens, seq_lens):
         """Run the pending tokens (the previous path's unexpanded last node, if any, then the root);
@@ -133,8 +132,7 @@ class DraftModelDrafter(Drafter):
         n_pend = (seq_lens - cache.lens).to(torch.int32)  # 1 or 2
         idx = cache.lens.long().unsqueeze(1) + torch.arange(2, device=tokens.device)
         pend = tokens.gather(1, idx.clamp(max=tokens.shape[1] - 1))
-        logits = self.model.forward_cached(pend, cache, self.chain2.depth, self.chain2.mask, n_pend,
-                                           logits_at=n_pend - 1)
+        logits = self.model.forward_cached(pend, cache, self.chain2.depth, self.chain2.mask, n_pend, at=n_pend - 1)
         cache.commit(n_pend - 1)
         return logits
 
@@ -161,8 +159,8 @@ class DraftModelDrafter(Drafter):
                 level_logits = self.model.forward_cached(out[:, s:e], self.cache, self.depth[:, s:e].expand(B, -1),
                                                          self.mask[:, :e].expand(B, -1, -1)[..., :(e + 31) // 32],
                                                          start=s)
-        nn = torch.full((B,), T, dtype=torch.int32, device=root.device)
-        return Proposal(out, self.parents.expand(B, T), nn, draft_logits)
+        num_nodes = torch.full((B,), T, dtype=torch.int32, device=root.device)
+        return Proposal(out, self.parents.expand(B, T), num_nodes, draft_logits, self.cache_slots.expand(B, T))
 
     def _propose_dynamic(self, root, root_logits):
         """EAGLE-2 style growth (given proposals: no draft_logits)."""
@@ -212,15 +210,13 @@ class DraftModelDrafter(Drafter):
         node_of = torch.full_like(tok, -1).scatter_(1, chosen, torch.arange(N, device=dev).expand(B, N))
         par = parent.gather(1, chosen)
         parents = torch.where(par >= 0, node_of.gather(1, par.clamp(min=0)), par).to(torch.int32)
-        self.slot = slot.gather(1, chosen)
-        self.fed = self.slot < self.num_fed
-        nn = torch.full((B,), N, dtype=torch.int32, device=dev)
-        return Proposal(tok.gather(1, chosen), parents, nn, None)
+        num_nodes = torch.full((B,), N, dtype=torch.int32, device=dev)
+        return Proposal(tok.gather(1, chosen), parents, num_nodes, None, slot.gather(1, chosen))
 
-    def commit(self, accepted_nodes, num_accepted):
+    def commit(self, proposal, accepted_nodes, num_accepted):
         on_path = accepted_nodes >= 0
         nodes = accepted_nodes.long().clamp(min=0)
-        path_slots = torch.where(on_path, self.slot.gather(1, nodes), -1)
+        path_slots = torch.where(on_path, proposal.cache_slots.gather(1, nodes), -1)
         self.cache.rollback(path_slots, num_accepted)
-        last = nodes.gather(1, num_accepted.long().unsqueeze(1))
-        self.cache.lens -= (~self.fed.gather(1, last)).squeeze(1).to(torch.int32)  # re-run it next time
+        last_slot = path_slots.gather(1, num_accepted.long().unsqueeze(1)).squeeze(1)
+        self.cache.lens -= (last_slot >= self.num_fed).to(torch.int32)  # never run: re-run it next time

@@ -30,13 +30,13 @@ class NgramDrafter(Drafter):
     def propose(self, tokens, seq_lens, temperature):
         B, T = tokens.shape[0], self.max_nodes
         out = torch.zeros(B, T, dtype=torch.long)
-        nn = torch.ones(B, dtype=torch.int32)
+        num_nodes = torch.ones(B, dtype=torch.int32)
         for b, n_seq in enumerate(seq_lens.tolist()):
             seq = tokens[b, :n_seq].cpu()
             cont = self.lookup(seq)
             out[b, 0] = seq[-1]
             out[b, 1:1 + cont.shape[0]] = cont
-            nn[b] = 1 + cont.shape[0]
+            num_nodes[b] = 1 + cont.shape[0]
         parents = torch.arange(-1, T - 1, dtype=torch.int32).expand(B, T)
         dev = tokens.device
-        return Proposal(out.to(dev), parents.to(dev), nn.to(dev), None)
+        return Proposal(out.to(dev), parents.to(dev), num_nodes.to(dev))

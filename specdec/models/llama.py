@@ -6,14 +6,16 @@ sliding-window layers (Mistral, Qwen2), and a float8 KV cache (KVCache dtype).
 Module names follow the Hugging Face parameter names, except that q/k/v and gate/up projections are
 fused into one matmul each (`qkv_proj`, `gate_up_proj`; hf.py splits and joins them).
 
-Two forward paths:
+Forward paths:
   * `forward(tokens)`: plain causal attention (F.scaled_dot_product_attention) over a whole sequence,
     used for training and as the ground truth in tests;
-  * `forward_cached(tokens, cache, ...)`: T new tokens per request (a prompt chunk, a draft tree, or
-    one decode token) at positions cache.lens + depth. Their K/V are written with `specdec.kv_append`
-    at logical slots cache.lens .. cache.lens + T - 1 and attention runs through
-    `specdec.tree_attention` with the tree's ancestor mask (prefill is a chain-shaped tree). cache.lens is not advanced here: the caller
-    commits with `specdec.kv_rollback` (the accepted path) or `KVCache.commit`.
+  * `forward_cached(tokens, cache, ...)`: T new tokens per request (a draft tree, or one decode token)
+    at positions cache.lens + depth; logits of every new token, or `at=` one node per request. Their K/V
+    are written with `specdec.kv_append` at logical slots cache.lens .. cache.lens + T - 1 and attention
+    runs through `specdec.tree_attention` with the tree's ancestor mask. cache.lens is not advanced
+    here: the caller commits with `specdec.kv_rollback` (the accepted path) or `KVCache.commit`;
+  * `prefill(cache, tokens, lengths)`: prompts into the cache as chain-shaped trees, committed, no logits.
+Both cached paths run the layers through `_run_layers`, which builds one `CachedStep` per forward.
 """
 from __future__ import annotations
 
@@ -125,6 +127,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.rollback_plan = specdec.RollbackPlan(self.k, self.v, self.block_table)  # every layer, planned once
         self.max_len = max_len
         self.scales = dict(k_scale=k_scale, v_scale=v_scale) if dtype in FP8_DTYPES else {}
 
@@ -134,7 +137,24 @@ class KVCache:
 
     def rollback(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keep the accepted tree path (moved to be contiguous) and advance lens."""
-        specdec.kv_rollback(self.k, self.v, self.lens, accepted_nodes, num_accepted, block_table=self.block_table)
+        self.rollback_plan.run(self.lens, accepted_nodes, num_accepted)
+
+
+@dataclass(frozen=True)
+class CachedStep:
+    """What every layer needs for one cached forward, built once per forward (`Llama._run_layers`).
+
+    The tree has T = first_new + F nodes; node i's K/V lives at slot tree_start + i. The F new tokens are
+    nodes first_new .. T-1 (nodes before are cached already: a drafter growing its tree level by level)."""
+    cos: torch.Tensor  # (B, F, head_dim) rotary of the new tokens' positions (Llama.rope)
+    sin: torch.Tensor  # (B, F, head_dim) signed sin
+    tree_start: torch.Tensor  # (B,) int32: node 0's slot, tree_attention's cache_lens
+    write_start: torch.Tensor  # (B,) int32: the first new token's slot (tree_start + first_new), kv_append's
+    first_new: int
+    tree_mask: torch.Tensor  # (B, T, ceil(T/32)) int32 ancestor bits of all T nodes
+    num_nodes: Optional[torch.Tensor]  # (B,) int32: nodes >= num_nodes[b] are padding; None: none are
+    block_table: Optional[torch.Tensor]  # the cache's (None: contiguous)
+    scales: dict  # the cache's k_scale / v_scale keywords (float8), else empty
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,16 +202,17 @@ class Attention(nn.Module):
                                                  enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, scales, block_table, lens, start, tree_mask, num_nodes):
+    def forward_cached(self, x, k_cache, v_cache, step: CachedStep):
+        """The new tokens x (B, F, dim) against this layer's cache (see CachedStep)."""
         B, F_new, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
-        specdec.kv_append(k_cache, v_cache, k, v, lens[1], block_table=block_table, **scales)
-        if start:  # nodes before `start` are in the cache already: their queries are not needed
-            q = torch.cat((q.new_zeros(B, start, *q.shape[2:]), q), dim=1)
-        out = specdec.tree_attention(q, k_cache, v_cache, lens[0], tree_mask, block_table=block_table,
-                                     num_nodes=num_nodes, window_left=-1 if self.window is None else self.window - 1,
-                                     **scales)
-        return self.o_proj(out[:, start:].reshape(B, F_new, -1))
+        q, k, v = self.qkv(x, step.cos, step.sin)
+        specdec.kv_append(k_cache, v_cache, k, v, step.write_start, block_table=step.block_table, **step.scales)
+        if step.first_new:  # the cached nodes' queries are not needed: zero rows stand in for them
+            q = torch.cat((q.new_zeros(B, step.first_new, *q.shape[2:]), q), dim=1)
+        out = specdec.tree_attention(q, k_cache, v_cache, step.tree_start, step.tree_mask,
+                                     block_table=step.block_table, num_nodes=step.num_nodes,
+                                     window_left=-1 if self.window is None else self.window - 1, **step.scales)
+        return self.o_proj(out[:, step.first_new:].reshape(B, F_new, -1))
 
 
 class MLP(nn.Module):
@@ -217,8 +238,8 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_cached(self, x, cos, sin, *cache_args):
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, *cache_args)
+    def forward_cached(self, x, k_cache, v_cache, step: CachedStep):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), k_cache, v_cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -272,30 +293,21 @@ class Llama(nn.Module):
         return self.head(x)
 
     def forward_cached(self, tokens: torch.Tensor, cache: KVCache, depth: torch.Tensor, tree_mask: torch.Tensor,
-                       num_nodes: Optional[torch.Tensor] = None, *, start: int = 0, lens: Optional[torch.Tensor] = None,
-                       logits_at=None):
-        """Run new tokens (B, F) of a tree against the cache.
+                       num_nodes: Optional[torch.Tensor] = None, *, start: int = 0,
+                       at: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run new tokens (B, F) of a tree against the cache; returns their logits (B, F, V), or with
+        `at` (B,) the logits (B, V) of new token at[b] only (the head runs on those rows alone).
 
         The tree has T = start + F nodes; the new tokens are nodes start .. T-1, and nodes < start are
         already in the cache (a drafter growing its tree level by level). Node i's K/V lives at slot
-        lens + i and its position is lens + depth[i], lens = cache.lens unless given.
+        cache.lens + i and its position is cache.lens + depth[i].
         depth (B, F): the new nodes' depth below node 0; tree_mask (B, T, ceil(T/32)) int32 ancestor bits
         of all T nodes (specdec.build_tree(...).mask); num_nodes (B,): nodes >= num_nodes[b] are padding.
-        Returns logits (B, F, V); or (B, V) at new node logits_at[b] when given; or None when logits_at
-        is False (prefill: only the cache is wanted). cache.lens is not changed (see KVCache.commit and
-        KVCache.rollback).
+        cache.lens is not changed (see KVCache.commit and KVCache.rollback).
         """
-        lens = cache.lens if lens is None else lens
-        cos, sin = self.rope(lens.unsqueeze(1).long() + depth.long())
-        both_lens = (lens, lens + start if start else lens)  # where the tree starts, where the new tokens go
-        x = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
-            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache.scales, cache.block_table, both_lens,
-                                     start, tree_mask, num_nodes)
-        if logits_at is False:
-            return None
-        if logits_at is not None:
-            x = x.gather(1, logits_at.long().view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
+        x = self._run_layers(tokens, cache, depth, tree_mask, num_nodes, start)
+        if at is not None:
+            x = x.gather(1, at.long().view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
         return self.head(x)
 
     @torch.inference_mode()
@@ -309,8 +321,19 @@ class Llama(nn.Module):
             T = min(chunk, n_max - c0)
             n = (lengths.to(torch.int32) - c0).clamp(0, T)
             tree = chain_tree(B, T, n.clamp(min=1), device=tokens.device)  # a request with no tokens left pads
-            self.forward_cached(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes, logits_at=False)
+            self._run_layers(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes)
             cache.commit(n)
+
+    def _run_layers(self, tokens, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0) -> torch.Tensor:
+        """The decoder layers over new tree tokens (see forward_cached); returns hidden states (B, F, dim)."""
+        cos, sin = self.rope(cache.lens.unsqueeze(1).long() + depth.long())
+        step = CachedStep(cos, sin, tree_start=cache.lens, write_start=cache.lens + start,
+                          first_new=start, tree_mask=tree_mask, num_nodes=num_nodes, block_table=cache.block_table,
+                          scales=cache.scales)
+        x = self.model.embed_tokens(tokens)
+        for layer, k_cache, v_cache in zip(self.model.layers, cache.k, cache.v):
+            x = layer.forward_cached(x, k_cache, v_cache, step)
+        return x
 
     def new_cache(self, batch_size: int, max_len: int, block_size: Optional[int] = None,
                   kv_dtype: Optional[torch.dtype] = None) -> KVCache:
