@@ -107,6 +107,18 @@ def to_paged(logical: torch.Tensor, block_size: int, gen: torch.Generator, spare
     return paged, table
 
 
+def as_form(stack: torch.Tensor, form: str):
+    """A (layers, ...) cache stack as kv_rollback's callers pass it: "layer" (one 4-D layer), "stacked", "list" (of
+    layers) or "list-of-stacks"."""
+    if form == "layer":
+        return stack[0]
+    if form == "stacked":
+        return stack
+    if form == "list":
+        return list(stack.unbind(0))
+    return [stack[:1], stack[1:]]
+
+
 def from_paged(paged: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Inverse of `to_paged`: the (B, cap, H, D) logical view."""
     B, per = table.shape

@@ -14,8 +14,8 @@ import torch
 import triton
 
 import specdec
-from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, compile_for_hopper, from_paged,
-                           random_cache, random_trees, report_from_fresh_process, root_path, to_device,
+from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, as_form, compile_for_hopper,
+                           from_paged, random_cache, random_trees, report_from_fresh_process, root_path, to_device,
                            to_paged)
 
 LAYOUTS = ["contiguous", "paged"]
@@ -68,17 +68,6 @@ def make_caches(layers, B, cap, H, D, dtype, layout, gen):
     pages = [[to_paged(x[i], BLOCK_SIZE, torch.Generator().manual_seed(seed)) for i in range(layers)] for x in (k, v)]
     table = pages[0][0][1]
     return torch.stack([p for p, _ in pages[0]]), torch.stack([p for p, _ in pages[1]]), table
-
-
-def as_form(stack: torch.Tensor, form: str):
-    """The caches as the op's callers pass them: one layer, a stacked tensor, a list of layers, a list of stacks."""
-    if form == "layer":
-        return stack[0]
-    if form == "stacked":
-        return stack
-    if form == "list":
-        return list(stack.unbind(0))
-    return [stack[:1], stack[1:]]
 
 
 def logical(cache: torch.Tensor, table) -> torch.Tensor:

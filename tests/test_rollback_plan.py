@@ -13,7 +13,8 @@ import torch
 
 import specdec
 from specdec import reference
-from tests.helpers import BACKENDS, DEVICE, from_paged, random_root_paths, random_trees, to_device, to_paged
+from tests.helpers import (BACKENDS, DEVICE, as_form, from_paged, random_root_paths, random_trees, to_device,
+                           to_paged)
 
 PLAN_BACKENDS = ["torch"] + BACKENDS
 LAYOUTS = ["contiguous", "paged"]
@@ -46,17 +47,6 @@ def make_caches(layout, gen, dtype=torch.float32):
     pages = [[to_paged(x[i], BLOCK_SIZE, torch.Generator().manual_seed(seed)) for i in range(LAYERS)] for x in stacks]
     table = pages[0][0][1]  # the same seed: every layer shares one block table
     return torch.stack([p for p, _ in pages[0]]), torch.stack([p for p, _ in pages[1]]), table, lens
-
-
-def as_form(stack, form):
-    """The caches as a caller passes them: one layer, the stack, a list of layers, a list of stacks."""
-    if form == "layer":
-        return stack[0]
-    if form == "stacked":
-        return stack
-    if form == "list":
-        return list(stack.unbind(0))
-    return [stack[:1], stack[1:]]
 
 
 def random_steps(gen):
