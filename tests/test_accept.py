@@ -264,7 +264,7 @@ def test_triton_schedules_agree():
                          ids=["walker", "split-launches", "split-launches-prefetch-2", "walker-z-pass",
                               "split-launches-z-pass"])
 def test_triton_reads_only_the_walked_rows(monkeypatch, schedule):
-    """The bytes claim of the kernel (issue 4), element by element, on chains mixing greedy and sampling
+    """The bytes claim of the kernel (only walked rows are read), element by element, on chains mixing greedy and sampling
     requests: a row off the accepted path is never read; a path row is read once (greedy: the argmax;
     sampling: target and draft statistics), except the last one of a sampling request. At a leaf its target
     row is read once plus the draw's scan (a prefix of one chunk), its draft row never. After a rejected
@@ -355,11 +355,12 @@ def hopper_compile_report() -> None:
     report = {}
     for has_draft in (True, False):
         for first, walk in ((True, False), (False, False), (False, True)):
-            constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, IS_FIRST=first, WALK=walk, NUM_SPLITS=S,
+            constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, IS_FIRST=first, NUM_SPLITS=S,
                               SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
                               BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                               PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"])
-            kernel = compile_for_hopper(ka._accept_kernel, types, constexprs, cfg["num_warps"])
+            kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
+                                        cfg["num_warps"])
             report[f"draft={has_draft},first={first},walk={walk}"] = spilled_bytes(kernel)
     print(json.dumps(report))
 
