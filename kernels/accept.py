@@ -270,7 +270,7 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
     valid = idx < n_real  # (paths only ascend: a walk ends even on unchecked input)
     par_row = parents_ptr + b * T
     tok_row = tokens_ptr + b * T
-    u_test = tl.zeros((T_BLOCK,), tl.float32)
+    u_test = tl.full((T_BLOCK,), 0.0, tl.float32)
     if t != 0.0:  # drawn up front in one call
         u_test = _uniform(stream, idx, U_TEST)
     return Request(greedy=greedy, inv_t=1.0 / tl.where(greedy, 1.0, t), stream=stream, idx=idx, valid=valid,
@@ -340,21 +340,17 @@ def _with_kind(walk, kind):
 def _start(req, T):
     """The walk at the root: statistics at node 0, the path [0, -1, ...] (written by chunk 0)."""
     tl.store(req.path + req.idx, tl.where(req.idx == 0, 0, -1), mask=req.idx < tl.where(req.writer, T, 0))
-    root = tl.zeros((), tl.int32)
-    zero = tl.zeros((), tl.float32)
+    root = tl.full((), 0, tl.int32)
+    zero = tl.full((), 0.0, tl.float32)
     return Walk(kind=root + STATS, node=root, depth=root, cursor=root, c=zero, z=zero + 1.0, lse_p=zero, lse_q=zero)
 
 
 @triton.jit
-def _state_record(ptr, buf, SLOTS: tl.constexpr):
-    """Request program_id(0)'s state record in buffer `buf`."""
-    return ptr + (buf * tl.num_programs(0) + tl.program_id(0)) * SLOTS
-
-
-@triton.jit
 def _load_state(state_i_ptr, state_f_ptr, buf):
-    si = _state_record(state_i_ptr, buf, STATE_INTS)
-    sf = _state_record(state_f_ptr, buf, STATE_FLOATS)
+    """Request program_id(0)'s state in buffer `buf`."""
+    rec = buf * tl.num_programs(0) + tl.program_id(0)
+    si = state_i_ptr + rec * STATE_INTS
+    sf = state_f_ptr + rec * STATE_FLOATS
     return Walk(kind=tl.load(si + KIND), node=tl.load(si + NODE), depth=tl.load(si + DEPTH),
                 cursor=tl.load(si + CURSOR), c=tl.load(sf + C), z=tl.load(sf + Z), lse_p=tl.load(sf + LSE_P),
                 lse_q=tl.load(sf + LSE_Q))
@@ -362,9 +358,11 @@ def _load_state(state_i_ptr, state_f_ptr, buf):
 
 @triton.jit
 def _store_state(state_i_ptr, state_f_ptr, buf, walk, mask):
-    si = _state_record(state_i_ptr, buf, STATE_INTS)
-    sf = _state_record(state_f_ptr, buf, STATE_FLOATS)
-    tl.store(si + KIND, walk.kind, mask=mask)
+    """The state for the next launch: a draw (LOCATE) ends the walk in the launch that decides it."""
+    rec = buf * tl.num_programs(0) + tl.program_id(0)
+    si = state_i_ptr + rec * STATE_INTS
+    sf = state_f_ptr + rec * STATE_FLOATS
+    tl.store(si + KIND, tl.where(walk.kind == LOCATE, DONE, walk.kind), mask=mask)
     tl.store(si + NODE, walk.node, mask=mask)
     tl.store(si + DEPTH, walk.depth, mask=mask)
     tl.store(si + CURSOR, walk.cursor, mask=mask)
@@ -375,17 +373,18 @@ def _store_state(state_i_ptr, state_f_ptr, buf, walk, mask):
 
 
 @triton.jit
-def _part_record(ptr, buf, split, SLOTS: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """The partial record(s) of chunk(s) `split` of request program_id(0) in buffer `buf`."""
-    return ptr + ((buf * tl.num_programs(0) + tl.program_id(0)) * NUM_SPLITS + split) * SLOTS
+def _part_records(part_f_ptr, part_i_ptr, buf, split, NUM_SPLITS: tl.constexpr):
+    """The partial records (float slots, int slots) of chunk(s) `split` of request program_id(0) in buffer
+    `buf`."""
+    rec = (buf * tl.num_programs(0) + tl.program_id(0)) * NUM_SPLITS + split
+    return part_f_ptr + rec * PART_FLOATS, part_i_ptr + rec * PART_INTS
 
 
 @triton.jit
 def _load_chunks(part_f_ptr, part_i_ptr, buf, kind, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr):
     """The partials the previous launch's pass `kind` (STATS or ZPASS) left, as `Chunks`."""
     sidx = tl.arange(0, S_BLOCK)
-    pf = _part_record(part_f_ptr, buf, sidx, PART_FLOATS, NUM_SPLITS)
-    pi = _part_record(part_i_ptr, buf, sidx, PART_INTS, NUM_SPLITS)
+    pf, pi = _part_records(part_f_ptr, part_i_ptr, buf, sidx, NUM_SPLITS)
     # scalar conditions enter masks through the bound (the interpreter mis-types vector & scalar bools)
     stats = sidx < tl.where(kind == STATS, NUM_SPLITS, 0)
     mass = sidx < tl.where(kind == ZPASS, NUM_SPLITS, 0)
@@ -407,22 +406,16 @@ def _bounds(req, s, SPLIT_V: tl.constexpr):
     return lo, tl.minimum(lo + SPLIT_V, req.V)
 
 
-@triton.jit
-def _tile(row, start, hi, ar):
-    """Entries start + ar of a row, -inf past hi (hi = start: nothing is read)."""
-    return tl.load(row + start + ar, mask=start + ar < hi, other=NEG_INF)
-
-
 # Prefetch: the next PREFETCH (1 or 2) tiles' loads are in flight while a tile is folded in (the compiler
 # does not pipeline loads that feed no dot): `_prefetch` issues them before the loop, `_next_tile` hands out
 # the oldest and issues the one PREFETCH tiles ahead.
 @triton.jit
 def _prefetch(row, lo, hi, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr):
-    ar = tl.arange(0, BLOCK_V)
-    tile_next = _tile(row, lo, hi, ar)
+    cols = lo + tl.arange(0, BLOCK_V)
+    tile_next = tl.load(row + cols, mask=cols < hi, other=NEG_INF)
     tile_later = tile_next
     if PREFETCH == 2:
-        tile_later = _tile(row, lo + BLOCK_V, hi, ar)
+        tile_later = tl.load(row + cols + BLOCK_V, mask=cols + BLOCK_V < hi, other=NEG_INF)
     return tile_next, tile_later
 
 
@@ -453,7 +446,7 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
     ar = tl.arange(0, BLOCK_V)
     # per-lane accumulators over the tiles, one cross-lane reduction at the end
     m_p = tl.full([BLOCK_V], NEG_INF, tl.float32)
-    s_p = tl.zeros([BLOCK_V], tl.float32)
+    s_p = tl.full([BLOCK_V], 0.0, tl.float32)
     m_q = m_p
     s_q = s_p
     best = tl.full([BLOCK_V], -1, tl.int32)
@@ -481,7 +474,7 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
         elif HAS_DRAFT:  # ZPASS: the residual's per-lane sums, in the accumulator of target's sums
             s_p += _residual(a, b, walk.lse_p, walk.lse_q, walk.c, True)
     if not stats:
-        m_p = tl.zeros([BLOCK_V], tl.float32)  # the residual's sums merge against max 0: a plain sum
+        m_p = tl.full([BLOCK_V], 0.0, tl.float32)  # the residual's sums merge against max 0: a plain sum
     max_p, sum_p = _merge_lse(m_p, s_p)
     max_q, sum_q = _merge_lse(m_q, s_q)
     argmax = tl.reduce(tl.where((m_p == max_p) & (best >= 0), best, INT_MAX), 0, _MIN)
@@ -496,7 +489,7 @@ def _row_pass(req, walk, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPL
     partials hold (so that the merge is the same)."""
     sidx = tl.arange(0, S_BLOCK)
     max_p = tl.full((S_BLOCK,), NEG_INF, tl.float32)
-    sum_p = tl.zeros((S_BLOCK,), tl.float32)
+    sum_p = tl.full((S_BLOCK,), 0.0, tl.float32)
     max_q = max_p
     sum_q = sum_p
     argmax = tl.full((S_BLOCK,), -1, tl.int32)
@@ -571,7 +564,7 @@ def _start_node(walk, chunks):
     max_p, sum_p = _merge_lse(chunks.max_p, chunks.sum_p)
     max_q, sum_q = _merge_lse(chunks.max_q, chunks.sum_q)
     lse_p = max_p + tl.log(sum_p)
-    zero = tl.zeros((), tl.float32)
+    zero = tl.full((), 0.0, tl.float32)
     # cursor = node: no child tested yet
     walk = Walk(walk.kind, walk.node, walk.depth, walk.node, zero, zero + 1.0, lse_p, max_q + tl.log(sum_q))
     return walk, Residual(chunks.sum_p * tl.exp(chunks.max_p - lse_p), zero)
@@ -617,7 +610,7 @@ def _draft_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexp
         kind = tl.full((), LOCATE, tl.int32)
         if not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0:
             # the residual rounded to zero (a rejection of probability ~0): p's chunk masses, then the draw
-            c = tl.zeros((), tl.float32)
+            c = tl.full((), 0.0, tl.float32)
             kind = tl.full((), ZPASS, tl.int32)
     return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q), res
 
@@ -698,6 +691,12 @@ def _decide(req, walk, chunks, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, N
 # the draw's second level (a chunk's scan) and the candidates after a last rejection
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _tile(row, start, hi, ar):
+    """Entries start + ar of a row, -inf past hi (hi = start: nothing is read)."""
+    return tl.load(row + start + ar, mask=start + ar < hi, other=NEG_INF)
+
+
+@triton.jit
 def _locate(req, node, pick, thresh, c, lse_p, lse_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr,
             BLOCK_V: tl.constexpr):
     """The draw's second level: chunk `pick`'s scan, tile by tile until the running sum of the residual
@@ -709,7 +708,7 @@ def _locate(req, node, pick, thresh, c, lse_p, lse_q, HAS_DRAFT: tl.constexpr, S
     hi_q = tl.where(c > 0, hi, lo)  # q is needed only for a residual max(p - c q, 0) with c > 0
     token = tl.full((), -1, tl.int32)
     last = token
-    acc = tl.zeros((), tl.float32)  # the residual's running sum over the tiles scanned
+    acc = tl.full((), 0.0, tl.float32)  # the residual's running sum over the tiles scanned
     start = lo
     while (start < hi) & (token < 0):
         cols = start + ar
@@ -777,11 +776,11 @@ def _after_candidates(req, walk, first, token, TRIALS: tl.constexpr):
 
 
 @triton.jit
-def _merge_candidates(req, walk, part_i_ptr, buf, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr,
+def _merge_candidates(req, walk, part_f_ptr, part_i_ptr, buf, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr,
                       TRIALS: tl.constexpr):
     """The split launch's candidates: every program's first accepted one, the lowest j of all wins."""
     sidx = tl.arange(0, S_BLOCK)
-    pi = _part_record(part_i_ptr, buf, sidx, PART_INTS, NUM_SPLITS)
+    _, pi = _part_records(part_f_ptr, part_i_ptr, buf, sidx, NUM_SPLITS)
     have = sidx < NUM_SPLITS
     j = tl.load(pi + CANDIDATE, mask=have, other=TRIALS)
     first = tl.reduce(j, 0, _MIN)
@@ -798,14 +797,15 @@ def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, buf, IS_FI
             S_BLOCK: tl.constexpr, TRIALS: tl.constexpr):
     """The walk where the previous launch left it (buffer `buf`), its last pass merged and decided on; the
     first launch starts at the root. Returns the walk and the `Residual` of its draw."""
-    res = Residual(tl.zeros((S_BLOCK,), tl.float32), tl.zeros((), tl.float32))  # (only a decision leads to a draw)
+    # (only a decision leads to a draw)
+    res = Residual(tl.full((S_BLOCK,), 0.0, tl.float32), tl.full((), 0.0, tl.float32))
     if IS_FIRST:
         walk = _start(req, T)
     else:
         walk = _load_state(state_i_ptr, state_f_ptr, buf)
         if walk.kind == TRIAL:
             if HAS_DRAFT:
-                walk = _merge_candidates(req, walk, part_i_ptr, buf, NUM_SPLITS, S_BLOCK, TRIALS)
+                walk = _merge_candidates(req, walk, part_f_ptr, part_i_ptr, buf, NUM_SPLITS, S_BLOCK, TRIALS)
         elif walk.kind != DONE:
             walk, res = _decide(req, walk, _load_chunks(part_f_ptr, part_i_ptr, buf, walk.kind, NUM_SPLITS, S_BLOCK),
                                 HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
@@ -828,11 +828,7 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
     walk, res = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, read_buf, IS_FIRST, HAS_DRAFT,
                         T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS)
     buf = 1 - read_buf
-    # the draw ends the walk in this launch
-    _store_state(state_i_ptr, state_f_ptr, buf, _with_kind(walk, tl.where(walk.kind == LOCATE, DONE, walk.kind)),
-                 req.writer)
-    pf = _part_record(part_f_ptr, buf, split, PART_FLOATS, NUM_SPLITS)
-    pi = _part_record(part_i_ptr, buf, split, PART_INTS, NUM_SPLITS)
+    _store_state(state_i_ptr, state_f_ptr, buf, walk, req.writer)
     if walk.kind == LOCATE:
         pick, thresh = _pick_chunk(res.mass, _uniform(req.stream, walk.node, U_DRAW), NUM_SPLITS, S_BLOCK)
         if split == pick:  # the program whose chunk holds the threshold draws and writes the outputs
@@ -842,10 +838,12 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
         if HAS_DRAFT:  # candidates j = split, split + NUM_SPLITS, ...: this program's first accepted one
             first, token = _first_accepted(req, walk, res, split, NUM_SPLITS, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V,
                                            TRIALS)
+            _, pi = _part_records(part_f_ptr, part_i_ptr, buf, split, NUM_SPLITS)
             tl.store(pi + CANDIDATE, first)
             tl.store(pi + CANDIDATE_TOKEN, token)
     elif walk.kind != DONE:
         chunk = _chunk_pass(req, walk, split, _uses_q(req, walk.node, T_BLOCK), HAS_DRAFT, SPLIT_V, BLOCK_V, PREFETCH)
+        pf, pi = _part_records(part_f_ptr, part_i_ptr, buf, split, NUM_SPLITS)
         if walk.kind == STATS:
             tl.store(pf + MAX_P, chunk.max_p)
             tl.store(pf + SUM_P, chunk.sum_p)
@@ -863,7 +861,7 @@ def _draw_if_due(req, walk, res, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constex
     pass is next), or the draw from `res`."""
     if walk.kind == TRIAL:
         if HAS_DRAFT:
-            first, token = _first_accepted(req, walk, res, tl.zeros((), tl.int32), 1, NUM_SPLITS, SPLIT_V, S_BLOCK,
+            first, token = _first_accepted(req, walk, res, tl.full((), 0, tl.int32), 1, NUM_SPLITS, SPLIT_V, S_BLOCK,
                                            BLOCK_V, TRIALS)
             walk = _after_candidates(req, walk, first, token, TRIALS)
     elif walk.kind == LOCATE:
