@@ -6,8 +6,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 DEPS := torch==2.13.0 "triton>=3.0" numpy pytest pytest-xdist pytest-random-order pytest-benchmark scipy safetensors tqdm
 PIP := $(PY) -m pip install -q --disable-pip-version-check
-# the suite on both cores (one torch thread per worker); PYTEST_ARGS adds options, e.g. a shuffled run:
-#   make test PYTEST_ARGS="--random-order-bucket=global"
+# the suite on both cores (one torch thread per worker), in a new shuffled order each run so that no test can
+# lean on another having run first; `make test TEST_SEED=N` repeats run N's order, PYTEST_ARGS adds options
+ifndef TEST_SEED
+TEST_SEED := $(shell od -An -N3 -tu4 /dev/urandom | tr -d ' ')
+endif
 PYTEST_ARGS ?=
 
 .PHONY: demo test check-install bench install clean
@@ -27,8 +30,9 @@ $(STAMP): $(PY) setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
 install: $(STAMP)
 
 test: $(STAMP)
+	@echo "test order: shuffled with TEST_SEED=$(TEST_SEED) (make test TEST_SEED=$(TEST_SEED) repeats it)"
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests bench/test_bench_ops.py \
-		--benchmark-disable $(PYTEST_ARGS)
+		--benchmark-disable --random-order-bucket=global --random-order-seed=$(TEST_SEED) $(PYTEST_ARGS)
 
 # a regular install and a wheel build in a new venv, each checked from outside the checkout (CI runs it too)
 check-install:
