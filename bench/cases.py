@@ -16,8 +16,9 @@ def attn(B, T, L, dtype="bf16", Hq=32, Hkv=8, D=128, page=0, kv=None, window=Non
     return dict(B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, L=L, dtype=dtype, page=page, **extra)
 
 
-def acc(B, T, V, dtype="fp32", tree="chain", draft="iid", temp=1.0):
-    return dict(B=B, T=T, V=V, dtype=dtype, tree=tree, draft=draft, temp=temp)
+def acc(B, T, V, dtype="fp32", tree="chain", draft="iid", temp=1.0, top_k=0, top_p=1.0):
+    filters = {**({"top_k": top_k} if top_k else {}), **({"top_p": top_p} if top_p < 1 else {})}
+    return dict(B=B, T=T, V=V, dtype=dtype, tree=tree, draft=draft, temp=temp, **filters)
 
 
 def rb(layers, B, T, P, L=1024, dtype="bf16", Hkv=8, D=128, page=0, form="stacked", path="random"):
@@ -42,6 +43,9 @@ CPU_FLOOR = "CPU floor: C++ vs PyTorch"
 CPU_TARGETS = [
     Case("attention", attn(4, 16, 2048, "fp32", Hq=16, Hkv=4), targets=(Target("cpp", "sdpa", 1.5, CPU_FLOOR),)),
     Case("accept", acc(32, 8, 32000), targets=(Target("cpp", "torch-sampler", 3.0, CPU_FLOOR),)),
+    Case("accept", acc(32, 8, 32000, top_k=50, top_p=0.9),
+         targets=(Target("cpp", "torch-sampler", 3.0, CPU_FLOOR),  # and at most 1.5x the time without filters:
+                  Target("cpp", "cpp-unfiltered", 1 / 1.5, "CPU floor: filters' cost"))),
     Case("rollback", rb(16, 8, 16, 4, L=256, dtype="fp32"), targets=(Target("cpp", "torch-index", 2.0, CPU_FLOOR),)),
 ]
 

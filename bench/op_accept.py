@@ -2,7 +2,9 @@
 
 params: B requests, T nodes, V vocab, dtype of the logits, tree ("chain" or "tree"), draft ("iid": the
 children were sampled i.i.d. from the draft logits, which are passed; "topk": each node's children are its
-top-k draft tokens, given proposals, no draft logits passed), temp (0 = greedy, else the temperature).
+top-k draft tokens, given proposals, no draft logits passed), temp (0 = greedy, else the temperature), and
+optionally top_k / top_p (accept's filters for every request; absent, 0 or 1.0: off; the iid drafter then
+samples from the processed draft law, specdec.sampling.processed_logits).
 
 The draft is a noisy copy of the target (draft = target + NOISE * N(0, 1)), so paths are as long as a
 decent drafter makes them; every run's path length is reported (mean_accepted).
@@ -14,6 +16,8 @@ Peers (chains only; the same inputs, timed whole):
   torch-sampler  the vectorized PyTorch rejection sampler: softmax every target and draft row, gather
                  p(x) and q(x), accept while u < p(x)/q(x) (cumprod), sample the next token with
                  torch.multinomial from max(p - q, 0) at the first rejection or from p after the chain.
+                 With top_k / top_p, every target and draft row is first divided by t and masked the usual
+                 sort-based way (vLLM's apply_top_k_top_p: sort, k-th value, cumsum of the sorted softmax).
   torch-greedy   argmax every row, compare with the draft tokens, cumprod, next = argmax at the stop.
 """
 from __future__ import annotations
@@ -37,7 +41,13 @@ class Inputs:
         target = LOGIT_SCALE * torch.randn(B, T, V, device=device)
         draft = target + NOISE * torch.randn(B, T, V, device=device)
         parents = random_parents(B, T, self.tree, gen).to(device)
-        self.tokens = _draft_tokens(draft, parents, self.draft_kind, self.temp, gen)
+        self.top_k, self.top_p = int(p.get("top_k", 0)), float(p.get("top_p", 1.0))
+        self.filters = dict(top_k=self.top_k or None, top_p=self.top_p if self.top_p < 1 else None)
+        sampled_from = draft
+        if any(v is not None for v in self.filters.values()) and self.temp > 0:  # the drafter samples from q
+            from specdec.sampling import processed_logits
+            sampled_from = processed_logits(draft.view(B * T, V), self.temp, **self.filters).view(B, T, V)
+        self.tokens = _draft_tokens(sampled_from, parents, self.draft_kind, self.temp, gen)
         self.target_logits = target.to(self.dtype)
         self.draft_logits = draft.to(self.dtype) if self.draft_kind == "iid" else None
         self.parents = parents
@@ -78,16 +88,36 @@ def _draft_tokens(draft, parents, kind, temp, gen) -> torch.Tensor:
 def specdec_fn(x: Inputs, backend: str):
     def run():
         return specdec.accept(x.target_logits, x.tokens, x.parents, draft_logits=x.draft_logits,
-                              temperature=x.temperature, seeds=x.seeds, num_nodes=x.num_nodes, backend=backend)
+                              temperature=x.temperature, seeds=x.seeds, num_nodes=x.num_nodes, backend=backend,
+                              **x.filters)
     return run
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """(N, V) logits with the entries outside the top-k / top-p set at -inf, the way PyTorch engines write it
+    (vLLM's apply_top_k_top_p): one ascending sort per row, the k-th value, the cumsum of the sorted softmax."""
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k:
+        kth = logits_sort.gather(1, torch.full((logits.shape[0], 1), logits.shape[1] - k, device=logits.device))
+        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+    if p < 1:
+        probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        top_p_mask = probs_sum <= 1 - p
+        top_p_mask[:, -1] = False  # at least one
+        logits_sort.masked_fill_(top_p_mask, float("-inf"))
+    return logits.scatter(dim=-1, index=logits_idx, src=logits_sort)
 
 
 def torch_rejection_sampler(x: Inputs):
     """The vectorized PyTorch chain sampler (see the module docstring)."""
     B, T, V = x.target_logits.shape
     t = x.temperature.view(B, 1, 1)
-    p = torch.softmax(x.target_logits.float() / t, dim=-1)
-    q = torch.softmax(x.draft_logits.float() / t, dim=-1)
+    target, draft = x.target_logits.float() / t, x.draft_logits.float() / t
+    if x.top_k or x.top_p < 1:
+        target = apply_top_k_top_p(target.view(B * T, V), x.top_k, x.top_p).view(B, T, V)
+        draft = apply_top_k_top_p(draft.view(B * T, V), x.top_k, x.top_p).view(B, T, V)
+    p = torch.softmax(target, dim=-1)
+    q = torch.softmax(draft, dim=-1)
     drafted = x.tokens[:, 1:].long().unsqueeze(-1)  # node i + 1 was drawn from q at node i
     px = p[:, :-1].gather(-1, drafted).squeeze(-1)
     qx = q[:, :-1].gather(-1, drafted).squeeze(-1)
@@ -115,14 +145,30 @@ def _chain_result(num_acc, next_tokens, T):
     return specdec.AcceptResult(accepted, num_acc.to(torch.int32), next_tokens.to(torch.int64))
 
 
+def unfiltered_fn(x: Inputs, backend: str):
+    """The same call without the filters: what the filters cost is the ratio to it."""
+    def run():
+        return specdec.accept(x.target_logits, x.tokens, x.parents, draft_logits=x.draft_logits,
+                              temperature=x.temperature, seeds=x.seeds, num_nodes=x.num_nodes, backend=backend)
+    return run
+
+
 def peers(x: Inputs, case) -> dict:
+    filtered = bool(x.top_k or x.top_p < 1)
+    if filtered and x.temp > 0:  # the default backend of the device without the filters (not a valid result:
+        backend = "cpp" if x.target_logits.device.type == "cpu" else "triton"  # another law; only its time)
+        unfiltered = {f"{backend}-unfiltered": lambda: unfiltered_fn(x, backend)}
+    else:
+        unfiltered = {}
     if x.tree != "chain":
-        return {}
+        return unfiltered
+    if x.temp == 0 and filtered:
+        return {}  # greedy: the filters change nothing
     if x.temp == 0:
         return {"torch-greedy": lambda: (lambda: torch_greedy(x))}
     if x.draft_logits is not None:
-        return {"torch-sampler": lambda: (lambda: torch_rejection_sampler(x))}
-    return {}
+        return {"torch-sampler": lambda: (lambda: torch_rejection_sampler(x)), **unfiltered}
+    return unfiltered
 
 
 def min_bytes(x: Inputs, res) -> int:
@@ -171,4 +217,5 @@ def summary(x: Inputs, res) -> dict:
 def describe(p: dict) -> str:
     mode = "greedy" if float(p["temp"]) == 0 else f"t{p['temp']:g}"
     draft = "draft-logits" if p["draft"] == "iid" else "topk-proposals"
-    return f"B{p['B']} T{p['T']} V{p['V']} {p['dtype']} {p['tree']} {draft} {mode}"
+    filters = (f" top_k{p['top_k']}" if p.get("top_k") else "") + (f" top_p{p['top_p']:g}" if p.get("top_p", 1) < 1 else "")
+    return f"B{p['B']} T{p['T']} V{p['V']} {p['dtype']} {p['tree']} {draft} {mode}{filters}"

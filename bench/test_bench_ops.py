@@ -97,6 +97,25 @@ def test_accept_sampler_peer_accepts_everything_when_draft_is_target():
     assert op_accept.check(x, res, None) == "ok (valid paths)"
 
 
+def test_accept_filtered_case_and_its_peer():
+    """top_k / top_p cases: accept gets the filters, the drafter samples from the processed law, the peer
+    masks the same tokens (vLLM's sort-based masking; random logits have no ties to break)."""
+    from specdec.sampling import keep_mask
+    x = _inputs(op_accept, acc(6, 5, 300, top_k=20, top_p=0.8), CPU)
+    assert op_accept.describe(acc(6, 5, 300, top_k=20, top_p=0.8)).endswith("t1 top_k20 top_p0.8")
+    res = specdec.accept(x.target_logits, x.tokens, x.parents, draft_logits=x.draft_logits,
+                         temperature=x.temperature, seeds=x.seeds, backend="torch", **x.filters)
+    assert op_accept.check(x, res, None) == "ok (valid paths)"
+    assert op_accept.check(x, op_accept.torch_rejection_sampler(x), None) == "ok (valid paths)"
+    assert set(op_accept.peers(x, None)) == {"torch-sampler", "cpp-unfiltered"}  # the filters' cost is timed too
+    rows = x.target_logits.flatten(0, 1)
+    peer = op_accept.apply_top_k_top_p(rows.float() / x.temp, 20, 0.8) > float("-inf")
+    assert torch.equal(peer, keep_mask(rows, x.temp, 20, 0.8))
+    q_keep = keep_mask(x.draft_logits.flatten(0, 1), x.temp, 20, 0.8).view(x.draft_logits.shape)
+    drafted = q_keep[:, :-1].gather(-1, x.tokens[:, 1:].long().unsqueeze(-1))  # chain: node i + 1 drawn at node i
+    assert bool(drafted.all()), "the drafter drew a token outside its processed law"
+
+
 @pytest.mark.parametrize("params", [acc(5, 9, 400, tree="tree"), acc(5, 9, 400, tree="tree", draft="topk")],
                          ids=["iid", "topk"])
 def test_accept_path_check(params):

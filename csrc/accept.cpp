@@ -19,6 +19,18 @@
 // u * q(x) < r(x), else r <- norm(max(r - q, 0)); with given proposals iff u < r(x) / sum(r), else
 // r(x) <- 0. The next token is drawn from r. This is exactly lossless (SpecInfer multi-step rejection).
 //
+// Filters (top_k, top_p, min_p (B,) or None; token_bitmask (B, T, ceil(V/32)) int32 or None): p and q at
+// node i are the processed laws of specdec/reference.py (mask, temperature, top-k, top-p, min-p,
+// renormalize); greedy takes the argmax of the masked row. Every kept set is an upper set of the logits,
+// so a row's law is exp((x - M) / t) on the allowed x >= a threshold, 0 elsewhere (M: the masked max). The
+// thresholds are exact and found without sorting the row (Accept::process_row): top-k by a filtered
+// selection (the k-th largest of the maxima of 64-entry groups bounds the k-th value from below; only
+// the entries above that bound are candidates, std::nth_element on them), min-p by solving
+// exp((v - M) / t) >= min_p for the smallest float v (double math), top-p by a weighted selection over
+// the kept tokens (after pruning, in one vectorized pass of mass pivots, the ones that cannot reach the
+// boundary; top_p_threshold) with double-precision masses. A request with every filter off takes the
+// plain path below, unchanged.
+//
 // Two passes: (1) every row once, at memory speed: its max, which also gives the NaN/+inf flags (the input
 // checks need all rows anyway); (2) per request, walk the tree, reading again only the rows on the path
 // (fp32, fp64 for fp64 logits): greedy finds the first index of the max; sampling computes exp, residual
@@ -28,8 +40,11 @@
 
 #include <ATen/core/PhiloxRNGEngine.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace specdec {
@@ -105,6 +120,20 @@ struct RequestRng {
   }
 };
 
+// Values appended one by one, storage kept from row to row: no zero fill, no capacity check per element
+// (room for a row is made up front by reset).
+struct Values {
+  std::unique_ptr<double[]> data;
+  int64_t size = 0, capacity = 0;
+  void reset(int64_t room) {
+    if (room > capacity) {
+      data.reset(new double[room]);
+      capacity = room;
+    }
+    size = 0;
+  }
+};
+
 // The residual r over the vocabulary, with the sums of its blocks of kBlock entries: every change of r
 // refreshes the sums of the blocks it touched, so the total and the inverse-CDF draw need no extra pass
 // over r, and they agree with each other (the draw's threshold always falls inside some block).
@@ -113,6 +142,9 @@ struct Residual {
   static constexpr int64_t kBlock = 512;  // a multiple of every vector size
   std::vector<acc_t> r, q;
   std::vector<double> block_sums;
+  // scratch of the filters: top-k candidates, top-p (value, weight) candidates
+  std::vector<acc_t> top_k_buffer, group_max;
+  Values top_p_values, top_p_weights;
 
   Residual(int64_t V, bool with_draft) : r(V), q(with_draft ? V : 0), block_sums((V + kBlock - 1) / kBlock) {}
 
@@ -122,6 +154,108 @@ struct Residual {
     return sum;
   }
 };
+
+// One node's row of token_bitmask: token v is allowed iff bit v % 32 of word v / 32 is set (null: all are).
+struct MaskRow {
+  const int32_t* words = nullptr;
+  bool allowed(int64_t v) const {
+    return words == nullptr || ((static_cast<uint32_t>(words[v >> 5]) >> (v & 31)) & 1u);
+  }
+  // the n (<= 32, dividing 32) bits of tokens [i, i + n), i a multiple of n
+  uint32_t bits(int64_t i, int n) const {
+    const uint32_t word = static_cast<uint32_t>(words[i >> 5]) >> (i & 31);
+    return n == 32 ? word : word & ((1u << n) - 1);
+  }
+};
+
+// Lane j of the result is all ones iff bit j of `bits` is set (a blendv / select mask).
+template <typename acc_t>
+inline Vectorized<acc_t> lanes_of(uint32_t bits) {
+  using int_t = at::vec::int_same_size_t<acc_t>;
+  using IVec = Vectorized<int_t>;
+  constexpr int VS = Vectorized<acc_t>::size();
+  static_assert(IVec::size() == VS, "integer lanes of the float lanes' size");
+  struct Powers {
+    int_t v[VS];
+    Powers() { for (int j = 0; j < VS; ++j) v[j] = static_cast<int_t>(int64_t{1} << j); }
+  };
+  static const Powers powers;
+  const IVec set = (IVec(static_cast<int_t>(bits)) & IVec::loadu(powers.v)) != IVec(0);
+  return at::vec::cast<acc_t>(set);
+}
+
+// The set lanes of a comparison's result, as bits.
+template <typename Vec>
+inline uint32_t set_lanes(const Vec& cmp) {
+  return ~static_cast<uint32_t>(cmp.zero_mask()) & ((1u << Vec::size()) - 1);
+}
+
+// Top-p's threshold over the candidates x[0, n) (values) with weights w[0, n) (any order; both arrays are
+// reordered): the smallest value g such that above + (the weight of the candidates with a value > g) < P,
+// starting from above = 0 (so the largest value qualifies when P > 0). Exact for the given weights: each
+// round takes 7 pivots at the octiles of a strided sample, weighs the candidates above each pivot in one
+// vectorized pass, and compacts the part between the two pivots that bracket the boundary (about 1/8 of
+// the candidates; the mass above it joins `above`); a tie group is never split. Few candidates left (or a
+// round that removes none, all ties): a sort finishes.
+inline double top_p_threshold(double* x, double* w, int64_t n, double P) {
+  using DVec = Vectorized<double>;
+  constexpr int64_t kSample = 64, kPivots = 7;
+  double above = 0;  // weight of the candidates removed above the part searched, all kept (< P)
+  while (n > kSample) {
+    double sample[kSample];
+    const int64_t stride = n / kSample;
+    for (int64_t j = 0; j < kSample; ++j) sample[j] = x[j * stride];
+    std::sort(sample, sample + kSample, std::greater<double>());
+    double pivot[kPivots];  // descending
+    DVec vp[kPivots], mass[kPivots];
+    for (int64_t j = 0; j < kPivots; ++j) {
+      pivot[j] = sample[(j + 1) * kSample / (kPivots + 1)];
+      vp[j] = DVec(pivot[j]);
+      mass[j] = DVec(0.0);
+    }
+    double tail[kPivots] = {};
+    int64_t i = 0;
+    const DVec zero(0.0);
+    for (; i + DVec::size() <= n; i += DVec::size()) {
+      const DVec xv = DVec::loadu(x + i), wv = DVec::loadu(w + i);
+      for (int64_t j = 0; j < kPivots; ++j) mass[j] = mass[j] + DVec::blendv(zero, wv, xv > vp[j]);
+    }
+    for (; i < n; ++i) {
+      for (int64_t j = 0; j < kPivots; ++j) tail[j] += x[i] > pivot[j] ? w[i] : 0.0;
+    }
+    // the first pivot whose mass above reaches P - above: the boundary is in (pivot[j], pivot[j - 1]]
+    int64_t j = 0;
+    double above_hi = 0, above_lo = 0;  // the masses above pivot[j - 1] and pivot[j]
+    for (; j < kPivots; ++j) {
+      above_lo = at::vec::vec_reduce_all<double>(std::plus<DVec>(), mass[j]) + tail[j];
+      if (!(above + above_lo < P)) break;
+      above_hi = above_lo;
+    }
+    const double hi = j > 0 ? pivot[j - 1] : std::numeric_limits<double>::infinity();
+    const double lo = j < kPivots ? pivot[j] : -std::numeric_limits<double>::infinity();
+    // kept: everything above hi (pivot[j - 1] itself is kept, its mass above is < P - above); dropped:
+    // everything at or below lo (the mass above it reaches P - above)
+    int64_t m = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const bool keep = (x[k] > lo) & (x[k] <= hi);  // (no branch: the outcome is random)
+      x[m] = x[k];
+      w[m] = w[k];
+      m += keep;
+    }
+    above += above_hi;
+    if (m == n) break;  // no progress (ties): sort what is left
+    n = m;
+  }
+  std::vector<std::pair<double, double>> rest(n);
+  for (int64_t j = 0; j < n; ++j) rest[j] = {x[j], w[j]};
+  std::sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  double threshold = rest[0].first;
+  for (int64_t j = 0; j < n && above < P;) {  // tie groups from the top: kept while the mass above < P
+    threshold = rest[j].first;
+    for (; j < n && rest[j].first == threshold; ++j) above += rest[j].second;
+  }
+  return threshold;
+}
 
 template <typename scalar_t>
 struct Accept {
@@ -139,6 +273,11 @@ struct Accept {
   const float* temperature;
   const int64_t* seeds;
   const int64_t* offsets;  // (B,): request b's stream offset is offset + offsets[b]
+  // the filters, each null when absent: top_k (B,) int32, top_p / min_p (B,) float, bitmask (B, T, W) int32
+  const int32_t* top_k;
+  const float *top_p, *min_p;
+  const int32_t* bitmask;
+  bool* masked_empty[2];  // (B, T) flags of the target's / draft's rows: -inf on every allowed token (or null)
   int64_t T, V, offset;
   int32_t* accepted;  // (B, T), pre-filled with -1
   int32_t* num_accepted;
@@ -253,6 +392,330 @@ struct Accept {
     return 0;
   }
 
+  // ------------------------------------------------------------------------------------------------
+  // the processed law of a row, for requests with a filter on
+  // ------------------------------------------------------------------------------------------------
+  static constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  static constexpr acc_t kLowest = std::numeric_limits<acc_t>::lowest();  // thresholds: -inf and NaN never pass
+
+  struct Filters {
+    int64_t k = 0;          // top-k, on iff 0 < k < V
+    double top_p = 1.0;     // on iff < 1
+    double min_p = 0.0;     // on iff > 0
+    const int32_t* mask = nullptr;  // the request's (T, W) rows of token_bitmask
+  };
+
+  int64_t words() const { return (V + 31) / 32; }
+  bool top_k_on(const Filters& f) const { return f.k > 0 && f.k < V; }
+  bool any(const Filters& f) const { return top_k_on(f) || f.top_p < 1.0 || f.min_p > 0.0 || f.mask != nullptr; }
+
+  Filters filters(int64_t b) const {
+    Filters f;
+    if (top_k != nullptr) f.k = top_k[b];
+    if (top_p != nullptr) f.top_p = top_p[b];
+    if (min_p != nullptr) f.min_p = min_p[b];
+    if (bitmask != nullptr) f.mask = bitmask + b * T * words();
+    return f;
+  }
+
+  // for_each_vec over row[b0, b0 + n) with the disallowed entries at -inf; indices relative to b0.
+  template <typename VecFn, typename ScalarFn>
+  void masked_for_each(const scalar_t* row, int64_t b0, int64_t n, const MaskRow& mask, VecFn&& vec_fn,
+                       ScalarFn&& scalar_fn) const {
+    if (mask.words == nullptr) {
+      for_each_vec(row + b0, n, vec_fn, scalar_fn);
+      return;
+    }
+    constexpr uint32_t kAll = (1u << Vec::size()) - 1;
+    for_each_vec(row + b0, n,
+        [&](const Vec& x, int64_t i) {
+          const uint32_t bits = mask.bits(b0 + i, Vec::size());
+          if (bits == kAll) {
+            vec_fn(x, i);
+          } else {
+            vec_fn(Vec::blendv(Vec(-kInf), x, lanes_of<acc_t>(bits)), i);
+          }
+        },
+        [&](acc_t x, int64_t i) { scalar_fn(mask.allowed(b0 + i) ? x : -kInf, i); });
+  }
+
+  // The max over the allowed entries (-inf: none is finite; NaN propagates).
+  acc_t masked_max(const scalar_t* row, const MaskRow& mask) const {
+    Vec m(-kInf);
+    acc_t tail = -kInf;
+    masked_for_each(row, 0, V, mask, [&](const Vec& x, int64_t) { m = at::vec::maximum(m, x); },
+                    [&](acc_t x, int64_t) { tail = std::isnan(tail) || x <= tail ? tail : x; });
+    const acc_t lanes = at::vec::vec_reduce_all<acc_t>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, m);
+    return std::isnan(lanes) || std::isnan(tail) ? std::numeric_limits<acc_t>::quiet_NaN() : std::max(lanes, tail);
+  }
+
+  // The first allowed index holding the masked max M (greedy's argmax); 0 if there is none.
+  int64_t first_allowed_max(const scalar_t* row, const MaskRow& mask, acc_t M) const {
+    if (mask.words == nullptr) return first_argmax(row, M);
+    int64_t found = -1;
+    for (int64_t b0 = 0; b0 < V && found < 0; b0 += kBlock) {
+      masked_for_each(row, b0, std::min(kBlock, V - b0), mask,
+          [&](const Vec& x, int64_t i) {
+            const uint32_t equal = found < 0 ? set_lanes(x == Vec(M)) : 0;
+            if (equal != 0) found = b0 + i + __builtin_ctz(equal);
+          },
+          [&](acc_t x, int64_t i) { if (found < 0 && x == M) found = b0 + i; });
+    }
+    return std::max<int64_t>(found, 0);
+  }
+
+  // The maxima of the row's groups of kGroup entries (disallowed at -inf, NaN as -inf) into `maxima`.
+  static constexpr int64_t kGroup = 64;  // a multiple of every vector size, a divisor of kBlock
+  void group_maxima(const scalar_t* row, const MaskRow& mask, std::vector<acc_t>& maxima) const {
+    maxima.resize((V + kGroup - 1) / kGroup);
+    for (int64_t g = 0, g0 = 0; g0 < V; ++g, g0 += kGroup) {
+      Vec m(-kInf);
+      acc_t tail = -kInf;
+      masked_for_each(row, g0, std::min(kGroup, V - g0), mask, [&](const Vec& x, int64_t) { m = at::vec::maximum(m, x); },
+                      [&](acc_t x, int64_t) { tail = x > tail ? x : tail; });
+      const acc_t lanes = at::vec::vec_reduce_all<acc_t>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, m);
+      maxima[g] = std::isnan(lanes) ? tail : std::max(lanes, tail);
+    }
+  }
+
+  // Top-k: the k-th largest allowed value (ties counted), kLowest when fewer than k are finite. The k-th
+  // largest group maximum is a lower bound (k groups reach it, so k entries do): only the entries at or
+  // above it, in the groups whose maximum reaches it, are candidates; std::nth_element on those.
+  acc_t top_k_threshold(const scalar_t* row, const MaskRow& mask, int64_t k, Residual<acc_t>& res) const {
+    std::vector<acc_t>& maxima = res.group_max;
+    std::vector<acc_t>& buffer = res.top_k_buffer;
+    group_maxima(row, mask, maxima);
+    const int64_t G = static_cast<int64_t>(maxima.size());
+    acc_t bound = kLowest;
+    if (k <= G) {
+      buffer.assign(maxima.begin(), maxima.end());
+      std::nth_element(buffer.begin(), buffer.begin() + (k - 1), buffer.end(), std::greater<acc_t>());
+      bound = std::max(kLowest, buffer[k - 1]);
+    }
+    buffer.clear();
+    const Vec vb(bound);
+    for (int64_t g = 0; g < G; ++g) {
+      if (!(maxima[g] >= bound)) continue;
+      const int64_t g0 = g * kGroup;
+      masked_for_each(row, g0, std::min(kGroup, V - g0), mask,
+          [&](const Vec& x, int64_t) {
+            uint32_t lanes = set_lanes(x >= vb);
+            if (lanes == 0) return;
+            acc_t values[Vec::size()];
+            x.store(values);
+            for (; lanes != 0; lanes &= lanes - 1) buffer.push_back(values[__builtin_ctz(lanes)]);
+          },
+          [&](acc_t x, int64_t) { if (x >= bound) buffer.push_back(x); });
+    }
+    if (static_cast<int64_t>(buffer.size()) < k) return kLowest;
+    std::nth_element(buffer.begin(), buffer.begin() + (k - 1), buffer.end(), std::greater<acc_t>());
+    return buffer[k - 1];
+  }
+
+  // Top-p's pruning floor for weights dst (exp((x - M) / t), the max's is 1) of total `total`: the largest
+  // pivot tau in 4^-1 .. 4^-8 whose mass F(tau) of entries of weight >= tau reaches P (1 + 1e-5) (a margin
+  // over the weights' float error); every entry of weight < tau / 2 then lies strictly below all of those
+  // (the weights' error is far below a factor 2), so the mass above it is >= P: none is kept. 0 if no pivot
+  // qualifies (then the floor (1 - top_p) Z / (2 V), whose entries weigh < (Z - P) / 2 together).
+  double top_p_floor(const acc_t* dst, double total, double top_p) const {
+    constexpr int kPivots = 8;
+    Vec acc[kPivots], pivot[kPivots];
+    acc_t tail[kPivots] = {};
+    for (int j = 0; j < kPivots; ++j) {
+      acc[j] = Vec(acc_t(0));
+      pivot[j] = Vec(static_cast<acc_t>(std::ldexp(1.0, -2 * (j + 1))));
+    }
+    constexpr int64_t VS = Vec::size();
+    int64_t i = 0;
+    for (; i + VS <= V; i += VS) {
+      const Vec d = Vec::loadu(dst + i);
+      for (int j = 0; j < kPivots; ++j) acc[j] = acc[j] + Vec::blendv(Vec(acc_t(0)), d, d >= pivot[j]);
+    }
+    for (; i < V; ++i) {
+      for (int j = 0; j < kPivots; ++j) tail[j] += dst[i] >= static_cast<acc_t>(std::ldexp(1.0, -2 * (j + 1))) ? dst[i] : 0;
+    }
+    const double P = top_p * total * (1 + 1e-5);
+    for (int j = 0; j < kPivots; ++j) {
+      if (reduce_sum(acc[j]) + tail[j] >= P) return std::ldexp(1.0, -2 * (j + 1)) / 2;
+    }
+    return total * (1.0 - top_p) / (2.0 * static_cast<double>(V));
+  }
+
+  // Min-p: the smallest value v with exp((v - M) / t) >= min_p (double math), the boundary of an upper set.
+  static acc_t min_p_threshold(acc_t M, double inv_t, double min_p) {
+    const double m = static_cast<double>(M);
+    auto kept = [&](acc_t v) { return std::exp((static_cast<double>(v) - m) * inv_t) >= min_p; };
+    const double boundary = m + std::log(min_p) / inv_t;
+    if (!(boundary > static_cast<double>(kLowest))) return kLowest;
+    acc_t v = std::min(static_cast<acc_t>(boundary), M);
+    for (int i = 0; i < 64 && !kept(v) && v < M; ++i) v = std::nextafter(v, M);
+    for (int i = 0; i < 64; ++i) {
+      const acc_t lower = std::nextafter(v, -kInf);
+      if (!kept(lower)) break;
+      v = lower;
+    }
+    return v;
+  }
+
+  // dst = exp((x - M) * inv_t) on the allowed x >= threshold, 0 elsewhere, by blocks (block_sums if given);
+  // the kept values are appended to `kept` when given. Returns the total.
+  double exp_kept(const scalar_t* row, const MaskRow& mask, acc_t M, double inv_t, acc_t threshold, acc_t* dst,
+                  double* block_sums, Values* kept) const {
+    const Vec m(M), it(static_cast<acc_t>(inv_t)), thr(threshold), zero(acc_t(0));
+    double total = 0;
+    double* end = kept != nullptr ? kept->data.get() + kept->size : nullptr;  // a local cursor
+    for (int64_t b0 = 0, k = 0; b0 < V; b0 += kBlock, ++k) {
+      Vec sum = zero;
+      double tail = 0;
+      masked_for_each(row, b0, std::min(kBlock, V - b0), mask,
+          [&](const Vec& x, int64_t i) {
+            const Vec keep = x >= thr;
+            const uint32_t lanes = set_lanes(keep);
+            if (lanes == 0) {
+              zero.store(dst + b0 + i);
+              return;
+            }
+            const Vec e = Vec::blendv(zero, ((x - m) * it).exp_u20(), keep);
+            e.store(dst + b0 + i);
+            sum = sum + e;
+            if (kept != nullptr) {
+              acc_t values[Vec::size()];
+              x.store(values);
+              for (uint32_t l = lanes; l != 0; l &= l - 1) *end++ = values[__builtin_ctz(l)];
+            }
+          },
+          [&](acc_t x, int64_t i) {
+            const bool keep = x >= threshold;
+            const acc_t e = keep ? std::exp((x - M) * static_cast<acc_t>(inv_t)) : acc_t(0);
+            dst[b0 + i] = e;
+            tail += e;
+            if (keep && kept != nullptr) *end++ = x;
+          });
+      const double block = reduce_sum(sum) + tail;
+      if (block_sums != nullptr) block_sums[k] = block;
+      total += block;
+    }
+    if (kept != nullptr) kept->size = end - kept->data.get();
+    return total;
+  }
+
+  // Appends the values of the entries with dst >= floor (> 0) to `out`; returns the sum of the other entries.
+  double collect_above(const scalar_t* row, const acc_t* dst, acc_t floor, Values& out) const {
+    const Vec f(floor), zero(acc_t(0));
+    Vec rest = zero;
+    double tail = 0;
+    double* end = out.data.get() + out.size;  // (a local cursor: stores through it cannot move it)
+    for_each_vec(row, V,
+        [&](const Vec& x, int64_t i) {
+          const Vec d = Vec::loadu(dst + i);
+          const Vec big = d >= f;
+          rest = rest + Vec::blendv(d, zero, big);
+          uint32_t lanes = set_lanes(big);
+          if (lanes == 0) return;
+          acc_t values[Vec::size()];
+          x.store(values);
+          for (; lanes != 0; lanes &= lanes - 1) *end++ = values[__builtin_ctz(lanes)];
+        },
+        [&](acc_t x, int64_t i) {
+          if (dst[i] >= floor) {
+            *end++ = x;
+          } else {
+            tail += dst[i];
+          }
+        });
+    out.size = end - out.data.get();
+    return reduce_sum(rest) + tail;
+  }
+
+  // w = exp((x - M) * inv_t) in double precision for the candidates' values x; returns their sum.
+  static double double_weights(const Values& x, acc_t M, double inv_t, Values& w) {
+    using DVec = Vectorized<double>;
+    const int64_t n = x.size;
+    w.reset(n);
+    w.size = n;
+    const DVec it(inv_t), m(static_cast<double>(M));
+    int64_t i = 0;
+    for (; i + DVec::size() <= n; i += DVec::size()) ((DVec::loadu(x.data.get() + i) - m) * it).exp().store(w.data.get() + i);
+    for (; i < n; ++i) w.data[i] = std::exp((x.data[i] - static_cast<double>(M)) * inv_t);
+    double sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += w.data[j];
+    return sum;
+  }
+
+  // dst <- 0 where the row's value is < threshold, block sums refreshed; returns the new total.
+  double drop_below(const scalar_t* row, acc_t threshold, acc_t* dst, double* block_sums) const {
+    const Vec thr(threshold), zero(acc_t(0));
+    double total = 0;
+    for (int64_t b0 = 0, k = 0; b0 < V; b0 += kBlock, ++k) {
+      Vec sum = zero;
+      double tail = 0;
+      for_each_vec(row + b0, std::min(kBlock, V - b0),
+          [&](const Vec& x, int64_t i) {
+            const Vec d = Vec::blendv(zero, Vec::loadu(dst + b0 + i), x >= thr);
+            d.store(dst + b0 + i);
+            sum = sum + d;
+          },
+          [&](acc_t x, int64_t i) { tail += dst[b0 + i] = x >= threshold ? dst[b0 + i] : acc_t(0); });
+      const double block = reduce_sum(sum) + tail;
+      if (block_sums != nullptr) block_sums[k] = block;
+      total += block;
+    }
+    return total;
+  }
+
+  // The processed law of one row into dst (unnormalized, block sums if given): exp((x - M) / t) on the kept
+  // tokens, M the masked max. Returns its total, 0 when no allowed logit is finite (bad input, reported
+  // after the walk; M is then -inf or NaN).
+  struct Law {
+    double total;
+    acc_t max;
+  };
+  Law process_row(const scalar_t* row, double raw_max, double inv_t, const Filters& f, const MaskRow& mask,
+                  acc_t* dst, double* block_sums, Residual<acc_t>& res) const {
+    const acc_t M = mask.words != nullptr ? masked_max(row, mask) : static_cast<acc_t>(raw_max);
+    if (!(M > -kInf)) {
+      std::fill(dst, dst + V, acc_t(0));
+      if (block_sums != nullptr) std::fill(block_sums, block_sums + (V + kBlock - 1) / kBlock, 0.0);
+      return {0.0, M};
+    }
+    const acc_t top_k_thr = top_k_on(f) ? std::max(kLowest, top_k_threshold(row, mask, f.k, res)) : kLowest;
+    const acc_t min_p_thr = f.min_p > 0.0 ? min_p_threshold(M, inv_t, f.min_p) : kLowest;
+    if (!(f.top_p < 1.0)) {
+      return {exp_kept(row, mask, M, inv_t, std::max(top_k_thr, min_p_thr), dst, block_sums, nullptr), M};
+    }
+    // top-p, over what top-k keeps: with top-k on, its (few) kept tokens are the candidates; else the
+    // tokens below top_p_floor (whose mass above is >= top_p Z: none is kept) are pruned first
+    Values& candidates = res.top_p_values;
+    candidates.reset(V);
+    const bool few = top_k_on(f);
+    double total = exp_kept(row, mask, M, inv_t, top_k_thr, dst, block_sums, few ? &candidates : nullptr);
+    double mass = 0;  // of the pruned tokens
+    if (!few) {
+      const double floor = top_p_floor(dst, total, f.top_p);
+      mass = collect_above(row, dst, std::max(static_cast<acc_t>(floor), std::numeric_limits<acc_t>::min()),
+                           candidates);
+    }
+    if (candidates.size == 0) return {total, M};
+    mass += double_weights(candidates, M, inv_t, res.top_p_weights);  // the weights that decide, in double precision
+    const acc_t top_p_thr = static_cast<acc_t>(top_p_threshold(candidates.data.get(), res.top_p_weights.data.get(),
+                                                               candidates.size, f.top_p * mass));
+    const acc_t thr = std::max(top_p_thr, min_p_thr);
+    if (thr > top_k_thr) total = drop_below(row, thr, dst, block_sums);
+    return {total, M};
+  }
+
+  // Whether an allowed entry of the row is finite (the value check of a masked row).
+  bool any_allowed_finite(const scalar_t* row, const int32_t* words_row) const {
+    for (int64_t w = 0; w < words(); ++w) {
+      uint32_t bits = static_cast<uint32_t>(words_row[w]);
+      if (w == words() - 1 && V % 32 != 0) bits &= (1u << (V % 32)) - 1;
+      for (; bits != 0; bits &= bits - 1) {
+        if (static_cast<acc_t>(row[w * 32 + __builtin_ctz(bits)]) > -kInf) return true;
+      }
+    }
+    return false;
+  }
+
   void run(int64_t b, Residual<acc_t>& res) const {
     const int64_t n = num_nodes[b];
     // children in node order: first_child / next_sibling lists
@@ -273,23 +736,43 @@ struct Accept {
       lazy_target->compute(b * T + i, b * T + i + 1);
       if (lazy_draft != nullptr) lazy_draft->compute(b * T + i, b * T + i + 1);
     };
+    const Filters f = filters(b);
+    const bool filtered = any(f);  // else the plain path, as without the filters
     int64_t node = 0, length = 0, token = -1;
     accepted[b * T] = 0;
     while (true) {
       const int64_t row = b * T + node;
+      const scalar_t* target_row = target + row * V;
+      const MaskRow mask{f.mask != nullptr ? f.mask + node * words() : nullptr};
       scan(node);
       int64_t chosen = -1;
       if (t == 0.0) {
-        token = first_argmax(target + row * V, target_max[row]);
-        for (int64_t c = first_child[node]; c >= 0 && chosen < 0; c = next_sibling[c]) {
+        // greedy: the argmax of the masked row (top-k, top-p and min-p never remove it)
+        const acc_t M = mask.words != nullptr ? masked_max(target_row, mask) : static_cast<acc_t>(target_max[row]);
+        const bool empty = mask.words != nullptr && !(M > -kInf);  // nothing allowed: stop, emit 0
+        token = empty ? 0 : mask.words != nullptr ? first_allowed_max(target_row, mask, M)
+                                                  : first_argmax(target_row, target_max[row]);
+        for (int64_t c = empty ? -1 : first_child[node]; c >= 0 && chosen < 0; c = next_sibling[c]) {
           if (tokens[b * T + c] == token) chosen = c;
         }
       } else {
-        double r_sum = exp_row(target + row * V, target_max[row], inv_t, r, res.block_sums.data());
-        // a leaf's draft row is never needed: only the target law is sampled there
-        const bool use_draft = draft != nullptr && first_child[node] >= 0;
-        const double q_sum = use_draft ? exp_row(draft + row * V, draft_max[row], inv_t, q, nullptr) : 0.0;
-        for (int64_t c = first_child[node]; c >= 0 && chosen < 0; c = next_sibling[c]) {
+        double r_sum;
+        acc_t M = static_cast<acc_t>(target_max[row]);
+        if (filtered) {
+          const Law law = process_row(target_row, target_max[row], inv_t, f, mask, r, res.block_sums.data(), res);
+          r_sum = law.total;
+          M = law.max;
+        } else {
+          r_sum = exp_row(target_row, target_max[row], inv_t, r, res.block_sums.data());
+        }
+        // a leaf's draft row is never needed: only the target law is sampled there; an empty target row
+        // (bad input) accepts nothing
+        const bool empty = filtered && !(r_sum > 0);
+        const bool use_draft = draft != nullptr && first_child[node] >= 0 && !empty;
+        const double q_sum = !use_draft ? 0.0
+            : filtered ? process_row(draft + row * V, draft_max[row], inv_t, f, mask, q, nullptr, res).total
+                       : exp_row(draft + row * V, draft_max[row], inv_t, q, nullptr);
+        for (int64_t c = empty ? -1 : first_child[node]; c >= 0 && chosen < 0; c = next_sibling[c]) {
           const int64_t x = tokens[b * T + c];
           const double u = rng.uniform();
           if (use_draft) {
@@ -306,7 +789,11 @@ struct Accept {
           }
         }
         if (chosen < 0) {
-          token = r_sum > 0 ? sample(res, r_sum, rng.uniform()) : first_argmax(target + row * V, target_max[row]);
+          // r_sum <= 0 after a rejection: r == q, a rejection of probability 0 happened by rounding
+          token = r_sum > 0 ? sample(res, r_sum, rng.uniform())
+                  : empty   ? 0
+                  : filtered ? first_allowed_max(target_row, mask, M)
+                             : first_argmax(target_row, target_max[row]);
         }
       }
       if (chosen < 0) break;
@@ -314,6 +801,13 @@ struct Accept {
       node = chosen;
     }
     for (int64_t i = 0; i < T; ++i) scan(i);
+    if (f.mask != nullptr) {  // the value check of masked rows (reported after the walk)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = b * T + i;
+        masked_empty[0][row] = !any_allowed_finite(target + row * V, f.mask + i * words());
+        if (draft != nullptr) masked_empty[1][row] = !any_allowed_finite(draft + row * V, f.mask + i * words());
+      }
+    }
     num_accepted[b] = static_cast<int32_t>(length);
     next_tokens[b] = token;
   }
@@ -322,8 +816,11 @@ struct Accept {
 std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Tensor& tokens, const Tensor& parents,
                                               const std::optional<Tensor>& draft_in, const Tensor& temperature,
                                               const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
-                                              const std::optional<Tensor>& offsets) {
-  AcceptInputs in = check_accept(target_in, tokens, parents, draft_in, temperature, seeds, num_nodes, offset, offsets);
+                                              const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k,
+                                              const std::optional<Tensor>& top_p, const std::optional<Tensor>& min_p,
+                                              const std::optional<Tensor>& token_bitmask) {
+  AcceptInputs in = check_accept(target_in, tokens, parents, draft_in, temperature, seeds, num_nodes, offset, offsets,
+                                 top_k, top_p, min_p, token_bitmask);
   const int64_t B = target_in.size(0), T = target_in.size(1), V = target_in.size(2);
   // mixed target/draft dtypes: both promoted (exactly) to a common one, so q is the drafter's own law
   const auto dtype = draft_in.has_value() ? c10::promoteTypes(target_in.scalar_type(), draft_in->scalar_type())
@@ -335,6 +832,9 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
   Tensor accepted = at::full({B, T}, -1, opts.dtype(at::kInt));
   Tensor num_accepted = at::empty({B}, opts.dtype(at::kInt));
   Tensor next_tokens = at::empty({B}, opts.dtype(at::kLong));
+  // rows -inf on every allowed token (filled for real rows when there is a bitmask)
+  Tensor masked_empty[2];
+  for (auto& flags : masked_empty) flags = in.token_bitmask.defined() ? at::zeros({B, T}, opts.dtype(at::kBool)) : Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target.scalar_type(), "specdec::accept", [&] {
     using acc_t = acc_type_t<scalar_t>;
     RowStats<scalar_t> ts(target);
@@ -353,6 +853,12 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                               in.temperature.const_data_ptr<float>(),
                               in.seeds.const_data_ptr<int64_t>(),
                               in.offsets.const_data_ptr<int64_t>(),
+                              in.top_k.defined() ? in.top_k.const_data_ptr<int32_t>() : nullptr,
+                              in.top_p.defined() ? in.top_p.const_data_ptr<float>() : nullptr,
+                              in.min_p.defined() ? in.min_p.const_data_ptr<float>() : nullptr,
+                              in.token_bitmask.defined() ? in.token_bitmask.const_data_ptr<int32_t>() : nullptr,
+                              {masked_empty[0].defined() ? masked_empty[0].data_ptr<bool>() : nullptr,
+                               masked_empty[1].defined() ? masked_empty[1].data_ptr<bool>() : nullptr},
                               T, V, offset,
                               accepted.data_ptr<int32_t>(),
                               num_accepted.data_ptr<int32_t>(),
@@ -371,8 +877,8 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
       Residual<acc_t> res(V, draft.has_value());
       for (int64_t b = begin; b < end; ++b) op.run(b, res);
     });
-    check_logit_rows("target_logits", ts.nan, ts.posinf, ts.max, in.num_nodes);
-    if (ds.has_value()) check_logit_rows("draft_logits", ds->nan, ds->posinf, ds->max, in.num_nodes);
+    check_logit_rows("target_logits", ts.nan, ts.posinf, ts.max, in.num_nodes, masked_empty[0]);
+    if (ds.has_value()) check_logit_rows("draft_logits", ds->nan, ds->posinf, ds->max, in.num_nodes, masked_empty[1]);
   });
   return {accepted, num_accepted, next_tokens};
 }

@@ -149,16 +149,22 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
 struct AcceptInputs {
   Tensor tokens, parents, num_nodes, temperature, seeds;
   Tensor offsets;  // (B,) int64: request b's random-stream offset, offset + offsets[b] (offsets: 0 if absent)
+  // the filters, undefined when absent: top_k (B,) int32 clamped to [-1, V], top_p / min_p (B,) float32,
+  // token_bitmask (B, T, ceil(V/32)) int32, all contiguous
+  Tensor top_k, top_p, min_p, token_bitmask;
 };
 constexpr int64_t kMaxOffset = int64_t{1} << 60;  // _validation.MAX_OFFSET
 AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, const Tensor& parents,
                           const std::optional<Tensor>& draft_logits, const Tensor& temperature,
                           const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
-                          const std::optional<Tensor>& offsets);
+                          const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k,
+                          const std::optional<Tensor>& top_p, const std::optional<Tensor>& min_p,
+                          const std::optional<Tensor>& token_bitmask);
 // Per-row flags of a logits tensor, computed by the accept kernel's first pass; raises the errors of
-// _validation.check_accept ("contains NaN", "contains +inf", "a real node's row is entirely -inf").
+// _validation.check_accept ("contains NaN", "contains +inf", "a real node's row is entirely -inf", and with a
+// bitmask (masked_empty defined, (B, T) bool) "a real node's row is -inf on every token token_bitmask allows").
 void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf,
-                      const Tensor& row_max, const Tensor& num_nodes);
+                      const Tensor& row_max, const Tensor& num_nodes, const Tensor& masked_empty);
 
 void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_new, const Tensor& v_new,
                      const Tensor& cache_lens, const std::optional<Tensor>& block_table, double k_scale,

@@ -245,7 +245,9 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
 
 AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, const Tensor& parents,
                           const std::optional<Tensor>& draft_logits, const Tensor& temperature, const Tensor& seeds,
-                          const Tensor& num_nodes, int64_t offset, const std::optional<Tensor>& offsets) {
+                          const Tensor& num_nodes, int64_t offset, const std::optional<Tensor>& offsets,
+                          const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p,
+                          const std::optional<Tensor>& min_p, const std::optional<Tensor>& token_bitmask) {
   check_tensor("target_logits", target_logits, 3, kFloat);
   const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
   const c10::Device device = target_logits.device();
@@ -274,6 +276,27 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   } else {
     in.offsets = at::zeros({B}, target_logits.options().dtype(at::kLong));
   }
+  Tensor top_k_values;  // int64, as given (the clamped int32 copy is what the kernel reads)
+  if (top_k.has_value()) {
+    check_tensor("top_k", *top_k, 1, kInt, &device);
+    check_shape("top_k", *top_k, {B});
+    top_k_values = top_k->to(at::kLong).contiguous();
+    in.top_k = top_k_values.clamp(-1, V).to(at::kInt).contiguous();
+  }
+  for (const auto& [name, x, out] : {std::tuple<const char*, const std::optional<Tensor>&, Tensor&>{"top_p", top_p, in.top_p},
+                                     {"min_p", min_p, in.min_p}}) {
+    if (!x.has_value()) continue;
+    check_tensor(name, *x, 1, kFloat, &device);
+    check_shape(name, *x, {B});
+    out = x->to(at::kFloat).contiguous();
+  }
+  if (token_bitmask.has_value()) {
+    check_tensor("token_bitmask", *token_bitmask, 3, {}, &device);
+    TORCH_CHECK_VALUE(token_bitmask->scalar_type() == ScalarType::Int, "token_bitmask: dtype ",
+                      dtype_name(token_bitmask->scalar_type()), " not supported (expected int32)");
+    check_shape("token_bitmask", *token_bitmask, {B, T, (V + 31) / 32});
+    in.token_bitmask = token_bitmask->contiguous();
+  }
   const int64_t* off = in.offsets.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_VALUE(off[b] >= 0 && off[b] < kMaxOffset - offset, "offset: must be in [0, 2**60)");
@@ -293,11 +316,36 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_VALUE(std::isfinite(temp[b]) && temp[b] >= 0, "temperature: must be finite and >= 0");
   }
+  if (top_k_values.defined()) {
+    const int64_t* k = top_k_values.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK_VALUE(k[b] >= 0, "top_k: must be >= 0 (0 or >= V: off)");
+  }
+  if (in.top_p.defined()) {
+    const float* p = in.top_p.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK_VALUE(p[b] > 0 && p[b] <= 1, "top_p: must be in (0, 1] (1: off)");
+  }
+  if (in.min_p.defined()) {
+    const float* p = in.min_p.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK_VALUE(p[b] >= 0 && p[b] < 1, "min_p: must be in [0, 1) (0: off)");
+  }
+  if (in.token_bitmask.defined()) {  // every real node's row allows some token of [0, V)
+    const int64_t W = (V + 31) / 32;
+    const uint32_t last = V % 32 == 0 ? ~0u : (1u << (V % 32)) - 1;
+    const int32_t* words = in.token_bitmask.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < nn[b]; ++i) {
+        const int32_t* row = words + (b * T + i) * W;
+        bool any = false;
+        for (int64_t w = 0; w < W && !any; ++w) any = (static_cast<uint32_t>(row[w]) & (w == W - 1 ? last : ~0u)) != 0;
+        TORCH_CHECK_VALUE(any, "token_bitmask: a real node's row allows no token");
+      }
+    }
+  }
   return in;
 }
 
 void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf, const Tensor& row_max,
-                      const Tensor& num_nodes) {
+                      const Tensor& num_nodes, const Tensor& masked_empty) {
   const int64_t B = row_max.size(0), T = row_max.size(1);
   const bool* nan = row_nan.data_ptr<bool>();
   const bool* posinf = row_posinf.data_ptr<bool>();
@@ -308,6 +356,13 @@ void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < nn[b]; ++i) {
       TORCH_CHECK_VALUE(mx[b][i] != -INFINITY, name, ": a real node's row is entirely -inf");
+    }
+  }
+  if (!masked_empty.defined()) return;
+  const bool* empty = masked_empty.data_ptr<bool>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < nn[b]; ++i) {
+      TORCH_CHECK_VALUE(!empty[b * T + i], name, ": a real node's row is -inf on every token token_bitmask allows");
     }
   }
 }

@@ -169,6 +169,8 @@ class Request(NamedTuple):
     stride_tt: tl.tensor
     stride_dt: tl.tensor
     V: tl.tensor
+    masks: tl.tensor  # the request's token_bitmask rows, W int32 words per node (W = 0: no bitmask)
+    W: tl.tensor
     path: tl.tensor  # its accepted_nodes row
     out_num: tl.tensor  # its num_accepted and next_tokens entries
     out_next: tl.tensor
@@ -251,8 +253,8 @@ def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
 # the request, its tree and rows
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-             acc_ptr, num_acc_ptr, next_ptr, T, V, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi,
+def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr, mask_ptr,
+             acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi,
              HAS_OFFSETS: tl.constexpr, T_BLOCK: tl.constexpr):
     """The `Request` of this program (request program_id(0))."""
     b = tl.program_id(0)
@@ -277,7 +279,8 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
                    par=tl.load(par_row + idx, mask=valid, other=-2), tok=tl.load(tok_row + idx, mask=valid, other=-1),
                    u_test=u_test, par_row=par_row, tok_row=tok_row, n_real=n_real,
                    t_rows=target_ptr + b.to(tl.int64) * stride_tb, d_rows=draft_ptr + b.to(tl.int64) * stride_db,
-                   stride_tt=stride_tt, stride_dt=stride_dt, V=V, path=acc_ptr + b * T, out_num=num_acc_ptr + b,
+                   stride_tt=stride_tt, stride_dt=stride_dt, V=V, masks=mask_ptr + b.to(tl.int64) * T * W, W=W,
+                   path=acc_ptr + b * T, out_num=num_acc_ptr + b,
                    out_next=next_ptr + b, writer=tl.program_id(1) == 0)
 
 
@@ -288,9 +291,22 @@ def _rows(req, node):
 
 
 @triton.jit
-def _logit(req, row, x):
-    """row[x] / t, -inf for an x outside the vocabulary."""
-    return tl.load(row + x, mask=(x >= 0) & (x < req.V), other=NEG_INF).to(tl.float32) * req.inv_t
+def _allowed(req, node, cols):
+    """Whether node's token_bitmask row allows tokens `cols` (bit v % 32 of word v // 32; call only with a
+    bitmask, W > 0). The grammar mask is fused here: its words are read per tile, V / 8 bytes per walked row,
+    and no masked copy of the logits exists. A runtime switch (W > 0, uniform per program) rather than a
+    constexpr: it guards one load and one select at each place a row is read."""
+    words = tl.load(req.masks + node.to(tl.int64) * req.W + cols // 32, mask=(cols >= 0) & (cols < req.V), other=0)
+    return ((words >> (cols % 32)) & 1) != 0
+
+
+@triton.jit
+def _logit(req, row, node, x):
+    """row[x] / t at node, -inf for an x outside the vocabulary or disallowed by the node's bitmask row."""
+    logit = tl.load(row + x, mask=(x >= 0) & (x < req.V), other=NEG_INF).to(tl.float32) * req.inv_t
+    if req.W > 0:
+        logit = tl.where(_allowed(req, node, x), logit, NEG_INF)
+    return logit
 
 
 @triton.jit
@@ -322,9 +338,10 @@ def _descend(req, child, depth):
 
 @triton.jit
 def _emit(req, depth, token, mask):
-    """The request's outputs: `depth` accepted nodes, then `token`."""
+    """The request's outputs: `depth` accepted nodes, then `token`; token 0 when bad input (a row without a
+    finite logit, NaN) left no token in [0, V), as in the reference: never an out-of-range id."""
     tl.store(req.out_num, depth, mask=mask)
-    tl.store(req.out_next, token.to(tl.int64), mask=mask)
+    tl.store(req.out_next, tl.where((token >= 0) & (token < req.V), token, 0).to(tl.int64), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,6 +480,10 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
         # `x * inv_t - m` into one fma (another rounding: other results on a GPU than the interpreter's checks)
         a = a.to(tl.float32) * req.inv_t
         b = b.to(tl.float32) * req.inv_t
+        if req.W > 0:
+            ok = _allowed(req, walk.node, start + ar)
+            a = tl.where(ok, a, NEG_INF)
+            b = tl.where(ok, b, NEG_INF)
         if stats:
             best = tl.where(a > m_p, start + ar, best)  # strictly greater: a lane keeps its first maximum
             if req.greedy:  # the argmax alone: no exp
@@ -583,8 +604,8 @@ def _draft_accepts(req, node, x, u, c, z, lse_p, lse_q):
     """Draft logits: accept x iff u * q(x) < r(x) = max(p - c q, 0)(x) / z, on the logit ratio
     rho = q(x) / p(x): iff u * z * rho < 1 - c * rho (never an x with p(x) = 0)."""
     t_row, d_row = _rows(req, node)
-    lp = _logit(req, t_row, x) - lse_p
-    rho = tl.exp(_logit(req, d_row, x) - lse_q - tl.where(lp == NEG_INF, 0.0, lp))
+    lp = _logit(req, t_row, node, x) - lse_p
+    rho = tl.exp(_logit(req, d_row, node, x) - lse_q - tl.where(lp == NEG_INF, 0.0, lp))
     return (lp > NEG_INF) & (u * z * rho < 1.0 - c * rho)
 
 
@@ -608,8 +629,10 @@ def _draft_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexp
             c = c + z
     else:
         kind = tl.full((), LOCATE, tl.int32)
-        if not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0:
-            # the residual rounded to zero (a rejection of probability ~0): p's chunk masses, then the draw
+        if (not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0) & (c != 0.0):
+            # the residual rounded to zero (a rejection of probability ~0): p's chunk masses, then the draw.
+            # Once only: p's own masses (c = 0) that are not > 0 are bad input (NaN, or a row without a finite
+            # logit); the draw then finds no token and the walk ends with token 0 (`_emit`).
             c = tl.full((), 0.0, tl.float32)
             kind = tl.full((), ZPASS, tl.int32)
     return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q), res
@@ -621,7 +644,7 @@ def _proposal_accepts(req, node, child, z, lse_p):
     (already rejected). Returns (accepted, the residual mass z after a rejection)."""
     x, u = _child(req, child)
     t_row, _ = _rows(req, node)
-    p = tl.exp(_logit(req, t_row, x) - lse_p)
+    p = tl.exp(_logit(req, t_row, node, x) - lse_p)
     dup = tl.reduce(((req.par == node) & req.valid & (req.idx < child) & (req.tok == x)).to(tl.int32), 0, _MAX) > 0
     return (dup == 0) & (u * z < p), tl.where(dup, z, tl.maximum(z - p, 0.0))
 
@@ -633,6 +656,8 @@ def _rejected_masses(req, node, lse_p, SPLIT_V: tl.constexpr, S_BLOCK: tl.conste
     dup = tl.reduce(((req.tok[:, None] == req.tok[None, :]) & child[None, :]
                      & (req.idx[None, :] < req.idx[:, None])).to(tl.int32), 1, _MAX) > 0
     rejected = child & (dup == 0) & (req.tok >= 0) & (req.tok < req.V)
+    if req.W > 0:  # a disallowed token has p = 0
+        rejected = rejected & _allowed(req, node, req.tok)
     t_row, _ = _rows(req, node)
     p = tl.exp(tl.load(t_row + req.tok, mask=rejected, other=NEG_INF).to(tl.float32) * req.inv_t - lse_p)
     owner = req.tok // SPLIT_V
@@ -716,6 +741,10 @@ def _locate(req, node, pick, thresh, c, lse_p, lse_q, HAS_DRAFT: tl.constexpr, S
         b = a
         if HAS_DRAFT:
             b = _tile(d_row, start, hi_q, ar).to(tl.float32) * req.inv_t
+        if req.W > 0:
+            ok = _allowed(req, node, cols)
+            a = tl.where(ok, a, NEG_INF)
+            b = tl.where(ok, b, NEG_INF)
         r = _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
         if not HAS_DRAFT:
             if c >= 0:
@@ -743,8 +772,8 @@ def _candidate(req, walk, res, j, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexp
     pick, thresh = _pick_chunk(res.mass, u_x, NUM_SPLITS, S_BLOCK)
     x = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, True, SPLIT_V, BLOCK_V)
     t_row, d_row = _rows(req, walk.node)
-    p = tl.exp(_logit(req, t_row, x) - walk.lse_p)
-    q = tl.exp(_logit(req, d_row, x) - walk.lse_q)
+    p = tl.exp(_logit(req, t_row, walk.node, x) - walk.lse_p)
+    q = tl.exp(_logit(req, d_row, walk.node, x) - walk.lse_q)
     return (x >= 0) & (u_ok * tl.maximum(p - res.c * q, 0.0) < tl.maximum(p - walk.c * q, 0.0)), x
 
 
@@ -814,8 +843,8 @@ def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, buf, IS_FI
 
 @triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf"])
 def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                  acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr,
-                  T, V, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
+                  mask_ptr, acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr,
+                  T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
                   HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, IS_FIRST: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
                   T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr):
@@ -823,7 +852,7 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
     alike), store the state, then run this program's chunk of the next pass, or its part of the draw."""
     split = tl.program_id(1)
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                   acc_ptr, num_acc_ptr, next_ptr, T, V, stride_tb, stride_tt, stride_db, stride_dt, offset_lo,
+                   mask_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo,
                    offset_hi, HAS_OFFSETS, T_BLOCK)
     walk, res = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, read_buf, IS_FIRST, HAS_DRAFT,
                         T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS)
@@ -874,15 +903,15 @@ def _draw_if_due(req, walk, res, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constex
 
 @triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf"])
 def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                 acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr,
-                 T, V, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
+                 mask_ptr, acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr,
+                 T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
                  HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, IS_FIRST: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
                  T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr):
     """The last launch, grid (B,): merge the last split launch's partials, decide, and finish the walk, each
     pass over the whole row in this one program."""
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                   acc_ptr, num_acc_ptr, next_ptr, T, V, stride_tb, stride_tt, stride_db, stride_dt, offset_lo,
+                   mask_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo,
                    offset_hi, HAS_OFFSETS, T_BLOCK)
     walk, res = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, read_buf, IS_FIRST, HAS_DRAFT,
                         T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS)
@@ -923,14 +952,25 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device) -> dict:
     return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4, prefetch=1, trials=TRIALS)
 
 
-def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None, *,
+def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
+           top_k=None, top_p=None, min_p=None, token_bitmask=None, *,
            block_v=None, num_splits=None, split_steps=None, num_warps=None, prefetch=None, trials=None):
     """Normalized arguments of the `specdec::accept` schema (validated by specdec.ops.accept).
 
-    Keyword tunables override `_config` (tests use them to compare schedules).
+    The grammar mask (token_bitmask) alone is fused: the kernel reads a walked row's bitmask words beside its
+    logits (`_allowed`). With top_k / top_p / min_p, for now, the rows are processed before the kernel by
+    specdec.sampling.processed_tree_logits (mask included; exact and sync-free, but a sort and a copy of every
+    row, walked or not), and the kernel walks the processed rows as plain logits. Keyword tunables override
+    `_config` (tests use them to compare schedules).
     """
     B, T, V = target_logits.shape
     dev = target_logits.device
+    if any(f is not None for f in (top_k, top_p, min_p)):
+        from ..sampling import processed_tree_logits
+        target_logits, draft_logits = (
+            None if x is None else processed_tree_logits(x, temperature, top_k, top_p, min_p, token_bitmask)
+            for x in (target_logits, draft_logits))
+        token_bitmask = None  # applied by the processing
     elem_bytes = max(target_logits.element_size(), 0 if draft_logits is None else draft_logits.element_size())
     cfg = _config(T, V, elem_bytes, dev)
     for name, value in (("block_v", block_v), ("num_splits", num_splits), ("split_steps", split_steps),
@@ -959,9 +999,12 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     part_i = torch.empty((2, B, S, PART_INTS.value), dtype=torch.int32, device=dev)
     has_offsets = offsets is not None
     offsets = offsets.contiguous() if has_offsets else seeds  # absent: any int tensor stands in, never read
+    W = 0 if token_bitmask is None else token_bitmask.shape[-1]
+    masks = num_nodes if token_bitmask is None else token_bitmask.contiguous()  # (W = 0: never read)
     args = (target, d, tokens.contiguous(), parents.contiguous(), temperature.contiguous(), seeds.contiguous(),
-            num_nodes.contiguous(), offsets, accepted, num_accepted, next_tokens, state_i, state_f, part_f, part_i,
-            T, V, target.stride(0), target.stride(1), d.stride(0), d.stride(1), offset & 0x7FFFFFFF, offset >> 31)
+            num_nodes.contiguous(), offsets, masks, accepted, num_accepted, next_tokens, state_i, state_f, part_f,
+            part_i, T, V, W, target.stride(0), target.stride(1), d.stride(0), d.stride(1), offset & 0x7FFFFFFF,
+            offset >> 31)
     meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, NUM_SPLITS=S, SPLIT_V=split_v,
                 BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T), S_BLOCK=triton.next_power_of_2(S),
                 PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], num_warps=cfg["num_warps"])

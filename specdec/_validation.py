@@ -363,7 +363,11 @@ def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accept
 # ----------------------------------------------------------------------------------------------
 # acceptance
 # ----------------------------------------------------------------------------------------------
-def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, values=True):
+def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k=None,
+                 top_p=None, min_p=None, token_bitmask=None, values=True):
+    """The checks of specdec.accept; returns the normalized (num_nodes, temperature, seeds, offset, offsets,
+    top_k, top_p, min_p, token_bitmask): top_k (B,) int32, top_p / min_p (B,) float32, each None when it is off
+    for the whole batch (None, or a Python number meaning off), so the kernels keep their plain path."""
     _tensor("target_logits", target_logits, dim=3, dtypes=FLOAT_DTYPES)
     B, T, V = target_logits.shape
     dev = target_logits.device
@@ -386,6 +390,14 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
         raise TypeError("offset: expected a non-negative int or a (B,) int tensor")
     elif offset >= MAX_OFFSET:
         raise ValueError(f"offset: must be < 2**60, got {offset}")
+    top_k_in, top_k = top_k, normalize_top_k(top_k, B, V, dev)
+    top_p = normalize_fraction("top_p", top_p, B, dev, off=1.0)
+    min_p = normalize_fraction("min_p", min_p, B, dev, off=0.0)
+    if token_bitmask is not None:
+        _tensor("token_bitmask", token_bitmask, dim=3, device=dev)
+        if token_bitmask.dtype != torch.int32:  # a ValueError: the layout is wrong, as for a wrong shape
+            raise ValueError(f"token_bitmask: dtype {_dtype_name(token_bitmask.dtype)} not supported (expected int32)")
+        _shape("token_bitmask", token_bitmask, (B, T, (V + 31) // 32))
     values = values and value_checks_enabled()
     if values and offsets is not None:
         _fail_if("offset", (offsets < 0) | (offsets >= MAX_OFFSET), "must be in [0, 2**60)")
@@ -393,18 +405,72 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     if values:
         idx = torch.arange(T, device=dev)
         real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
+        rows_real = idx.unsqueeze(0) < num_nodes.long().unsqueeze(1)
         _fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")
         _fail_if("temperature", torch.isnan(temperature) | (temperature < 0) | torch.isinf(temperature),
                  "must be finite and >= 0")
+        if isinstance(top_k_in, torch.Tensor):
+            _fail_if("top_k", top_k_in < 0, TOP_K_RANGE)
+        if top_p is not None:
+            _fail_if("top_p", ~((top_p > 0) & (top_p <= 1)), TOP_P_RANGE)
+        if min_p is not None:
+            _fail_if("min_p", ~((min_p >= 0) & (min_p < 1)), MIN_P_RANGE)
+        allowed = None
+        if token_bitmask is not None:
+            from .sampling import unpack_bitmask
+            allowed = unpack_bitmask(token_bitmask, V)  # (B, T, V)
+            _fail_if("token_bitmask", rows_real & ~allowed.any(-1), "a real node's row allows no token")
         for name, x in (("target_logits", target_logits), ("draft_logits", draft_logits)):
             if x is None:
                 continue
             row_max = x.amax(-1)  # one pass: NaN propagates into the max, +inf is the max
             _fail_if(name, torch.isnan(row_max), "contains NaN")
             _fail_if(name, row_max == float("inf"), "contains +inf")
-            rows_real = idx.unsqueeze(0) < num_nodes.long().unsqueeze(1)
             _fail_if(name, rows_real & (row_max == float("-inf")), "a real node's row is entirely -inf")
-    return num_nodes, temperature, seeds, offset, offsets
+            if allowed is not None:
+                masked_max = x.masked_fill(~allowed, float("-inf")).amax(-1)
+                _fail_if(name, rows_real & (masked_max == float("-inf")),
+                         "a real node's row is -inf on every token token_bitmask allows")
+    return num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask
+
+
+TOP_K_RANGE = "must be >= 0 (0 or >= V: off)"
+TOP_P_RANGE = "must be in (0, 1] (1: off)"
+MIN_P_RANGE = "must be in [0, 1) (0: off)"
+
+
+def normalize_top_k(top_k, B, V, device):
+    """None / an int / a (B,) int tensor -> None (off for every request) or (B,) int32, clamped to [-1, V]
+    (0, negative or >= V: off)."""
+    if top_k is None:
+        return None
+    if isinstance(top_k, int) and not isinstance(top_k, bool):
+        if top_k < 0:
+            raise ValueError(f"top_k: {TOP_K_RANGE}, got {top_k}")
+        return None if top_k == 0 or top_k >= V else torch.full((B,), top_k, dtype=torch.int32, device=device)
+    if not isinstance(top_k, torch.Tensor):
+        raise TypeError(f"top_k: expected None, an int or a (B,) int tensor, got {type(top_k).__name__}")
+    _tensor("top_k", top_k, dim=1, dtypes=INT_DTYPES, device=device)
+    _shape("top_k", top_k, (B,))
+    return top_k.clamp(-1, V).to(torch.int32)
+
+
+def normalize_fraction(name, x, B, device, *, off):
+    """top_p (off = 1, range (0, 1]) or min_p (off = 0, range [0, 1)): None / a float / a (B,) float tensor ->
+    None (off for every request) or (B,) float32."""
+    if x is None:
+        return None
+    rule = TOP_P_RANGE if name == "top_p" else MIN_P_RANGE
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        ok = 0 < x <= 1 if name == "top_p" else 0 <= x < 1
+        if not ok:  # (NaN fails both)
+            raise ValueError(f"{name}: {rule}, got {x}")
+        return None if x == off else torch.full((B,), float(x), dtype=torch.float32, device=device)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected None, a float or a (B,) float tensor, got {type(x).__name__}")
+    _tensor(name, x, dim=1, dtypes=FLOAT_DTYPES, device=device)
+    _shape(name, x, (B,))
+    return x.to(torch.float32)
 
 
 def normalize_temperature(temperature, B, device):

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0 = off, default)")
     g.add_argument("--compare-ar", action="store_true", help="also run plain autoregressive decoding")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--device", default="cpu", help="cpu (C++ ops) or cuda (Triton kernels); default %(default)s")
@@ -71,6 +74,8 @@ def generate(args) -> dict:
         raise ValueError("--max-new-tokens must be >= 1")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
+    if args.top_k < 0 or not 0 < args.top_p <= 1 or not 0 <= args.min_p < 1:
+        raise ValueError("--top-k must be >= 0, --top-p in (0, 1], --min-p in [0, 1)")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -89,16 +94,18 @@ def generate(args) -> dict:
     for decoder in decoders[:1 + args.compare_ar]:
         decoder.generate(prompts[:1], 4)  # warm-up, so that the timings compare steady states
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
-    spec = decoders[0].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress)
+    filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    spec = decoders[0].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress, **filters)
     result = {"prompt": args.prompt, "text": [tok.decode(t) for t in spec.tokens], "tokens": spec.tokens,
               "tokens_per_step": spec.summary["tokens_per_step"],
               "acceptance_by_depth": spec.summary["acceptance_by_depth"],
               "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
               "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree,
-              "temperature": args.temperature, "device": str(device), "dtype": args.dtype,
+              "temperature": args.temperature, **filters, "device": str(device), "dtype": args.dtype,
               "kv_cache_dtype": args.kv_cache_dtype, "requests": spec.stats}
     if args.compare_ar:
-        ar = decoders[1].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress)
+        ar = decoders[1].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress,
+                                  **filters)
         result.update(ar_tokens=ar.tokens, ar_tokens_per_s=ar.summary["tokens_per_s"], ar_wall_s=ar.summary["wall_s"],
                       identical=ar.tokens == spec.tokens,
                       speedup=spec.summary["tokens_per_s"] / ar.summary["tokens_per_s"])

@@ -26,6 +26,7 @@ import torch
 import specdec
 from .drafters.base import Drafter, NoDrafter
 from .models.llama import Llama
+from .sampling import SamplingParams
 
 @dataclass
 class GenerationOutput:
@@ -53,9 +54,13 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
                  temperature: Union[float, Sequence[float]] = 0.0, seed: Union[int, Sequence[int]] = 0,
-                 progress: bool = False) -> GenerationOutput:
+                 progress: bool = False, *, top_k: Union[int, Sequence[int]] = 0,
+                 top_p: Union[float, Sequence[float]] = 1.0, min_p: Union[float, Sequence[float]] = 0.0,
+                 allowed_token_ids: Optional[Sequence[int]] = None) -> GenerationOutput:
         """Generate for a batch of token-id prompts (each non-empty). temperature/seed: one for all or one
-        per request (0 = greedy); request b samples with seed[b] (or seed + b)."""
+        per request (0 = greedy); request b samples with seed[b] (or seed + b). top_k/top_p/min_p: one for all
+        or one per request (off: 0, 1, 0), the filters of `specdec.accept`; allowed_token_ids: the only tokens
+        any request may emit (None: all). The drafter samples from the same processed law."""
         B, dev, T, depth = len(prompts), self.target.device, self.drafter.max_nodes, self.drafter.max_depth
         if B == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one request, each with at least one token (e.g. BOS)")
@@ -66,6 +71,7 @@ class SpeculativeDecoder:
         if len(temps) != B or len(seeds) != B:
             raise ValueError("temperature/seed: give one value or one per prompt")
         temp = torch.tensor(temps, dtype=torch.float32, device=dev)
+        params = SamplingParams.for_batch(B, self.target.cfg.vocab_size, dev, top_k, top_p, min_p, allowed_token_ids)
         seeds_t = torch.tensor(seeds, dtype=torch.int64, device=dev)
 
         prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
@@ -79,7 +85,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
         self.target.prefill(cache, tokens, seq_lens - 1)  # the last prompt token is the first root
-        self.drafter.start(tokens, seq_lens, L, temp, seeds)
+        self.drafter.start(tokens, seq_lens, L, temp, seeds, params)
 
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         steps = torch.zeros(B, dtype=torch.long, device=dev)
@@ -95,7 +101,8 @@ class SpeculativeDecoder:
             tree = specdec.build_tree(prop.parents, prop.num_nodes)
             logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes)
             res = specdec.accept(logits, prop.tokens, prop.parents, draft_logits=prop.draft_logits,
-                                 temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes, offset=steps)
+                                 temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes, offset=steps,
+                                 **params.accept_kwargs(prop.tokens.shape[1]))
             live = ~done
             num_acc = torch.where(live, res.num_accepted, 0)
             cache.rollback(res.accepted_nodes, num_acc)
@@ -155,9 +162,11 @@ class SpeculativeDecoder:
 
 
 def generate_ar(target: Llama, prompts, max_new_tokens: int = 128, temperature=0.0, seed=0,
-                progress: bool = False, kv_dtype: Optional[torch.dtype] = None) -> GenerationOutput:
-    """Plain autoregressive decoding through the same ops (one-node trees): the baseline."""
-    return SpeculativeDecoder(target, kv_dtype=kv_dtype).generate(prompts, max_new_tokens, temperature, seed, progress)
+                progress: bool = False, kv_dtype: Optional[torch.dtype] = None, **filters) -> GenerationOutput:
+    """Plain autoregressive decoding through the same ops (one-node trees): the baseline. filters: generate's
+    top_k, top_p, min_p, allowed_token_ids."""
+    return SpeculativeDecoder(target, kv_dtype=kv_dtype).generate(prompts, max_new_tokens, temperature, seed, progress,
+                                                                  **filters)
 
 
 def _progress(total: int):

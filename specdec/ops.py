@@ -73,7 +73,8 @@ def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None):
+def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
+                 top_k=None, top_p=None, min_p=None, token_bitmask=None):
     B, T, _ = target_logits.shape
     return (tokens.new_empty((B, T), dtype=torch.int32), tokens.new_empty((B,), dtype=torch.int32),
             tokens.new_empty((B,), dtype=torch.int64))
@@ -96,7 +97,8 @@ OPS = {spec.name: spec for spec in (
            val.check_tree_attention),
     OpSpec("accept",
            "(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, Tensor temperature, "
-           "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None) -> (Tensor, Tensor, Tensor)",
+           "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None, Tensor? top_k=None, Tensor? top_p=None, "
+           "Tensor? min_p=None, Tensor? token_bitmask=None) -> (Tensor, Tensor, Tensor)",
            reference.accept, _fake_accept, (".kernels.accept", "accept"), val.check_accept),
     OpSpec("kv_append",
            "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
@@ -259,6 +261,8 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
            draft_logits: Optional[torch.Tensor] = None,
            temperature: Union[None, float, torch.Tensor] = None, seeds: Optional[torch.Tensor] = None,
            num_nodes: Optional[torch.Tensor] = None, offset: Union[int, torch.Tensor] = 0,
+           top_k: Union[None, int, torch.Tensor] = None, top_p: Union[None, float, torch.Tensor] = None,
+           min_p: Union[None, float, torch.Tensor] = None, token_bitmask: Optional[torch.Tensor] = None,
            backend: Optional[str] = None) -> AcceptResult:
     """Verify draft trees against the target: the longest accepted path plus one next token.
 
@@ -272,13 +276,34 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     engine updates it in place, so a captured CUDA graph draws fresh numbers at every replay, and a
     request's numbers do not depend on when it joined the batch); 0 <= offset < 2**60. Request b's result
     depends only on its own inputs, seeds[b] and its offset.
+
+    Sampling filters, per request, and a grammar mask per tree node (real traffic):
+    top_k: None, an int or a (B,) int tensor (0 or >= V: off). top_p: None, a float or a (B,) float tensor in
+    (0, 1] (1: off). min_p: None, a float or a (B,) float tensor in [0, 1) (0: off). token_bitmask: None or
+    (B, T, ceil(V/32)) int32, bit v % 32 of word v // 32 of row [b, i] set iff token v may follow node i
+    (xgrammar's / vLLM's layout, one row per tree node). At node i of request b with t > 0 the target's law
+    is processed in this order: 1. mask: disallowed tokens get -inf; 2. temperature: l = logits / t;
+    3. top-k: x is kept iff fewer than k allowed tokens have a strictly larger l (ties at the k-th value are
+    kept); 4. top-p: with p the softmax of the kept tokens, x is kept iff the mass of the tokens with a
+    strictly larger p is < top_p (the top token and the ties at the boundary are kept); 5. min-p: x is kept
+    iff p(x) >= min_p * max p; 6. renormalize. The emitted tokens follow this law exactly. With draft_logits
+    the same processing with the same parameters (and node i's mask row) defines q, the law the drafter
+    sampled from: a drafter samples from specdec.sampling.processed_logits. Greedy requests take the argmax of
+    the masked row (the filters never remove it). A real node's row that the mask leaves without a finite
+    logit is a ValueError with the value checks on (the C++ op, whose inputs are on the host, always checks);
+    with them off no backend writes an out-of-range id (the reference stops the walk at that node and emits
+    token 0). A number meaning off (or None) drops that parameter for the whole batch; a tensor is read per
+    request. specdec.reference.processed_probs is the law of one row.
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
     """
-    num_nodes, temperature, seeds, offset, offsets = OPS["accept"].check(
-        target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset,
-        _python_value_checks(backend, target_logits))
+    num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = OPS["accept"].check(
+        target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k, top_p, min_p,
+        token_bitmask, _python_value_checks(backend, target_logits))
+    filters = (top_k, top_p, min_p, token_bitmask)
+    # (every filter off: the schema's defaults, and the argument list of callers that predate them)
+    extra = filters if any(f is not None for f in filters) else ()
     res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
-                parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset, offsets)
+                parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset, offsets, *extra)
     return AcceptResult(*res)
 
 

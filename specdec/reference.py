@@ -165,37 +165,136 @@ def children_of(parents_row: list[int], n: int) -> list[list[int]]:
     return kids
 
 
-def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None):
+# ----------------------------------------------------------------------------------------------
+# The processed law: grammar mask, temperature, top-k, top-p, min-p (in this order)
+# ----------------------------------------------------------------------------------------------
+def mask_disallowed(logits_row: torch.Tensor, allowed) -> torch.Tensor:
+    """Step 1: the row in float64, disallowed tokens (allowed[x] False) at -inf. allowed None: all allowed."""
+    row = logits_row.double().cpu()
+    return row if allowed is None else row.masked_fill(~allowed.cpu(), -math.inf)
+
+
+def apply_temperature(row: torch.Tensor, t: float) -> torch.Tensor:
+    """Step 2: l = logits / t (t > 0)."""
+    return row / t
+
+
+def softmax_over(l: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """softmax of l over the kept tokens (0 elsewhere); all zeros when nothing is kept."""
+    if not bool(keep.any()):
+        return torch.zeros_like(l)
+    return torch.softmax(l.masked_fill(~keep, -math.inf), 0)
+
+
+def top_k_keep(l: torch.Tensor, keep: torch.Tensor, k: int) -> torch.Tensor:
+    """Step 3: a kept x stays iff fewer than k kept tokens have a strictly larger l (so every tie at the k-th
+    value stays). k <= 0 or k >= V: off."""
+    if k <= 0 or k >= l.numel():
+        return keep
+    ascending = torch.sort(l[keep]).values
+    larger = ascending.numel() - torch.searchsorted(ascending, l, right=True)  # kept tokens with a larger l
+    return keep & (larger < k)
+
+
+def top_p_keep(l: torch.Tensor, keep: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Step 4: with p the softmax of the kept tokens, a kept x stays iff the mass of the tokens with a
+    strictly larger p is < top_p (p is increasing in l, so "larger p" is "larger l", and tokens of equal l
+    share one p: ties stay or go together). The top token always stays (the mass above it is 0). top_p >= 1:
+    off."""
+    if top_p >= 1.0 or not bool(keep.any()):
+        return keep
+    p = softmax_over(l, keep)
+    ascending, order = torch.sort(l[keep])
+    mass = p[keep][order]
+    # above[j] = mass of the kept tokens sorted after position j - 1 (summed from the largest down)
+    above = torch.cat([mass.flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=mass.dtype)])
+    larger_mass = above[torch.searchsorted(ascending, l, right=True)]  # mass of kept tokens with l > l(x)
+    return keep & ((larger_mass < top_p) | (l == l[keep].max()))
+
+
+def min_p_keep(l: torch.Tensor, keep: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Step 5: with p the softmax of the kept tokens, a kept x stays iff p(x) >= min_p * max p (the top token
+    always stays). min_p <= 0: off."""
+    if min_p <= 0.0 or not bool(keep.any()):
+        return keep
+    p = softmax_over(l, keep)
+    return keep & (p >= min_p * p.max())
+
+
+def processed_keep(logits_row: torch.Tensor, t: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                   allowed=None) -> torch.Tensor:
+    """(V,) bool: the tokens the processed law keeps (steps 1-5; t > 0). Only finite l is ever kept."""
+    l = apply_temperature(mask_disallowed(logits_row, allowed), t)
+    keep = l > -math.inf
+    keep = top_k_keep(l, keep, int(top_k))
+    keep = top_p_keep(l, keep, float(top_p))
+    return min_p_keep(l, keep, float(min_p))
+
+
+def processed_probs(logits_row: torch.Tensor, t: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                    allowed=None) -> torch.Tensor:
+    """(V,) float64: the processed law of one row at temperature t > 0, step 6: the softmax of l = logits / t
+    renormalized over the kept tokens (processed_keep). All zeros when the mask leaves no finite logit.
+    With every parameter off this is softmax(logits / t)."""
+    l = apply_temperature(mask_disallowed(logits_row, allowed), t)
+    return softmax_over(l, processed_keep(logits_row, t, top_k, top_p, min_p, allowed))
+
+
+def greedy_token(logits_row: torch.Tensor, allowed=None):
+    """The argmax of the masked row (first index on ties), or None when the mask leaves no finite logit.
+    Top-k, top-p and min-p never remove the argmax, so greedy needs only the mask."""
+    row = mask_disallowed(logits_row, allowed)
+    best = int(torch.argmax(row))
+    return best if row[best] > -math.inf else None
+
+
+def request_filters(b: int, top_k=None, top_p=None, min_p=None) -> tuple[int, float, float]:
+    """Request b's (top_k, top_p, min_p), the "off" value for an absent parameter."""
+    return (0 if top_k is None else int(top_k[b]), 1.0 if top_p is None else float(top_p[b]),
+            0.0 if min_p is None else float(min_p[b]))
+
+
+def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
+           top_k=None, top_p=None, min_p=None, token_bitmask=None):
     """Walk each request's tree from the root and return (accepted_nodes, num_accepted, next_tokens).
 
-    Greedy (temperature 0): descend into the first child (node order) whose token is the target argmax.
-    Sampling: p = softmax(target / t). At each node the residual r starts as p; children are tried in
-    node order. With draft logits (children drawn i.i.d. from q = softmax(draft / t)), child x is
-    accepted iff u * q(x) < r(x), else r <- max(r - q, 0). Without draft logits (given proposals),
-    x is accepted iff u < r(x) / sum(r), else r(x) <- 0. The next token is drawn from r (normalized).
+    At node i, the target's law p and (with draft logits) the drafter's law q are the processed laws of
+    rows target_logits[b, i] and draft_logits[b, i] (processed_probs: node i's row of token_bitmask, then
+    temperature, top_k[b], top_p[b], min_p[b]; None = off for every request).
+    Greedy (temperature 0): descend into the first child (node order) whose token is the argmax of the
+    masked target row. Sampling: at each node the residual r starts as p; children are tried in node order.
+    With draft logits (children drawn i.i.d. from q), child x is accepted iff u * q(x) < r(x), else
+    r <- max(r - q, 0). Without draft logits (given proposals), x is accepted iff u < r(x) / sum(r), else
+    r(x) <- 0. The next token is drawn from r (normalized).
+    A node whose masked target row has no finite logit (bad input, rejected by the value checks) accepts no
+    child and emits token 0.
     Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
     """
     B, T, V = target_logits.shape
     accepted = torch.full((B, T), -1, dtype=torch.int32)
     num_acc = torch.zeros(B, dtype=torch.int32)
     next_tok = torch.zeros(B, dtype=torch.int64)
+    allowed = None if token_bitmask is None else unpack_bits(token_bitmask.cpu(), V)  # (B, T, V)
     for b in range(B):
         n = int(num_nodes[b])
         kids = children_of(parents[b].tolist(), n)
         t = float(temperature[b])
+        k, p_top, p_min = request_filters(b, top_k, top_p, min_p)
         gen = request_generator(int(seeds[b]), offset + (0 if offsets is None else int(offsets[b])))
         path, node = [0], 0
         while True:
-            logits = target_logits[b, node].double().cpu()
+            mask = None if allowed is None else allowed[b, node]
             chosen = None
             if t == 0.0:
-                best = int(torch.argmax(logits))
-                chosen = next((c for c in kids[node] if int(tokens[b, c]) == best), None)
-                token = best
+                token = greedy_token(target_logits[b, node], mask)
+                if token is None:  # nothing allowed: stop here
+                    token = 0
+                else:
+                    chosen = next((c for c in kids[node] if int(tokens[b, c]) == token), None)
             else:
-                r = torch.softmax(logits / t, 0)
-                q = None if draft_logits is None else torch.softmax(draft_logits[b, node].double().cpu() / t, 0)
-                for c in kids[node]:
+                r = processed_probs(target_logits[b, node], t, k, p_top, p_min, mask)
+                q = None if draft_logits is None else processed_probs(draft_logits[b, node], t, k, p_top, p_min, mask)
+                for c in (kids[node] if bool(r.sum() > 0) else []):  # an empty row accepts nothing
                     x = int(tokens[b, c])
                     u = float(torch.rand((), dtype=torch.float64, generator=gen))
                     if q is not None:
@@ -203,6 +302,8 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
                             chosen = c
                             break
                         r = torch.clamp(r - q, min=0.0)
+                        if not bool(r.sum() > 0):  # r == q: a rejection of probability 0 (q never draws x)
+                            break
                     else:
                         if u * r.sum() < r[x]:
                             chosen = c
@@ -210,7 +311,10 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
                         r[x] = 0.0
                     r = r / r.sum()
                 if chosen is None:
-                    token = int(torch.multinomial(r, 1, generator=gen))
+                    if bool(r.sum() > 0):
+                        token = int(torch.multinomial(r, 1, generator=gen))
+                    else:  # an empty row, or r == q above: the argmax of the masked row (0 if none)
+                        token = greedy_token(target_logits[b, node], mask) or 0
             if chosen is None:
                 next_tok[b] = token
                 break

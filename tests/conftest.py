@@ -32,8 +32,52 @@ def _exact_float8_casts_in_interpreter():
     interpreter._convert_float = convert
 
 
+def _device_calls_without_repatching():
+    """Speed only, same semantics: the interpreter patches triton.language (hundreds of attributes) at every
+    launch, then again at every call of a @triton.jit helper, though the running launch already did (about
+    0.3 ms a call; the accept walker makes hundreds per request, so the chi-square tests spent a third of
+    their time there). A helper call skips the re-patching only when the running launch already patched
+    every language module the helper's globals hold (others, e.g. triton.language.standard's combine
+    functions, which see triton.language.core, keep the interpreter's own path)."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+    if not (hasattr(interpreter, "GridExecutor") and hasattr(interpreter.InterpretedFunction, "rewrite")):
+        return  # another interpreter layout: keep it as it is
+    languages = {}
+    running = []  # per nested launch: the language modules it patched
+
+    def languages_of(fn):
+        if fn not in languages:
+            languages[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                      if inspect.ismodule(v) and v in (tl, tl.core))
+        return languages[fn]
+
+    launch, device_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+
+    def launch_recording_languages(self, *args, **kwargs):
+        running.append(languages_of(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            running.pop()
+
+    def device_call_in_patched_launch(self, *args, **kwargs):
+        if not running or not languages_of(self.fn) <= running[-1]:
+            return device_call(self, *args, **kwargs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = launch_recording_languages
+    interpreter.InterpretedFunction.__call__ = device_call_in_patched_launch
+
+
 if os.environ["TRITON_INTERPRET"] == "1":
     _exact_float8_casts_in_interpreter()
+    _device_calls_without_repatching()
 
 
 @pytest.fixture(autouse=True)

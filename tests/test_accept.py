@@ -189,16 +189,20 @@ def test_batch_invariance(backend, draft):
     gen = torch.Generator().manual_seed(21 + draft)
     temps = torch.tensor([0.0, 0.8, 1.3, 0.0, 1.0, 0.6])
     batch = _batch(6, 6, gen, draft=draft, temperature=temps)
+    others = _batch(6, 6, torch.Generator().manual_seed(99), draft=draft, temperature=1.0)
+    _check_structure(_assert_batch_invariant(batch, others, backend), batch)
+
+
+def _assert_batch_invariant(batch, others, backend):
+    """The batch's result is the same reordered (perm), and for requests 0-2 with requests 3.. replaced by
+    those of `others`. Returns the result."""
     res = _accept(batch, backend)
-    _check_structure(res, batch)
     perm = torch.tensor([5, 3, 1, 0, 4, 2])
     permuted = {k: (v[perm] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    res_perm = _accept(permuted, backend)
-    assert all(torch.equal(x[perm], y) for x, y in zip(res, res_perm))
-    others = _batch(6, 6, torch.Generator().manual_seed(99), draft=draft, temperature=1.0)
+    assert all(torch.equal(x[perm], y) for x, y in zip(res, _accept(permuted, backend)))
     mixed = {k: (torch.cat([v[:3], others[k][3:]]) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    res_mixed = _accept(mixed, backend)
-    assert all(torch.equal(x[:3], y[:3]) for x, y in zip(res, res_mixed))
+    assert all(torch.equal(x[:3], y[:3]) for x, y in zip(res, _accept(mixed, backend)))
+    return res
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -349,7 +353,7 @@ def hopper_compile_report() -> None:
     S = cfg["num_splits"]
     types = {"target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "parents_ptr": "*i32",
              "temp_ptr": "*fp32", "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "offsets_ptr": "*i64",
-             "acc_ptr": "*i32",
+             "mask_ptr": "*i32", "acc_ptr": "*i32",
              "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32", "state_f_ptr": "*fp32",
              "part_f_ptr": "*fp32", "part_i_ptr": "*i32"}
     report = {}
@@ -388,3 +392,350 @@ def test_emitted_tokens_layout():
                        num_accepted=torch.tensor([2, 0, 3], dtype=torch.int32), next_tokens=torch.tensor([9, 7, 4]))
     tokens = torch.tensor([[5, 11, 12, 13], [5, 21, 22, 23], [5, 31, 32, 33]], dtype=torch.int32)
     assert res.emitted_tokens(tokens).tolist() == [[12, 13, 9, -1], [7, -1, -1, -1], [31, 32, 33, 4]]
+
+
+# ----------------------------------------------------------------------------------------------
+# filters: top-k, top-p, min-p and a grammar bitmask (one row per node), per request
+# ----------------------------------------------------------------------------------------------
+import specdec  # noqa: E402
+from specdec import reference  # noqa: E402
+from specdec.sampling import pack_bitmask  # noqa: E402
+
+
+def _filters(B, T, gen, *, p_off=0.3):
+    """Per-request top_k / top_p / min_p tensors (each request off with probability p_off per parameter)
+    and a (B, T, W) bitmask allowing ~70% of the tokens (the argmax of every target row always allowed,
+    so long greedy paths still happen)."""
+    def off(x, value):
+        return torch.where(torch.rand(B, generator=gen) < p_off, torch.full_like(x, value), x)
+    return dict(top_k=off(torch.randint(1, 8, (B,), generator=gen, dtype=torch.int32), 0),
+                top_p=off(torch.rand(B, generator=gen) * 0.8 + 0.15, 1.0),
+                min_p=off(torch.rand(B, generator=gen) * 0.3, 0.0),
+                allowed=torch.rand(B, T, V, generator=gen) < 0.7)
+
+
+def _filtered_batch(B, T, gen, *, draft=False, temperature=1.0, kinds=("chain", "star", "random"), dtype=torch.float32):
+    """A batch with filters on; draft tokens drawn from the processed draft law at their parent (the law the
+    drafter must sample from), else the processed target argmax 60% of the time."""
+    batch = _batch(B, T, gen, dtype=dtype, kinds=kinds, draft=draft, temperature=temperature)
+    f = _filters(B, T, gen)
+    allowed = f.pop("allowed")
+    allowed |= torch.nn.functional.one_hot(batch["target_logits"].float().argmax(-1), V).bool()
+    batch.update(f, token_bitmask=pack_bitmask(allowed))
+    tokens = batch["tokens"].clone()
+    for b in range(B):
+        t = float(batch["temperature"][b])
+        k, top_p, min_p = reference.request_filters(b, batch["top_k"], batch["top_p"], batch["min_p"])
+        for i in range(1, int(batch["num_nodes"][b])):
+            par = int(batch["parents"][b, i])
+            if draft and t > 0:
+                q = reference.processed_probs(batch["draft_logits"][b, par], t, k, top_p, min_p, allowed[b, par])
+                tokens[b, i] = int(torch.multinomial(q, 1, generator=gen))
+            elif torch.rand((), generator=gen) < 0.6:
+                tokens[b, i] = reference.greedy_token(batch["target_logits"][b, par], allowed[b, par])
+    batch["tokens"] = tokens
+    return batch
+
+
+def _law(batch, b, node):
+    """The processed target law (float64) at node of request b (greedy: one-hot at the masked argmax)."""
+    allowed = reference.unpack_bits(batch["token_bitmask"], V)[b, node] if batch.get("token_bitmask") is not None else None
+    t = float(batch["temperature"][b])
+    row = batch["target_logits"][b, node]
+    if t == 0:
+        law = torch.zeros(V, dtype=torch.float64)
+        law[reference.greedy_token(row, allowed)] = 1.0
+        return law
+    k, top_p, min_p = reference.request_filters(b, batch.get("top_k"), batch.get("top_p"), batch.get("min_p"))
+    return reference.processed_probs(row, t, k, top_p, min_p, allowed)
+
+
+def _check_support(res, batch):
+    """_check_structure, and every emitted token (accepted drafts and the next token) has a positive
+    probability under the processed target law at its parent node."""
+    _check_structure(res, batch)
+    acc, num, nxt = res
+    for b in range(acc.shape[0]):
+        path = acc[b, : int(num[b]) + 1].tolist()
+        for prev, node in zip(path, path[1:]):
+            assert _law(batch, b, prev)[int(batch["tokens"][b, node])] > 0, f"request {b}: accepted a dropped token"
+        assert _law(batch, b, path[-1])[int(nxt[b])] > 0, f"request {b}: next token {int(nxt[b])} is dropped"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_greedy_with_bitmask_matches_reference(backend, dtype):
+    """Greedy takes the argmax of the masked row (the filters change nothing), exactly as the reference."""
+    gen = torch.Generator().manual_seed(61)
+    batch = _filtered_batch(8, 7, gen, temperature=0.0, dtype=dtype)
+    allowed = reference.unpack_bits(batch["token_bitmask"], V)
+    allowed[..., batch["target_logits"].float().argmax(-1)] = True  # (keeps many paths long)
+    masked = batch["target_logits"].float().masked_fill(~allowed, NEG_INF)
+    best = masked.argmax(-1)
+    tokens = batch["tokens"].clone()
+    for b in range(8):
+        for i in range(1, 7):
+            tokens[b, i] = best[b, max(int(batch["parents"][b, i]), 0)] if i % 3 else tokens[b, i]
+    allowed[0, 0, best[0, 0]] = False  # one root whose argmax is banned: the runner-up wins
+    batch.update(tokens=tokens, token_bitmask=pack_bitmask(allowed))
+    res = _accept(batch, backend)
+    ref = _accept(batch, "torch")
+    assert _same(res, ref), f"{res} != {ref}"
+    assert int(res.num_accepted.max()) >= 2
+    assert _same(res, _accept(batch, backend, top_k=None, top_p=None, min_p=None))
+
+
+def _point_mass_rows(gen, B, T):
+    """Sampling rows whose processed law is a point mass, each by another parameter: top_k = 1, a tiny
+    top_p, min_p close to 1, a mask allowing one token; distinct values, the max often in the tail."""
+    target = torch.randn(B, T, V, generator=gen)
+    top = torch.randint(V - 6, V, (B, T), generator=gen)
+    target.scatter_(-1, top[..., None], 6.0)
+    allowed = torch.ones(B, T, V, dtype=torch.bool)
+    top_k = torch.zeros(B, dtype=torch.int32)
+    top_p, min_p = torch.ones(B), torch.zeros(B)
+    kind = torch.arange(B) % 4
+    top_k[kind == 0] = 1
+    top_p[kind == 1] = 1e-4
+    min_p[kind == 2] = 0.999
+    keep = torch.randint(0, V, (B, T), generator=gen)
+    only = torch.zeros(B, T, V, dtype=torch.bool).scatter_(-1, keep[..., None], True)
+    allowed[kind == 3] = only[kind == 3]
+    top = torch.where((kind == 3).view(B, 1), keep, top)
+    return target, top, dict(top_k=top_k, top_p=top_p, min_p=min_p, token_bitmask=pack_bitmask(allowed))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
+def test_point_mass_filters_sample_deterministically(backend, draft):
+    """A processed law that is a point mass makes sampling deterministic: every backend equals the
+    reference (and greedy over the processed argmax). Exact thresholds or nothing: one extra kept token
+    is drawn for some seed."""
+    gen = torch.Generator().manual_seed(62 + draft)
+    B, T = 16, 6
+    batch = _batch(B, T, gen, draft=draft, temperature=1.0)
+    target, top, filters = _point_mass_rows(gen, B, T)
+    tokens = batch["tokens"].clone()
+    for b in range(B):
+        for i in range(1, T):  # drafts drawn from q (a point mass at `top` too), or given proposals
+            if draft or torch.rand((), generator=gen) < 0.6:
+                tokens[b, i] = top[b, max(int(batch["parents"][b, i]), 0)]
+    batch.update(target_logits=target, tokens=tokens, **filters)
+    if draft:
+        batch["draft_logits"] = torch.randn(B, T, V, generator=gen)
+        batch["draft_logits"].scatter_(-1, top[..., None], 6.0)
+    res = _accept(batch, backend)
+    ref = _accept(batch, "torch")
+    assert _same(res, ref), f"{res} != {ref}"
+    greedy = _accept(batch, "torch", temperature=0.0, top_k=None, top_p=None, min_p=None,
+                     token_bitmask=filters["token_bitmask"])
+    assert _same(res, greedy)
+    assert int(res.num_accepted.max()) >= 2
+
+
+def _boundary_rows():
+    """(logits (R, V), kwargs) rows whose kept sets sit on the thresholds: the next token's support must be
+    exactly the reference's kept set. Every kept token has probability >= 0.15, so a few dozen draws show
+    each one; the first dropped token sits 1e-4 past its threshold."""
+    p4 = torch.tensor([0.35, 0.25, 0.22, 0.18], dtype=torch.float64)
+    rows, params = [], []
+
+    def add(logits, top_k=0, top_p=1.0, min_p=0.0, allowed=None):
+        rows.append(torch.as_tensor(logits, dtype=torch.float64))
+        params.append((top_k, top_p, min_p, allowed))
+
+    tail = [-30.0] * (V - 4)  # finite, ~1e-14 of the mass: always dropped by top-p / min-p
+    base = p4.log().tolist() + tail
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(7))  # spread over the vocabulary
+    add(base, top_p=0.82 + 1e-4)  # the mass above token 3 is 0.82: kept
+    add(base, top_p=0.82 - 1e-4)  # dropped
+    add(base, top_p=0.6 + 1e-4)  # the mass above token 2: kept
+    add(base, min_p=0.18 / 0.35 - 1e-4)  # p(3) / max p: kept
+    add(base, min_p=0.18 / 0.35 + 1e-4)  # dropped
+    add([1.5, 1.0, 1.0, 1.0] + [0.0] * (V - 4), top_k=2)  # ties at the 2nd value: 4 kept
+    add([1.5, 1.0, 1.0, 1.0] + [0.0] * (V - 4), top_k=4)  # k-th value 1.0: the 0.0 ones are dropped
+    add([1.0] * 5 + [NEG_INF] * (V - 5), top_k=1, top_p=1e-6, min_p=0.99)  # all equal: all 5 kept
+    add([0.5, NEG_INF, 0.2, NEG_INF] + [NEG_INF] * (V - 4), top_k=3)  # fewer finite than k
+    allowed = torch.ones(V, dtype=torch.bool)
+    allowed[0] = False  # the max disallowed: top-k counts the allowed only
+    add([3.0, 1.2, 1.0, 0.9, 0.5] + tail[1:], top_k=3, allowed=allowed)
+    add(base, top_k=3, top_p=0.35 / 0.82 + 1e-4)  # top-k first, then top-p on the renormalized 3: token 1 kept
+    add(base, top_k=3, top_p=0.35 / 0.82 - 1e-4)  # ... dropped
+    out = []
+    for row, (k, tp, mp, al) in zip(rows, params):
+        al = torch.ones(V, dtype=torch.bool) if al is None else al
+        out.append((row[perm].float(), k, tp, mp, al[perm]))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+def test_boundary_rows_keep_exactly_the_reference_set(backend):
+    """Next tokens drawn (t = 1) at the root of rows built on the thresholds: every token drawn is kept by
+    the reference, and every kept token is drawn (probabilities >= 0.15, 80 or 200 draws per row)."""
+    rows = _boundary_rows()
+    n = 80 if backend == "triton" and DEVICE.type == "cpu" else 200
+    logits = torch.stack([r[0] for r in rows]).repeat_interleave(n, 0)  # (R n, V)
+    N = logits.shape[0]
+    per_row = lambda j, dtype: torch.tensor([r[j] for r in rows], dtype=dtype).repeat_interleave(n)  # noqa: E731
+    allowed = torch.stack([r[4] for r in rows]).repeat_interleave(n, 0)
+    batch = dict(target_logits=logits.view(N, 1, V), tokens=torch.zeros(N, 1, dtype=torch.int64),
+                 parents=torch.full((N, 1), -1), temperature=torch.ones(N), seeds=torch.arange(N),
+                 top_k=per_row(1, torch.int32), top_p=per_row(2, torch.float32), min_p=per_row(3, torch.float32),
+                 token_bitmask=pack_bitmask(allowed).view(N, 1, -1))
+    res = _accept(batch, backend)
+    for j, (row, k, tp, mp, al) in enumerate(rows):
+        keep = reference.processed_keep(row, 1.0, k, float(torch.tensor(tp)), float(torch.tensor(mp)), al)
+        drawn = set(res.next_tokens[j * n:(j + 1) * n].tolist())
+        assert drawn == set(torch.nonzero(keep).flatten().tolist()), f"row {j}: drew {sorted(drawn)}"
+    assert [int(reference.processed_keep(r[0], 1.0, r[1], r[2], r[3], r[4]).sum()) for r in rows] == \
+        [4, 3, 3, 4, 3, 4, 4, 5, 2, 3, 2, 1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
+def test_mixed_filtered_batch(backend, draft):
+    """Greedy and sampling requests, each parameter on or off per request, a bitmask row per node: greedy
+    results equal the reference, sampled ones stay inside the processed laws; deterministic."""
+    gen = torch.Generator().manual_seed(63 + draft)
+    temps = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 0.9, 0.0, 1.1, 0.8, 1.0])
+    batch = _filtered_batch(10, 6, gen, draft=draft, temperature=temps)
+    res = _accept(batch, backend)
+    _check_support(res, batch)
+    greedy = temps == 0
+    ref = _accept(batch, "torch")
+    assert all(torch.equal(x[greedy], y[greedy]) for x, y in zip(res, ref))
+    assert _same(res, _accept(batch, backend))
+    assert int(res.num_accepted.max()) >= 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_filters_off_change_nothing(backend):
+    """Every parameter given but off (top_k 0 or >= V, top_p 1, min_p 0, a bitmask allowing everything):
+    the same results as without them (the same laws and the same random numbers)."""
+    gen = torch.Generator().manual_seed(64)
+    batch = _batch(8, 6, gen, draft=True, temperature=torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 0.9, 1.1, 0.8]))
+    plain = _accept(batch, backend)
+    off = dict(top_k=torch.tensor([0, V, 0, V + 5, 0, 0, V, 0], dtype=torch.int32), top_p=torch.ones(8),
+               min_p=torch.zeros(8))
+    assert _same(plain, _accept(batch, backend, **off))
+    assert _same(plain, _accept(batch, backend, top_k=0, top_p=1.0, min_p=0.0))  # None once normalized
+    everything = pack_bitmask(torch.ones(8, 6, V, dtype=torch.bool))
+    assert _same(plain, _accept(batch, backend, token_bitmask=everything))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
+def test_filtered_batch_invariance(backend, draft):
+    """A request's result depends on its own parameters and bitmask rows only: change the others'
+    (values, on/off, their bitmask rows), reorder the batch."""
+    gen = torch.Generator().manual_seed(65 + draft)
+    temps = torch.tensor([0.0, 0.8, 1.3, 0.0, 1.0, 0.6])
+    batch = _filtered_batch(6, 6, gen, draft=draft, temperature=temps)
+    others = _filtered_batch(6, 6, torch.Generator().manual_seed(99), draft=draft, temperature=temps)
+    res = _assert_batch_invariant(batch, others, backend)
+    _check_support(res, batch)
+    changed = dict(batch)
+    for name in ("top_k", "top_p", "min_p", "token_bitmask"):  # requests 3.. get other parameters
+        changed[name] = torch.cat([batch[name][:3], others[name][3:]])
+    res_changed = _accept(changed, backend)
+    assert all(torch.equal(x[:3], y[:3]) for x, y in zip(res, res_changed))
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+def test_empty_mask_row(backend):
+    """A real node's row that the bitmask leaves empty (or -inf on every allowed token) is a ValueError with
+    the value checks on; with them off the op never writes an out-of-range id (the reference: the walk stops
+    there with token 0). The C++ op checks its (host) inputs whatever the switch, after a walk that stays in
+    bounds."""
+    gen = torch.Generator().manual_seed(66)
+    B, T = 4, 4
+    batch = _batch(B, T, gen, kinds=("chain",), temperature=torch.tensor([0.0, 1.0, 0.7, 0.0]), draft=True)
+    batch.update(num_nodes=torch.full((B,), T, dtype=torch.int32), parents=torch.arange(-1, T - 1).expand(B, T))
+    best = batch["target_logits"].argmax(-1)
+    batch["tokens"][:, 1:] = best[:, :-1]
+    allowed = torch.ones(B, T, V, dtype=torch.bool)
+    allowed[:, 2] = False  # nothing after node 2
+    empty = pack_bitmask(allowed)
+    with pytest.raises(ValueError, match="^token_bitmask: a real node's row allows no token"):
+        _accept(batch, backend, token_bitmask=empty)
+    only_inf = torch.zeros(B, T, V, dtype=torch.bool)
+    only_inf[..., 0] = True
+    logits = batch["target_logits"].clone()
+    logits[0, 1, 0] = NEG_INF  # the one allowed token of request 0's node 1 is -inf
+    with pytest.raises(ValueError, match="^target_logits: a real node's row is -inf on every token token_bitmask"):
+        _accept(batch, backend, target_logits=logits, token_bitmask=pack_bitmask(only_inf))
+    with specdec.value_checks(False):
+        if backend == "cpp":
+            with pytest.raises(ValueError, match="^token_bitmask"):
+                _accept(batch, backend, token_bitmask=empty)
+            return
+        res = _accept(batch, backend, token_bitmask=empty)
+    assert ((res.next_tokens >= 0) & (res.next_tokens < V)).all()
+    assert (res.num_accepted <= 2).all()
+    if backend == "torch":
+        greedy_full = torch.tensor([0, 3])  # greedy chains of argmax drafts: they reach node 2
+        assert res.next_tokens[greedy_full].tolist() == [0, 0] and res.num_accepted[greedy_full].tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("draft", [True, False], ids=["draft", "given"])
+def test_non_finite_rows_end_the_walk(backend, draft):
+    """Bad input the value checks reject (here with them off): a NaN target row, a target row without a finite
+    logit, a subnormal temperature (1/t overflows in float32). The walk must end (the Triton walker's fallback
+    for a vanished residual once looped forever on a NaN total) and write ids in [0, V) only; on the NaN and
+    the -inf rows the result is the reference's: the walk stops at that node and emits token 0."""
+    gen = torch.Generator().manual_seed(67)
+    B, T = 4, 4
+    batch = _batch(B, T, gen, kinds=("chain",), temperature=torch.tensor([1.0, 0.8, 1e-40, 1.0]), draft=draft)
+    batch.update(num_nodes=torch.full((B,), T, dtype=torch.int32), parents=torch.arange(-1, T - 1).expand(B, T))
+    logits = batch["target_logits"].clone()
+    batch["tokens"][:, 1:] = logits.argmax(-1)[:, :-1]  # likely paths, so the walks reach the bad rows
+    point = torch.full((V,), NEG_INF)
+    point[int(batch["tokens"][0, 1])] = 0.0
+    logits[0, 0] = point  # p is a point mass on node 1's token: node 1 is always accepted
+    logits[0, 1] = float("nan")
+    logits[1, 0] = NEG_INF
+    batch["target_logits"] = logits
+    with specdec.value_checks(False):
+        res = _accept(batch, backend)
+    assert ((res.next_tokens >= 0) & (res.next_tokens < V)).all()
+    assert res.num_accepted[:2].tolist() == [1, 0] and res.next_tokens[:2].tolist() == [0, 0]
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
+@pytest.mark.parametrize("schedule", [dict(num_splits=1, split_steps=0), dict(num_splits=3, split_steps=7)],
+                         ids=["walker", "split-launches"])
+def test_triton_fuses_the_bitmask(monkeypatch, schedule):
+    """A bitmask without top-k/top-p/min-p is applied inside the kernel: the result is the reference's for
+    greedy requests and inside the processed law for sampled ones, the kernel reads the bitmask words of
+    the walked nodes only (every word of each: the mask is read beside its row), and no pass processes the
+    rows before the kernel (the launcher's processing is made to fail)."""
+    import specdec.sampling
+    from specdec.kernels.accept import accept as triton_accept
+
+    def no_processing(*args, **kwargs):
+        raise AssertionError("the rows were processed before the kernel")
+    monkeypatch.setattr(specdec.sampling, "processed_tree_logits", no_processing)
+
+    gen = torch.Generator().manual_seed(62)
+    B, T = 6, 6
+    temps = torch.tensor([0.0, 1.0, 0.8, 0.0, 1.3, 0.0])
+    batch = _filtered_batch(B, T, gen, draft=True, temperature=temps, kinds=("chain", "random"))
+    for name in ("top_k", "top_p", "min_p"):
+        batch[name] = None
+    mask = batch["token_bitmask"]
+    spy = MemorySpy(monkeypatch)
+    res = AcceptResult(*triton_accept(batch["target_logits"], batch["tokens"].int(), batch["parents"].int(),
+                                      batch["draft_logits"], temps, batch["seeds"], batch["num_nodes"], 0,
+                                      token_bitmask=mask, block_v=16, **schedule))
+    _check_support(res, batch)
+    expected = accept_on("torch", **batch)
+    greedy = temps == 0
+    assert all(torch.equal(x[greedy], y[greedy]) for x, y in zip(res, expected))
+    read = set(spy.counts([mask]))
+    words = element_addresses(mask)
+    walked = set()
+    for b in range(B):
+        for node in res.accepted_nodes[b, : int(res.num_accepted[b]) + 1].tolist():
+            walked |= set(words[b, node].tolist())
+    assert read == walked

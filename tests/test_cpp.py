@@ -146,6 +146,40 @@ def test_accept_direct_seeded_and_batch_independent():
         assert (full[0][b, len(path):] == -1).all()
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.float64], ids=str)
+def test_accept_direct_filters(dtype):
+    """The filters through the schema: greedy with a bitmask equals the reference; a sampling row whose
+    processed law is a point mass (top_k 1, tiny top_p, min_p near 1, one allowed token) gives its token;
+    V = 100 is several vectors and a tail."""
+    from specdec.sampling import pack_bitmask
+    gen = torch.Generator().manual_seed(10)
+    B, T, V = 8, 5, 100
+    parents, num_nodes = random_trees(B, T, gen)
+    logits = torch.randint(-3, 4, (B, T, V), generator=gen).to(dtype)  # ties
+    allowed = torch.rand(B, T, V, generator=gen) < 0.5
+    allowed[..., 0] = True
+    bitmask = pack_bitmask(allowed)
+    best = logits.double().masked_fill(~allowed, -math.inf).argmax(-1)
+    tokens = torch.randint(0, V, (B, T), generator=gen, dtype=torch.int32)
+    for b in range(B):
+        for i in range(1, T):
+            if torch.rand((), generator=gen) < 0.7:
+                tokens[b, i] = best[b, max(int(parents[b, i]), 0)]
+    args = (logits, tokens, parents.int(), None, torch.zeros(B), torch.arange(B), num_nodes, 0, None)
+    for a, e in zip(ops.accept(*args, None, None, None, bitmask), reference.accept(*args, None, None, None, bitmask)):
+        assert torch.equal(a, e)
+    unique = torch.randn(B, 1, V, generator=gen).to(dtype)
+    unique[:, 0, 77] = 9.0
+    only = torch.zeros(B, 1, V, dtype=torch.bool)
+    only[:, 0, 13] = True
+    one = (torch.zeros(B, 1, dtype=torch.int32), torch.full((B, 1), -1, dtype=torch.int32), None, torch.ones(B),
+           torch.arange(B), torch.ones(B, dtype=torch.int32), 0, None)
+    for filters, token in ((dict(top_k=torch.ones(B, dtype=torch.int32)), 77), (dict(top_p=torch.full((B,), 1e-3)), 77),
+                           (dict(min_p=torch.full((B,), 0.9999)), 77), (dict(token_bitmask=pack_bitmask(only)), 13)):
+        f = [filters.get(k) for k in ("top_k", "top_p", "min_p", "token_bitmask")]
+        assert ops.accept(unique, *one, *f)[2].tolist() == [token] * B, filters
+
+
 def test_kv_append_direct_strided_cache():
     """Caches that are strided views are written in place: K's heads interleaved with V's, and a V whose
     head dim is not the innermost one (element stride != 1)."""
@@ -236,11 +270,16 @@ def bad_cases():
                 (q, k, v, lens, mask, table, nn, 0.5, *scales, window_left, cap))
 
     def accept(logits=x["logits"], tokens=x["tokens"], parents=x["parents"], draft=x["draft"],
-               temperature=x["temperature"], seeds=x["seeds"], nn=x["num_nodes"], offset=0, offsets=None):
+               temperature=x["temperature"], seeds=x["seeds"], nn=x["num_nodes"], offset=0, offsets=None,
+               top_k=None, top_p=None, min_p=None, bitmask=None):
         # the schema takes (int offset, Tensor? offsets); the public op one `offset`, an int or a tensor
         def python_check(*a):
-            return val.check_accept(*a[:7], a[7] if a[8] is None else a[8])
-        return "accept", python_check, (logits, tokens, parents, draft, temperature, seeds, nn, offset, offsets)
+            return val.check_accept(*a[:7], a[7] if a[8] is None else a[8], *a[9:])
+        return "accept", python_check, (logits, tokens, parents, draft, temperature, seeds, nn, offset, offsets,
+                                        top_k, top_p, min_p, bitmask)
+
+    W = (x["logits"].shape[-1] + 31) // 32
+    everything = torch.full((2, 4, W), -1, dtype=torch.int32)
 
     def append(k=x["k"], v=x["v"], k_new=x["k_new"], v_new=x["v_new"], lens=x["lens"], table=None, scales=(1.0, 1.0)):
         return "kv_append", val.check_kv_append, (k, v, k_new, v_new, lens, table, *scales)
@@ -307,6 +346,26 @@ def bad_cases():
         "accept/target_row_neginf": accept(logits=with_(x["logits"], (0, 2), float("-inf"))),
         "accept/draft_nan": accept(draft=with_(x["draft"], (0, 0, 0), float("nan"))),
         "accept/draft_row_neginf": accept(draft=with_(x["draft"], (1, 1), float("-inf"))),
+        "accept/top_k_dtype": accept(top_k=torch.tensor([1.0, 2.0])),
+        "accept/top_k_shape": accept(top_k=torch.tensor([1, 2, 3], dtype=torch.int32)),
+        "accept/top_k_negative": accept(top_k=torch.tensor([3, -1])),
+        "accept/top_p_dtype": accept(top_p=torch.tensor([1, 1])),
+        "accept/top_p_shape": accept(top_p=torch.ones(2, 1)),
+        "accept/top_p_zero": accept(top_p=torch.tensor([0.5, 0.0])),
+        "accept/top_p_above_one": accept(top_p=torch.tensor([1.5, 0.5])),
+        "accept/top_p_nan": accept(top_p=torch.tensor([float("nan"), 0.5])),
+        "accept/min_p_one": accept(min_p=torch.tensor([0.0, 1.0])),
+        "accept/min_p_negative": accept(min_p=torch.tensor([-0.5, 0.0], dtype=torch.float64)),
+        "accept/min_p_device_shape": accept(min_p=torch.zeros(3)),
+        "accept/bitmask_dtype": accept(bitmask=everything.long()),
+        "accept/bitmask_dims": accept(bitmask=everything[0]),
+        "accept/bitmask_shape": accept(bitmask=torch.full((2, 4, W + 1), -1, dtype=torch.int32)),
+        "accept/bitmask_empty_row": accept(bitmask=with_(everything, (1, 2), 0)),
+        "accept/bitmask_past_vocab": accept(bitmask=with_(everything, (0, 3), ~((1 << 10) - 1))),  # V = 10
+        "accept/bitmask_allowed_neginf": accept(logits=with_(x["logits"], (0, 1, 4), float("-inf")),
+                                                bitmask=with_(everything, (0, 1), 1 << 4)),
+        "accept/bitmask_draft_neginf": accept(draft=with_(x["draft"], (1, 0, 0), float("-inf")),
+                                              bitmask=with_(everything, (1, 0), 1)),
         "append/k_new_dtype": append(k_new=x["k_new"].half()),
         "append/v_new_dtype": append(v_new=x["v_new"].double()),
         "append/v_new_shape": append(v_new=x["v_new"][:, :3]),

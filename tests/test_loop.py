@@ -255,6 +255,107 @@ def test_sampling_test_detects_a_biased_sampler():
 
 
 # ----------------------------------------------------------------------------------------------
+# sampling filters and a grammar-like mask in the loop
+# ----------------------------------------------------------------------------------------------
+def masked_greedy_ar(target, prompts, n, allowed):
+    """Greedy decoding that shares nothing with the loop: the full forward of the whole sequence at every step
+    (no cache, no specdec op), the argmax over the allowed tokens."""
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            seq = list(prompt)
+            for _ in range(n):
+                row = target(torch.tensor([seq]))[0, -1].masked_fill(~allowed, float("-inf"))
+                seq.append(int(row.argmax()))
+            outs.append(seq[len(prompt):])
+    return outs
+
+
+@pytest.mark.parametrize("drafter", ["chain:4", "tree:2,2,1", "dynamic:7,3,2", "ngram"])
+def test_masked_greedy_equals_masked_ar(pair, drafter):
+    """A regex's character class as the grammar (tokens 2-9 of the tiny vocabulary: `[2-9]*`): greedy
+    speculative output equals masked greedy autoregressive decoding token for token. The mask matters: the
+    unmasked output leaves the class."""
+    target, draft = pair
+    ids = list(range(2, 10))
+    allowed = torch.zeros(target.cfg.vocab_size, dtype=torch.bool)
+    allowed[ids] = True
+    expected = masked_greedy_ar(target, PROMPTS, 10, allowed)
+    d = NgramDrafter(num_tokens=4) if drafter == "ngram" else DraftModelDrafter(draft, drafter)
+    out = SpeculativeDecoder(target, d).generate(PROMPTS, 10, allowed_token_ids=ids)
+    assert out.tokens == expected
+    assert generate_ar(target, PROMPTS, 10, allowed_token_ids=ids).tokens == expected
+    assert any(t not in ids for seq in generate_ar(target, PROMPTS, 10).tokens for t in seq)
+
+
+def exact_filtered_two_token_law(target, prompt, temperature, top_k=0, top_p=1.0, min_p=0.0, allowed=None):
+    """{(x1, x2): p} of the first two tokens under the processed law (reference.processed_probs at each)."""
+    from specdec.reference import processed_probs
+    with torch.no_grad():
+        p1 = processed_probs(target(torch.tensor([prompt]))[0, -1], temperature, top_k, top_p, min_p, allowed)
+        firsts = (p1 > 1e-4).nonzero().flatten().tolist()
+        rows = target(torch.tensor([prompt + [x] for x in firsts]))[:, -1]
+    law = {}
+    for i, x1 in enumerate(firsts):
+        p2 = processed_probs(rows[i], temperature, top_k, top_p, min_p, allowed)
+        law.update({(x1, x2): float(p1[x1] * p2[x2]) for x2 in p2.nonzero().flatten().tolist()})
+    return law
+
+
+def chi_square_two_tokens(tokens, law, n):
+    """(statistic, threshold at 0.999, cells) of the first two tokens' counts against `law`; tokens outside
+    the law's support count in the pooled cell, whose expected count may be ~0 (then any hit fails)."""
+    cells = [c for c, p in law.items() if p * n >= 5]
+    counts = {c: 0 for c in cells}
+    for toks in tokens:
+        key = tuple(toks[:2])
+        if key in counts:
+            counts[key] += 1
+    observed = np.array([counts[c] for c in cells] + [n - sum(counts.values())], dtype=float)
+    expected = np.array([law[c] * n for c in cells] + [max(n * (1 - sum(law[c] for c in cells)), 1e-3)])
+    return float(((observed - expected) ** 2 / expected).sum()), chi2.ppf(0.999, len(cells)), cells
+
+
+@pytest.mark.parametrize("tree, filters", [
+    ("chain:3", dict(top_k=6, top_p=0.8)),
+    ("tree:3,1", dict(min_p=0.15)),
+    ("chain:3", dict(allowed_token_ids=list(range(97, 123)) + [10, 32, 95])),  # [a-z\n _]
+    ("dynamic:6,3,2", dict(top_p=0.7, min_p=0.05)),
+])
+def test_filtered_sampling_is_lossless_on_shipped_pair(tree, filters):
+    """Sampling with the filters (draft logits on chain/tree: the drafter samples from the processed law, and
+    accept processes q the same way; given proposals on the dynamic tree): the first two tokens follow the
+    exact processed law of the target (chi-square), and never leave its support."""
+    target = load_model(os.path.join(ASSETS, "target"))
+    draft = load_model(os.path.join(ASSETS, "draft"))
+    prompt = ByteTokenizer().encode("import os\nimport s")
+    temperature, n = 1.0, 600
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree)).generate(
+        [prompt] * n, 2, temperature, seed=list(range(2000, 2000 + n)), **filters)
+    ids = filters.pop("allowed_token_ids", None)
+    allowed = None
+    if ids is not None:
+        allowed = torch.zeros(target.cfg.vocab_size, dtype=torch.bool)
+        allowed[ids] = True
+    law = exact_filtered_two_token_law(target, prompt, temperature, allowed=allowed, **filters)
+    stat, threshold, cells = chi_square_two_tokens(out.tokens, law, n)
+    assert len(cells) >= 3
+    assert all(tuple(t[:2]) in law for t in out.tokens)
+    assert stat < threshold, stat
+
+
+def test_filtered_sampling_test_detects_unfiltered_sampling():
+    """Negative control for the test above: plain sampling (no filters) fails the top-k/top-p law."""
+    target = load_model(os.path.join(ASSETS, "target"))
+    prompt = ByteTokenizer().encode("import os\nimport s")
+    n = 600
+    law = exact_filtered_two_token_law(target, prompt, 1.0, top_k=6, top_p=0.8)
+    plain = generate_ar(target, [prompt] * n, 2, 1.0, seed=list(range(n))).tokens
+    stat, threshold, _ = chi_square_two_tokens(plain, law, n)
+    assert stat > threshold
+
+
+# ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -292,6 +393,9 @@ def test_cli_json(capsys, byte_pair):
     (["--drafter", "ngram", "--tree", "tree:2,2"], "ngram drafter proposes chains"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--min-p", "1"], "--min-p"),
+    (["--top-k", "-2"], "--top-k"),
     (["--device", "tpu"], "expected cpu or cuda"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA device")]))
 def test_cli_bad_inputs(capsys, byte_pair, args, message):
@@ -299,6 +403,20 @@ def test_cli_bad_inputs(capsys, byte_pair, args, message):
     base = ["--target", str(byte_pair / "target"), "--draft", str(byte_pair / "draft")]
     rc, out, err = run_cli(capsys, "--prompt", "x", *base, *args)
     assert rc == 2 and message in err and out == ""
+
+
+def test_cli_sampling_filters(capsys, byte_pair):
+    """--top-k/--top-p/--min-p reach the loop (drafter and accept): every sampled token is inside the target's
+    processed law at its position (here top-k 1: the filtered law is the argmax, so the output is greedy's)."""
+    base = ["--prompt", "def f(x):", "--target", str(byte_pair / "target"), "--draft", str(byte_pair / "draft"),
+            "--max-new-tokens", "8", "--json", "--compare-ar"]
+    rc, out, _ = run_cli(capsys, *base)
+    greedy = json.loads(out)["tokens"]
+    rc, out, _ = run_cli(capsys, *base, "--temperature", "1.5", "--top-k", "1", "--top-p", "0.9", "--min-p", "0.1")
+    assert rc == 0
+    r = json.loads(out)
+    assert (r["top_k"], r["top_p"], r["min_p"]) == (1, 0.9, 0.1)
+    assert r["tokens"] == greedy and r["ar_tokens"] == greedy
 
 
 def test_cli_half_precision(capsys, byte_pair):

@@ -199,3 +199,152 @@ def test_same_seed_same_result_whatever_the_batch():
                           seeds=seeds[perm], num_nodes=num_nodes[perm], backend="torch")
     for field_full, field_part in zip(full, part):
         assert torch.equal(field_full[perm], field_part)
+
+
+# ----------------------------------------------------------------------------------------------
+# the processed law (mask, temperature, top-k, top-p, min-p) on hand-made rows
+# ----------------------------------------------------------------------------------------------
+from specdec import reference as ref  # noqa: E402
+
+INF = math.inf
+
+
+def kept(row, t=1.0, top_k=0, top_p=1.0, min_p=0.0, allowed=None):
+    """The kept token indices of processed_keep on a hand-made row."""
+    row = torch.tensor(row, dtype=torch.float64)
+    allowed = None if allowed is None else torch.tensor(allowed)
+    mask = ref.processed_keep(row, t, top_k, top_p, min_p, allowed)
+    return torch.nonzero(mask).flatten().tolist()
+
+
+def by_definition(row, t, top_k, top_p, min_p, allowed):
+    """The issue's text, word for word, one token at a time (O(V^2), exact rationals aside)."""
+    V = len(row)
+    l = [(row[x] if allowed is None or allowed[x] else -INF) / t for x in range(V)]
+    keep = [v > -INF for v in l]
+    if 0 < top_k < V:
+        keep = [keep[x] and sum(keep[y] and l[y] > l[x] for y in range(V)) < top_k for x in range(V)]
+
+    def probs(keep):
+        z = sum(math.exp(l[y] - max(l)) for y in range(V) if keep[y])
+        return [math.exp(l[y] - max(l)) / z if keep[y] else 0.0 for y in range(V)]
+
+    if top_p < 1:
+        p = probs(keep)
+        keep = [keep[x] and sum(p[y] for y in range(V) if keep[y] and l[y] > l[x]) < top_p for x in range(V)]
+    if min_p > 0:
+        p = probs(keep)
+        keep = [keep[x] and p[x] >= min_p * max(p) for x in range(V)]
+    return [x for x in range(V) if keep[x]]
+
+
+def test_top_k_keeps_every_tie_at_the_kth_value():
+    row = [3.0, 2.0, 2.0, 2.0, 1.0, 0.0]
+    assert kept(row, top_k=1) == [0]
+    assert kept(row, top_k=2) == kept(row, top_k=4) == [0, 1, 2, 3]
+    assert kept(row, top_k=5) == [0, 1, 2, 3, 4]
+    assert kept(row, top_k=0) == kept(row, top_k=6) == kept(row, top_k=100) == list(range(6))  # off
+
+
+def test_all_equal_row_keeps_everything():
+    row = [0.5] * 7
+    for kw in (dict(top_k=1), dict(top_p=1e-9), dict(min_p=0.999), dict(top_k=1, top_p=1e-9, min_p=0.999)):
+        assert kept(row, **kw) == list(range(7)), kw
+    torch.testing.assert_close(ref.processed_probs(torch.tensor(row), 0.7, top_k=1), torch.full((7,), 1 / 7,
+                               dtype=torch.float64))
+
+
+def test_neg_inf_entries_are_never_kept():
+    row = [0.0, -INF, 1.0, -INF, -INF]
+    assert kept(row) == [0, 2]
+    assert kept(row, top_k=3) == [0, 2]  # fewer finite entries than k: all finite ones
+    assert kept(row, top_k=1) == [2]
+    assert kept(row, top_p=0.999999, min_p=1e-9) == [0, 2]
+    assert kept([-INF, -INF], top_k=1) == [] and ref.processed_probs(torch.tensor([-INF, -INF]), 1.0).sum() == 0
+
+
+def test_top_k_one_is_the_argmax():
+    row = torch.tensor([0.1, 2.5, -1.0, 2.4999])
+    assert torch.equal(ref.processed_probs(row, 1.3, top_k=1), torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64))
+
+
+def test_tiny_top_p_keeps_the_top_group_only():
+    assert kept([1.0, 3.0, 2.9, -2.0], top_p=1e-6) == [1]
+    assert kept([1.0, 3.0, 3.0, -2.0], top_p=1e-6) == [1, 2]  # ties with the top token
+
+
+def test_top_p_boundary_is_strict_and_keeps_ties():
+    p = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    row = p.log().tolist()  # the mass above the two 0.125 tokens is 0.75
+    assert kept(row, top_p=0.75 + 1e-9) == [0, 1, 2, 3]  # both ties at the boundary stay
+    assert kept(row, top_p=0.75 - 1e-9) == [0, 1]  # both go
+    assert kept(row, top_p=0.5 + 1e-9) == [0, 1] and kept(row, top_p=0.5 - 1e-9) == [0]
+
+
+def test_min_p_close_to_one():
+    row = [2.0, 2.0 - 1e-4, 1.0, 2.0]  # p(x) / max p = exp(-1e-4) = 0.99990000499...
+    assert kept(row, min_p=0.9999) == [0, 1, 3]
+    assert kept(row, min_p=0.99991) == [0, 3]  # ties with the max always stay
+    assert kept(row, t=2.0, min_p=0.99995) == [0, 1, 3]  # temperature first: the ratio is exp(-5e-5)
+
+
+def test_steps_apply_in_order():
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64).log().tolist()
+    assert kept(p, top_p=0.5) == [0, 1]  # the mass above 0.3 is 0.4
+    assert kept(p, top_k=2, top_p=0.5) == [0]  # top-k first: renormalized, the mass above it is 4/7
+    assert kept(p, min_p=0.55) == [0, 1] and kept(p, min_p=0.45) == [0, 1, 2]  # against 0.55 * 0.4, 0.45 * 0.4
+    assert kept(p, min_p=0.2) == [0, 1, 2, 3] and kept(p, top_k=3, min_p=0.2) == [0, 1, 2]
+    assert kept([1.0, 0.0, -1.0], t=1.0, top_p=0.7) == [0, 1]  # p = [0.665, 0.245, 0.090]
+    assert kept([1.0, 0.0, -1.0], t=0.5, top_p=0.7) == [0]  # temperature first: p = [0.867, 0.117, 0.016]
+    law = ref.processed_probs(torch.tensor(p), 1.0, top_k=3)
+    torch.testing.assert_close(law, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0.0], dtype=torch.float64))
+
+
+def test_mask_comes_first():
+    row, allowed = [5.0, 1.0, 0.0, 0.5], [False, True, True, True]
+    assert kept(row, top_k=1, allowed=allowed) == [1]  # the disallowed max is not counted
+    assert kept(row, min_p=0.6, allowed=allowed) == [1, 3]  # max p among the allowed: exp(-0.5) >= 0.6
+    assert ref.greedy_token(torch.tensor(row), torch.tensor(allowed)) == 1
+    assert ref.greedy_token(torch.tensor(row), torch.tensor([False] * 4)) is None
+    assert ref.greedy_token(torch.tensor([-INF, 2.0]), torch.tensor([True, False])) is None
+
+
+def test_processed_keep_matches_the_definition_word_for_word():
+    gen = torch.Generator().manual_seed(12)
+    for trial in range(400):
+        V = int(torch.randint(1, 12, (1,), generator=gen))
+        # integer logits: many ties; a few -inf
+        row = torch.randint(-3, 4, (V,), generator=gen).double() * 0.75
+        row[torch.rand(V, generator=gen) < 0.15] = -INF
+        allowed = (torch.rand(V, generator=gen) < 0.8).tolist() if trial % 2 else None
+        t = [0.5, 1.0, 1.7][trial % 3]
+        top_k = int(torch.randint(0, V + 2, (1,), generator=gen))
+        top_p = [1.0, 0.3, 0.6, 0.9, 1e-9][trial % 5]
+        min_p = [0.0, 0.2, 0.6][trial % 3 if trial % 7 else 0]
+        expected = by_definition(row.tolist(), t, top_k, top_p, min_p, allowed)
+        assert kept(row.tolist(), t, top_k, top_p, min_p, allowed) == expected, (row, t, top_k, top_p, min_p, allowed)
+
+
+def test_accept_with_filters_by_hand():
+    """Greedy takes the masked argmax; top_k=1 sampling is greedy on the processed row; a row the mask
+    empties stops the walk with token 0 (checks off)."""
+    from specdec.sampling import pack_bitmask
+    V = 6
+    logits = torch.zeros(1, 3, V)
+    logits[0, 0] = torch.tensor([0.0, 5.0, 4.0, 1.0, 0.0, 0.0])  # masked: token 1 banned after the root
+    logits[0, 1] = torch.tensor([0.0, 0.0, 0.0, 3.0, 2.0, 0.0])
+    allowed = torch.ones(1, 3, V, dtype=torch.bool)
+    allowed[0, 0, 1] = False
+    bitmask = pack_bitmask(allowed)
+    tokens, parents = torch.tensor([[0, 2, 3]]), torch.tensor([[-1, 0, 1]])
+    res = specdec.accept(logits, tokens, parents, token_bitmask=bitmask, backend="torch")
+    assert res.accepted_nodes.tolist() == [[0, 1, 2]] and res.next_tokens.tolist() == [0]
+    sampled = specdec.accept(logits, tokens, parents, temperature=1.0, top_k=1, token_bitmask=bitmask,
+                             seeds=torch.tensor([5]), backend="torch")
+    assert sampled.accepted_nodes.tolist() == [[0, 1, 2]]
+    allowed[0, 1] = False  # nothing allowed after node 1
+    with specdec.value_checks(False):
+        for t in (0.0, 1.0):
+            res = specdec.accept(logits, tokens, parents, temperature=t, token_bitmask=pack_bitmask(allowed),
+                                 seeds=torch.tensor([5]), backend="torch")
+            assert res.accepted_nodes.tolist() == [[0, 1, -1]] and res.next_tokens.tolist() == [0]

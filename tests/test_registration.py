@@ -76,6 +76,31 @@ def test_opcheck_accept_with_per_request_offsets():
     torch.library.opcheck(torch.ops.specdec.accept.default, (*args[:7], 2, torch.tensor([7, 0])))
 
 
+def test_opcheck_accept_with_filters():
+    args = op_samples()["accept"]
+    bitmask = torch.full((B, T, (V + 31) // 32), -1, dtype=torch.int32)
+    bitmask[0, 0] = 0b1011
+    filters = (torch.tensor([2, 0], dtype=torch.int32), torch.tensor([0.8, 1.0]), torch.tensor([0.1, 0.0]), bitmask)
+    torch.library.opcheck(torch.ops.specdec.accept.default, (*args[:4], torch.tensor([0.7, 0.9]), *args[5:8], None,
+                                                             *filters))
+
+
+def test_torch_compile_fullgraph_with_filters():
+    """The Python scalars and tensors of the filters trace (the normalization makes no host read)."""
+    x = sample_inputs()
+    bitmask = torch.full((B, T, (V + 31) // 32), -1, dtype=torch.int32)
+
+    def step(logits, top_p):
+        return specdec.accept(logits, x["tokens"], x["parents"], temperature=x["temperature"], seeds=x["seeds"],
+                              num_nodes=x["num_nodes"], top_k=3, top_p=top_p, min_p=0.05, token_bitmask=bitmask)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    top_p = torch.tensor([0.9, 0.5])
+    for a, b in zip(compiled(x["logits"], top_p), step(x["logits"], top_p)):
+        assert torch.equal(a, b)
+
+
 def speculative_step(q, k, v, lens, parents, num_nodes, k_new, v_new, logits, tokens, temperature, seeds, steps):
     info = specdec.build_tree(parents, num_nodes)
     specdec.kv_append(k, v, k_new, v_new, lens)

@@ -261,6 +261,43 @@ ACCEPT_CASES = [
 ]
 
 
+W = (V + 31) // 32
+ACCEPT_CASES += [  # the filters
+    ("top_k", ValueError, lambda a: a.update(top_k=-1)),
+    ("top_k", ValueError, lambda a: a.update(top_k=torch.tensor([3, -2], dtype=torch.int32))),
+    ("top_k", TypeError, lambda a: a.update(top_k=2.0)),
+    ("top_k", TypeError, lambda a: a.update(top_k=torch.tensor([1.0, 2.0]))),
+    ("top_k", ValueError, lambda a: a.update(top_k=torch.tensor([1, 2, 3]))),
+    ("top_p", ValueError, lambda a: a.update(top_p=0.0)),
+    ("top_p", ValueError, lambda a: a.update(top_p=-0.5)),
+    ("top_p", ValueError, lambda a: a.update(top_p=1.5)),
+    ("top_p", ValueError, lambda a: a.update(top_p=float("nan"))),
+    ("top_p", ValueError, lambda a: a.update(top_p=torch.tensor([0.5, 0.0]))),
+    ("top_p", ValueError, lambda a: a.update(top_p=torch.tensor([1.01, 0.5]))),
+    ("top_p", ValueError, lambda a: a.update(top_p=torch.tensor([0.5, float("nan")]))),
+    ("top_p", TypeError, lambda a: a.update(top_p=torch.tensor([1, 1]))),
+    ("top_p", TypeError, lambda a: a.update(top_p="0.9")),
+    ("min_p", ValueError, lambda a: a.update(min_p=1.0)),
+    ("min_p", ValueError, lambda a: a.update(min_p=-0.1)),
+    ("min_p", ValueError, lambda a: a.update(min_p=torch.tensor([0.2, 1.0]))),
+    ("min_p", ValueError, lambda a: a.update(min_p=torch.tensor([-0.2, 0.5]))),
+    ("min_p", ValueError, lambda a: a.update(min_p=torch.tensor([0.5]))),
+    ("token_bitmask", ValueError, lambda a: a.update(token_bitmask=torch.full((B, T, W), -1, dtype=torch.int64))),
+    ("token_bitmask", ValueError, lambda a: a.update(token_bitmask=torch.full((B, T, W + 1), -1, dtype=torch.int32))),
+    ("token_bitmask", ValueError, lambda a: a.update(token_bitmask=torch.full((B, T), -1, dtype=torch.int32))),
+    ("token_bitmask", ValueError, lambda a: a.update(token_bitmask=torch.full((B, T - 1, W), -1, dtype=torch.int32))),
+    ("token_bitmask", TypeError, lambda a: a.update(token_bitmask=[[-1]])),
+    # a real row allowing nothing in [0, V) (bits past V do not count)
+    ("token_bitmask", ValueError, lambda a: a.update(token_bitmask=torch.tensor([[[-1]] * T, [[-1], [-1], [~(2**V - 1)], [-1]]],
+                                                                                dtype=torch.int32))),
+    # allowed tokens all -inf
+    ("target_logits", ValueError, lambda a: (a["target_logits"].__setitem__((0, 1, 0), float("-inf")),
+                                             a.update(token_bitmask=torch.ones(B, T, W, dtype=torch.int32)))),
+    ("draft_logits", ValueError, lambda a: a.update(draft_logits=torch.randn(B, T, V).index_fill_(2, torch.tensor([3]), float("-inf")),
+                                                    token_bitmask=torch.full((B, T, W), 8, dtype=torch.int32))),
+]
+
+
 @pytest.mark.parametrize("backend", CHECKED_BY)
 @pytest.mark.parametrize("name,exc,mutate", ACCEPT_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(ACCEPT_CASES)])
 def test_accept_bad_input(name, exc, mutate, backend):
@@ -270,12 +307,38 @@ def test_accept_bad_input(name, exc, mutate, backend):
         specdec.accept(args.pop("target_logits"), args.pop("tokens"), args.pop("parents"), backend=backend, **args)
 
 
+def test_accept_filter_messages():
+    args = accept_args()
+    with pytest.raises(ValueError, match=r"^top_p: must be in \(0, 1\] \(1: off\), got 0"):
+        specdec.accept(**args, top_p=0, backend="torch")
+    with pytest.raises(ValueError, match=r"^min_p: must be in \[0, 1\) \(0: off\)$"):
+        specdec.accept(**args, min_p=torch.tensor([0.5, 1.0]), backend="torch")
+    with pytest.raises(ValueError, match=r"^token_bitmask: dtype int64 not supported \(expected int32\)"):
+        specdec.accept(**args, token_bitmask=torch.zeros(B, T, 1, dtype=torch.int64), backend="torch")
+    with pytest.raises(ValueError, match=r"^token_bitmask: expected shape \(2, 4, 1\), got \(2, 4, 2\)"):
+        specdec.accept(**args, token_bitmask=torch.zeros(B, T, 2, dtype=torch.int32), backend="torch")
+
+
+def test_accept_filter_values_not_checked_with_checks_off():
+    """Value checks off: tensors of bad filter values run (no host sync), ids stay in range."""
+    args = accept_args()
+    with specdec.value_checks(False):
+        res = specdec.accept(**args, temperature=1.0, top_k=torch.tensor([-3, 2]), top_p=torch.tensor([0.0, 2.0]),
+                             min_p=torch.tensor([1.5, -1.0]), seeds=torch.tensor([1, 2]), backend="torch")
+    assert ((res.next_tokens >= 0) & (res.next_tokens < V)).all()
+
+
 def test_accept_padding_tokens_and_rows_are_not_checked():
     args = accept_args()
     args["tokens"][0, 3] = 10**6  # padding node of request 0
     args["target_logits"][0, 3] = float("-inf")
     specdec.accept(args["target_logits"], args["tokens"], args["parents"], num_nodes=torch.tensor([3, 4]),
                    backend="torch")
+    nothing_at_padding = torch.full((B, T, 1), -1, dtype=torch.int32)
+    nothing_at_padding[0, 3] = 0  # padding node of request 0: its row is not checked
+    for backend in CHECKED_BY:
+        specdec.accept(args["target_logits"], args["tokens"], args["parents"], num_nodes=torch.tensor([3, 4]),
+                       token_bitmask=nothing_at_padding, backend=backend)
 
 
 # ----------------------------------------------------------------------------------------------

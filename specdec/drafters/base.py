@@ -17,6 +17,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from ..sampling import SamplingParams
+
 
 class Proposal(NamedTuple):
     """tokens (B, T) int64 (tokens[:, 0] is the root); parents (B, T) int32 (BFS order, parents[:, 0] = -1);
@@ -41,10 +43,12 @@ class Drafter:
     vocab_size: Optional[int] = None  # None: any vocabulary (no model)
 
     def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
-              seeds: Sequence[int]) -> None:
+              seeds: Sequence[int], params: SamplingParams = SamplingParams()) -> None:
         """A new batch: `tokens`/`seq_lens` hold the prompts; sequences will not exceed max_len tokens;
-        temperature (B,) is fixed for the batch; request b's own sampling (if any) is driven by seeds[b]
-        alone (`request_generators`), so its drafts never depend on the rest of the batch."""
+        temperature (B,) and the sampling filters `params` are fixed for the batch; request b's own sampling
+        (if any) is driven by seeds[b] alone (`request_generators`), so its drafts never depend on the rest of
+        the batch. A drafter that passes draft_logits samples from the law `params.process` gives them (accept
+        processes them the same way); given proposals may be anything."""
 
     def propose(self, tokens: torch.Tensor, seq_lens: torch.Tensor, temperature: torch.Tensor) -> Proposal:
         raise NotImplementedError
@@ -74,12 +78,14 @@ def request_generators(seeds: Sequence[int], device: torch.device) -> list[torch
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, generators: Sequence[torch.Generator],
-           all_greedy: bool) -> torch.Tensor:
-    """k children per row of logits (B, N, V): the top-k tokens for greedy requests (temperature 0),
-    k i.i.d. draws from softmax(logits / temperature) for the others, request b's from generators[b]
-    (every request draws the same count per call, so its stream never depends on the batch). Returns
-    (B, N, k) int64. all_greedy (known when the batch starts) skips the softmax and the draws."""
+           all_greedy: bool, params: SamplingParams = SamplingParams()) -> torch.Tensor:
+    """k children per row of logits (B, N, V), from the rows processed by `params` (masked, top-k/top-p/min-p
+    filtered): the top-k tokens for greedy requests (temperature 0), k i.i.d. draws from
+    softmax(processed / temperature) for the others, request b's from generators[b] (every request draws the
+    same count per call, so its stream never depends on the batch). Returns (B, N, k) int64. all_greedy (known
+    when the batch starts) skips the softmax and the draws."""
     B, N, V = logits.shape
+    logits = params.process(logits, temperature)
     top = logits.topk(k, dim=-1).indices
     if all_greedy:
         return top

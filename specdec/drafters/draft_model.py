@@ -24,6 +24,7 @@ import torch
 
 import specdec
 from ..models.llama import Llama
+from ..sampling import SamplingParams
 from .base import Drafter, Proposal, request_generators, sample
 
 
@@ -113,9 +114,9 @@ class DraftModelDrafter(Drafter):
         self.depth, self.mask = info.depth, info.mask  # (1, T), (1, T, W)
 
     # -------------------------------------------------------------------------------------------
-    def start(self, tokens, seq_lens, max_len, temperature, seeds):
+    def start(self, tokens, seq_lens, max_len, temperature, seeds, params=SamplingParams()):
         B = tokens.shape[0]
-        self.generators, self.temperature = request_generators(seeds, tokens.device), temperature
+        self.generators, self.temperature, self.params = request_generators(seeds, tokens.device), temperature, params
         self.all_greedy = bool((temperature == 0).all())
         self.cache = self.model.new_cache(B, max_len + self.num_fed + 2, kv_dtype=self.kv_dtype)
         self.model.prefill(self.cache, tokens, seq_lens - 1)
@@ -153,7 +154,8 @@ class DraftModelDrafter(Drafter):
             (ps, pe), (s, e) = self.levels[d - 1], self.levels[d]
             if draft_logits is not None:
                 draft_logits[:, ps:pe] = level_logits
-            children = sample(level_logits, self.temperature, self.branching[d - 1], self.generators, self.all_greedy)
+            children = sample(level_logits, self.temperature, self.branching[d - 1], self.generators, self.all_greedy,
+                              self.params)
             out[:, s:e] = children[:, self.local_parent[s:e], self.rank[s:e]]
             if d + 1 < len(self.levels):  # expand this level: its children come next
                 level_logits = self.model.forward_cached(out[:, s:e], self.cache, self.depth[:, s:e].expand(B, -1),
@@ -178,7 +180,7 @@ class DraftModelDrafter(Drafter):
         logits = root_logits.unsqueeze(1)
         next_id, next_slot = 1, 1
         for d in range(1, D + 1):
-            logp = torch.log_softmax(logits.float(), dim=-1)
+            logp = torch.log_softmax(self.params.process(logits, self.temperature).float(), dim=-1)  # allowed only
             top = logp.topk(k, dim=-1)  # (B, F, k)
             F_ = logits.shape[1]
             score = (frontier_score.unsqueeze(-1) + top.values).reshape(B, F_ * k)

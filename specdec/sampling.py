@@ -1,0 +1,185 @@
+"""The processed law of `specdec.accept`, vectorized in PyTorch: for engines and drafters that must sample from
+exactly the law accept verifies against, and for launchers that mask the logits before a kernel.
+
+At temperature t > 0 a row of logits is processed in this order (specdec/reference.py spells out each step):
+  1. mask: tokens the grammar disallows get -inf;
+  2. temperature: l = logits / t;
+  3. top-k: x is kept iff fewer than k allowed tokens have a strictly larger l (ties at the k-th value kept);
+  4. top-p: with p the softmax of the kept tokens, x is kept iff the mass of the tokens with a strictly larger p
+     is < top_p (the top token and the ties at the boundary are kept);
+  5. min-p: x is kept iff p(x) >= min_p * max p;
+  6. renormalize.
+Greedy rows (t = 0) are only masked: top-k, top-p and min-p never remove the argmax.
+
+Every kept set is an upper set of l (steps 3-5 keep the tokens at or above a threshold), so `keep_mask` is
+`allowed & (logits >= threshold)` per row, and `processed_logits` (the dropped entries at -inf, the others
+unchanged, in the original scale) satisfies softmax(processed_logits / t) == the processed law exactly: a
+kernel that divides by t itself can take it as it is.
+
+This implementation sorts each row (torch.sort, float64 math as the reference), in chunks of rows; it equals
+reference.processed_keep exactly, ties included, and never syncs with the host. Parameters are per row:
+top_k (N,) int (0 or >= V: off), top_p (N,) float (1: off), min_p (N,) float (0: off), each None (off for every
+row) or a Python number (the same for every row).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+
+Param = Union[None, int, float, torch.Tensor]
+
+_CHUNK_ELEMENTS = 1 << 22  # rows are processed in chunks of about this many entries (float64 sort buffers)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, V: int) -> torch.Tensor:
+    """(..., W) int32 -> (..., V) bool: bit v % 32 of word v // 32 is token v (xgrammar / vLLM layout)."""
+    bits = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask.to(torch.int32).unsqueeze(-1) & bits) != 0
+    return allowed.flatten(-2)[..., :V]
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """(..., V) bool -> (..., ceil(V / 32)) int32, the inverse of `unpack_bitmask` (bits past V are 0)."""
+    *lead, V = allowed.shape
+    W = (V + 31) // 32
+    padded = torch.zeros(*lead, W * 32, dtype=torch.int64, device=allowed.device)
+    padded[..., :V] = allowed.to(torch.int64)
+    words = (padded.view(*lead, W, 32) << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _per_row(x: Param, N: int, dtype, device) -> Optional[torch.Tensor]:
+    if x is None or isinstance(x, torch.Tensor):
+        return None if x is None else x.to(device)
+    return torch.full((N,), x, dtype=dtype, device=device)
+
+
+def keep_mask(logits: torch.Tensor, temperature: Union[float, torch.Tensor], top_k: Param = None,
+              top_p: Param = None, min_p: Param = None, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(N, V) bool: the tokens the processed law keeps, for logits (N, V), temperature (N,) (or a float) and the
+    per-row parameters. allowed: (N, V) bool (e.g. unpack_bitmask) or None. Rows with t = 0 (greedy) keep every
+    allowed finite entry; rows left with no finite allowed entry keep nothing."""
+    N, V = logits.shape
+    dev = logits.device
+    x = logits.double()
+    if allowed is not None:
+        x = x.masked_fill(~allowed, -math.inf)
+    finite = x > -math.inf
+    k, tp, mp = (_per_row(top_k, N, torch.int64, dev), _per_row(top_p, N, torch.float64, dev),
+                 _per_row(min_p, N, torch.float64, dev))
+    if k is None and tp is None and mp is None:
+        return finite
+    t = _per_row(temperature, N, torch.float64, dev).double()
+    rows = max(1, _CHUNK_ELEMENTS // max(V, 1))
+    thresholds = [_thresholds(x[i:i + rows], t[i:i + rows], *(None if a is None else a[i:i + rows] for a in (k, tp, mp)))
+                  for i in range(0, N, rows)]
+    threshold = torch.cat(thresholds).unsqueeze(1)  # in l = logits / t; -inf for greedy rows
+    l = x / torch.where(t > 0, t, 1.0).unsqueeze(1)
+    return finite & (l >= threshold)
+
+
+def _thresholds(x, t, k, tp, mp) -> torch.Tensor:
+    """(n,) the smallest kept l of each row (-inf: no filter, or a greedy row). x: (n, V) float64 masked."""
+    n, V = x.shape
+    sampling = t > 0
+    l = x / torch.where(sampling, t, 1.0).unsqueeze(1)
+    s = torch.sort(l, dim=-1, descending=True).values  # -inf last
+    finite = s > -math.inf
+    cols = torch.arange(V, device=x.device)
+    thr = torch.full((n,), -math.inf, dtype=torch.float64, device=x.device)
+    if k is not None:  # top-k: the k-th largest value (ties at it kept)
+        on = sampling & (k > 0) & (k < V)
+        kth = s.gather(1, (k.clamp(1, V) - 1).unsqueeze(1)).squeeze(1)
+        thr = torch.where(on, torch.maximum(thr, kth), thr)
+
+    def probs(kept):  # softmax of the kept (sorted) entries
+        return torch.softmax(s.masked_fill(~kept, -math.inf), -1).nan_to_num(0.0)
+
+    def smallest_kept(kept):  # the l of the last kept sorted entry; the top one at least
+        last = (kept.sum(-1) - 1).clamp(min=0)
+        return s.gather(1, last.unsqueeze(1)).squeeze(1)
+
+    if tp is not None:  # top-p: keep a tie group iff the mass strictly above it is < top_p
+        kept = finite & (s >= thr.unsqueeze(1))
+        p = probs(kept)
+        cum = p.cumsum(-1)
+        start = torch.ones_like(finite)
+        start[:, 1:] = s[:, 1:] != s[:, :-1]
+        first = torch.where(start, cols, 0).cummax(-1).values  # first sorted index of each entry's tie group
+        above = torch.where(first > 0, cum.gather(1, (first - 1).clamp(min=0)), 0.0)
+        on = sampling & (tp < 1)
+        thr = torch.where(on, torch.maximum(thr, smallest_kept(kept & (above < tp.unsqueeze(1)))), thr)
+    if mp is not None:  # min-p: p(x) >= min_p * max p
+        kept = finite & (s >= thr.unsqueeze(1))
+        p = probs(kept)
+        on = sampling & (mp > 0)
+        keep_m = kept & (p >= mp.unsqueeze(1) * p[:, :1])
+        thr = torch.where(on, torch.maximum(thr, smallest_kept(keep_m)), thr)
+    return thr
+
+
+def processed_logits(logits: torch.Tensor, temperature: Union[float, torch.Tensor], top_k: Param = None,
+                     top_p: Param = None, min_p: Param = None, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits (N, V) with the entries the processed law drops at -inf, the others unchanged (same dtype and
+    scale): softmax(processed_logits / t) is the processed law, the argmax of a greedy row is the masked argmax."""
+    return logits.masked_fill(~keep_mask(logits, temperature, top_k, top_p, min_p, allowed), -math.inf)
+
+
+def processed_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: Optional[torch.Tensor] = None,
+                          top_p: Optional[torch.Tensor] = None, min_p: Optional[torch.Tensor] = None,
+                          token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """accept's arguments as they reach a kernel (logits (B, T, V); temperature, top_k, top_p, min_p (B,) or None;
+    token_bitmask (B, T, ceil(V/32)) int32 or None) -> (B, T, V) logits processed row by row: node i of request b
+    with request b's parameters and node i's bitmask row. For target and draft logits alike."""
+    B, T, V = logits.shape
+    per_node = [None if a is None else a.repeat_interleave(T) for a in (temperature, top_k, top_p, min_p)]
+    allowed = None if token_bitmask is None else unpack_bitmask(token_bitmask, V).reshape(B * T, V)
+    return processed_logits(logits.reshape(B * T, V), *per_node, allowed=allowed).view(B, T, V)
+
+
+class SamplingParams(NamedTuple):
+    """A batch's sampling filters, as the loop hands them to its drafter and to `specdec.accept`: top_k (B,)
+    int32, top_p and min_p (B,) float32, each None when off for every request; allowed (B, V) bool or None:
+    the tokens each request may emit at every position (vLLM's `allowed_token_ids`, or a regex's character
+    class over a byte vocabulary), a grammar mask that does not change along the sequence."""
+    top_k: Optional[torch.Tensor] = None
+    top_p: Optional[torch.Tensor] = None
+    min_p: Optional[torch.Tensor] = None
+    allowed: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def for_batch(B: int, V: int, device, top_k=0, top_p=1.0, min_p=0.0,
+                  allowed_token_ids: Optional[Sequence[int]] = None) -> "SamplingParams":
+        """Parameters one for every request (a number) or one per request (a sequence of B); off values (top_k
+        0, top_p 1, min_p 0) everywhere give None. allowed_token_ids: None (every token) or the token ids every
+        request may emit."""
+        def per_request(name, x, dtype, off):
+            values = [x] * B if isinstance(x, (int, float)) else list(x)
+            if len(values) != B:
+                raise ValueError(f"{name}: give one value or one per request ({B}), got {len(values)}")
+            return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype, device=device)
+        allowed = None
+        if allowed_token_ids is not None:
+            ids = torch.as_tensor(list(allowed_token_ids), dtype=torch.long)
+            if ids.numel() == 0 or bool(((ids < 0) | (ids >= V)).any()):
+                raise ValueError(f"allowed_token_ids: need at least one id, each in [0, {V})")
+            allowed = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True).to(device).expand(B, V)
+        return SamplingParams(per_request("top_k", top_k, torch.int32, 0), per_request("top_p", top_p, torch.float32, 1.0),
+                              per_request("min_p", min_p, torch.float32, 0.0), allowed)
+
+    def accept_kwargs(self, T: int) -> dict:
+        """The keyword arguments of `specdec.accept` for trees of T nodes (the mask's row for every node)."""
+        bitmask = None if self.allowed is None else pack_bitmask(self.allowed).unsqueeze(1).expand(-1, T, -1)
+        return dict(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, token_bitmask=bitmask)
+
+    def process(self, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """logits (B, N, V) -> the same rows processed with each request's parameters (processed_logits): what
+        a drafter samples from, softmax(. / t), so that accept's q is the law it used. Unchanged when off."""
+        if all(x is None for x in self):
+            return logits
+        B, N, V = logits.shape
+        per_row = [None if x is None else x.repeat_interleave(N) for x in (temperature, *self[:3])]
+        allowed = None if self.allowed is None else self.allowed.repeat_interleave(N, dim=0)
+        return processed_logits(logits.reshape(B * N, V), *per_row, allowed=allowed).view(B, N, V)
