@@ -247,10 +247,12 @@ def test_sweep_flags_an_accept_variant_that_changes_the_result(monkeypatch):
         return lambda: specdec.AcceptResult(*ka.accept(x.target_logits, x.tokens, x.parents, x.draft_logits,
                                                        x.temperature, x.seeds, x.num_nodes, 7 if kwargs else 0,
                                                        **kwargs))
-    monkeypatch.setitem(sweep.SWEEPS, "accept", (sweep.accept_variants, other_stream))
+    # the default and one schedule variant are enough to show a changed result is flagged
+    monkeypatch.setitem(sweep.SWEEPS, "accept", (lambda x: sweep.accept_variants(x)[:2], other_stream))
     case = next(c for c in TOY if c.op == "accept")
     rows = list(sweep.sweep_case(case, CPU, {"gbps": 10.0}, budget_s=0.01, smoke=True))
-    assert all("differs from the default" in r["check"] for r in rows[1:] if "trials" not in r["variant"])
+    assert len(rows) == 2 and "trials" not in rows[1]["variant"]
+    assert "differs from the default" in rows[1]["check"]
 
 
 def test_sweep_ranking_orders_variants_and_marks_the_copy_goal():
