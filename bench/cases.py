@@ -109,6 +109,8 @@ GPU_GRID = GPU_TARGETS + [
     Case("attention", attn(16, 32, 8192, "fp16", page=64), targets=_attention_goals(False)),
     Case("accept", acc(64, 8, 128256, "bf16")),
     Case("accept", acc(64, 8, 128256, temp=0.0)),
+    # the filters at V = 128K, beside the same call without them (peer triton-unfiltered) and the sort-based way
+    Case("accept", acc(32, 8, 128256, top_k=50, top_p=0.9)),
     Case("accept", acc(1, 8, 32000)),
     Case("accept", acc(256, 4, 32000)),
     Case("accept", acc(16, 64, 152064, tree="tree")),

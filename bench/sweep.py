@@ -30,11 +30,9 @@ import torch
 import specdec
 
 from . import cases as grids
-from . import op_accept, op_attention, op_rollback, report
-from .run import _failure, case_row, measure, run_cases
+from . import report
+from .run import OPS, _failure, case_row, measure, run_cases
 from .timing import copy_ceiling, machine_info
-
-OPS = {m.OP: m for m in (op_attention, op_accept, op_rollback)}
 
 
 def attention_variants(x) -> list[tuple[str, dict]]:

@@ -20,10 +20,10 @@ from specdec.models.tokenizer import VOCAB_SIZE, ByteTokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny(seed, vocab=24, dim=32, layers=2, eos=None, window=None) -> Llama:
+def tiny(seed, vocab=24, dim=32, layers=2, eos=None, window=None, **kw) -> Llama:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, intermediate_size=2 * dim,
-                      eos_token_id=eos, sliding_window=window)
+                      eos_token_id=eos, sliding_window=window, **kw)
     model = Llama(cfg).eval()
     with torch.no_grad():  # sharper next-token laws than the default init, so drafts get accepted sometimes
         model.lm_head.weight.mul_(8.0)
@@ -89,6 +89,15 @@ def test_greedy_loop_on_the_triton_kernels_equals_ar(monkeypatch):
     float8_ar = generate_ar(target, prompts, 5, kv_dtype=torch.float8_e4m3fn).tokens  # vLLM's fp8 KV cache
     out = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,1"), block_size=4, kv_dtype=torch.float8_e4m3fn)
     assert out.generate(prompts, 5).tokens == float8_ar
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "dynamic:7,3,2"])
+def test_greedy_qwen3_pair_equals_ar(tree):
+    """A Qwen3 target with a Qwen3 draft (q/k norms, head_dim apart from dim / heads): greedy speculative output
+    equals greedy AR token for token."""
+    target, draft = tiny(10, qk_norm=True, head_dim=16), tiny(11, dim=16, layers=1, qk_norm=True, head_dim=8)
+    ar = generate_ar(target, PROMPTS, 10)
+    assert SpeculativeDecoder(target, DraftModelDrafter(draft, tree)).generate(PROMPTS, 10).tokens == ar.tokens
 
 
 def test_greedy_with_paged_target_cache(pair):

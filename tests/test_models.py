@@ -72,6 +72,55 @@ def test_qwen2_names_and_biases(tmp_path):
         assert torch.equal(model(x), src(x))
 
 
+def test_qwen3_matches_transformers_both_ways(tmp_path):
+    """Qwen3 (per-head RMSNorm of q and k before the rotary, head_dim apart from hidden_size / heads, tied
+    embeddings as in Qwen3-0.6B): ours saved as qwen3 gives transformers' Qwen3ForCausalLM logits, and a folder
+    transformers wrote loads into ours with the same logits. The norms matter: without them the logits move."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny(qk_norm=True, head_dim=16, tie_embeddings=True)
+    assert model.model.layers[0].self_attn.q_norm.weight.shape == (16,)
+    save_model(model, str(tmp_path / "ours"), dtype=torch.float32)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "qwen3"
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path / "ours"), torch_dtype=torch.float32).eval()
+    x = torch.randint(0, 40, (2, 21))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+        for layer in hf.model.layers:  # other norms than ours, written by transformers
+            layer.self_attn.q_norm.weight.mul_(1.5)
+            layer.self_attn.k_norm.weight.add_(0.3)
+        hf.save_pretrained(str(tmp_path / "theirs"), safe_serialization=True)
+        loaded = load_model(str(tmp_path / "theirs"))
+        assert loaded.cfg.qk_norm and loaded.cfg.head_dim == 16 and not loaded.cfg.qkv_bias
+        torch.testing.assert_close(loaded(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(loaded(x), model(x), atol=1e-3)
+
+
+def test_qwen3_config_and_round_trip(tmp_path):
+    """model_type qwen3 reads as a q/k-norm model without q/k/v biases (Qwen2's windows rules apply), saves
+    back as qwen3, and the cached forward on specdec's ops matches its causal forward (no transformers)."""
+    base = {"vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 48, "head_dim": 16}
+    from specdec.models.hf import config_from_hf
+    cfg = config_from_hf(dict(base, model_type="qwen3"))
+    assert cfg.qk_norm and not cfg.qkv_bias and cfg.head_dim == 16 and cfg.window(0) is None
+    windowed = config_from_hf(dict(base, model_type="qwen3", use_sliding_window=True, sliding_window=8,
+                                   max_window_layers=1))
+    assert [windowed.window(i) for i in range(2)] == [None, 8]
+    assert not config_from_hf(dict(base, model_type="qwen2")).qk_norm
+    model = tiny(qk_norm=True, head_dim=16)
+    save_model(model, str(tmp_path), dtype=torch.float32)
+    loaded = load_model(str(tmp_path))
+    assert loaded.cfg.to_dict() == model.cfg.to_dict()
+    x = torch.randint(0, 40, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(x), loaded(x))
+        cache = model.new_cache(2, 16)
+        model.prefill(cache, x, torch.full((2,), 8, dtype=torch.int32))
+        tree = specdec.build_tree(torch.tensor([[-1]] * 2, dtype=torch.int32))
+        step = model.forward_cached(x[:, 8:], cache, tree.depth, tree.mask)
+        torch.testing.assert_close(step[:, 0], model(x)[:, 8], atol=1e-5, rtol=1e-5)
+
+
 def test_bad_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(str(tmp_path / "nope"))

@@ -1,8 +1,8 @@
 """Hugging Face-format checkpoint folders (config.json + *.safetensors) <-> `Llama`.
 
-Reads Llama, Mistral and Qwen2 configs and weights (the parameter names are ours, except our fused
-q/k/v and gate/up projections); writes a LlamaForCausalLM-compatible folder that transformers loads
-as is.
+Reads Llama, Mistral, Qwen2 and Qwen3 configs and weights (the parameter names are ours, except our fused
+q/k/v and gate/up projections); writes a folder that transformers loads as is: LlamaForCausalLM, or
+MistralForCausalLM (a window in every layer), or Qwen3ForCausalLM (q/k norms).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from .llama import Llama, LlamaConfig, rope_inv_freq
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+QWEN = ("qwen2", "qwen3")  # the same window rules; Qwen2 has q/k/v biases, Qwen3 a q/k norm instead
 # config.json fields we translate; everything else is kept in LlamaConfig.extra and written back (the window
 # fields too: read into LlamaConfig and kept as they were)
 _KNOWN = {"model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -40,9 +41,9 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     # transformers' rules and defaults: Mistral windows every layer (sliding_window 4096 unless given, null = no
     # window); Qwen2 only with use_sliding_window, in the layers layer_types marks "sliding_attention", or
     # else from layer max_window_layers (default 28) on
-    windowed = hf.get("use_sliding_window", False) if kind == "qwen2" else kind == "mistral"
+    windowed = hf.get("use_sliding_window", False) if kind in QWEN else kind == "mistral"
     window = hf.get("sliding_window", 4096) if windowed else None
-    if window is not None and kind == "qwen2":
+    if window is not None and kind in QWEN:
         first = hf.get("max_window_layers", 28)
         layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                                 for i in range(hf["num_hidden_layers"])]
@@ -56,17 +57,23 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         tie_embeddings=hf.get("tie_word_embeddings", False),
         qkv_bias=kind == "qwen2" or hf.get("attention_bias", False),
         o_bias=kind != "qwen2" and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
+        qk_norm=kind == "qwen3",
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
         sliding_window=window, layer_types=layer_types,
         extra={k: v for k, v in hf.items() if k not in _KNOWN})
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
-    """A Llama config, or a Mistral one for a model with a sliding window in every layer."""
+    """A Llama config, a Qwen3 one for a model with a q/k norm (no window), or a Mistral one for a model with a
+    sliding window in every layer."""
     if cfg.qkv_bias != cfg.o_bias:
         raise ValueError("saving: q/k/v biases without an o_proj bias is Qwen2-only, not expressible as Llama")
     kind = "llama"
-    if cfg.sliding_window is not None:
+    if cfg.qk_norm:
+        if cfg.sliding_window is not None or cfg.mlp_bias:
+            raise ValueError("saving: a q/k norm is written as Qwen3, here without a window or MLP biases")
+        kind = "qwen3"
+    elif cfg.sliding_window is not None:
         if any(cfg.window(i) is None for i in range(cfg.n_layers)) or cfg.qkv_bias or cfg.mlp_bias:
             raise ValueError("saving: a sliding window is written as Mistral, which has no biases and windows "
                              "every layer")

@@ -1,8 +1,9 @@
 """A compact Llama-architecture decoder (gpt-fast style) whose cached attention runs on specdec's ops.
 
-Covers Llama 1-3, Mistral and Qwen2 checkpoints: RMSNorm, rotary embeddings (incl. Llama-3 and linear
-rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional q/k/v biases,
-sliding-window layers (Mistral, Qwen2), and a float8 KV cache (KVCache dtype).
+Covers Llama 1-3, Mistral, Qwen2 and Qwen3 checkpoints: RMSNorm, rotary embeddings (incl. Llama-3 and
+linear rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional q/k/v biases
+(Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, Qwen2/3), and a float8 KV cache
+(KVCache dtype).
 Module names follow the Hugging Face parameter names, except that q/k/v and gate/up projections are
 fused into one matmul each (`qkv_proj`, `gate_up_proj`; hf.py splits and joins them).
 
@@ -47,6 +48,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: a per-head RMSNorm of q and of k (weights (head_dim,)) before the rotary
     mlp_bias: bool = False
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
@@ -182,12 +184,18 @@ class Attention(nn.Module):
         # q, k and v projections fused into one matmul (hf.py splits/joins them for checkpoints)
         self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
     def qkv(self, x, cos, sin):
         B, T, _ = x.shape
         hq, hkv = self.cfg.n_heads, self.cfg.n_kv_heads
         qkv = self.qkv_proj(x).view(B, T, hq + 2 * hkv, self.cfg.head_dim)
-        qk = apply_rope(qkv[:, :, :hq + hkv], cos, sin)  # q and k heads rotated together
+        qk = qkv[:, :, :hq + hkv]
+        if self.cfg.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :, :hq]), self.k_norm(qk[:, :, hq:])), dim=2)
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
         return qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
 
     def forward(self, x, cos, sin):
