@@ -8,7 +8,8 @@ in training), one request at a time (transformers' assisted generation is single
                  prompt lookup (n-gram)
   transformers:  LlamaForCausalLM.generate plain, with assistant_model= (the draft), and with
                  prompt_lookup_num_tokens= (skipped when transformers is not installed)
-More rows run our AR and chain speculation on all prompts as one batch, and sampled (--sample-temperature):
+More rows run our AR and chain speculation on all prompts as one batch, and sampled (--sample-temperature), also
+with top-k 50 and top-p 0.9:
 greedy outputs of a small model often repeat themselves, which flatters tau; sampled text does not.
 Reports new tokens/s (best of --repeats passes: other work on the machine only ever slows a pass), tokens per target step
 (tau, ours), and whether each greedy output is identical to our AR output. Writes e2e.json and e2e.md under bench/results/ (machine, versions, commit, date).
@@ -41,6 +42,9 @@ OURS = [("ours AR", lambda draft: NoDrafter())] + [
     (f"ours prompt lookup chain:{k}", lambda draft, k=k: NgramDrafter(num_tokens=k)) for k in (4, 8)]
 
 
+FILTERS = dict(top_k=50, top_p=0.9)  # the sampled rows with filters
+
+
 def held_out_prompts(n: int, n_bytes: int) -> list[str]:
     """The first ~n_bytes (to a line end) of n held-out stdlib files (the training script's split)."""
     root = sysconfig.get_paths()["stdlib"]
@@ -59,10 +63,10 @@ def held_out_prompts(n: int, n_bytes: int) -> list[str]:
     return prompts
 
 
-def run_ours(target, drafter, prompts, max_new, temperature=0.0):
+def run_ours(target, drafter, prompts, max_new, temperature=0.0, **filters):
     tokens, wall, emitted, steps = [], 0.0, 0, 0
     for i, p in enumerate(prompts):
-        out = SpeculativeDecoder(target, drafter).generate([p], max_new, temperature, seed=i)
+        out = SpeculativeDecoder(target, drafter).generate([p], max_new, temperature, seed=i, **filters)
         tokens.append(out.tokens[0])
         wall += out.summary["wall_s"]
         emitted += out.summary["tokens_per_step"] * out.summary["steps"]
@@ -154,6 +158,12 @@ def main(argv=None):
                  lambda make=make: run_ours(target, make(draft), prompts, args.max_new_tokens, args.sample_temperature),
                  lambda make=make: SpeculativeDecoder(target, make(draft)).generate([prompts[0]], 8))
                 for name, make in OURS[:4]]
+    # what accept's filters cost end to end (the drafter samples from the same filtered law)
+    methods += [(f"{name} [T={args.sample_temperature} top_k={FILTERS['top_k']} top_p={FILTERS['top_p']}]",
+                 lambda make=make: run_ours(target, make(draft), prompts, args.max_new_tokens, args.sample_temperature,
+                                            **FILTERS),
+                 lambda make=make: SpeculativeDecoder(target, make(draft)).generate([prompts[0]], 8))
+                for name, make in (OURS[0], OURS[2])]
     hf_methods = [("transformers AR", {}), ("transformers assisted (assistant_model)", {"assistant": True}),
                   ("transformers prompt lookup (8 tokens)", {"prompt_lookup_num_tokens": 8})]
     skipped = []
