@@ -4,8 +4,10 @@ and trees, fused from logits.
 Shapes: target_logits (B, T, V) and draft_logits (B, T, V) or None (any float dtype, last dim
 contiguous), tokens/parents (B, T) int32, temperature (B,) float32 (0 = greedy), seeds (B,) int64,
 num_nodes (B,) int32, offset int >= 0 and offsets (B,) int or None (request b's stream offset is
-offset + offsets[b], read on the device). Returns accepted_nodes (B, T) int32 (the path from node 0, padded
-with -1), num_accepted (B,) int32, next_tokens (B,) int64. Semantics are those of reference.accept.
+offset + offsets[b], read on the device), top_k / top_p / min_p (B,) or None and token_bitmask
+(B, T, ceil(V/32)) int32 or None (see `accept`: the bitmask alone is applied in the kernel, `_allowed`).
+Returns accepted_nodes (B, T) int32 (the path from node 0, padded with -1), num_accepted (B,) int32,
+next_tokens (B,) int64. Semantics are those of reference.accept.
 
 Algorithm (per request, walking from the root; p = softmax(target/t), q = softmax(draft/t)):
   * greedy: argmax of the node's target row (first index on ties); descend into the first child whose
@@ -83,10 +85,10 @@ CANDIDATE_TOKEN), double-buffered by launch parity (a launch reads one buffer wh
 other). Context and state travel as named tuples (flattened by the compiler: free at run time).
 
 Bytes floor (for the benchmark): sum_b (num_accepted[b] + 1) * V * (target itemsize + draft itemsize if
-draft logits are given and temperature[b] > 0). Extra traffic over the floor: the draw's chunk scans of
-the last target row (one, or one per candidate after a last rejection with draft logits), and a Z pass (a
-re-read of the node's rows, partly from L2) after a rejection with more children to try, or when every
-candidate was rejected.
+draft logits are given and temperature[b] > 0), plus V / 8 per walked row with a bitmask. Extra traffic
+over the floor: the draw's chunk scans of the last target row (one, or one per candidate after a last
+rejection with draft logits), and a Z pass (a re-read of the node's rows, partly from L2) after a rejection
+with more children to try, or when every candidate was rejected.
 
 Tunables (functions of T, V and the device only, never of B, so results are batch invariant):
 BLOCK_V (tile), NUM_SPLITS, SPLIT_V = chunk size, SPLIT_STEPS, PREFETCH (tiles in flight ahead), num_warps;
