@@ -143,11 +143,13 @@ class SamplingParams(NamedTuple):
     """A batch's sampling filters, as the loop hands them to its drafter and to `specdec.accept`: top_k (B,)
     int32, top_p and min_p (B,) float32, each None when off for every request; allowed (B, V) bool or None:
     the tokens each request may emit at every position (vLLM's `allowed_token_ids`, or a regex's character
-    class over a byte vocabulary), a grammar mask that does not change along the sequence."""
+    class over a byte vocabulary), a grammar mask that does not change along the sequence; bitmask (B, W) int32:
+    the same mask packed (pack_bitmask), once per batch rather than at every step."""
     top_k: Optional[torch.Tensor] = None
     top_p: Optional[torch.Tensor] = None
     min_p: Optional[torch.Tensor] = None
     allowed: Optional[torch.Tensor] = None
+    bitmask: Optional[torch.Tensor] = None
 
     @staticmethod
     def for_batch(B: int, V: int, device, top_k=0, top_p=1.0, min_p=0.0,
@@ -167,17 +169,18 @@ class SamplingParams(NamedTuple):
                 raise ValueError(f"allowed_token_ids: need at least one id, each in [0, {V})")
             allowed = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True).to(device).expand(B, V)
         return SamplingParams(per_request("top_k", top_k, torch.int32, 0), per_request("top_p", top_p, torch.float32, 1.0),
-                              per_request("min_p", min_p, torch.float32, 0.0), allowed)
+                              per_request("min_p", min_p, torch.float32, 0.0), allowed,
+                              None if allowed is None else pack_bitmask(allowed))
 
     def accept_kwargs(self, T: int) -> dict:
         """The keyword arguments of `specdec.accept` for trees of T nodes (the mask's row for every node)."""
-        bitmask = None if self.allowed is None else pack_bitmask(self.allowed).unsqueeze(1).expand(-1, T, -1)
+        bitmask = None if self.bitmask is None else self.bitmask.unsqueeze(1).expand(-1, T, -1)
         return dict(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, token_bitmask=bitmask)
 
     def process(self, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """logits (B, N, V) -> the same rows processed with each request's parameters (processed_logits): what
         a drafter samples from, softmax(. / t), so that accept's q is the law it used. Unchanged when off."""
-        if all(x is None for x in self):
+        if all(x is None for x in self[:4]):
             return logits
         B, N, V = logits.shape
         per_row = [None if x is None else x.repeat_interleave(N) for x in (temperature, *self[:3])]
