@@ -298,11 +298,12 @@ def test_masked_greedy_equals_masked_ar(pair, drafter):
 
 
 def exact_filtered_two_token_law(target, prompt, temperature, top_k=0, top_p=1.0, min_p=0.0, allowed=None):
-    """{(x1, x2): p} of the first two tokens under the processed law (reference.processed_probs at each)."""
+    """{(x1, x2): p} of the first two tokens under the processed law (reference.processed_probs at each), over
+    its whole support."""
     from specdec.reference import processed_probs
     with torch.no_grad():
         p1 = processed_probs(target(torch.tensor([prompt]))[0, -1], temperature, top_k, top_p, min_p, allowed)
-        firsts = (p1 > 1e-4).nonzero().flatten().tolist()
+        firsts = (p1 > 0).nonzero().flatten().tolist()
         rows = target(torch.tensor([prompt + [x] for x in firsts]))[:, -1]
     law = {}
     for i, x1 in enumerate(firsts):
