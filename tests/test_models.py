@@ -247,7 +247,9 @@ def test_float8_cache_with_scales_tracks_the_causal_forward(monkeypatch):
 @pytest.mark.parametrize("block_size", [None, 8])
 def test_tree_verification_matches_each_branch(block_size, window):
     """Node i's logits from one tree pass == the causal forward of prefix + the path root..i (a window of 9
-    hides the oldest prefix tokens from the deeper nodes: each node's window ends at its own position)."""
+    hides the oldest prefix tokens from the deeper nodes: each node's window ends at its own position); so
+    are its hidden states (return_hidden: the last layer's output before the final norm, what MTP and EAGLE
+    drafters condition on), and the head of those is the logits."""
     model = tiny(seed=2, sliding_window=window)
     gen = torch.Generator().manual_seed(0)
     B, T, L = 2, 9, 5
@@ -259,9 +261,14 @@ def test_tree_verification_matches_each_branch(block_size, window):
         model.prefill(cache, prefix, torch.full((B,), L))
         tree = specdec.build_tree(parents)
         logits = model.forward_cached(tokens, cache, tree.depth, tree.mask)
+        same, hidden = model.forward_cached(tokens, cache, tree.depth, tree.mask, return_hidden=True)
+        assert torch.equal(same, logits) and hidden.shape == (B, T, model.cfg.dim)
+        assert torch.equal(model.head(hidden), logits)
         picked = torch.tensor([T - 1, 3])  # at=: one node's logits per request, the same values
         torch.testing.assert_close(model.forward_cached(tokens, cache, tree.depth, tree.mask, at=picked),
                                    logits[torch.arange(B), picked], atol=1e-5, rtol=1e-5)
+        _, hidden_at = model.forward_cached(tokens, cache, tree.depth, tree.mask, at=picked, return_hidden=True)
+        torch.testing.assert_close(hidden_at, hidden[torch.arange(B), picked], atol=1e-5, rtol=1e-5)
         for b in range(B):
             for i in range(T):
                 path, j = [], i
@@ -269,7 +276,9 @@ def test_tree_verification_matches_each_branch(block_size, window):
                     path.append(int(tokens[b, j]))
                     j = int(parents[b, j])
                 seq = torch.cat((prefix[b], torch.tensor(path[::-1])))
-                torch.testing.assert_close(logits[b, i], model(seq.unsqueeze(0))[0, -1], atol=1e-5, rtol=1e-5)
+                full_logits, full_hidden = model(seq.unsqueeze(0), return_hidden=True)
+                torch.testing.assert_close(logits[b, i], full_logits[0, -1], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(hidden[b, i], full_hidden[0, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_growing_a_tree_level_by_level_matches_one_pass():

@@ -291,20 +291,24 @@ class Llama(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) of a causal forward over whole sequences tokens (B, T) from position 0."""
+    def forward(self, tokens: torch.Tensor, *, return_hidden: bool = False):
+        """Logits (B, T, V) of a causal forward over whole sequences tokens (B, T) from position 0; with
+        return_hidden, (logits, hidden (B, T, dim)): the last layer's output before the final norm."""
         B, T = tokens.shape
         cos, sin = self.rope(torch.arange(T, device=tokens.device).expand(B, T))
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        return self.head(x)
+        return (self.head(x), x) if return_hidden else self.head(x)
 
     def forward_cached(self, tokens: torch.Tensor, cache: KVCache, depth: torch.Tensor, tree_mask: torch.Tensor,
                        num_nodes: Optional[torch.Tensor] = None, *, start: int = 0,
-                       at: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       at: Optional[torch.Tensor] = None, return_hidden: bool = False):
         """Run new tokens (B, F) of a tree against the cache; returns their logits (B, F, V), or with
-        `at` (B,) the logits (B, V) of new token at[b] only (the head runs on those rows alone).
+        `at` (B,) the logits (B, V) of new token at[b] only (the head runs on those rows alone). With
+        return_hidden, (logits, hidden) where hidden (B, F, dim) (or (B, dim) with `at`) is the last layer's
+        output before the final norm, what DeepSeek-V3's MTP modules (through their own `hnorm`) and EAGLE
+        drafters condition on; it is computed anyway, so asking costs nothing.
 
         The tree has T = start + F nodes; the new tokens are nodes start .. T-1, and nodes < start are
         already in the cache (a drafter growing its tree level by level). Node i's K/V lives at slot
@@ -316,7 +320,7 @@ class Llama(nn.Module):
         x = self._run_layers(tokens, cache, depth, tree_mask, num_nodes, start)
         if at is not None:
             x = x.gather(1, at.long().view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
-        return self.head(x)
+        return (self.head(x), x) if return_hidden else self.head(x)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int = 256) -> None:
