@@ -37,8 +37,9 @@ def _device_calls_without_repatching():
     launch, then again at every call of a @triton.jit helper, though the running launch already did (about
     0.3 ms a call; the accept walker makes hundreds per request, so the chi-square tests spent a third of
     their time there). A helper call skips the re-patching only when the running launch already patched
-    every language module the helper's globals hold (others, e.g. triton.language.standard's combine
-    functions, which see triton.language.core, keep the interpreter's own path)."""
+    every language module the helper's globals hold: the launch's own, and those a first call of the
+    interpreter's own path patched (e.g. triton.language.core for triton.language.standard's combine
+    functions)."""
     import inspect
 
     import triton.language as tl
@@ -64,8 +65,14 @@ def _device_calls_without_repatching():
             running.pop()
 
     def device_call_in_patched_launch(self, *args, **kwargs):
-        if not running or not languages_of(self.fn) <= running[-1]:
+        if not running:
             return device_call(self, *args, **kwargs)
+        if not languages_of(self.fn) <= running[-1]:
+            # the interpreter's own path patches these modules, and leaves them patched (it never restores a
+            # helper call's patches): later calls in this launch need not patch them again
+            result = device_call(self, *args, **kwargs)
+            running[-1] = running[-1] | languages_of(self.fn)
+            return result
         try:
             return self.rewrite()(*args, **kwargs)
         except Exception as e:
