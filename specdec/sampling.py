@@ -28,26 +28,23 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from .reference import pack_bits, unpack_bits
+
 Param = Union[None, int, float, torch.Tensor]
 
 _CHUNK_ELEMENTS = 1 << 22  # rows are processed in chunks of about this many entries (float64 sort buffers)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, V: int) -> torch.Tensor:
-    """(..., W) int32 -> (..., V) bool: bit v % 32 of word v // 32 is token v (xgrammar / vLLM layout)."""
-    bits = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=bitmask.device)
-    allowed = (bitmask.to(torch.int32).unsqueeze(-1) & bits) != 0
-    return allowed.flatten(-2)[..., :V]
+    """(..., W) int32 -> (..., V) bool: bit v % 32 of word v // 32 is token v (xgrammar / vLLM layout, the one
+    of build_tree's ancestor masks)."""
+    return unpack_bits(bitmask, V)
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     """(..., V) bool -> (..., ceil(V / 32)) int32, the inverse of `unpack_bitmask` (bits past V are 0)."""
-    *lead, V = allowed.shape
-    W = (V + 31) // 32
-    padded = torch.zeros(*lead, W * 32, dtype=torch.int64, device=allowed.device)
-    padded[..., :V] = allowed.to(torch.int64)
-    words = (padded.view(*lead, W, 32) << torch.arange(32, device=allowed.device)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    V = allowed.shape[-1]
+    return pack_bits(torch.nn.functional.pad(allowed, (0, -V % 32)))
 
 
 def _per_row(x: Param, N: int, dtype, device) -> Optional[torch.Tensor]:
@@ -141,14 +138,12 @@ def processed_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k
 
 class SamplingParams(NamedTuple):
     """A batch's sampling filters, as the loop hands them to its drafter and to `specdec.accept`: top_k (B,)
-    int32, top_p and min_p (B,) float32, each None when off for every request; allowed (B, V) bool or None:
-    the tokens each request may emit at every position (vLLM's `allowed_token_ids`, or a regex's character
-    class over a byte vocabulary), a grammar mask that does not change along the sequence; bitmask (B, W) int32:
-    the same mask packed (pack_bitmask), once per batch rather than at every step."""
+    int32, top_p and min_p (B,) float32, each None when off for every request; bitmask (B, W) int32 or None:
+    the tokens each request may emit at every position, packed (vLLM's `allowed_token_ids`, or a regex's
+    character class over a byte vocabulary), a grammar mask that does not change along the sequence."""
     top_k: Optional[torch.Tensor] = None
     top_p: Optional[torch.Tensor] = None
     min_p: Optional[torch.Tensor] = None
-    allowed: Optional[torch.Tensor] = None
     bitmask: Optional[torch.Tensor] = None
 
     @staticmethod
@@ -162,27 +157,27 @@ class SamplingParams(NamedTuple):
             if len(values) != B:
                 raise ValueError(f"{name}: give one value or one per request ({B}), got {len(values)}")
             return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype, device=device)
-        allowed = None
+        bitmask = None
         if allowed_token_ids is not None:
             ids = torch.as_tensor(list(allowed_token_ids), dtype=torch.long)
             if ids.numel() == 0 or bool(((ids < 0) | (ids >= V)).any()):
                 raise ValueError(f"allowed_token_ids: need at least one id, each in [0, {V})")
-            allowed = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True).to(device).expand(B, V)
+            allowed = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
+            bitmask = pack_bitmask(allowed).to(device).expand(B, -1)
         return SamplingParams(per_request("top_k", top_k, torch.int32, 0), per_request("top_p", top_p, torch.float32, 1.0),
-                              per_request("min_p", min_p, torch.float32, 0.0), allowed,
-                              None if allowed is None else pack_bitmask(allowed))
+                              per_request("min_p", min_p, torch.float32, 0.0), bitmask)
+
+    def node_bitmask(self, T: int) -> Optional[torch.Tensor]:
+        """The bitmask as accept takes it, (B, T, W): the same row for each of T nodes."""
+        return None if self.bitmask is None else self.bitmask.unsqueeze(1).expand(-1, T, -1)
 
     def accept_kwargs(self, T: int) -> dict:
-        """The keyword arguments of `specdec.accept` for trees of T nodes (the mask's row for every node)."""
-        bitmask = None if self.bitmask is None else self.bitmask.unsqueeze(1).expand(-1, T, -1)
-        return dict(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, token_bitmask=bitmask)
+        """The keyword arguments of `specdec.accept` for trees of T nodes."""
+        return dict(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, token_bitmask=self.node_bitmask(T))
 
     def process(self, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-        """logits (B, N, V) -> the same rows processed with each request's parameters (processed_logits): what
-        a drafter samples from, softmax(. / t), so that accept's q is the law it used. Unchanged when off."""
-        if all(x is None for x in self[:4]):
+        """logits (B, N, V) -> the same rows processed with each request's parameters (processed_tree_logits):
+        what a drafter samples from, softmax(. / t), so that accept's q is the law it used. Unchanged when off."""
+        if all(x is None for x in self):
             return logits
-        B, N, V = logits.shape
-        per_row = [None if x is None else x.repeat_interleave(N) for x in (temperature, *self[:3])]
-        allowed = None if self.allowed is None else self.allowed.repeat_interleave(N, dim=0)
-        return processed_logits(logits.reshape(B * N, V), *per_row, allowed=allowed).view(B, N, V)
+        return processed_tree_logits(logits, temperature, *self[:3], self.node_bitmask(logits.shape[1]))

@@ -140,7 +140,7 @@ def test_processed_tree_logits_per_node():
 
 def test_sampling_params_for_batch():
     """Numbers for all requests or one per request; the off values give None (the accept fast path);
-    allowed_token_ids becomes one (B, V) mask, packed per node for accept."""
+    allowed_token_ids becomes one packed (B, W) mask, a row per node for accept."""
     off = sampling.SamplingParams.for_batch(3, 40, "cpu")
     assert all(x is None for x in off) and off.accept_kwargs(5) == dict(top_k=None, top_p=None, min_p=None,
                                                                            token_bitmask=None)
