@@ -113,18 +113,22 @@ ZPASS = tl.constexpr(1)  # Z_k = sum max(p - c q, 0) after a rejection with draf
 LOCATE = tl.constexpr(2)  # the draw: the chosen chunk's scan for the token holding the threshold
 DONE = tl.constexpr(3)
 TRIAL = tl.constexpr(4)  # the draw after a last rejection with draft logits: candidates from the previous residual
+SELECT = tl.constexpr(5)  # top-k / top-p thresholds: a pivot or a gathering pass over the node's rows (`Search`)
 
 # walk state records (2, B, slots), one slot per `Walk` field: int slots, then float slots
 KIND = tl.constexpr(0)
 NODE = tl.constexpr(1)
 DEPTH = tl.constexpr(2)
 CURSOR = tl.constexpr(3)
-STATE_INTS = tl.constexpr(4)
+SEL = tl.constexpr(4)
+STATE_INTS = tl.constexpr(5)
 C = tl.constexpr(0)
 Z = tl.constexpr(1)
 LSE_P = tl.constexpr(2)
 LSE_Q = tl.constexpr(3)
-STATE_FLOATS = tl.constexpr(4)
+TAU_P = tl.constexpr(4)
+TAU_Q = tl.constexpr(5)
+STATE_FLOATS = tl.constexpr(6)
 
 # chunk partial records (2, B, NUM_SPLITS, slots): what a split launch's program leaves for the next launch
 MAX_P = tl.constexpr(0)  # statistics: (max, sum exp(. - max)) of target/t and draft/t over the chunk
@@ -132,7 +136,9 @@ SUM_P = tl.constexpr(1)
 MAX_Q = tl.constexpr(2)
 SUM_Q = tl.constexpr(3)
 MASS = tl.constexpr(4)  # Z pass: sum max(p - c q, 0) over the chunk
-PART_FLOATS = tl.constexpr(5)
+MAX_X = tl.constexpr(5)  # statistics with filters: the raw (not divided by t) max of target and draft
+MAX_XQ = tl.constexpr(6)
+PART_FLOATS = tl.constexpr(7)
 ARGMAX = tl.constexpr(0)  # statistics: the chunk's first argmax of target
 CANDIDATE = tl.constexpr(1)  # candidates: the program's first accepted j (TRIALS: none)
 CANDIDATE_TOKEN = tl.constexpr(2)  # and its token
@@ -143,7 +149,31 @@ U_TEST = tl.constexpr(0)  # Philox counter word 1: a child's acceptance test (co
 U_DRAW = tl.constexpr(1)  # the draw at a node (counter 0: the node)
 U_CANDIDATE = tl.constexpr(2)  # + j: candidate j at a node
 NEG_INF = tl.constexpr(float("-inf"))
+POS_INF = tl.constexpr(float("inf"))
 INT_MAX = tl.constexpr(2147483647)
+
+# a row's threshold search (`Search`): the goal, then how the next pass over the row serves it
+GOAL_DONE = tl.constexpr(0)  # threshold final (or no search)
+GOAL_K = tl.constexpr(1)  # top-k's k-th largest value
+GOAL_P = tl.constexpr(2)  # top-p's boundary over what top-k keeps
+MODE_FIRST = tl.constexpr(0)  # count and mass at pivots geometric below the max (a fresh range [lo, +inf))
+MODE_EVEN = tl.constexpr(1)  # count and mass at pivots evenly spaced in key space over [lo, hi)
+MODE_COMPACT = tl.constexpr(2)  # gather the values in [lo, hi) (at most CAP of them)
+# search records (2, B, 2 rows, slots): int slots, float slots, float64 slots
+GOAL = tl.constexpr(0)
+MODE = tl.constexpr(1)
+C_HI = tl.constexpr(2)
+SEARCH_INTS = tl.constexpr(3)
+LO = tl.constexpr(0)
+HI = tl.constexpr(1)
+TAU = tl.constexpr(2)
+M_X = tl.constexpr(3)
+MAX_A = tl.constexpr(4)
+SEARCH_FLOATS = tl.constexpr(5)
+F_HI = tl.constexpr(0)
+W_K = tl.constexpr(1)
+SEARCH_DOUBLES = tl.constexpr(2)
+FLT_LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 class Stream(NamedTuple):
@@ -173,6 +203,11 @@ class Request(NamedTuple):
     V: tl.tensor
     masks: tl.tensor  # the request's token_bitmask rows, W int32 words per node (W = 0: no bitmask)
     W: tl.tensor
+    t: tl.tensor  # temperature (float32)
+    k: tl.tensor  # top_k (on iff 0 < k < V), top_p (on iff < 1), min_p (on iff > 0)
+    top_p: tl.tensor
+    min_p: tl.tensor
+    filtered: tl.tensor  # sampling with top-k, top-p or min-p on: rows are read through thresholds (`_kept`)
     path: tl.tensor  # its accepted_nodes row
     out_num: tl.tensor  # its num_accepted and next_tokens entries
     out_next: tl.tensor
@@ -189,6 +224,9 @@ class Walk(NamedTuple):
     z: tl.tensor
     lse_p: tl.tensor  # log-sum-exp of target/t and draft/t at the node
     lse_q: tl.tensor
+    sel: tl.tensor  # filtered: 0 until the node's thresholds are known, then 1 (statistics through them)
+    tau_p: tl.tensor  # the thresholds of the node's target and draft rows: raw values below are dropped
+    tau_q: tl.tensor
 
 
 class Chunks(NamedTuple):
@@ -200,6 +238,24 @@ class Chunks(NamedTuple):
     sum_q: tl.tensor
     argmax: tl.tensor
     mass: tl.tensor
+    max_x: tl.tensor  # with filters: the raw maxima of target and draft
+    max_xq: tl.tensor
+
+
+class Search(NamedTuple):
+    """One row's threshold search (top-k, then top-p over what top-k keeps; min-p is closed-form). The
+    threshold lies in the bracket [lo, hi) of raw values, whose count and mass above hi are c_hi, f_hi
+    (weights exp(x / t - max_a)); each pass narrows it at NUM_PIVOTS pivots or gathers its values."""
+    goal: tl.tensor
+    mode: tl.tensor
+    c_hi: tl.tensor
+    lo: tl.tensor
+    hi: tl.tensor
+    tau: tl.tensor  # the threshold so far: the max of those found (min-p's from the start)
+    m_x: tl.tensor  # the row's raw max and max of x / t
+    max_a: tl.tensor
+    f_hi: tl.tensor  # float64
+    w: tl.tensor  # top-p: the mass top-k keeps (float64; < 0: unknown until the first pivot pass)
 
 
 class Residual(NamedTuple):
@@ -256,12 +312,22 @@ def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr, mask_ptr,
-             acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi,
-             HAS_OFFSETS: tl.constexpr, T_BLOCK: tl.constexpr):
+             top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb, stride_tt, stride_db,
+             stride_dt, offset_lo, offset_hi, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
+             T_BLOCK: tl.constexpr):
     """The `Request` of this program (request program_id(0))."""
     b = tl.program_id(0)
     t = tl.load(temp_ptr + b)
     greedy = t == 0.0
+    k = tl.full((), 0, tl.int32)
+    top_p = tl.full((), 1.0, tl.float32)
+    min_p = tl.full((), 0.0, tl.float32)
+    if HAS_FILTERS:
+        k = tl.load(top_k_ptr + b)
+        top_p = tl.load(top_p_ptr + b)
+        min_p = tl.load(min_p_ptr + b)
+    k = tl.where((k > 0) & (k < V), k, 0)
+    filtered = (~greedy) & ((k > 0) | (top_p < 1.0) | (min_p > 0.0))
     # the int offset arrives as two int32 words (one argument type for every value: a Python int in
     # [2^31, 2^32) would be typed uint32 and one above as int64)
     off = offset_hi.to(tl.int64) * 2147483648 + offset_lo.to(tl.int64)
@@ -282,8 +348,8 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
                    u_test=u_test, par_row=par_row, tok_row=tok_row, n_real=n_real,
                    t_rows=target_ptr + b.to(tl.int64) * stride_tb, d_rows=draft_ptr + b.to(tl.int64) * stride_db,
                    stride_tt=stride_tt, stride_dt=stride_dt, V=V, masks=mask_ptr + b.to(tl.int64) * T * W, W=W,
-                   path=acc_ptr + b * T, out_num=num_acc_ptr + b,
-                   out_next=next_ptr + b, writer=tl.program_id(1) == 0)
+                   t=tl.where(greedy, 1.0, t), k=k, top_p=top_p, min_p=min_p, filtered=filtered, path=acc_ptr + b * T,
+                   out_num=num_acc_ptr + b, out_next=next_ptr + b, writer=tl.program_id(1) == 0)
 
 
 @triton.jit
@@ -303,12 +369,21 @@ def _allowed(req, node, cols):
 
 
 @triton.jit
-def _logit(req, row, node, x):
-    """row[x] / t at node, -inf for an x outside the vocabulary or disallowed by the node's bitmask row."""
-    logit = tl.load(row + x, mask=(x >= 0) & (x < req.V), other=NEG_INF).to(tl.float32) * req.inv_t
+def _kept(req, node, cols, x, tau):
+    """Raw values x (float32) of tokens `cols` of node's row, -inf where the node's processed law drops them:
+    disallowed by its bitmask row, or (filtered) below the row's threshold tau. -inf and NaN stay as they are."""
     if req.W > 0:
-        logit = tl.where(_allowed(req, node, x), logit, NEG_INF)
-    return logit
+        x = tl.where(_allowed(req, node, cols), x, NEG_INF)
+    if req.filtered:
+        x = tl.where(x < tau, NEG_INF, x)
+    return x
+
+
+@triton.jit
+def _logit(req, row, node, x, tau):
+    """row[x] / t at node, -inf for an x outside the vocabulary or dropped by the node's processed law."""
+    raw = tl.load(row + x, mask=(x >= 0) & (x < req.V), other=NEG_INF).to(tl.float32)
+    return _kept(req, node, x, raw, tau) * req.inv_t
 
 
 @triton.jit
@@ -352,7 +427,8 @@ def _emit(req, depth, token, mask):
 @triton.jit
 def _with_kind(walk, kind):
     """The walk with its next step changed."""
-    return Walk(kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.lse_p, walk.lse_q)
+    return Walk(kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.lse_p, walk.lse_q, walk.sel, walk.tau_p,
+                walk.tau_q)
 
 
 @triton.jit
@@ -361,7 +437,8 @@ def _start(req, T):
     tl.store(req.path + req.idx, tl.where(req.idx == 0, 0, -1), mask=req.idx < tl.where(req.writer, T, 0))
     root = tl.full((), 0, tl.int32)
     zero = tl.full((), 0.0, tl.float32)
-    return Walk(kind=root + STATS, node=root, depth=root, cursor=root, c=zero, z=zero + 1.0, lse_p=zero, lse_q=zero)
+    return Walk(kind=root + STATS, node=root, depth=root, cursor=root, c=zero, z=zero + 1.0, lse_p=zero, lse_q=zero,
+                sel=root, tau_p=zero + NEG_INF, tau_q=zero + NEG_INF)
 
 
 @triton.jit
@@ -372,7 +449,7 @@ def _load_state(state_i_ptr, state_f_ptr, buf):
     sf = state_f_ptr + rec * STATE_FLOATS
     return Walk(kind=tl.load(si + KIND), node=tl.load(si + NODE), depth=tl.load(si + DEPTH),
                 cursor=tl.load(si + CURSOR), c=tl.load(sf + C), z=tl.load(sf + Z), lse_p=tl.load(sf + LSE_P),
-                lse_q=tl.load(sf + LSE_Q))
+                lse_q=tl.load(sf + LSE_Q), sel=tl.load(si + SEL), tau_p=tl.load(sf + TAU_P), tau_q=tl.load(sf + TAU_Q))
 
 
 @triton.jit
@@ -385,6 +462,9 @@ def _store_state(state_i_ptr, state_f_ptr, buf, walk, mask):
     tl.store(si + NODE, walk.node, mask=mask)
     tl.store(si + DEPTH, walk.depth, mask=mask)
     tl.store(si + CURSOR, walk.cursor, mask=mask)
+    tl.store(si + SEL, walk.sel, mask=mask)
+    tl.store(sf + TAU_P, walk.tau_p, mask=mask)
+    tl.store(sf + TAU_Q, walk.tau_q, mask=mask)
     tl.store(sf + C, walk.c, mask=mask)
     tl.store(sf + Z, walk.z, mask=mask)
     tl.store(sf + LSE_P, walk.lse_p, mask=mask)
@@ -412,7 +492,9 @@ def _load_chunks(part_f_ptr, part_i_ptr, buf, kind, NUM_SPLITS: tl.constexpr, S_
                   max_q=tl.load(pf + MAX_Q, mask=stats, other=NEG_INF),
                   sum_q=tl.load(pf + SUM_Q, mask=stats, other=0.0),
                   argmax=tl.load(pi + ARGMAX, mask=stats, other=-1),
-                  mass=tl.load(pf + MASS, mask=mass, other=0.0))
+                  mass=tl.load(pf + MASS, mask=mass, other=0.0),
+                  max_x=tl.load(pf + MAX_X, mask=stats, other=NEG_INF),
+                  max_xq=tl.load(pf + MAX_XQ, mask=stats, other=NEG_INF))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,6 +550,8 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
     s_p = tl.full([BLOCK_V], 0.0, tl.float32)
     m_q = m_p
     s_q = s_p
+    x_p = m_p  # raw maxima (filtered requests only)
+    x_q = m_p
     best = tl.full([BLOCK_V], -1, tl.int32)
     a_next, a_later = _prefetch(t_row, lo, hi, BLOCK_V, PREFETCH)
     b_next, b_later = a_next, a_later  # (the draft's tiles exist only with draft logits)
@@ -478,14 +562,15 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
         b = a
         if HAS_DRAFT:
             b, b_next, b_later = _next_tile(d_row, start, hi_q, b_next, b_later, BLOCK_V, PREFETCH)
+        a = _kept(req, walk.node, start + ar, a.to(tl.float32), walk.tau_p)
+        b = _kept(req, walk.node, start + ar, b.to(tl.float32), walk.tau_q)
+        if req.filtered:
+            x_p = tl.maximum(x_p, a)
+            x_q = tl.maximum(x_q, b)
         # logits / t here, in the block before the pass's own fold: in one block, fp fusion would contract
         # `x * inv_t - m` into one fma (another rounding: other results on a GPU than the interpreter's checks)
-        a = a.to(tl.float32) * req.inv_t
-        b = b.to(tl.float32) * req.inv_t
-        if req.W > 0:
-            ok = _allowed(req, walk.node, start + ar)
-            a = tl.where(ok, a, NEG_INF)
-            b = tl.where(ok, b, NEG_INF)
+        a = a * req.inv_t
+        b = b * req.inv_t
         if stats:
             best = tl.where(a > m_p, start + ar, best)  # strictly greater: a lane keeps its first maximum
             if req.greedy:  # the argmax alone: no exp
@@ -502,7 +587,7 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
     max_q, sum_q = _merge_lse(m_q, s_q)
     argmax = tl.reduce(tl.where((m_p == max_p) & (best >= 0), best, INT_MAX), 0, _MIN)
     return Chunks(max_p=max_p, sum_p=sum_p, max_q=max_q, sum_q=sum_q, argmax=tl.where(argmax == INT_MAX, -1, argmax),
-                  mass=sum_p)
+                  mass=sum_p, max_x=tl.reduce(x_p, 0, _MAX), max_xq=tl.reduce(x_q, 0, _MAX))
 
 
 @triton.jit
@@ -517,6 +602,8 @@ def _row_pass(req, walk, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPL
     sum_q = sum_p
     argmax = tl.full((S_BLOCK,), -1, tl.int32)
     mass = sum_p
+    max_x = max_p
+    max_xq = max_p
     use_q = _uses_q(req, walk.node, T_BLOCK)
     for s in range(NUM_SPLITS):
         chunk = _chunk_pass(req, walk, s, use_q, HAS_DRAFT, SPLIT_V, BLOCK_V, PREFETCH)
@@ -527,7 +614,9 @@ def _row_pass(req, walk, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPL
         sum_q = tl.where(here, chunk.sum_q, sum_q)
         argmax = tl.where(here, chunk.argmax, argmax)
         mass = tl.where(here, chunk.mass, mass)
-    return Chunks(max_p, sum_p, max_q, sum_q, argmax, mass)
+        max_x = tl.where(here, chunk.max_x, max_x)
+        max_xq = tl.where(here, chunk.max_xq, max_xq)
+    return Chunks(max_p, sum_p, max_q, sum_q, argmax, mass, max_x, max_xq)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,7 +658,7 @@ def _greedy_step(req, walk, chunks, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr
     sidx = tl.arange(0, S_BLOCK)
     first = tl.reduce(tl.where(chunks.max_p == tl.reduce(chunks.max_p, 0, _MAX), sidx, S_BLOCK), 0, _MIN)
     argmax = tl.reduce(tl.where(sidx == first, chunks.argmax, 0), 0, _SUM)
-    kind, node, depth, cursor, c, z, lse_p, lse_q = walk
+    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q = walk
     child = _first_child(req, node, node, req.tok == argmax, T_BLOCK)
     if child < T_BLOCK:
         depth = _descend(req, child, depth)
@@ -577,7 +666,7 @@ def _greedy_step(req, walk, chunks, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr
     else:
         _emit(req, depth, argmax, req.writer)
         kind = tl.full((), DONE, tl.int32)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q)
+    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q)
 
 
 @triton.jit
@@ -589,25 +678,26 @@ def _start_node(walk, chunks):
     lse_p = max_p + tl.log(sum_p)
     zero = tl.full((), 0.0, tl.float32)
     # cursor = node: no child tested yet
-    walk = Walk(walk.kind, walk.node, walk.depth, walk.node, zero, zero + 1.0, lse_p, max_q + tl.log(sum_q))
+    walk = Walk(walk.kind, walk.node, walk.depth, walk.node, zero, zero + 1.0, lse_p, max_q + tl.log(sum_q), walk.sel,
+                walk.tau_p, walk.tau_q)
     return walk, Residual(chunks.sum_p * tl.exp(chunks.max_p - lse_p), zero)
 
 
 @triton.jit
 def _after_z(walk, chunks):
     """After a Z pass: Z of the residual r = max(p - c q, 0), and r's chunk masses."""
-    kind, node, depth, cursor, c, z, lse_p, lse_q = walk
+    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q = walk
     z = tl.reduce(chunks.mass, 0, _SUM)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q), Residual(chunks.mass, c)
+    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q), Residual(chunks.mass, c)
 
 
 @triton.jit
-def _draft_accepts(req, node, x, u, c, z, lse_p, lse_q):
+def _draft_accepts(req, node, x, u, c, z, lse_p, lse_q, tau_p, tau_q):
     """Draft logits: accept x iff u * q(x) < r(x) = max(p - c q, 0)(x) / z, on the logit ratio
     rho = q(x) / p(x): iff u * z * rho < 1 - c * rho (never an x with p(x) = 0)."""
     t_row, d_row = _rows(req, node)
-    lp = _logit(req, t_row, node, x) - lse_p
-    rho = tl.exp(_logit(req, d_row, node, x) - lse_q - tl.where(lp == NEG_INF, 0.0, lp))
+    lp = _logit(req, t_row, node, x, tau_p) - lse_p
+    rho = tl.exp(_logit(req, d_row, node, x, tau_q) - lse_q - tl.where(lp == NEG_INF, 0.0, lp))
     return (lp > NEG_INF) & (u * z * rho < 1.0 - c * rho)
 
 
@@ -617,15 +707,18 @@ def _draft_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexp
     accepted (descend: STATS), or rejected (the residual's c grows by its Z: the next child's test needs Z
     of the new residual, ZPASS; after the last child only a draw from it, TRIAL), or none is left (the draw
     from `res`, LOCATE)."""
-    kind, node, depth, cursor, c, z, lse_p, lse_q = walk
+    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q = walk
     child = _first_child(req, node, cursor, req.valid, T_BLOCK)
     if child < T_BLOCK:
         cursor = child
         x, u = _child(req, child)
-        if _draft_accepts(req, node, x, u, c, z, lse_p, lse_q):
+        if _draft_accepts(req, node, x, u, c, z, lse_p, lse_q, tau_p, tau_q):
             depth = _descend(req, child, depth)
             node = child
             kind = tl.full((), STATS, tl.int32)
+            sel = tl.full((), 0, tl.int32)  # the child's thresholds are not known yet
+            tau_p = tl.full((), NEG_INF, tl.float32)
+            tau_q = tau_p
         else:  # the candidates draw from `res`, the residual before this rejection
             kind = tl.where(_first_child(req, node, child, req.valid, T_BLOCK) < T_BLOCK, ZPASS, TRIAL).to(tl.int32)
             c = c + z
@@ -637,22 +730,22 @@ def _draft_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexp
             # logit); the draw then finds no token and the walk ends with token 0 (`_emit`).
             c = tl.full((), 0.0, tl.float32)
             kind = tl.full((), ZPASS, tl.int32)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q), res
+    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q), res
 
 
 @triton.jit
-def _proposal_accepts(req, node, child, z, lse_p):
+def _proposal_accepts(req, node, child, z, lse_p, tau_p):
     """Given proposals: accept the child's token x iff u * z < p(x), never an x an earlier sibling proposed
     (already rejected). Returns (accepted, the residual mass z after a rejection)."""
     x, u = _child(req, child)
     t_row, _ = _rows(req, node)
-    p = tl.exp(_logit(req, t_row, node, x) - lse_p)
+    p = tl.exp(_logit(req, t_row, node, x, tau_p) - lse_p)
     dup = tl.reduce(((req.par == node) & req.valid & (req.idx < child) & (req.tok == x)).to(tl.int32), 0, _MAX) > 0
     return (dup == 0) & (u * z < p), tl.where(dup, z, tl.maximum(z - p, 0.0))
 
 
 @triton.jit
-def _rejected_masses(req, node, lse_p, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
+def _rejected_masses(req, node, lse_p, tau_p, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
     """Given proposals, every child rejected: p of the node's distinct child tokens, summed per chunk."""
     child = (req.par == node) & req.valid
     dup = tl.reduce(((req.tok[:, None] == req.tok[None, :]) & child[None, :]
@@ -661,7 +754,10 @@ def _rejected_masses(req, node, lse_p, SPLIT_V: tl.constexpr, S_BLOCK: tl.conste
     if req.W > 0:  # a disallowed token has p = 0
         rejected = rejected & _allowed(req, node, req.tok)
     t_row, _ = _rows(req, node)
-    p = tl.exp(tl.load(t_row + req.tok, mask=rejected, other=NEG_INF).to(tl.float32) * req.inv_t - lse_p)
+    raw = tl.load(t_row + req.tok, mask=rejected, other=NEG_INF).to(tl.float32)
+    if req.filtered:
+        raw = tl.where(raw < tau_p, NEG_INF, raw)
+    p = tl.exp(raw * req.inv_t - lse_p)
     owner = req.tok // SPLIT_V
     return tl.reduce(tl.where(owner[:, None] == tl.arange(0, S_BLOCK)[None, :], p[:, None], 0.0), 0, _SUM)
 
@@ -672,46 +768,395 @@ def _proposal_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.const
     """Given proposals (no draft logits): every child in node order in one go (the residual's mass is
     closed-form) until one is accepted (descend: STATS), else the draw (LOCATE) from p minus the rejected
     tokens, or from p itself (c = -1) when rounding left nothing of it."""
-    kind, node, depth, cursor, c, z, lse_p, lse_q = walk
+    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q = walk
     accepted = tl.full((), T_BLOCK, tl.int32)
     child = _first_child(req, node, node, req.valid, T_BLOCK)
     while (child < T_BLOCK) & (accepted == T_BLOCK):
-        ok, z = _proposal_accepts(req, node, child, z, lse_p)
+        ok, z = _proposal_accepts(req, node, child, z, lse_p, tau_p)
         accepted = tl.where(ok, child, accepted)
         child = _first_child(req, node, child, req.valid, T_BLOCK)
     if accepted < T_BLOCK:
         depth = _descend(req, accepted, depth)
         node = accepted
         kind = tl.full((), STATS, tl.int32)
+        sel = tl.full((), 0, tl.int32)  # the child's thresholds are not known yet
+        tau_p = tl.full((), NEG_INF, tl.float32)
+        tau_q = tau_p
     else:
         kind = tl.full((), LOCATE, tl.int32)
-        mass = res.mass - _rejected_masses(req, node, lse_p, SPLIT_V, S_BLOCK)
+        mass = res.mass - _rejected_masses(req, node, lse_p, tau_p, SPLIT_V, S_BLOCK)
         if _total_mass(mass, NUM_SPLITS, S_BLOCK) > 0:
             res = Residual(mass, c)
         else:
             c = tl.full((), -1.0, tl.float32)
             res = Residual(res.mass, c)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q), res
+    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q), res
+
+
+# ----------------------------------------------------------------------------------------------
+# filters: the thresholds of top-k, top-p and min-p (sampling requests with any of them on)
+# ----------------------------------------------------------------------------------------------
+# Every kept set of the processed law is an upper set of the row's raw values (ties stay or go together), so
+# a row's law is softmax(x / t) over its allowed x >= tau: the walk needs one threshold per row and applies it
+# wherever it reads the row (`_kept`). At a filtered node the first statistics pass (sel 0) gives the raw max
+# M; min-p's threshold is closed-form from it (`_min_p_threshold`). Top-k and top-p are found by SELECT
+# passes over the node's rows (`_select_chunk`, decided by `_select_decide`), one `Search` per row: a pivot
+# pass counts the entries and sums their weights at NUM_PIVOTS pivots (geometric below M for a fresh range,
+# then evenly spaced in key space), which brackets the threshold between two pivots; once the bracket holds
+# at most CAP entries a gathering pass collects their values, and the threshold is decided exactly, pairwise,
+# by the definitions themselves (`_resolve`: fewer than k strictly larger values; mass of the strictly larger
+# values < top_p times what top-k keeps). No sort. Then a statistics pass through the thresholds (sel 1) gives
+# the law's log-sum-exp and chunk masses and the walk goes on as without filters.
+# Reads of a filtered row: statistics, pivots, gathering, statistics (4); top-p after top-k is decided on the
+# same gathered values when the gathering covered [lo, +inf) (k <= CAP entries kept); min-p alone: statistics
+# twice. A bracket of more than CAP entries (ties of many values, or dense values) costs more pivot passes:
+# each divides its key range by NUM_PIVOTS, and a bracket of one value is the threshold itself.
+# Weights: exp(x / t - max x / t) in float32, summed in float64 (the gathered values' in float64), so top-p's
+# comparisons are those of the float64 reference unless the mass sits within ~1e-7 (relative) of top_p.
+class SelectBuffers(NamedTuple):
+    """The searches' records (2, B, 2 rows, slots), double-buffered like the walk state, and a SELECT pass's
+    partials (2, B, NUM_SPLITS, 2 rows, ...): the count and mass at each pivot (gathering: count slot 0 holds
+    the number gathered), and the gathered values."""
+    search_i: tl.tensor
+    search_f: tl.tensor
+    search_d: tl.tensor
+    counts: tl.tensor  # (..., NUM_PIVOTS) int32
+    masses: tl.tensor  # (..., NUM_PIVOTS) float64
+    values: tl.tensor  # (..., CAP) float32
 
 
 @triton.jit
-def _decide(req, walk, chunks, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
+def _key(x):
+    """The order-preserving int32 key of a float32 (not NaN): x < y iff key(x) < key(y) (-0.0 just below 0.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _from_key(key):
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _at(x, i, N: tl.constexpr):
+    """Element i of a vector of N (finite values)."""
+    return tl.reduce(tl.where(tl.arange(0, N) == i, x, 0), 0, _SUM)
+
+
+@triton.jit
+def _min_p_kept(v, m, t, log_min_p):
+    return (v.to(tl.float64) - m) / t >= log_min_p
+
+
+@triton.jit
+def _min_p_threshold(req, m_x):
+    """Min-p's threshold: the smallest float32 v with p(v) >= min_p * max p, i.e. (v - M) / t >= log(min_p)
+    in float64 (M the raw max): the boundary rounded to float32, then moved to the exact float by key steps."""
+    m = m_x.to(tl.float64)
+    t = req.t.to(tl.float64)
+    log_min_p = tl.log(req.min_p.to(tl.float64))
+    key = _key((m + log_min_p * t).to(tl.float32))
+    for _ in tl.static_range(2):  # (the rounding is within one float of the boundary)
+        key = tl.where(_min_p_kept(_from_key(key), m, t, log_min_p), key, key + 1)
+    for _ in tl.static_range(2):
+        key = tl.where(_min_p_kept(_from_key(key - 1), m, t, log_min_p), key - 1, key)
+    return _from_key(key)
+
+
+@triton.jit
+def _idle_search():
+    """A row without a search (goal done, no threshold)."""
+    zero = tl.full((), 0, tl.int32)
+    f = tl.full((), 0.0, tl.float32)
+    d = tl.full((), 0.0, tl.float64)
+    return Search(goal=zero + GOAL_DONE, mode=zero + MODE_FIRST, c_hi=zero, lo=f + FLT_LOWEST, hi=f + POS_INF,
+                  tau=f + NEG_INF, m_x=f, max_a=f, f_hi=d, w=d - 1.0)
+
+
+@triton.jit
+def _new_search(req, m_x, max_a, on):
+    """A row's search once the statistics pass gave its raw max m_x and max of x / t: min-p's threshold, and
+    the goal top-k (if on), else top-p (if on), over the whole row. `on`: the row's law is used (no threshold
+    for a row without a finite max: bad input, handled as without filters)."""
+    on = on & (max_a > NEG_INF) & (max_a < POS_INF)
+    srch = _idle_search()
+    tau = srch.tau
+    if req.min_p > 0.0:
+        tau = _min_p_threshold(req, m_x)
+    goal = tl.where(req.k > 0, GOAL_K, tl.where(req.top_p < 1.0, GOAL_P, GOAL_DONE))
+    return Search(goal=tl.where(on, goal, GOAL_DONE).to(tl.int32), mode=srch.mode, c_hi=srch.c_hi, lo=srch.lo,
+                  hi=srch.hi, tau=tl.where(on, tau, NEG_INF), m_x=m_x, max_a=max_a, f_hi=srch.f_hi, w=srch.w)
+
+
+@triton.jit
+def _after_search(walk, sp, sq):
+    """SELECT while a row's search goes on, else statistics through the thresholds found (sel 1)."""
+    done = (sp.goal == GOAL_DONE) & (sq.goal == GOAL_DONE)
+    return Walk(tl.where(done, STATS, SELECT).to(tl.int32), walk.node, walk.depth, walk.cursor, walk.c, walk.z,
+                walk.lse_p, walk.lse_q, done.to(tl.int32), sp.tau, sq.tau)
+
+
+@triton.jit
+def _start_search(req, walk, chunks, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr):
+    """After a filtered node's first statistics pass: a search per row (the draft's only where q is used)."""
+    sp = _new_search(req, tl.reduce(chunks.max_x, 0, _MAX), tl.reduce(chunks.max_p, 0, _MAX), True)
+    sq = _idle_search()
+    if HAS_DRAFT:
+        sq = _new_search(req, tl.reduce(chunks.max_xq, 0, _MAX), tl.reduce(chunks.max_q, 0, _MAX),
+                         _uses_q(req, walk.node, T_BLOCK))
+    return _after_search(walk, sp, sq), sp, sq
+
+
+@triton.jit
+def _pivots(req, srch, NUM_PIVOTS: tl.constexpr):
+    """A pivot pass's pivots, ascending raw values, pivot 0 = lo: MODE_FIRST geometric below the max, from 16
+    down to 1/8 nats of x / t (never below lo); MODE_EVEN evenly spaced keys over [lo, hi) (hi = +inf: up to
+    the max)."""
+    j = tl.arange(0, NUM_PIVOTS)
+    nats = 0.125 * tl.exp2((NUM_PIVOTS - 1 - j).to(tl.float32) * (7.0 / (NUM_PIVOTS - 2)))
+    geometric = tl.maximum(srch.lo, (srch.max_a - nats) * req.t)
+    lo_key = _key(srch.lo).to(tl.int64)
+    hi_key = tl.where(srch.hi == POS_INF, _key(srch.m_x).to(tl.int64) + 1, _key(srch.hi).to(tl.int64))
+    even = _from_key((lo_key + (hi_key - lo_key) * j // NUM_PIVOTS).to(tl.int32))
+    return tl.where(j == 0, srch.lo, tl.where(srch.mode == MODE_EVEN, even, geometric))
+
+
+@triton.jit
+def _select_row_chunk(req, node, row, srch, s, rec, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
+                      SPLIT_V: tl.constexpr, SELECT_BLOCK: tl.constexpr):
+    """One row's part of a SELECT pass over chunk s into partial record `rec`: the count and weight of its
+    entries at or above each pivot, or (MODE_COMPACT) its values in [lo, hi), in index order."""
+    lo, hi = _bounds(req, s, SPLIT_V)
+    hi = tl.where(srch.goal == GOAL_DONE, lo, hi)  # (a row whose search is over is not read)
+    pivots = _pivots(req, srch, NUM_PIVOTS)
+    gather = srch.mode == MODE_COMPACT
+    ar = tl.arange(0, SELECT_BLOCK)
+    counts = tl.zeros([NUM_PIVOTS], tl.int32)
+    masses = tl.zeros([NUM_PIVOTS], tl.float64)
+    n = tl.full((), 0, tl.int32)
+    values = sb.values + rec * CAP
+    for start in range(lo, hi, SELECT_BLOCK):
+        cols = start + ar
+        x = _kept(req, node, cols, tl.load(row + cols, mask=cols < hi, other=NEG_INF).to(tl.float32), NEG_INF)
+        if gather:
+            inside = (x >= srch.lo) & (x < srch.hi)
+            at = n + tl.cumsum(inside.to(tl.int32), 0) - 1
+            tl.store(values + at, x, mask=inside & (at < CAP))
+            n += tl.reduce(inside.to(tl.int32), 0, _SUM)
+        else:
+            weight = tl.exp(x * req.inv_t - srch.max_a)
+            above = x[:, None] >= pivots[None, :]
+            counts += tl.reduce(above.to(tl.int32), 0, _SUM)
+            masses += tl.reduce(tl.where(above, weight[:, None], 0.0), 0, _SUM).to(tl.float64)
+    j = tl.arange(0, NUM_PIVOTS)
+    tl.store(sb.counts + rec * NUM_PIVOTS + j, tl.where(gather, tl.where(j == 0, n, 0), counts))
+    tl.store(sb.masses + rec * NUM_PIVOTS + j, masses)
+
+
+@triton.jit
+def _select_chunk(req, walk, sp, sq, s, sb, buf, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SPLIT_V: tl.constexpr, SELECT_BLOCK: tl.constexpr):
+    """A SELECT pass over chunk s of the node's rows (partials in buffer `buf`)."""
+    t_row, d_row = _rows(req, walk.node)
+    rec = ((buf * tl.num_programs(0) + tl.program_id(0)) * NUM_SPLITS + s) * 2
+    _select_row_chunk(req, walk.node, t_row, sp, s, rec, sb, NUM_PIVOTS, CAP, SPLIT_V, SELECT_BLOCK)
+    if HAS_DRAFT:
+        _select_row_chunk(req, walk.node, d_row, sq, s, rec + 1, sb, NUM_PIVOTS, CAP, SPLIT_V, SELECT_BLOCK)
+
+
+@triton.jit
+def _narrow(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr):
+    """After a pivot pass: the pivots' counts and masses (summed over the chunks in order) bracket the goal's
+    threshold in [lo, hi) = [pivot j, pivot j + 1) (or the old hi): top-k at the highest pivot with count >= k,
+    top-p at the highest with mass >= top_p * w. Next: gather [lo, +inf) if it holds at most CAP entries, else
+    [lo, hi) if that does (with the count and mass above hi), else a bracket of one value is the threshold,
+    else pivots over [lo, hi)."""
+    j = tl.arange(0, NUM_PIVOTS)
+    at = recs[:, None] * NUM_PIVOTS + j[None, :]
+    counts = tl.reduce(tl.load(sb.counts + at, mask=have[:, None], other=0), 0, _SUM)
+    masses = tl.reduce(tl.load(sb.masses + at, mask=have[:, None], other=0.0), 0, _SUM)
+    pivots = _pivots(req, srch, NUM_PIVOTS)
+    goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w = srch
+    if (goal == GOAL_K) & (_at(counts, 0, NUM_PIVOTS) < req.k):  # fewer than k finite entries: all kept
+        goal = tl.where(req.top_p < 1.0, GOAL_P, GOAL_DONE).to(tl.int32)  # (top-p on the same pivots)
+    if (goal == GOAL_P) & (mode == MODE_FIRST):  # a fresh top-p range [lo, +inf): w = what top-k keeps
+        w = _at(masses, 0, NUM_PIVOTS)
+    pick = tl.where(goal == GOAL_K, tl.reduce(tl.where(counts >= req.k, j, 0), 0, _MAX),
+                    tl.reduce(tl.where(masses >= req.top_p * w, j, 0), 0, _MAX))
+    top = pick == NUM_PIVOTS - 1
+    new_lo = _at(pivots, pick, NUM_PIVOTS)
+    new_hi = tl.where(top, hi, _at(pivots, pick + 1, NUM_PIVOTS))
+    new_c_hi = tl.where(top, c_hi, _at(counts, pick + 1, NUM_PIVOTS))
+    new_f_hi = tl.where(top, f_hi, _at(masses, pick + 1, NUM_PIVOTS))
+    count = _at(counts, pick, NUM_PIVOTS)
+    hi_key = tl.where(new_hi == POS_INF, _key(m_x).to(tl.int64) + 1, _key(new_hi).to(tl.int64))
+    if goal != GOAL_DONE:
+        if count <= CAP:
+            mode = tl.full((), MODE_COMPACT, tl.int32)
+            lo = new_lo
+            hi = tl.full((), POS_INF, tl.float32)
+            c_hi = tl.full((), 0, tl.int32)
+            f_hi = tl.full((), 0.0, tl.float64)
+        elif count - new_c_hi <= CAP:
+            mode = tl.full((), MODE_COMPACT, tl.int32)
+            lo = new_lo
+            hi = new_hi
+            c_hi = new_c_hi
+            f_hi = new_f_hi
+        elif hi_key - _key(new_lo).to(tl.int64) <= 1:  # one value: the threshold
+            tau = tl.maximum(tau, new_lo)
+            # (top-k's: top-p's search next, over [lo, +inf))
+            goal = tl.where((goal == GOAL_K) & (req.top_p < 1.0), GOAL_P, GOAL_DONE).to(tl.int32)
+            mode = tl.full((), MODE_FIRST, tl.int32)
+            lo = new_lo
+            hi = tl.full((), POS_INF, tl.float32)
+            c_hi = tl.full((), 0, tl.int32)
+            f_hi = tl.full((), 0.0, tl.float64)
+            w = tl.full((), -1.0, tl.float64)
+        else:
+            mode = tl.full((), MODE_EVEN, tl.int32)
+            lo = new_lo
+            hi = new_hi
+            c_hi = new_c_hi
+            f_hi = new_f_hi
+    return Search(goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w)
+
+
+@triton.jit
+def _gathered(sb, recs, starts, ends, total, g, CAP: tl.constexpr):
+    """The gathered values at positions g of the concatenation of the chunks' (in order; -inf past total)."""
+    owner = tl.reduce((ends[None, :] <= g[:, None]).to(tl.int32), 1, _SUM)  # the chunks that end at or before g
+    mine = tl.arange(0, recs.shape[0])[None, :] == owner[:, None]
+    first = tl.reduce(tl.where(mine, starts[None, :], 0), 1, _SUM)
+    rec = tl.reduce(tl.where(mine, recs[None, :], 0), 1, _SUM)
+    return tl.load(sb.values + rec * CAP + (g - first), mask=g < total, other=NEG_INF)
+
+
+@triton.jit
+def _resolve(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+    """After a gathering pass: the goal's threshold from the gathered values x (all of [lo, hi)), pairwise.
+    Top-k: the smallest x with c_hi + #{gathered > x} < k. Top-p: the smallest x with f_hi + the weight of the
+    gathered values > x < top_p * w (none: hi). When top-k's gathering covered [lo, +inf), top-p is decided on
+    the same values, with w their weight above top-k's threshold; else top-p's search starts over [tau_k, +inf)."""
+    n = tl.load(sb.counts + recs * NUM_PIVOTS, mask=have, other=0)
+    ends = tl.cumsum(n, 0)
+    starts = ends - n
+    total = tl.reduce(n, 0, _SUM)
+    g = tl.arange(0, CAP)
+    x = _gathered(sb, recs, starts, ends, total, g, CAP)
+    weight = tl.where(g < total, tl.exp(x.to(tl.float64) / req.t.to(tl.float64) - srch.max_a.to(tl.float64)), 0.0)
+    goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w = srch
+    pair = tl.arange(0, PAIR_BLOCK)
+    if goal == GOAL_K:
+        tau_k = tl.full((), POS_INF, tl.float32)
+        for i0 in range(0, total, PAIR_BLOCK):
+            xi = _gathered(sb, recs, starts, ends, total, i0 + pair, CAP)
+            larger = tl.reduce((x[None, :] > xi[:, None]).to(tl.int32), 1, _SUM)
+            kept = (i0 + pair < total) & (c_hi + larger < req.k)
+            tau_k = tl.minimum(tau_k, tl.reduce(tl.where(kept, xi, POS_INF), 0, _MIN))
+        tau = tl.maximum(tau, tau_k)
+        goal = tl.where(req.top_p < 1.0, GOAL_P, GOAL_DONE).to(tl.int32)
+        lo = tau_k
+        if hi == POS_INF:  # every value >= tau_k was gathered: top-p on them, below
+            w = tl.reduce(tl.where(x >= tau_k, weight, 0.0), 0, _SUM)
+        else:  # top-p's own search over [tau_k, +inf)
+            mode = tl.full((), MODE_FIRST, tl.int32)
+            hi = tl.full((), POS_INF, tl.float32)
+            c_hi = tl.full((), 0, tl.int32)
+            f_hi = tl.full((), 0.0, tl.float64)
+            w = tl.full((), -1.0, tl.float64)
+    if (goal == GOAL_P) & (mode == MODE_COMPACT):
+        tau_p = hi
+        for i0 in range(0, total, PAIR_BLOCK):
+            xi = _gathered(sb, recs, starts, ends, total, i0 + pair, CAP)
+            heavier = tl.reduce(tl.where(x[None, :] > xi[:, None], weight[None, :], 0.0), 1, _SUM)
+            kept = (i0 + pair < total) & (xi >= lo) & (f_hi + heavier < req.top_p * w)
+            tau_p = tl.minimum(tau_p, tl.reduce(tl.where(kept, xi, POS_INF), 0, _MIN))
+        tau = tl.maximum(tau, tau_p)
+        goal = tl.full((), GOAL_DONE, tl.int32)
+    return Search(goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w)
+
+
+@triton.jit
+def _search_records(sb, buf, r):
+    """Row r's search records of request program_id(0) in buffer `buf`."""
+    rec = (buf * tl.num_programs(0) + tl.program_id(0)) * 2 + r
+    return sb.search_i + rec * SEARCH_INTS, sb.search_f + rec * SEARCH_FLOATS, sb.search_d + rec * SEARCH_DOUBLES
+
+
+@triton.jit
+def _load_search(sb, buf, r):
+    si, sf, sd = _search_records(sb, buf, r)
+    return Search(goal=tl.load(si + GOAL), mode=tl.load(si + MODE), c_hi=tl.load(si + C_HI), lo=tl.load(sf + LO),
+                  hi=tl.load(sf + HI), tau=tl.load(sf + TAU), m_x=tl.load(sf + M_X), max_a=tl.load(sf + MAX_A),
+                  f_hi=tl.load(sd + F_HI), w=tl.load(sd + W_K))
+
+
+@triton.jit
+def _store_search(sb, buf, r, srch, mask):
+    si, sf, sd = _search_records(sb, buf, r)
+    tl.store(si + GOAL, srch.goal, mask=mask)
+    tl.store(si + MODE, srch.mode, mask=mask)
+    tl.store(si + C_HI, srch.c_hi, mask=mask)
+    tl.store(sf + LO, srch.lo, mask=mask)
+    tl.store(sf + HI, srch.hi, mask=mask)
+    tl.store(sf + TAU, srch.tau, mask=mask)
+    tl.store(sf + M_X, srch.m_x, mask=mask)
+    tl.store(sf + MAX_A, srch.max_a, mask=mask)
+    tl.store(sd + F_HI, srch.f_hi, mask=mask)
+    tl.store(sd + W_K, srch.w, mask=mask)
+
+
+@triton.jit
+def _select_step(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+    if srch.goal != GOAL_DONE:
+        if srch.mode == MODE_COMPACT:
+            srch = _resolve(req, srch, recs, have, sb, NUM_PIVOTS, CAP, PAIR_BLOCK)
+        else:
+            srch = _narrow(req, srch, recs, have, sb, NUM_PIVOTS, CAP)
+    return srch
+
+
+@triton.jit
+def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   S_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+    """After a SELECT pass (partials in buffer `buf`): each row's search one step on; the walk's next pass."""
+    sidx = tl.arange(0, S_BLOCK)
+    have = sidx < NUM_SPLITS
+    recs = ((buf * tl.num_programs(0) + tl.program_id(0)) * NUM_SPLITS + sidx) * 2
+    sp = _select_step(req, sp, recs, have, sb, NUM_PIVOTS, CAP, PAIR_BLOCK)
+    if HAS_DRAFT:
+        sq = _select_step(req, sq, recs + 1, have, sb, NUM_PIVOTS, CAP, PAIR_BLOCK)
+    return _after_search(walk, sp, sq), sp, sq
+
+
+@triton.jit
+def _decide(req, walk, chunks, HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, T_BLOCK: tl.constexpr,
+            NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
     """Merge the partials of the pass walk.kind (STATS or ZPASS) and walk on until the next pass is needed.
-    Returns the walk and the `Residual` a draw (LOCATE) or the candidates (TRIAL) pick from."""
+    Returns the walk, the `Residual` a draw (LOCATE) or the candidates (TRIAL) pick from, and the rows'
+    searches (a filtered node's first statistics start them: SELECT next)."""
     res = Residual(chunks.mass, walk.c)  # (a greedy walk never draws)
+    sp = _idle_search()
+    sq = sp
     if req.greedy:
         walk = _greedy_step(req, walk, chunks, T_BLOCK, S_BLOCK)
     else:
-        if walk.kind == STATS:
-            walk, res = _start_node(walk, chunks)
+        searching = False
+        if HAS_FILTERS:
+            searching = req.filtered & (walk.kind == STATS) & (walk.sel == 0)
+        if searching:
+            walk, sp, sq = _start_search(req, walk, chunks, HAS_DRAFT, T_BLOCK)
         else:
-            walk, res = _after_z(walk, chunks)
-        if HAS_DRAFT:
-            walk, res = _draft_verify(req, walk, res, T_BLOCK, NUM_SPLITS, S_BLOCK)
-        else:
-            walk, res = _proposal_verify(req, walk, res, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
-    return walk, res
+            if walk.kind == STATS:
+                walk, res = _start_node(walk, chunks)
+            else:
+                walk, res = _after_z(walk, chunks)
+            if HAS_DRAFT:
+                walk, res = _draft_verify(req, walk, res, T_BLOCK, NUM_SPLITS, S_BLOCK)
+            else:
+                walk, res = _proposal_verify(req, walk, res, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+    return walk, res, sp, sq
 
 
 # ----------------------------------------------------------------------------------------------
@@ -724,7 +1169,7 @@ def _tile(row, start, hi, ar):
 
 
 @triton.jit
-def _locate(req, node, pick, thresh, c, lse_p, lse_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr,
+def _locate(req, node, pick, thresh, c, lse_p, lse_q, tau_p, tau_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr,
             BLOCK_V: tl.constexpr):
     """The draw's second level: chunk `pick`'s scan, tile by tile until the running sum of the residual
     max(p - c q, 0) passes `thresh`: the first such entry (the last entry with r > 0 if rounding leaves the sum
@@ -739,14 +1184,10 @@ def _locate(req, node, pick, thresh, c, lse_p, lse_q, HAS_DRAFT: tl.constexpr, S
     start = lo
     while (start < hi) & (token < 0):
         cols = start + ar
-        a = _tile(t_row, start, hi, ar).to(tl.float32) * req.inv_t
+        a = _kept(req, node, cols, _tile(t_row, start, hi, ar).to(tl.float32), tau_p) * req.inv_t
         b = a
         if HAS_DRAFT:
-            b = _tile(d_row, start, hi_q, ar).to(tl.float32) * req.inv_t
-        if req.W > 0:
-            ok = _allowed(req, node, cols)
-            a = tl.where(ok, a, NEG_INF)
-            b = tl.where(ok, b, NEG_INF)
+            b = _kept(req, node, cols, _tile(d_row, start, hi_q, ar).to(tl.float32), tau_q) * req.inv_t
         r = _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
         if not HAS_DRAFT:
             if c >= 0:
@@ -772,10 +1213,11 @@ def _candidate(req, walk, res, j, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexp
     two-level inverse transform, and accepted with probability r(x) / r'(x). Returns (accepted, x)."""
     u_x, u_ok = _uniform_pair(req.stream, walk.node, j + U_CANDIDATE)
     pick, thresh = _pick_chunk(res.mass, u_x, NUM_SPLITS, S_BLOCK)
-    x = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, True, SPLIT_V, BLOCK_V)
+    x = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, walk.tau_p, walk.tau_q, True, SPLIT_V,
+                BLOCK_V)
     t_row, d_row = _rows(req, walk.node)
-    p = tl.exp(_logit(req, t_row, walk.node, x) - walk.lse_p)
-    q = tl.exp(_logit(req, d_row, walk.node, x) - walk.lse_q)
+    p = tl.exp(_logit(req, t_row, walk.node, x, walk.tau_p) - walk.lse_p)
+    q = tl.exp(_logit(req, d_row, walk.node, x, walk.tau_q) - walk.lse_q)
     return (x >= 0) & (u_ok * tl.maximum(p - res.c * q, 0.0) < tl.maximum(p - walk.c * q, 0.0)), x
 
 
@@ -823,13 +1265,16 @@ def _merge_candidates(req, walk, part_f_ptr, part_i_ptr, buf, NUM_SPLITS: tl.con
 # the kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, buf, IS_FIRST: tl.constexpr,
-            HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
-            S_BLOCK: tl.constexpr, TRIALS: tl.constexpr):
+def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, buf, IS_FIRST: tl.constexpr,
+            HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+            SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr, TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+            CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """The walk where the previous launch left it (buffer `buf`), its last pass merged and decided on; the
-    first launch starts at the root. Returns the walk and the `Residual` of its draw."""
+    first launch starts at the root. Returns the walk, the `Residual` of its draw and the rows' searches."""
     # (only a decision leads to a draw)
     res = Residual(tl.full((S_BLOCK,), 0.0, tl.float32), tl.full((), 0.0, tl.float32))
+    sp = _idle_search()
+    sq = sp
     if IS_FIRST:
         walk = _start(req, T)
     else:
@@ -837,33 +1282,51 @@ def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, buf, IS_FI
         if walk.kind == TRIAL:
             if HAS_DRAFT:
                 walk = _merge_candidates(req, walk, part_f_ptr, part_i_ptr, buf, NUM_SPLITS, S_BLOCK, TRIALS)
+        elif walk.kind == SELECT:
+            if HAS_FILTERS:
+                walk, sp, sq = _select_decide(req, walk, _load_search(sb, buf, 0), _load_search(sb, buf, 1), sb, buf,
+                                              HAS_DRAFT, NUM_SPLITS, S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
         elif walk.kind != DONE:
-            walk, res = _decide(req, walk, _load_chunks(part_f_ptr, part_i_ptr, buf, walk.kind, NUM_SPLITS, S_BLOCK),
-                                HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
-    return walk, res
+            walk, res, sp, sq = _decide(req, walk, _load_chunks(part_f_ptr, part_i_ptr, buf, walk.kind, NUM_SPLITS,
+                                                                S_BLOCK), HAS_DRAFT, HAS_FILTERS, T_BLOCK, NUM_SPLITS,
+                                        SPLIT_V, S_BLOCK)
+    return walk, res, sp, sq
+
+
+@triton.jit
+def _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr):
+    return SelectBuffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
 
 
 @triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf"])
 def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                  mask_ptr, acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr,
-                  T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
-                  HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, IS_FIRST: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                  T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr):
+                  mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr,
+                  part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr,
+                  sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
+                  HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
+                  IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                  T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr,
+                  NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """A split launch, grid (B, NUM_SPLITS): merge the previous launch's partials and decide (every program
     alike), store the state, then run this program's chunk of the next pass, or its part of the draw."""
     split = tl.program_id(1)
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                   mask_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo,
-                   offset_hi, HAS_OFFSETS, T_BLOCK)
-    walk, res = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, read_buf, IS_FIRST, HAS_DRAFT,
-                        T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS)
+                   mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb,
+                   stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
+    sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
+    walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
+                                HAS_DRAFT, HAS_FILTERS, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS, NUM_PIVOTS, CAP,
+                                PAIR_BLOCK)
     buf = 1 - read_buf
     _store_state(state_i_ptr, state_f_ptr, buf, walk, req.writer)
+    if HAS_FILTERS:
+        _store_search(sb, buf, 0, sp, req.writer)
+        _store_search(sb, buf, 1, sq, req.writer)
     if walk.kind == LOCATE:
         pick, thresh = _pick_chunk(res.mass, _uniform(req.stream, walk.node, U_DRAW), NUM_SPLITS, S_BLOCK)
         if split == pick:  # the program whose chunk holds the threshold draws and writes the outputs
-            token = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, HAS_DRAFT, SPLIT_V, BLOCK_V)
+            token = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, walk.tau_p, walk.tau_q,
+                            HAS_DRAFT, SPLIT_V, BLOCK_V)
             _emit(req, walk.depth, token, True)
     elif walk.kind == TRIAL:
         if HAS_DRAFT:  # candidates j = split, split + NUM_SPLITS, ...: this program's first accepted one
@@ -872,6 +1335,10 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
             _, pi = _part_records(part_f_ptr, part_i_ptr, buf, split, NUM_SPLITS)
             tl.store(pi + CANDIDATE, first)
             tl.store(pi + CANDIDATE_TOKEN, token)
+    elif walk.kind == SELECT:
+        if HAS_FILTERS:
+            _select_chunk(req, walk, sp, sq, split, sb, buf, HAS_DRAFT, NUM_SPLITS, NUM_PIVOTS, CAP, SPLIT_V,
+                          SELECT_BLOCK)
     elif walk.kind != DONE:
         chunk = _chunk_pass(req, walk, split, _uses_q(req, walk.node, T_BLOCK), HAS_DRAFT, SPLIT_V, BLOCK_V, PREFETCH)
         pf, pi = _part_records(part_f_ptr, part_i_ptr, buf, split, NUM_SPLITS)
@@ -881,6 +1348,8 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
             tl.store(pf + MAX_Q, chunk.max_q)
             tl.store(pf + SUM_Q, chunk.sum_q)
             tl.store(pi + ARGMAX, chunk.argmax)
+            tl.store(pf + MAX_X, chunk.max_x)
+            tl.store(pf + MAX_XQ, chunk.max_xq)
         else:
             tl.store(pf + MASS, chunk.mass)
 
@@ -897,7 +1366,8 @@ def _draw_if_due(req, walk, res, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constex
             walk = _after_candidates(req, walk, first, token, TRIALS)
     elif walk.kind == LOCATE:
         pick, thresh = _pick_chunk(res.mass, _uniform(req.stream, walk.node, U_DRAW), NUM_SPLITS, S_BLOCK)
-        token = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, HAS_DRAFT, SPLIT_V, BLOCK_V)
+        token = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, walk.tau_p, walk.tau_q, HAS_DRAFT,
+                        SPLIT_V, BLOCK_V)
         _emit(req, walk.depth, token, req.writer)
         walk = _with_kind(walk, tl.full((), DONE, tl.int32))
     return walk
@@ -905,22 +1375,38 @@ def _draw_if_due(req, walk, res, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constex
 
 @triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf"])
 def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                 mask_ptr, acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr,
-                 T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
-                 HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, IS_FIRST: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                 T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr):
+                 mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr,
+                 part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr,
+                 sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
+                 HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
+                 IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                 T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr,
+                 NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """The last launch, grid (B,): merge the last split launch's partials, decide, and finish the walk, each
-    pass over the whole row in this one program."""
+    pass over the whole row in this one program (a SELECT pass's partials through buffer `read_buf`, which
+    it no longer needs: barriers order the program's own stores and loads)."""
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                   mask_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo,
-                   offset_hi, HAS_OFFSETS, T_BLOCK)
-    walk, res = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, read_buf, IS_FIRST, HAS_DRAFT,
-                        T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS)
+                   mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb,
+                   stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
+    sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
+    walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
+                                HAS_DRAFT, HAS_FILTERS, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS, NUM_PIVOTS, CAP,
+                                PAIR_BLOCK)
     walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
     while walk.kind != DONE:
-        walk, res = _decide(req, walk, _row_pass(req, walk, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, BLOCK_V, S_BLOCK,
-                                                 PREFETCH), HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+        if walk.kind == SELECT:
+            if HAS_FILTERS:
+                tl.debug_barrier()  # (the buffer's previous readers are done)
+                for s in range(NUM_SPLITS):
+                    _select_chunk(req, walk, sp, sq, s, sb, read_buf, HAS_DRAFT, NUM_SPLITS, NUM_PIVOTS, CAP, SPLIT_V,
+                                  SELECT_BLOCK)
+                tl.debug_barrier()
+                walk, sp, sq = _select_decide(req, walk, sp, sq, sb, read_buf, HAS_DRAFT, NUM_SPLITS, S_BLOCK,
+                                              NUM_PIVOTS, CAP, PAIR_BLOCK)
+        else:
+            walk, res, sp, sq = _decide(req, walk, _row_pass(req, walk, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V,
+                                                             BLOCK_V, S_BLOCK, PREFETCH), HAS_DRAFT, HAS_FILTERS,
+                                        T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
         walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
 
 
@@ -929,9 +1415,13 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds
 # with probability Z (the total variation between target and draft), so 8 leave ~0.3% of the draws to the
 # fallback at Z = 0.5 and ~17% at Z = 0.2. Not a function of the schedule: results stay schedule invariant.
 TRIALS = 8
+# Top-k / top-p searches: pivots per pivot pass (each divides a bracket's key range by this), and the most
+# entries a bracket may hold to be gathered and decided pairwise (CAP^2 / PAIR_BLOCK-row blocks of compares).
+NUM_PIVOTS = 16
+CAP = 256
 
 
-def _config(T: int, V: int, elem_bytes: int, device: torch.device) -> dict:
+def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: bool = False) -> dict:
     """Tile sizes and schedule from shapes, logit width and device only (never B: results stay batch
     invariant).
 
@@ -944,41 +1434,46 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device) -> dict:
     be set from the H200 benchmark (bench.sweep).
     Interpreter: 16-entry tiles so small test vocabularies span several tiles, one chunk and only the
     walker (cheapest; test_accept.py checks that the split schedules give identical results).
+    Filters (top-k / top-p / min-p given): a node takes up to 4 passes (statistics, pivots, gathering,
+    statistics), so up to 4 (T + 1) split launches; pivot passes over 256-entry tiles (their [tile, pivots]
+    compares stay in registers). Untuned too.
     """
+    select = dict(num_pivots=NUM_PIVOTS, cap=CAP, pair_block=16)
     if device.type == "cuda":
         block_v = max(16, min(2048, triton.next_power_of_2(V)))
         num_splits = min(16, triton.cdiv(V, block_v))
+        passes = 4 * (T + 1) if filtered else T + 1
         # a row of one chunk gains nothing from split launches: the walker alone, one launch
-        return dict(block_v=block_v, num_splits=num_splits, split_steps=min(T + 1, 16) if num_splits > 1 else 0,
-                    num_warps=8, prefetch=2 if elem_bytes <= 2 else 1, trials=TRIALS)
-    return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4, prefetch=1, trials=TRIALS)
+        return dict(block_v=block_v, num_splits=num_splits, split_steps=min(passes, 40 if filtered else 16)
+                    if num_splits > 1 else 0, num_warps=8, prefetch=2 if elem_bytes <= 2 else 1, trials=TRIALS,
+                    select_block=min(block_v, 256), **select)
+    return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4, prefetch=1, trials=TRIALS, select_block=16,
+                **select)
 
 
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
            top_k=None, top_p=None, min_p=None, token_bitmask=None, *,
-           block_v=None, num_splits=None, split_steps=None, num_warps=None, prefetch=None, trials=None):
+           block_v=None, num_splits=None, split_steps=None, num_warps=None, prefetch=None, trials=None,
+           num_pivots=None, cap=None, select_block=None, pair_block=None):
     """Normalized arguments of the `specdec::accept` schema (validated by specdec.ops.accept).
 
-    The grammar mask (token_bitmask) alone is fused: the kernel reads a walked row's bitmask words beside its
-    logits (`_allowed`). With top_k / top_p / min_p, for now, the rows are processed before the kernel by
-    specdec.sampling.processed_tree_logits (mask included; exact and sync-free, but a sort and a copy of every
-    row, walked or not), and the kernel walks the processed rows as plain logits. Keyword tunables override
-    `_config` (tests use them to compare schedules).
+    Everything is fused: the grammar mask (token_bitmask) is read beside a walked row's logits (`_allowed`),
+    and top_k / top_p / min_p become one threshold per walked row, found by the kernel's own passes over it
+    (see "filters" above): no sort, no processed copy of any row. Keyword tunables override `_config` (tests
+    use them to compare schedules, and a small `cap` / `num_pivots` to exercise the long searches).
     """
     B, T, V = target_logits.shape
     dev = target_logits.device
-    if any(f is not None for f in (top_k, top_p, min_p)):
-        from ..sampling import processed_tree_logits
-        target_logits, draft_logits = (
-            None if x is None else processed_tree_logits(x, temperature, top_k, top_p, min_p, token_bitmask)
-            for x in (target_logits, draft_logits))
-        token_bitmask = None  # applied by the processing
+    has_filters = any(f is not None for f in (top_k, top_p, min_p))
     elem_bytes = max(target_logits.element_size(), 0 if draft_logits is None else draft_logits.element_size())
-    cfg = _config(T, V, elem_bytes, dev)
+    cfg = _config(T, V, elem_bytes, dev, has_filters)
     for name, value in (("block_v", block_v), ("num_splits", num_splits), ("split_steps", split_steps),
-                        ("num_warps", num_warps), ("prefetch", prefetch), ("trials", trials)):
+                        ("num_warps", num_warps), ("prefetch", prefetch), ("trials", trials),
+                        ("num_pivots", num_pivots), ("cap", cap), ("select_block", select_block),
+                        ("pair_block", pair_block)):
         if value is not None:
             cfg[name] = value
+    cfg["pair_block"] = min(cfg["pair_block"], cfg["cap"])
     accepted = torch.empty((B, T), dtype=torch.int32, device=dev)
     num_accepted = torch.empty((B,), dtype=torch.int32, device=dev)
     next_tokens = torch.empty((B,), dtype=torch.int64, device=dev)
@@ -990,9 +1485,10 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     d = target if draft is None else draft
     S = cfg["num_splits"]
     if (cfg["block_v"] < 16 or cfg["block_v"] & (cfg["block_v"] - 1) or S < 1 or cfg["split_steps"] < 0
-            or cfg["prefetch"] not in (1, 2) or cfg["trials"] < 0):
+            or cfg["prefetch"] not in (1, 2) or cfg["trials"] < 0
+            or any(cfg[n] < 4 or cfg[n] & (cfg[n] - 1) for n in ("num_pivots", "cap", "select_block", "pair_block"))):
         raise ValueError(f"accept: invalid tunables {cfg} (block_v: a power of 2 >= 16, num_splits >= 1, "
-                         "prefetch 1 or 2, trials >= 0)")
+                         "prefetch 1 or 2, trials >= 0; num_pivots, cap, select_block, pair_block: powers of 2 >= 4)")
     split_v = triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"]
     # walk state and chunk partials, double-buffered: launch `step` reads buffer (step + 1) % 2, writes step % 2
     state_i = torch.empty((2, B, STATE_INTS.value), dtype=torch.int32, device=dev)
@@ -1003,13 +1499,27 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     offsets = offsets.contiguous() if has_offsets else seeds  # absent: any int tensor stands in, never read
     W = 0 if token_bitmask is None else token_bitmask.shape[-1]
     masks = num_nodes if token_bitmask is None else token_bitmask.contiguous()  # (W = 0: never read)
+    NP, cap = cfg["num_pivots"], cfg["cap"]
+    if has_filters:  # the parameters absent are off; out-of-range values (value checks off) as their nearest
+        top_k = torch.zeros(B, dtype=torch.int32, device=dev) if top_k is None else top_k.contiguous()
+        top_p = (torch.ones(B, device=dev) if top_p is None else top_p.float()).clamp(min=1e-30).contiguous()
+        min_p = (torch.zeros(B, device=dev) if min_p is None else min_p.float()).clamp(max=1.0).contiguous()
+        search = [torch.empty((2, B, 2, n.value), dtype=dtype, device=dev) for n, dtype in
+                  ((SEARCH_INTS, torch.int32), (SEARCH_FLOATS, torch.float32), (SEARCH_DOUBLES, torch.float64))]
+        select = [torch.empty((2, B, S, 2, n), dtype=dtype, device=dev) for n, dtype in
+                  ((NP, torch.int32), (NP, torch.float64), (cap, torch.float32))]
+    else:  # any tensors stand in, never read
+        top_k = top_p = min_p = num_nodes
+        search = [state_i, state_f, state_f]
+        select = [state_i, state_f, state_f]
     args = (target, d, tokens.contiguous(), parents.contiguous(), temperature.contiguous(), seeds.contiguous(),
-            num_nodes.contiguous(), offsets, masks, accepted, num_accepted, next_tokens, state_i, state_f, part_f,
-            part_i, T, V, W, target.stride(0), target.stride(1), d.stride(0), d.stride(1), offset & 0x7FFFFFFF,
-            offset >> 31)
-    meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, NUM_SPLITS=S, SPLIT_V=split_v,
-                BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T), S_BLOCK=triton.next_power_of_2(S),
-                PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], num_warps=cfg["num_warps"])
+            num_nodes.contiguous(), offsets, masks, top_k, top_p, min_p, accepted, num_accepted, next_tokens,
+            state_i, state_f, part_f, part_i, *search, *select, T, V, W, target.stride(0), target.stride(1),
+            d.stride(0), d.stride(1), offset & 0x7FFFFFFF, offset >> 31)
+    meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, HAS_FILTERS=has_filters, NUM_SPLITS=S,
+                SPLIT_V=split_v, BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T),
+                S_BLOCK=triton.next_power_of_2(S), PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=NP,
+                CAP=cap, SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], num_warps=cfg["num_warps"])
     steps = cfg["split_steps"]
     for step in range(steps):
         _split_kernel[(B, S)](*args, (step + 1) % 2, IS_FIRST=step == 0, **meta)

@@ -571,20 +571,10 @@ def _boundary_rows():
 @pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
 def test_boundary_rows_keep_exactly_the_reference_set(backend):
     """Next tokens drawn (t = 1) at the root of rows built on the thresholds: every token drawn is kept by
-    the reference, and every kept token is drawn (probabilities >= 0.15, 80 or 200 draws per row)."""
+    the reference, and every kept token is drawn (probabilities >= 0.15, 80 or 200 draws per row: a kept token
+    is missed with probability < 3e-6)."""
     rows = _boundary_rows()
-    if backend == "triton" and DEVICE.type == "cpu":
-        # the interpreter's time (~1 min for the draws): with top-k/top-p/min-p the Triton launcher decides the
-        # kept sets (processed_tree_logits) and its kernel walks the processed rows, so the kept sets are
-        # checked exactly here; once the kernel fuses the thresholds, the draws must run on it again
-        from specdec.sampling import processed_tree_logits
-        for row, k, tp, mp, al in rows:
-            got = processed_tree_logits(row.view(1, 1, V), torch.ones(1), torch.tensor([k], dtype=torch.int32),
-                                        torch.tensor([tp]), torch.tensor([mp]), pack_bitmask(al).view(1, 1, -1))
-            keep = reference.processed_keep(row, 1.0, k, float(torch.tensor(tp)), float(torch.tensor(mp)), al)
-            assert torch.equal(got.view(V) > NEG_INF, keep)
-        return
-    n = 200
+    n = 80 if backend == "triton" and DEVICE.type == "cpu" else 200  # (the interpreter's time)
     logits = torch.stack([r[0] for r in rows]).repeat_interleave(n, 0)  # (R n, V)
     N = logits.shape[0]
     per_row = lambda j, dtype: torch.tensor([r[j] for r in rows], dtype=dtype).repeat_interleave(n)  # noqa: E731
@@ -650,6 +640,45 @@ def test_filtered_batch_invariance(backend, draft):
         changed[name] = torch.cat([batch[name][:3], others[name][3:]])
     res_changed = _accept(changed, backend)
     assert all(torch.equal(x[:3], y[:3]) for x, y in zip(res, res_changed))
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
+@pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
+def test_triton_long_threshold_searches_find_the_same_thresholds(monkeypatch, draft):
+    """The Triton kernel's top-k / top-p searches (kernels/accept.py, "filters") with a bracket capacity of 4
+    values and 4 pivots: brackets too big to gather are narrowed by more pivot passes (evenly spaced keys),
+    top-p searches on its own range after top-k, and ties of many values end as one-value brackets. The
+    thresholds are exact either way, so the results are bit-identical to the default search's (and to another
+    schedule's); the spy shows that the long searches read the rows more often."""
+    from specdec.kernels.accept import accept as triton_accept
+
+    gen = torch.Generator().manual_seed(67 + draft)
+    B, T = 8, 4
+    temps = torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 0.9, 2.0, 1.0])
+    batch = _filtered_batch(B, T, gen, draft=draft, temperature=temps)
+    rows = [batch["target_logits"]] + ([batch["draft_logits"]] if draft else [])
+    grid = torch.tensor([1.0, 2.0, 1.0, 4.0, 1.0, 2.0, 2.0, 1.0]).view(B, 1, 1)
+    rows = [(x * grid).round() / grid for x in rows]  # coarse grids: ties, some spanning whole brackets
+    filters = dict(top_k=torch.tensor([5, 0, 20, 3, 12, 0, 30, 9], dtype=torch.int32),
+                   top_p=torch.tensor([0.9, 0.8, 1.0, 0.5, 0.97, 0.3, 0.99, 1.0]),
+                   min_p=torch.tensor([0.0, 0.05, 0.0, 0.0, 0.0, 0.2, 0.001, 0.0]))
+    args = (rows[0], batch["tokens"].int(), batch["parents"].int(), rows[1] if draft else None, temps,
+            batch["seeds"], batch["num_nodes"], 0, None, filters["top_k"], filters["top_p"], filters["min_p"],
+            batch["token_bitmask"])
+    spy = MemorySpy(monkeypatch)
+    base = AcceptResult(*triton_accept(*args))
+    default_reads = sum(spy.counts(rows).values())
+    spy.loads.clear()
+    long = AcceptResult(*triton_accept(*args, cap=4, num_pivots=4))
+    assert sum(spy.counts(rows).values()) > 1.5 * default_reads
+    assert _same(base, long), f"{base} != {long}"
+    split = dict(num_splits=3, split_steps=4 * (T + 1))
+    assert _same(base, triton_accept(*args, cap=4, num_pivots=4, **split))
+    assert _same(base, triton_accept(*args, **split))
+    checked = dict(batch, target_logits=rows[0], **filters)
+    if draft:
+        checked["draft_logits"] = rows[1]
+    _check_support(base, checked)
 
 
 @pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
