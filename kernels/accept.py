@@ -5,11 +5,12 @@ Shapes: target_logits (B, T, V) and draft_logits (B, T, V) or None (any float dt
 contiguous), tokens/parents (B, T) int32, temperature (B,) float32 (0 = greedy), seeds (B,) int64,
 num_nodes (B,) int32, offset int >= 0 and offsets (B,) int or None (request b's stream offset is
 offset + offsets[b], read on the device), top_k / top_p / min_p (B,) or None and token_bitmask
-(B, T, ceil(V/32)) int32 or None (see `accept`: the bitmask alone is applied in the kernel, `_allowed`).
+(B, T, ceil(V/32)) int32 or None (all applied in the kernel: `_allowed`, and the "filters" section).
 Returns accepted_nodes (B, T) int32 (the path from node 0, padded with -1), num_accepted (B,) int32,
 next_tokens (B,) int64. Semantics are those of reference.accept.
 
-Algorithm (per request, walking from the root; p = softmax(target/t), q = softmax(draft/t)):
+Algorithm (per request, walking from the root; p = softmax(target/t), q = softmax(draft/t), each over what the
+node's processed law keeps: its bitmask row, and with filters the row's threshold, `_kept`):
   * greedy: argmax of the node's target row (first index on ties); descend into the first child whose
     token matches, else emit the argmax.
   * draft logits (children i.i.d. from q), children tried in node order: accept x iff
@@ -74,6 +75,7 @@ of the next step; the walker loops over whole-row passes (`_row_pass`), decision
   ZPASS   `_chunk_pass`: the mass of the residual max(p - c q, 0) per chunk (draft logits only);
   TRIAL   `_first_accepted`: the candidates after a last rejection (draft logits only);
   LOCATE  `_pick_chunk` + `_locate`: the draw's chunk and its scan;
+  SELECT  `_select_chunk`: a top-k / top-p threshold search's pivot or gathering pass (filters only);
   DONE.
 A decision (`_decide`) is the greedy step (`_greedy_step`) or, sampling, the node's fresh residual
 (`_start_node`) or the Z just summed (`_after_z`) followed by the verifier: `_draft_verify` (one child's
@@ -85,7 +87,8 @@ CANDIDATE_TOKEN), double-buffered by launch parity (a launch reads one buffer wh
 other). Context and state travel as named tuples (flattened by the compiler: free at run time).
 
 Bytes floor (for the benchmark): sum_b (num_accepted[b] + 1) * V * (target itemsize + draft itemsize if
-draft logits are given and temperature[b] > 0), plus V / 8 per walked row with a bitmask. Extra traffic
+draft logits are given and temperature[b] > 0), plus V / 8 per walked row with a bitmask. With top-k / top-p a
+walked sampling row is read 4 times, not once (min-p alone: twice; see "filters"). Extra traffic
 over the floor: the draw's chunk scans of the last target row (one, or one per candidate after a last
 rejection with draft logits), and a Z pass (a re-read of the node's rows, partly from L2) after a rejection
 with more children to try, or when every candidate was rejected.
@@ -820,9 +823,9 @@ class SelectBuffers(NamedTuple):
     search_i: tl.tensor
     search_f: tl.tensor
     search_d: tl.tensor
-    counts: tl.tensor  # (..., NUM_PIVOTS) int32
-    masses: tl.tensor  # (..., NUM_PIVOTS) float64
-    values: tl.tensor  # (..., CAP) float32
+    pivot_counts: tl.tensor  # (..., NUM_PIVOTS) int32
+    pivot_masses: tl.tensor  # (..., NUM_PIVOTS) float64
+    gathered: tl.tensor  # (..., CAP) float32
 
 
 @triton.jit
@@ -934,7 +937,7 @@ def _select_row_chunk(req, node, row, srch, s, rec, sb, NUM_PIVOTS: tl.constexpr
     counts = tl.zeros([NUM_PIVOTS], tl.int32)
     masses = tl.zeros([NUM_PIVOTS], tl.float64)
     n = tl.full((), 0, tl.int32)
-    values = sb.values + rec * CAP
+    values = sb.gathered + rec * CAP
     for start in range(lo, hi, SELECT_BLOCK):
         cols = start + ar
         x = _kept(req, node, cols, tl.load(row + cols, mask=cols < hi, other=NEG_INF).to(tl.float32), NEG_INF)
@@ -949,8 +952,8 @@ def _select_row_chunk(req, node, row, srch, s, rec, sb, NUM_PIVOTS: tl.constexpr
             counts += tl.reduce(above.to(tl.int32), 0, _SUM)
             masses += tl.reduce(tl.where(above, weight[:, None], 0.0), 0, _SUM).to(tl.float64)
     j = tl.arange(0, NUM_PIVOTS)
-    tl.store(sb.counts + rec * NUM_PIVOTS + j, tl.where(gather, tl.where(j == 0, n, 0), counts))
-    tl.store(sb.masses + rec * NUM_PIVOTS + j, masses)
+    tl.store(sb.pivot_counts + rec * NUM_PIVOTS + j, tl.where(gather, tl.where(j == 0, n, 0), counts))
+    tl.store(sb.pivot_masses + rec * NUM_PIVOTS + j, masses)
 
 
 @triton.jit
@@ -973,8 +976,8 @@ def _narrow(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constex
     else pivots over [lo, hi)."""
     j = tl.arange(0, NUM_PIVOTS)
     at = recs[:, None] * NUM_PIVOTS + j[None, :]
-    counts = tl.reduce(tl.load(sb.counts + at, mask=have[:, None], other=0), 0, _SUM)
-    masses = tl.reduce(tl.load(sb.masses + at, mask=have[:, None], other=0.0), 0, _SUM)
+    counts = tl.reduce(tl.load(sb.pivot_counts + at, mask=have[:, None], other=0), 0, _SUM)
+    masses = tl.reduce(tl.load(sb.pivot_masses + at, mask=have[:, None], other=0.0), 0, _SUM)
     pivots = _pivots(req, srch, NUM_PIVOTS)
     goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w = srch
     if (goal == GOAL_K) & (_at(counts, 0, NUM_PIVOTS) < req.k):  # fewer than k finite entries: all kept
@@ -1029,7 +1032,7 @@ def _gathered(sb, recs, starts, ends, total, g, CAP: tl.constexpr):
     mine = tl.arange(0, recs.shape[0])[None, :] == owner[:, None]
     first = tl.reduce(tl.where(mine, starts[None, :], 0), 1, _SUM)
     rec = tl.reduce(tl.where(mine, recs[None, :], 0), 1, _SUM)
-    return tl.load(sb.values + rec * CAP + (g - first), mask=g < total, other=NEG_INF)
+    return tl.load(sb.gathered + rec * CAP + (g - first), mask=g < total, other=NEG_INF)
 
 
 @triton.jit
@@ -1038,7 +1041,7 @@ def _resolve(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.conste
     Top-k: the smallest x with c_hi + #{gathered > x} < k. Top-p: the smallest x with f_hi + the weight of the
     gathered values > x < top_p * w (none: hi). When top-k's gathering covered [lo, +inf), top-p is decided on
     the same values, with w their weight above top-k's threshold; else top-p's search starts over [tau_k, +inf)."""
-    n = tl.load(sb.counts + recs * NUM_PIVOTS, mask=have, other=0)
+    n = tl.load(sb.pivot_counts + recs * NUM_PIVOTS, mask=have, other=0)
     ends = tl.cumsum(n, 0)
     starts = ends - n
     total = tl.reduce(n, 0, _SUM)

@@ -353,19 +353,22 @@ def hopper_compile_report() -> None:
     S = cfg["num_splits"]
     types = {"target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "parents_ptr": "*i32",
              "temp_ptr": "*fp32", "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "offsets_ptr": "*i64",
-             "mask_ptr": "*i32", "acc_ptr": "*i32",
+             "mask_ptr": "*i32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "acc_ptr": "*i32",
              "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32", "state_f_ptr": "*fp32",
-             "part_f_ptr": "*fp32", "part_i_ptr": "*i32"}
+             "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "search_i_ptr": "*i32", "search_f_ptr": "*fp32",
+             "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32"}
     report = {}
-    for has_draft in (True, False):
-        for first, walk in ((True, False), (False, False), (False, True)):
-            constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, IS_FIRST=first, NUM_SPLITS=S,
-                              SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
-                              BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
-                              PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"])
-            kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
-                                        cfg["num_warps"])
-            report[f"draft={has_draft},first={first},walk={walk}"] = spilled_bytes(kernel)
+    for has_filters in (False, True):
+        for has_draft in (True, False):
+            for first, walk in ((True, False), (False, False), (False, True)):
+                constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters, IS_FIRST=first,
+                                  NUM_SPLITS=S, SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
+                                  BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
+                                  PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
+                                  CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
+                kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
+                                            cfg["num_warps"])
+                report[f"filters={has_filters},draft={has_draft},first={first},walk={walk}"] = spilled_bytes(kernel)
     print(json.dumps(report))
 
 
@@ -640,6 +643,59 @@ def test_filtered_batch_invariance(backend, draft):
         changed[name] = torch.cat([batch[name][:3], others[name][3:]])
     res_changed = _accept(changed, backend)
     assert all(torch.equal(x[:3], y[:3]) for x, y in zip(res, res_changed))
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
+@pytest.mark.parametrize("schedule", [dict(num_splits=1, split_steps=0), dict(num_splits=3, split_steps=20)],
+                         ids=["walker", "split-launches"])
+def test_triton_filtered_rows_reads(monkeypatch, schedule):
+    """What the fused filters cost in reads, element by element (the spy): only walked rows are read; a walked
+    row of a sampling request with top-k / top-p is read 4 times (statistics, pivots, gathering of the bracket,
+    statistics through the threshold), with min-p alone twice (the threshold is closed-form from the max), its
+    draft row alike where q is used (not at a leaf); greedy rows once, with any filter. The last row's draw
+    reads more of it (a chunk's scan, candidates), never less."""
+    from specdec.kernels.accept import accept as triton_accept
+
+    gen = torch.Generator().manual_seed(68)
+    B, T = 6, 4
+    temps = torch.tensor([1.0, 0.8, 0.0, 1.2, 1.0, 0.9])
+    batch = _batch(B, T, gen, draft=True, temperature=temps, kinds=("chain",))
+    target = batch["target_logits"] * 3
+    draft = target + 0.3 * torch.randn(B, T, V, generator=gen)
+    for i in range(1, T):  # chain tokens from the draft: long paths
+        law = torch.softmax(draft[:, i - 1] / torch.where(temps > 0, temps, 1.0).unsqueeze(1), -1)
+        batch["tokens"][:, i] = torch.multinomial(law, 1, generator=gen).squeeze(1)
+    top_k = torch.tensor([8, 0, 5, 0, 0, 30], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.9, 0.9, 1.0, 1.0, 0.95])
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.05, 0.2, 0.01])
+    passes = [1 if temps[b] == 0 else 4 if top_k[b] > 0 or top_p[b] < 1 else 2 for b in range(B)]
+    spy = MemorySpy(monkeypatch)
+    res = AcceptResult(*triton_accept(target, batch["tokens"].int(), batch["parents"].int(), draft, temps,
+                                      batch["seeds"], batch["num_nodes"], 0, None, top_k, top_p, min_p, None, **schedule))
+    reads = {name: spy.counts([x]) for name, x in (("target", target), ("draft", draft))}
+    walked = {"target": set(), "draft": set()}
+    for b in range(B):
+        n = int(res.num_accepted[b])
+        path = res.accepted_nodes[b, : n + 1].tolist()
+        for node in path:
+            last = node == path[-1]
+            for name, x in (("target", target), ("draft", draft)):
+                row = element_addresses(x)[b, node].tolist()
+                has_child = node + 1 < int(batch["num_nodes"][b])
+                lookup = row[int(batch["tokens"][b, node + 1])] if has_child else None  # the child's test
+                counts = [reads[name].get(a, 0) for a in row if a != lookup]
+                expect = passes[b] if name == "target" or (temps[b] > 0 and has_child) else 0
+                if last:
+                    assert min(counts) >= expect, (b, node, name, counts)
+                else:
+                    assert counts == [expect] * len(counts), (b, node, name, counts)
+                walked[name].update(row)
+    assert int(res.num_accepted.max()) >= 2
+    for name in ("target", "draft"):  # (and nothing else, but the children's looked-up entries)
+        lookups = {element_addresses(x)[b, i, int(batch["tokens"][b, i + 1])].item() for b in range(B)
+                   for i in range(int(batch["num_nodes"][b]) - 1) for x in ((target, draft)[name == "draft"],)}
+        assert set(reads[name]) - lookups <= walked[name], f"{name}: rows off the walked path were read"
+    _check_support(res, dict(batch, target_logits=target, draft_logits=draft, top_k=top_k, top_p=top_p, min_p=min_p))
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")

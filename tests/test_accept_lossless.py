@@ -242,10 +242,6 @@ def test_first_two_tokens_follow_the_masked_markov_target_in_the_fused_triton_ma
                          ids=["chain_draft", "topk_tree_given"])
 def test_first_two_tokens_with_every_filter(backend, with_draft, parents, t):
     """top_k, top_p, min_p and the path-dependent mask together, on the other two tree kinds."""
-    if backend == "triton" and DEVICE.type == "cpu" and not with_draft:
-        # the interpreter's time: on Triton the filters are the launcher's processing, exact by test_sampling;
-        # the processed rows' given-proposal walk is the unfiltered one (test_first_token_follows_target)
-        pytest.skip("given proposals with every filter: compiled Triton only")
     f = FILTERS["all"]
     n = INTERPRETED_FILTERED_SAMPLES if backend == "triton" and DEVICE.type == "cpu" else SAMPLES
     pairs = _first_two_tokens(backend, parents, t, with_draft, n, seed=8 + with_draft, filters=f)
