@@ -88,7 +88,7 @@ other). Context and state travel as named tuples (flattened by the compiler: fre
 
 Bytes floor (for the benchmark): sum_b (num_accepted[b] + 1) * V * (target itemsize + draft itemsize if
 draft logits are given and temperature[b] > 0), plus V / 8 per walked row with a bitmask. With top-k / top-p a
-walked sampling row is read 4 times, not once (min-p alone: twice; see "filters"). Extra traffic
+walked sampling row is read 3 times, not once (min-p alone: twice; see "filters"). Extra traffic
 over the floor: the draw's chunk scans of the last target row (one, or one per candidate after a last
 rejection with draft logits), and a Z pass (a re-read of the node's rows, partly from L2) after a rejection
 with more children to try, or when every candidate was rejected.
@@ -808,10 +808,13 @@ def _proposal_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.const
 # then evenly spaced in key space), which brackets the threshold between two pivots; once the bracket holds
 # at most CAP entries a gathering pass collects their values, and the threshold is decided exactly, pairwise,
 # by the definitions themselves (`_resolve`: fewer than k strictly larger values; mass of the strictly larger
-# values < top_p times what top-k keeps). No sort. Then a statistics pass through the thresholds (sel 1) gives
-# the law's log-sum-exp and chunk masses and the walk goes on as without filters.
-# Reads of a filtered row: statistics, pivots, gathering, statistics (4); top-p after top-k is decided on the
-# same gathered values when the gathering covered [lo, +inf) (k <= CAP entries kept); min-p alone: statistics
+# values < top_p times what top-k keeps). No sort. The gathering also gives what the row keeps per chunk (the
+# weight above the bracket, plus the gathered values' above the threshold), so the node's law (log-sum-exp,
+# chunk masses) is known and its children are tested in the same decision (`_select_decide`); otherwise (min-p
+# alone, a threshold above the gathered bracket, a search that ended on pivots) a statistics pass through the
+# thresholds (sel 1) gives it. Then the walk goes on as without filters.
+# Reads of a filtered row: statistics, pivots, gathering (3); top-p after top-k is decided on the same
+# gathered values when the gathering covered [lo, +inf) (k <= CAP entries kept); min-p alone: statistics
 # twice. A bracket of more than CAP entries (ties of many values, or dense values) costs more pivot passes:
 # each divides its key range by NUM_PIVOTS, and a bracket of one value is the threshold itself.
 # Weights: exp(x / t - max x / t) in float32, summed in float64 (the gathered values' in float64), so top-p's
@@ -928,7 +931,8 @@ def _pivots(req, srch, NUM_PIVOTS: tl.constexpr):
 def _select_row_chunk(req, node, row, srch, s, rec, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
                       SPLIT_V: tl.constexpr, SELECT_BLOCK: tl.constexpr):
     """One row's part of a SELECT pass over chunk s into partial record `rec`: the count and weight of its
-    entries at or above each pivot, or (MODE_COMPACT) its values in [lo, hi), in index order."""
+    entries at or above each pivot, or (MODE_COMPACT) its values in [lo, hi), in index order, and the weight
+    of those at or above hi (mass slot 0)."""
     lo, hi = _bounds(req, s, SPLIT_V)
     hi = tl.where(srch.goal == GOAL_DONE, lo, hi)  # (a row whose search is over is not read)
     pivots = _pivots(req, srch, NUM_PIVOTS)
@@ -938,20 +942,22 @@ def _select_row_chunk(req, node, row, srch, s, rec, sb, NUM_PIVOTS: tl.constexpr
     masses = tl.zeros([NUM_PIVOTS], tl.float64)
     n = tl.full((), 0, tl.int32)
     values = sb.gathered + rec * CAP
+    j = tl.arange(0, NUM_PIVOTS)
     for start in range(lo, hi, SELECT_BLOCK):
         cols = start + ar
         x = _kept(req, node, cols, tl.load(row + cols, mask=cols < hi, other=NEG_INF).to(tl.float32), NEG_INF)
+        weight = tl.exp(x * req.inv_t - srch.max_a)
         if gather:
             inside = (x >= srch.lo) & (x < srch.hi)
             at = n + tl.cumsum(inside.to(tl.int32), 0) - 1
             tl.store(values + at, x, mask=inside & (at < CAP))
             n += tl.reduce(inside.to(tl.int32), 0, _SUM)
+            above_hi = tl.reduce(tl.where(x >= srch.hi, weight, 0.0), 0, _SUM).to(tl.float64)
+            masses += tl.where(j == 0, above_hi, 0.0)
         else:
-            weight = tl.exp(x * req.inv_t - srch.max_a)
             above = x[:, None] >= pivots[None, :]
             counts += tl.reduce(above.to(tl.int32), 0, _SUM)
             masses += tl.reduce(tl.where(above, weight[:, None], 0.0), 0, _SUM).to(tl.float64)
-    j = tl.arange(0, NUM_PIVOTS)
     tl.store(sb.pivot_counts + rec * NUM_PIVOTS + j, tl.where(gather, tl.where(j == 0, n, 0), counts))
     tl.store(sb.pivot_masses + rec * NUM_PIVOTS + j, masses)
 
@@ -1032,28 +1038,32 @@ def _gathered(sb, recs, starts, ends, total, g, CAP: tl.constexpr):
     mine = tl.arange(0, recs.shape[0])[None, :] == owner[:, None]
     first = tl.reduce(tl.where(mine, starts[None, :], 0), 1, _SUM)
     rec = tl.reduce(tl.where(mine, recs[None, :], 0), 1, _SUM)
-    return tl.load(sb.gathered + rec * CAP + (g - first), mask=g < total, other=NEG_INF)
+    return tl.load(sb.gathered + rec * CAP + (g - first), mask=g < total, other=NEG_INF), owner
 
 
 @triton.jit
-def _resolve(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+def _resolve(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr,
+             S_BLOCK: tl.constexpr):
     """After a gathering pass: the goal's threshold from the gathered values x (all of [lo, hi)), pairwise.
     Top-k: the smallest x with c_hi + #{gathered > x} < k. Top-p: the smallest x with f_hi + the weight of the
     gathered values > x < top_p * w (none: hi). When top-k's gathering covered [lo, +inf), top-p is decided on
-    the same values, with w their weight above top-k's threshold; else top-p's search starts over [tau_k, +inf)."""
+    the same values, with w their weight above top-k's threshold; else top-p's search starts over [tau_k, +inf).
+    Also returns, when the search ends here with a threshold below hi, the weight the row keeps per chunk (that
+    at or above hi, the gathering's, plus the gathered values' >= tau), and whether it does: the node's law
+    without a statistics pass through the threshold."""
     n = tl.load(sb.pivot_counts + recs * NUM_PIVOTS, mask=have, other=0)
     ends = tl.cumsum(n, 0)
     starts = ends - n
     total = tl.reduce(n, 0, _SUM)
     g = tl.arange(0, CAP)
-    x = _gathered(sb, recs, starts, ends, total, g, CAP)
+    x, owner = _gathered(sb, recs, starts, ends, total, g, CAP)
     weight = tl.where(g < total, tl.exp(x.to(tl.float64) / req.t.to(tl.float64) - srch.max_a.to(tl.float64)), 0.0)
     goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w = srch
     pair = tl.arange(0, PAIR_BLOCK)
     if goal == GOAL_K:
         tau_k = tl.full((), POS_INF, tl.float32)
         for i0 in range(0, total, PAIR_BLOCK):
-            xi = _gathered(sb, recs, starts, ends, total, i0 + pair, CAP)
+            xi, _ = _gathered(sb, recs, starts, ends, total, i0 + pair, CAP)
             larger = tl.reduce((x[None, :] > xi[:, None]).to(tl.int32), 1, _SUM)
             kept = (i0 + pair < total) & (c_hi + larger < req.k)
             tau_k = tl.minimum(tau_k, tl.reduce(tl.where(kept, xi, POS_INF), 0, _MIN))
@@ -1071,13 +1081,17 @@ def _resolve(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.conste
     if (goal == GOAL_P) & (mode == MODE_COMPACT):
         tau_p = hi
         for i0 in range(0, total, PAIR_BLOCK):
-            xi = _gathered(sb, recs, starts, ends, total, i0 + pair, CAP)
+            xi, _ = _gathered(sb, recs, starts, ends, total, i0 + pair, CAP)
             heavier = tl.reduce(tl.where(x[None, :] > xi[:, None], weight[None, :], 0.0), 1, _SUM)
             kept = (i0 + pair < total) & (xi >= lo) & (f_hi + heavier < req.top_p * w)
             tau_p = tl.minimum(tau_p, tl.reduce(tl.where(kept, xi, POS_INF), 0, _MIN))
         tau = tl.maximum(tau, tau_p)
         goal = tl.full((), GOAL_DONE, tl.int32)
-    return Search(goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w)
+    exact = (goal == GOAL_DONE) & (tau < hi)
+    sidx = tl.arange(0, S_BLOCK)
+    kept = tl.load(sb.pivot_masses + recs * NUM_PIVOTS, mask=have, other=0.0)
+    kept += tl.reduce(tl.where((owner[:, None] == sidx[None, :]) & (x[:, None] >= tau), weight[:, None], 0.0), 0, _SUM)
+    return Search(goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w), kept.to(tl.float32), exact
 
 
 @triton.jit
@@ -1111,26 +1125,47 @@ def _store_search(sb, buf, r, srch, mask):
 
 
 @triton.jit
-def _select_step(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+def _select_step(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr,
+                 S_BLOCK: tl.constexpr):
+    """A row's search one step on: (the search, its kept weight per chunk, whether that is known)."""
+    kept = tl.full((S_BLOCK,), 0.0, tl.float32)
+    exact = srch.goal < 0  # (False)
     if srch.goal != GOAL_DONE:
         if srch.mode == MODE_COMPACT:
-            srch = _resolve(req, srch, recs, have, sb, NUM_PIVOTS, CAP, PAIR_BLOCK)
+            srch, kept, exact = _resolve(req, srch, recs, have, sb, NUM_PIVOTS, CAP, PAIR_BLOCK, S_BLOCK)
         else:
             srch = _narrow(req, srch, recs, have, sb, NUM_PIVOTS, CAP)
-    return srch
+    return srch, kept, exact
 
 
 @triton.jit
-def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   S_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
-    """After a SELECT pass (partials in buffer `buf`): each row's search one step on; the walk's next pass."""
+def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+                   CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+    """After a SELECT pass (partials in buffer `buf`): each row's search one step on. When both end in this
+    step on gathered values that give their kept weights, the node's law is known (log-sum-exp and chunk
+    masses from those weights) and its children are tested at once; else the next pass: more searching, or
+    statistics through the thresholds. Returns the walk, the `Residual` of a draw and the searches."""
     sidx = tl.arange(0, S_BLOCK)
     have = sidx < NUM_SPLITS
     recs = ((buf * tl.num_programs(0) + tl.program_id(0)) * NUM_SPLITS + sidx) * 2
-    sp = _select_step(req, sp, recs, have, sb, NUM_PIVOTS, CAP, PAIR_BLOCK)
+    sp, kept_p, exact = _select_step(req, sp, recs, have, sb, NUM_PIVOTS, CAP, PAIR_BLOCK, S_BLOCK)
+    kept_q = kept_p
+    use_q = sp.goal < 0  # (False)
     if HAS_DRAFT:
-        sq = _select_step(req, sq, recs + 1, have, sb, NUM_PIVOTS, CAP, PAIR_BLOCK)
-    return _after_search(walk, sp, sq), sp, sq
+        sq, kept_q, exact_q = _select_step(req, sq, recs + 1, have, sb, NUM_PIVOTS, CAP, PAIR_BLOCK, S_BLOCK)
+        use_q = _uses_q(req, walk.node, T_BLOCK)
+        exact = exact & (exact_q | (~use_q))
+    walk = _after_search(walk, sp, sq)
+    res = Residual(tl.full((S_BLOCK,), 0.0, tl.float32), walk.c)
+    if (walk.kind == STATS) & exact:
+        none = tl.full((S_BLOCK,), NEG_INF, tl.float32)
+        q_on = sidx < tl.where(use_q, NUM_SPLITS, 0)  # (a scalar condition through the bound, as in _load_chunks)
+        chunks = Chunks(max_p=tl.where(have, sp.max_a, NEG_INF), sum_p=kept_p, max_q=tl.where(q_on, sq.max_a, NEG_INF),
+                        sum_q=tl.where(q_on, kept_q, 0.0), argmax=tl.full((S_BLOCK,), -1, tl.int32), mass=kept_p * 0.0,
+                        max_x=none, max_xq=none)
+        walk, res = _verify(req, walk, chunks, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+    return walk, res, sp, sq
 
 
 @triton.jit
@@ -1151,15 +1186,24 @@ def _decide(req, walk, chunks, HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexp
         if searching:
             walk, sp, sq = _start_search(req, walk, chunks, HAS_DRAFT, T_BLOCK)
         else:
-            if walk.kind == STATS:
-                walk, res = _start_node(walk, chunks)
-            else:
-                walk, res = _after_z(walk, chunks)
-            if HAS_DRAFT:
-                walk, res = _draft_verify(req, walk, res, T_BLOCK, NUM_SPLITS, S_BLOCK)
-            else:
-                walk, res = _proposal_verify(req, walk, res, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+            walk, res = _verify(req, walk, chunks, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
     return walk, res, sp, sq
+
+
+@triton.jit
+def _verify(req, walk, chunks, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+            SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
+    """Sampling, after a pass over the node's rows: its residual (fresh after statistics, else after a Z pass),
+    then its children's tests."""
+    if walk.kind == STATS:
+        walk, res = _start_node(walk, chunks)
+    else:
+        walk, res = _after_z(walk, chunks)
+    if HAS_DRAFT:
+        walk, res = _draft_verify(req, walk, res, T_BLOCK, NUM_SPLITS, S_BLOCK)
+    else:
+        walk, res = _proposal_verify(req, walk, res, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+    return walk, res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1287,8 +1331,9 @@ def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, buf, I
                 walk = _merge_candidates(req, walk, part_f_ptr, part_i_ptr, buf, NUM_SPLITS, S_BLOCK, TRIALS)
         elif walk.kind == SELECT:
             if HAS_FILTERS:
-                walk, sp, sq = _select_decide(req, walk, _load_search(sb, buf, 0), _load_search(sb, buf, 1), sb, buf,
-                                              HAS_DRAFT, NUM_SPLITS, S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
+                walk, res, sp, sq = _select_decide(req, walk, _load_search(sb, buf, 0), _load_search(sb, buf, 1), sb,
+                                                   buf, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, NUM_PIVOTS,
+                                                   CAP, PAIR_BLOCK)
         elif walk.kind != DONE:
             walk, res, sp, sq = _decide(req, walk, _load_chunks(part_f_ptr, part_i_ptr, buf, walk.kind, NUM_SPLITS,
                                                                 S_BLOCK), HAS_DRAFT, HAS_FILTERS, T_BLOCK, NUM_SPLITS,
@@ -1404,8 +1449,8 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds
                     _select_chunk(req, walk, sp, sq, s, sb, read_buf, HAS_DRAFT, NUM_SPLITS, NUM_PIVOTS, CAP, SPLIT_V,
                                   SELECT_BLOCK)
                 tl.debug_barrier()
-                walk, sp, sq = _select_decide(req, walk, sp, sq, sb, read_buf, HAS_DRAFT, NUM_SPLITS, S_BLOCK,
-                                              NUM_PIVOTS, CAP, PAIR_BLOCK)
+                walk, res, sp, sq = _select_decide(req, walk, sp, sq, sb, read_buf, HAS_DRAFT, T_BLOCK, NUM_SPLITS,
+                                                   SPLIT_V, S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
         else:
             walk, res, sp, sq = _decide(req, walk, _row_pass(req, walk, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V,
                                                              BLOCK_V, S_BLOCK, PREFETCH), HAS_DRAFT, HAS_FILTERS,
@@ -1437,8 +1482,8 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
     be set from the H200 benchmark (bench.sweep).
     Interpreter: 16-entry tiles so small test vocabularies span several tiles, one chunk and only the
     walker (cheapest; test_accept.py checks that the split schedules give identical results).
-    Filters (top-k / top-p / min-p given): a node takes up to 4 passes (statistics, pivots, gathering,
-    statistics), so up to 4 (T + 1) split launches; pivot passes over 256-entry tiles (their [tile, pivots]
+    Filters (top-k / top-p / min-p given): a node takes 3 passes (statistics, pivots, gathering), a few more
+    for a long search, so up to 4 (T + 1) split launches; pivot passes over 256-entry tiles (their [tile, pivots]
     compares stay in registers). Untuned too.
     """
     select = dict(num_pivots=NUM_PIVOTS, cap=CAP, pair_block=16)

@@ -650,10 +650,10 @@ def test_filtered_batch_invariance(backend, draft):
                          ids=["walker", "split-launches"])
 def test_triton_filtered_rows_reads(monkeypatch, schedule):
     """What the fused filters cost in reads, element by element (the spy): only walked rows are read; a walked
-    row of a sampling request with top-k / top-p is read 4 times (statistics, pivots, gathering of the bracket,
-    statistics through the threshold), with min-p alone twice (the threshold is closed-form from the max), its
-    draft row alike where q is used (not at a leaf); greedy rows once, with any filter. The last row's draw
-    reads more of it (a chunk's scan, candidates), never less."""
+    row of a sampling request with top-k / top-p is read 3 times (statistics, pivots, gathering of the bracket:
+    the kept weights come with the threshold), with min-p alone twice (the threshold is closed-form from the
+    max, then statistics through it), its draft row alike where q is used (not at a leaf); greedy rows once,
+    with any filter. The last row's draw reads more of it (a chunk's scan, candidates), never less."""
     from specdec.kernels.accept import accept as triton_accept
 
     gen = torch.Generator().manual_seed(68)
@@ -668,7 +668,7 @@ def test_triton_filtered_rows_reads(monkeypatch, schedule):
     top_k = torch.tensor([8, 0, 5, 0, 0, 30], dtype=torch.int32)
     top_p = torch.tensor([1.0, 0.9, 0.9, 1.0, 1.0, 0.95])
     min_p = torch.tensor([0.0, 0.0, 0.1, 0.05, 0.2, 0.01])
-    passes = [1 if temps[b] == 0 else 4 if top_k[b] > 0 or top_p[b] < 1 else 2 for b in range(B)]
+    passes = [1 if temps[b] == 0 else 3 if top_k[b] > 0 or top_p[b] < 1 else 2 for b in range(B)]
     spy = MemorySpy(monkeypatch)
     res = AcceptResult(*triton_accept(target, batch["tokens"].int(), batch["parents"].int(), draft, temps,
                                       batch["seeds"], batch["num_nodes"], 0, None, top_k, top_p, min_p, None, **schedule))
