@@ -279,6 +279,7 @@ struct Accept {
   const int32_t* bitmask;
   bool* masked_empty[2];  // (B, T) flags of the target's / draft's rows: -inf on every allowed token (or null)
   int64_t T, V, offset;
+  bool block;  // method "block": sampling requests verify their chain by block verification (walk_block)
   int32_t* accepted;  // (B, T), pre-filled with -1
   int32_t* num_accepted;
   int64_t* next_tokens;
@@ -716,6 +717,61 @@ struct Accept {
     return false;
   }
 
+  // sum_x max(w r[x] / r_sum - q[x] / q_sum, 0): block verification's residual mass at weight w (an empty
+  // row's law counts as 0).
+  double weighted_residual_mass(const Residual<acc_t>& res, double w, double r_sum, double q_sum) const {
+    const acc_t* r = res.r.data();
+    const acc_t* q = res.q.data();
+    const acc_t a = static_cast<acc_t>(r_sum > 0 ? w / r_sum : 0.0), c = static_cast<acc_t>(q_sum > 0 ? 1.0 / q_sum : 0.0);
+    const Vec va(a), vc(c), zero(acc_t(0));
+    Vec sum = zero;
+    int64_t i = 0;
+    for (; i + Vec::size() <= V; i += Vec::size()) {
+      sum = sum + at::vec::maximum(at::vec::fmsub(Vec::loadu(r + i), va, Vec::loadu(q + i) * vc), zero);
+    }
+    double tail = 0;
+    for (; i < V; ++i) tail += std::max(r[i] * a - q[i] * c, acc_t(0));
+    return reduce_sum(sum) + tail;
+  }
+
+  // Block verification of request b's chain (Sun et al., arXiv 2403.10444, Algorithm 2; the reference's
+  // block_weights): node i's laws P_i, Q_i in turn; h_i from the weight p_i = min(p_{i-1} P_{i-1}(X_i) /
+  // Q_{i-1}(X_i), 1) and the mass of max(p_i P_i - Q_i, 0) (h_gamma = p_gamma); tau = the last i with
+  // u_i < h_i. A weight of 0 ends the loop (every later h is 0). Then the next token from max(p_tau P_tau -
+  // Q_tau, 0) (tau = gamma: P_gamma), node tau's rows computed again. Returns (tau, token).
+  template <typename LawsFn>
+  std::pair<int64_t, int64_t> walk_block(int64_t b, int64_t n, RequestRng& rng, Residual<acc_t>& res,
+                                         LawsFn&& laws) const {
+    const int64_t gamma = n - 1;
+    double w = 1.0, w_tau = 1.0;
+    int64_t tau = 0;
+    for (int64_t i = 0; i <= gamma; ++i) {
+      const auto [r_sum, q_sum, empty] = laws(i, i < gamma);
+      if (i > 0) {
+        double h = w;
+        if (i < gamma) {
+          const double s = weighted_residual_mass(res, w, r_sum, q_sum);
+          h = s + 1.0 - w > 0 ? s / (s + 1.0 - w) : 1.0;
+        }
+        if (rng.uniform() < h) {
+          tau = i;
+          w_tau = w;
+        }
+      }
+      if (i == gamma) break;
+      const int64_t x = tokens[b * T + i + 1];
+      const double big = r_sum > 0 ? res.r[x] / r_sum : 0.0, small = q_sum > 0 ? res.q[x] / q_sum : 0.0;
+      const double ratio = small > 0 ? big / small : big > 0 ? std::numeric_limits<double>::infinity() : 0.0;
+      w = w == 0.0 ? 0.0 : std::min(w * ratio, 1.0);
+      if (w == 0.0) break;
+    }
+    const auto [r_sum, q_sum, empty] = laws(tau, tau < gamma);
+    const double total = tau == gamma ? r_sum : subtract_residual(res, r_sum, q_sum * w_tau);
+    const double u = rng.uniform();
+    if (total > 0) return {tau, sample(res, total, u)};
+    return {tau, empty ? -1 : -2};  // (no law: the caller's fallback token)
+  }
+
   void run(int64_t b, Residual<acc_t>& res) const {
     const int64_t n = num_nodes[b];
     // children in node order: first_child / next_sibling lists
@@ -740,7 +796,33 @@ struct Accept {
     const bool filtered = any(f);  // else the plain path, as without the filters
     int64_t node = 0, length = 0, token = -1;
     accepted[b * T] = 0;
-    while (true) {
+    // node i's processed target law into res.r (and the draft's into res.q when `with_q`): (sums, empty)
+    auto laws = [&](int64_t i, bool with_q) {
+      const int64_t row = b * T + i;
+      const MaskRow mask{f.mask != nullptr ? f.mask + i * words() : nullptr};
+      scan(i);
+      const double r_sum = filtered ? process_row(target + row * V, target_max[row], inv_t, f, mask, r,
+                                                  res.block_sums.data(), res).total
+                                    : exp_row(target + row * V, target_max[row], inv_t, r, res.block_sums.data());
+      const double q_sum = !with_q ? 0.0
+          : filtered ? process_row(draft + row * V, draft_max[row], inv_t, f, mask, q, nullptr, res).total
+                     : exp_row(draft + row * V, draft_max[row], inv_t, q, nullptr);
+      return std::make_tuple(r_sum, q_sum, !(r_sum > 0));
+    };
+    if (block && t > 0.0) {
+      auto [tau, drawn] = walk_block(b, n, rng, res, laws);
+      for (int64_t i = 1; i <= tau; ++i) accepted[b * T + i] = static_cast<int32_t>(i);
+      length = tau;
+      const int64_t row = b * T + tau;
+      const MaskRow mask{f.mask != nullptr ? f.mask + tau * words() : nullptr};
+      // no law to draw from: an empty row emits 0, a residual of probability 0 (by rounding) the argmax
+      token = drawn >= 0 ? drawn : drawn == -1 ? 0
+              : filtered ? first_allowed_max(target + row * V, mask,
+                                             mask.words != nullptr ? masked_max(target + row * V, mask)
+                                                                   : static_cast<acc_t>(target_max[row]))
+                         : first_argmax(target + row * V, target_max[row]);
+    }
+    while (!(block && t > 0.0)) {
       const int64_t row = b * T + node;
       const scalar_t* target_row = target + row * V;
       const MaskRow mask{f.mask != nullptr ? f.mask + node * words() : nullptr};
@@ -818,9 +900,9 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                                               const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
                                               const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k,
                                               const std::optional<Tensor>& top_p, const std::optional<Tensor>& min_p,
-                                              const std::optional<Tensor>& token_bitmask) {
+                                              const std::optional<Tensor>& token_bitmask, c10::string_view method) {
   AcceptInputs in = check_accept(target_in, tokens, parents, draft_in, temperature, seeds, num_nodes, offset, offsets,
-                                 top_k, top_p, min_p, token_bitmask);
+                                 top_k, top_p, min_p, token_bitmask, method);
   const int64_t B = target_in.size(0), T = target_in.size(1), V = target_in.size(2);
   // mixed target/draft dtypes: both promoted (exactly) to a common one, so q is the drafter's own law
   const auto dtype = draft_in.has_value() ? c10::promoteTypes(target_in.scalar_type(), draft_in->scalar_type())
@@ -859,7 +941,7 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                               in.token_bitmask.defined() ? in.token_bitmask.const_data_ptr<int32_t>() : nullptr,
                               {masked_empty[0].defined() ? masked_empty[0].data_ptr<bool>() : nullptr,
                                masked_empty[1].defined() ? masked_empty[1].data_ptr<bool>() : nullptr},
-                              T, V, offset,
+                              T, V, offset, in.block,
                               accepted.data_ptr<int32_t>(),
                               num_accepted.data_ptr<int32_t>(),
                               next_tokens.data_ptr<int64_t>()};

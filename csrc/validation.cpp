@@ -247,7 +247,13 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
                           const std::optional<Tensor>& draft_logits, const Tensor& temperature, const Tensor& seeds,
                           const Tensor& num_nodes, int64_t offset, const std::optional<Tensor>& offsets,
                           const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p,
-                          const std::optional<Tensor>& min_p, const std::optional<Tensor>& token_bitmask) {
+                          const std::optional<Tensor>& min_p, const std::optional<Tensor>& token_bitmask,
+                          c10::string_view method) {
+  // _validation.check_method
+  TORCH_CHECK_VALUE(method == "token" || method == "block", "method: expected one of ('token', 'block'), got '",
+                    std::string(method), "'");
+  TORCH_CHECK_VALUE(method != "block" || draft_logits.has_value(), "method: 'block' needs draft_logits (the drafter's "
+                    "laws); given proposals verify with method='token'");
   check_tensor("target_logits", target_logits, 3, kFloat);
   const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
   const c10::Device device = target_logits.device();
@@ -303,6 +309,16 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   }
   in.parents = int32_contiguous(parents);
   check_parents(in.parents, in.num_nodes);
+  in.block = method == "block";
+  if (in.block) {
+    const int32_t* par = in.parents.data_ptr<int32_t>();
+    const int32_t* n = in.num_nodes.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 1; i < n[b]; ++i) {
+        TORCH_CHECK_VALUE(par[b * T + i] == i - 1, "method: 'block' verifies chains only (parents[b, i] = i - 1)");
+      }
+    }
+  }
 
   in.tokens = int32_contiguous(tokens);
   const int32_t* tok = in.tokens.data_ptr<int32_t>();

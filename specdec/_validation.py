@@ -364,10 +364,11 @@ def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accept
 # acceptance
 # ----------------------------------------------------------------------------------------------
 def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k=None,
-                 top_p=None, min_p=None, token_bitmask=None, values=True):
+                 top_p=None, min_p=None, token_bitmask=None, method="token", values=True):
     """The checks of specdec.accept; returns the normalized (num_nodes, temperature, seeds, offset, offsets,
     top_k, top_p, min_p, token_bitmask): top_k (B,) int32, top_p / min_p (B,) float32, each None when it is off
     for the whole batch (None, or a Python number meaning off), so the kernels keep their plain path."""
+    check_method(method, draft_logits)
     _tensor("target_logits", target_logits, dim=3, dtypes=FLOAT_DTYPES)
     B, T, V = target_logits.shape
     dev = target_logits.device
@@ -402,6 +403,10 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     if values and offsets is not None:
         _fail_if("offset", (offsets < 0) | (offsets >= MAX_OFFSET), "must be in [0, 2**60)")
     check_parents(parents, num_nodes, values)
+    if values and method == "block":
+        idx = torch.arange(T, device=dev)
+        inner = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
+        _fail_if("method", inner & (parents != idx - 1), "'block' verifies chains only (parents[b, i] = i - 1)")
     if values:
         idx = torch.arange(T, device=dev)
         real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
@@ -432,6 +437,21 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
                 _fail_if(name, rows_real & (masked_max == float("-inf")),
                          "a real node's row is -inf on every token token_bitmask allows")
     return num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask
+
+
+METHODS = ("token", "block")
+
+
+def check_method(method, draft_logits):
+    """accept's verifier: "token" (token-wise, any tree) or "block" (block verification of chains, which needs
+    the drafter's laws)."""
+    if not isinstance(method, str):
+        raise TypeError(f"method: expected a str, one of {METHODS}, got {type(method).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if method == "block" and draft_logits is None:
+        raise ValueError("method: 'block' needs draft_logits (the drafter's laws); given proposals verify with "
+                         "method='token'")
 
 
 TOP_K_RANGE = "must be >= 0 (0 or >= V: off)"

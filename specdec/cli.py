@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0 = off, default)")
+    g.add_argument("--method", choices=("token", "block"), default="token",
+                   help="verifier of sampled chains: token-wise (default) or block verification (chains only)")
     g.add_argument("--compare-ar", action="store_true", help="also run plain autoregressive decoding")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--device", default="cpu", help="cpu (C++ ops) or cuda (Triton kernels); default %(default)s")
@@ -90,7 +92,8 @@ def generate(args) -> dict:
     drafter = make_drafter(args, target)
     prompts = [tok.encode(p) for p in args.prompt]
     kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
-    decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype), SpeculativeDecoder(target, kv_dtype=kv_dtype))
+    decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method),
+                SpeculativeDecoder(target, kv_dtype=kv_dtype))
     for decoder in decoders[:1 + args.compare_ar]:
         decoder.generate(prompts[:1], 4)  # warm-up, so that the timings compare steady states
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
@@ -100,7 +103,7 @@ def generate(args) -> dict:
               "tokens_per_step": spec.summary["tokens_per_step"],
               "acceptance_by_depth": spec.summary["acceptance_by_depth"],
               "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
-              "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree,
+              "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree, "method": args.method,
               "temperature": args.temperature, **filters, "device": str(device), "dtype": args.dtype,
               "kv_cache_dtype": args.kv_cache_dtype, "requests": spec.stats}
     if args.compare_ar:

@@ -26,6 +26,7 @@ import torch
 import specdec
 from .drafters.base import Drafter, NoDrafter
 from .models.llama import Llama
+from ._validation import METHODS
 from .sampling import SamplingParams
 
 @dataclass
@@ -40,12 +41,20 @@ class GenerationOutput:
 
 class SpeculativeDecoder:
     def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
-                 block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None):
+                 block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token"):
         """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
-        kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2)."""
+        kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
+        method: accept's verifier for sampling requests, "token" or "block" (chains drafted with draft
+        logits: the draft model's chain:K)."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
+        if method not in METHODS:
+            raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+        if method == "block" and self.drafter.max_nodes != self.drafter.max_depth + 1:
+            raise ValueError(f"method: 'block' verifies chains only; the drafter proposes trees of "
+                             f"{self.drafter.max_nodes} nodes and depth {self.drafter.max_depth}")
+        self.method = method
         V = target.cfg.vocab_size
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != V:
             raise ValueError(f"vocab mismatch: the drafter has {self.drafter.vocab_size} tokens, the target {V}")
@@ -73,6 +82,7 @@ class SpeculativeDecoder:
         temp = torch.tensor(temps, dtype=torch.float32, device=dev)
         params = SamplingParams.for_batch(B, self.target.cfg.vocab_size, dev, top_k, top_p, min_p, allowed_token_ids)
         seeds_t = torch.tensor(seeds, dtype=torch.int64, device=dev)
+        method = self.method if any(t > 0 for t in temps) else "token"  # (greedy requests: any method is token-wise)
 
         prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
         # room for: prompt + max_new for live requests (+ a last tree) and one token per step once finished
@@ -102,7 +112,7 @@ class SpeculativeDecoder:
             logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes)
             res = specdec.accept(logits, prop.tokens, prop.parents, draft_logits=prop.draft_logits,
                                  temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes, offset=steps,
-                                 **params.accept_kwargs(prop.tokens.shape[1]))
+                                 method=method, **params.accept_kwargs(prop.tokens.shape[1]))
             live = ~done
             num_acc = torch.where(live, res.num_accepted, 0)
             cache.rollback(res.accepted_nodes, num_acc)

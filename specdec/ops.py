@@ -74,7 +74,7 @@ def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
 
 
 def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-                 top_k=None, top_p=None, min_p=None, token_bitmask=None):
+                 top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token"):
     B, T, _ = target_logits.shape
     return (tokens.new_empty((B, T), dtype=torch.int32), tokens.new_empty((B,), dtype=torch.int32),
             tokens.new_empty((B,), dtype=torch.int64))
@@ -98,7 +98,7 @@ OPS = {spec.name: spec for spec in (
     OpSpec("accept",
            "(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, Tensor temperature, "
            "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None, Tensor? top_k=None, Tensor? top_p=None, "
-           "Tensor? min_p=None, Tensor? token_bitmask=None) -> (Tensor, Tensor, Tensor)",
+           "Tensor? min_p=None, Tensor? token_bitmask=None, str method=\"token\") -> (Tensor, Tensor, Tensor)",
            reference.accept, _fake_accept, (".kernels.accept", "accept"), val.check_accept),
     OpSpec("kv_append",
            "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
@@ -263,7 +263,7 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
            num_nodes: Optional[torch.Tensor] = None, offset: Union[int, torch.Tensor] = 0,
            top_k: Union[None, int, torch.Tensor] = None, top_p: Union[None, float, torch.Tensor] = None,
            min_p: Union[None, float, torch.Tensor] = None, token_bitmask: Optional[torch.Tensor] = None,
-           backend: Optional[str] = None) -> AcceptResult:
+           method: str = "token", backend: Optional[str] = None) -> AcceptResult:
     """Verify draft trees against the target: the longest accepted path plus one next token.
 
     target_logits: (B, T, V) the target's logits at each node. tokens: (B, T) int, tokens[b, i] is node
@@ -294,14 +294,19 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     with them off no backend writes an out-of-range id (the reference stops the walk at that node and emits
     token 0). A number meaning off (or None) drops that parameter for the whole batch; a tensor is read per
     request. specdec.reference.processed_probs is the law of one row.
+
+    method: the verifier of sampling requests (one for the batch; greedy requests are unaffected).
+    "token": token-wise (multi-step) rejection sampling, any tree. "block": block verification (Sun et al.,
+    arXiv 2403.10444), which decides a chain jointly and accepts at least as many tokens on average, with
+    the same output law; chains only (parents[b, i] = i - 1, a value check) and draft_logits required.
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
     """
     num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = OPS["accept"].check(
         target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k, top_p, min_p,
-        token_bitmask, _python_value_checks(backend, target_logits))
+        token_bitmask, method, _python_value_checks(backend, target_logits))
     filters = (top_k, top_p, min_p, token_bitmask)
-    # (every filter off: the schema's defaults, and the argument list of callers that predate them)
-    extra = filters if any(f is not None for f in filters) else ()
+    # (every filter off and token-wise: the schema's defaults, and the argument list of callers that predate them)
+    extra = (*filters, method) if method != "token" else filters if any(f is not None for f in filters) else ()
     res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
                 parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset, offsets, *extra)
     return AcceptResult(*res)

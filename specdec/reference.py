@@ -254,8 +254,53 @@ def request_filters(b: int, top_k=None, top_p=None, min_p=None) -> tuple[int, fl
             0.0 if min_p is None else float(min_p[b]))
 
 
+# ----------------------------------------------------------------------------------------------
+# Block verification of a chain (Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh, "Block Verification
+# Accelerates Speculative Decoding", arXiv 2403.10444, Algorithm 2)
+# ----------------------------------------------------------------------------------------------
+def block_weights(p_rows, q_rows, drafted: list[int]) -> tuple[list[float], list[float]]:
+    """The weights of block verification along a chain of gamma = len(drafted) draft tokens X_1..X_gamma:
+    p_rows[i], q_rows[i] are the target's and the drafter's laws after X^i (i = 0..gamma; q_rows[gamma] is
+    unused). Returns (p_0..p_gamma, h_1..h_gamma): X^i is accepted as the block's prefix iff i is the last
+    index with eta_i < h_i (eta_i i.i.d. uniform; none: i = 0)."""
+    gamma = len(drafted)
+    weights, h = [1.0], []  # step 2: p_0 = 1
+    for i in range(1, gamma + 1):
+        x, p_prev = drafted[i - 1], weights[-1]
+        # step 4: p_i = min(p_{i-1} Mb(X_i | X^{i-1}) / Ms(X_i | X^{i-1}), 1) (0 once it is 0; a token the
+        # drafter could not draw but the target can: ratio +inf)
+        big, small = float(p_rows[i - 1][x]), float(q_rows[i - 1][x])
+        ratio = big / small if small > 0 else (math.inf if big > 0 else 0.0)
+        weights.append(0.0 if p_prev == 0.0 else min(p_prev * ratio, 1.0))
+        if i < gamma:
+            # step 5: h_i = sum_x max(p_i Mb(x | X^i) - Ms(x | X^i), 0) / (that sum + 1 - p_i)
+            s = float(torch.clamp(weights[i] * p_rows[i] - q_rows[i], min=0.0).sum())
+            h.append(s / (s + 1.0 - weights[i]) if s + 1.0 - weights[i] > 0 else 1.0)
+        else:
+            h.append(weights[i])  # step 5, i = gamma: h_gamma = p_gamma
+    return weights, h
+
+
+def block_residual(p_row, q_row, weight: float) -> torch.Tensor:
+    """Step 9: the law of the next token after accepting X^tau, tau < gamma, unnormalized:
+    max(p_tau Mb(. | X^tau) - Ms(. | X^tau), 0). (tau = gamma: Mb(. | X^gamma) itself.)"""
+    return torch.clamp(weight * p_row - q_row, min=0.0)
+
+
+def _block_verify(P, Q, drafted, gen, fallback):
+    """One request's block verification (Algorithm 2) with its random stream: (tau, next token)."""
+    weights, h = block_weights(P, Q, drafted)
+    gamma = len(drafted)
+    eta = [float(torch.rand((), dtype=torch.float64, generator=gen)) for _ in range(gamma)]  # step 1
+    tau = max([i for i in range(1, gamma + 1) if eta[i - 1] < h[i - 1]], default=0)  # steps 3-8
+    r = P[tau] if tau == gamma else block_residual(P[tau], Q[tau], weights[tau])
+    if bool(r.sum() > 0):
+        return tau, int(torch.multinomial(r, 1, generator=gen))
+    return tau, fallback(tau)  # an empty row, or a residual of probability 0 (by rounding)
+
+
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-           top_k=None, top_p=None, min_p=None, token_bitmask=None):
+           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token"):
     """Walk each request's tree from the root and return (accepted_nodes, num_accepted, next_tokens).
 
     At node i, the target's law p and (with draft logits) the drafter's law q are the processed laws of
@@ -268,6 +313,11 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     r(x) <- 0. The next token is drawn from r (normalized).
     A node whose masked target row has no finite logit (bad input, rejected by the value checks) accepts no
     child and emits token 0.
+    method="block" (sampling requests; chains with draft logits): block verification (`block_weights`,
+    Algorithm 2 of Sun et al.) decides the chain jointly: the accepted prefix X^tau and the next token from
+    `block_residual`; the uniforms eta_1..eta_gamma come first in the stream, then the draw. Greedy
+    requests are unaffected. (A non-chain tree is rejected by the validation; unchecked, the nodes are read
+    as the chain 0, 1, ..., num_nodes - 1.)
     Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
     """
     B, T, V = target_logits.shape
@@ -281,6 +331,15 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
         t = float(temperature[b])
         k, p_top, p_min = request_filters(b, top_k, top_p, min_p)
         gen = request_generator(int(seeds[b]), offset + (0 if offsets is None else int(offsets[b])))
+        if method == "block" and t > 0.0:
+            rows = [None if allowed is None else allowed[b, i] for i in range(n)]
+            P = [processed_probs(target_logits[b, i], t, k, p_top, p_min, rows[i]) for i in range(n)]
+            Q = [processed_probs(draft_logits[b, i], t, k, p_top, p_min, rows[i]) for i in range(n)]
+            tau, token = _block_verify(P, Q, [int(tokens[b, i]) for i in range(1, n)], gen,
+                                       lambda i: greedy_token(target_logits[b, i], rows[i]) or 0)
+            accepted[b, : tau + 1] = torch.arange(tau + 1, dtype=torch.int32)
+            num_acc[b], next_tok[b] = tau, token
+            continue
         path, node = [0], 0
         while True:
             mask = None if allowed is None else allowed[b, node]

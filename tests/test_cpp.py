@@ -271,12 +271,12 @@ def bad_cases():
 
     def accept(logits=x["logits"], tokens=x["tokens"], parents=x["parents"], draft=x["draft"],
                temperature=x["temperature"], seeds=x["seeds"], nn=x["num_nodes"], offset=0, offsets=None,
-               top_k=None, top_p=None, min_p=None, bitmask=None):
+               top_k=None, top_p=None, min_p=None, bitmask=None, method="token"):
         # the schema takes (int offset, Tensor? offsets); the public op one `offset`, an int or a tensor
         def python_check(*a):
             return val.check_accept(*a[:7], a[7] if a[8] is None else a[8], *a[9:])
         return "accept", python_check, (logits, tokens, parents, draft, temperature, seeds, nn, offset, offsets,
-                                        top_k, top_p, min_p, bitmask)
+                                        top_k, top_p, min_p, bitmask, method)
 
     W = (x["logits"].shape[-1] + 31) // 32
     everything = torch.full((2, 4, W), -1, dtype=torch.int32)
@@ -325,6 +325,10 @@ def bad_cases():
         "attn/cap_negative": attention(cap=-0.5),
         "attn/cap_nan": attention(cap=float("nan")),
         "accept/logits_dim": accept(logits=x["logits"][0]),
+        "accept/method_name": accept(method="blocks"),
+        "accept/method_block_without_draft": accept(draft=None, method="block"),
+        "accept/method_block_on_a_tree": accept(parents=torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]]),
+                                                nn=torch.tensor([4, 4], dtype=torch.int32), method="block"),
         "accept/tokens_shape": accept(tokens=x["tokens"][:, :3]),
         "accept/tokens_dtype": accept(tokens=x["tokens"].float()),
         "accept/parents_shape": accept(parents=x["parents"][:1]),

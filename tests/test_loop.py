@@ -222,18 +222,19 @@ def exact_two_token_law(target, prompt, temperature):
     return {(x1, x2): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(firsts) for x2 in range(p2.shape[1])}
 
 
-@pytest.mark.parametrize("tree", ["chain:3", "tree:3,1", "dynamic:6,3,2"])
-def test_sampling_is_lossless_on_shipped_pair(tree):
+@pytest.mark.parametrize("tree, method", [("chain:3", "token"), ("tree:3,1", "token"), ("dynamic:6,3,2", "token"),
+                                          ("chain:4", "block")])
+def test_sampling_is_lossless_on_shipped_pair(tree, method):
     """Many seeds in one batch: the first two tokens' empirical law matches the target's exact law
     (chi-square, cells with expected count >= 5, the rest pooled). chain:3 and tree:3,1 pass draft logits
     (children drawn i.i.d. from the draft; several siblings in the tree); the dynamic tree passes given
-    proposals."""
+    proposals; chain:4 is verified by block verification."""
     target = load_model(os.path.join(ASSETS, "target"))
     draft = load_model(os.path.join(ASSETS, "draft"))
     prompt = ByteTokenizer().encode("import os\nimport s")
     temperature, n = 0.8, 600
-    out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree)).generate([prompt] * n, 2, temperature,
-                                                                             seed=list(range(1000, 1000 + n)))
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree), method=method).generate(
+        [prompt] * n, 2, temperature, seed=list(range(1000, 1000 + n)))
     law = exact_two_token_law(target, prompt, temperature)
     cells = [c for c, p in law.items() if p * n >= 5]
     counts = {c: 0 for c in cells}
@@ -401,6 +402,7 @@ def test_cli_json(capsys, byte_pair):
     (["--draft", "{root}/other_vocab"], "vocab mismatch"),
     (["--tree", "chain:0"], "tree spec"),
     (["--drafter", "ngram", "--tree", "tree:2,2"], "ngram drafter proposes chains"),
+    (["--method", "block", "--tree", "tree:2,2"], "method: 'block' verifies chains only"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "--top-p"),
