@@ -21,6 +21,10 @@ node's processed law keeps: its bitmask row, and with filters the row's threshol
     u * Z_k * rho < 1 - c_k * rho.
   * given proposals (no draft logits): accept x iff u * S_k < p(x) (x not already rejected), with the
     closed-form residual mass S_{k+1} = S_k - p(x); no extra pass.
+  * method "block" (chains with draft logits): block verification (`_block_step`): every chain node's
+    statistics, then (inner nodes) a Z pass with c = 1 / p_i, whose mass times p_i is S_i; the test of node
+    i is u_i < h_i = S_i / (S_i + 1 - p_i) (h_gamma = p_gamma), the last node passing it is tau, and the next
+    token is drawn from max(p - q / p_tau, 0) at tau (p at gamma), tau's rows read again if needed;
   * the next token (correction or bonus) is drawn from the unnormalized final residual r (p at a leaf,
     p minus the rejected tokens for given proposals, max(p - c q, 0) after rejections with draft logits)
     by inverse transform with ONE uniform u per request: the last full pass (statistics, or Z after the
@@ -124,14 +128,18 @@ NODE = tl.constexpr(1)
 DEPTH = tl.constexpr(2)
 CURSOR = tl.constexpr(3)
 SEL = tl.constexpr(4)
-STATE_INTS = tl.constexpr(5)
+TAU_NODE = tl.constexpr(5)
+FINAL = tl.constexpr(6)
+STATE_INTS = tl.constexpr(7)
 C = tl.constexpr(0)
 Z = tl.constexpr(1)
 LSE_P = tl.constexpr(2)
 LSE_Q = tl.constexpr(3)
 TAU_P = tl.constexpr(4)
 TAU_Q = tl.constexpr(5)
-STATE_FLOATS = tl.constexpr(6)
+WEIGHT = tl.constexpr(6)
+W_TAU = tl.constexpr(7)
+STATE_FLOATS = tl.constexpr(8)
 
 # chunk partial records (2, B, NUM_SPLITS, slots): what a split launch's program leaves for the next launch
 MAX_P = tl.constexpr(0)  # statistics: (max, sum exp(. - max)) of target/t and draft/t over the chunk
@@ -230,6 +238,10 @@ class Walk(NamedTuple):
     sel: tl.tensor  # filtered: 0 until the node's thresholds are known, then 1 (statistics through them)
     tau_p: tl.tensor  # the thresholds of the node's target and draft rows: raw values below are dropped
     tau_q: tl.tensor
+    w: tl.tensor  # block verification: the node's weight p_i, the last accepted node tau and its weight p_tau,
+    tau_node: tl.tensor  # and the phase (0: walking the chain; 1-3: the draw at tau, see `_block_step`)
+    w_tau: tl.tensor
+    final: tl.tensor
 
 
 class Chunks(NamedTuple):
@@ -431,7 +443,7 @@ def _emit(req, depth, token, mask):
 def _with_kind(walk, kind):
     """The walk with its next step changed."""
     return Walk(kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.lse_p, walk.lse_q, walk.sel, walk.tau_p,
-                walk.tau_q)
+                walk.tau_q, walk.w, walk.tau_node, walk.w_tau, walk.final)
 
 
 @triton.jit
@@ -441,7 +453,8 @@ def _start(req, T):
     root = tl.full((), 0, tl.int32)
     zero = tl.full((), 0.0, tl.float32)
     return Walk(kind=root + STATS, node=root, depth=root, cursor=root, c=zero, z=zero + 1.0, lse_p=zero, lse_q=zero,
-                sel=root, tau_p=zero + NEG_INF, tau_q=zero + NEG_INF)
+                sel=root, tau_p=zero + NEG_INF, tau_q=zero + NEG_INF, w=zero + 1.0, tau_node=root, w_tau=zero + 1.0,
+                final=root)
 
 
 @triton.jit
@@ -452,7 +465,9 @@ def _load_state(state_i_ptr, state_f_ptr, buf):
     sf = state_f_ptr + rec * STATE_FLOATS
     return Walk(kind=tl.load(si + KIND), node=tl.load(si + NODE), depth=tl.load(si + DEPTH),
                 cursor=tl.load(si + CURSOR), c=tl.load(sf + C), z=tl.load(sf + Z), lse_p=tl.load(sf + LSE_P),
-                lse_q=tl.load(sf + LSE_Q), sel=tl.load(si + SEL), tau_p=tl.load(sf + TAU_P), tau_q=tl.load(sf + TAU_Q))
+                lse_q=tl.load(sf + LSE_Q), sel=tl.load(si + SEL), tau_p=tl.load(sf + TAU_P), tau_q=tl.load(sf + TAU_Q),
+                w=tl.load(sf + WEIGHT), tau_node=tl.load(si + TAU_NODE), w_tau=tl.load(sf + W_TAU),
+                final=tl.load(si + FINAL))
 
 
 @triton.jit
@@ -468,6 +483,10 @@ def _store_state(state_i_ptr, state_f_ptr, buf, walk, mask):
     tl.store(si + SEL, walk.sel, mask=mask)
     tl.store(sf + TAU_P, walk.tau_p, mask=mask)
     tl.store(sf + TAU_Q, walk.tau_q, mask=mask)
+    tl.store(sf + WEIGHT, walk.w, mask=mask)
+    tl.store(si + TAU_NODE, walk.tau_node, mask=mask)
+    tl.store(sf + W_TAU, walk.w_tau, mask=mask)
+    tl.store(si + FINAL, walk.final, mask=mask)
     tl.store(sf + C, walk.c, mask=mask)
     tl.store(sf + Z, walk.z, mask=mask)
     tl.store(sf + LSE_P, walk.lse_p, mask=mask)
@@ -661,7 +680,7 @@ def _greedy_step(req, walk, chunks, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr
     sidx = tl.arange(0, S_BLOCK)
     first = tl.reduce(tl.where(chunks.max_p == tl.reduce(chunks.max_p, 0, _MAX), sidx, S_BLOCK), 0, _MIN)
     argmax = tl.reduce(tl.where(sidx == first, chunks.argmax, 0), 0, _SUM)
-    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q = walk
+    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
     child = _first_child(req, node, node, req.tok == argmax, T_BLOCK)
     if child < T_BLOCK:
         depth = _descend(req, child, depth)
@@ -669,7 +688,7 @@ def _greedy_step(req, walk, chunks, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr
     else:
         _emit(req, depth, argmax, req.writer)
         kind = tl.full((), DONE, tl.int32)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q)
+    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final)
 
 
 @triton.jit
@@ -682,16 +701,17 @@ def _start_node(walk, chunks):
     zero = tl.full((), 0.0, tl.float32)
     # cursor = node: no child tested yet
     walk = Walk(walk.kind, walk.node, walk.depth, walk.node, zero, zero + 1.0, lse_p, max_q + tl.log(sum_q), walk.sel,
-                walk.tau_p, walk.tau_q)
+                walk.tau_p, walk.tau_q, walk.w, walk.tau_node, walk.w_tau, walk.final)
     return walk, Residual(chunks.sum_p * tl.exp(chunks.max_p - lse_p), zero)
 
 
 @triton.jit
 def _after_z(walk, chunks):
     """After a Z pass: Z of the residual r = max(p - c q, 0), and r's chunk masses."""
-    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q = walk
+    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
     z = tl.reduce(chunks.mass, 0, _SUM)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q), Residual(chunks.mass, c)
+    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), \
+        Residual(chunks.mass, c)
 
 
 @triton.jit
@@ -710,7 +730,7 @@ def _draft_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexp
     accepted (descend: STATS), or rejected (the residual's c grows by its Z: the next child's test needs Z
     of the new residual, ZPASS; after the last child only a draw from it, TRIAL), or none is left (the draw
     from `res`, LOCATE)."""
-    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q = walk
+    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
     child = _first_child(req, node, cursor, req.valid, T_BLOCK)
     if child < T_BLOCK:
         cursor = child
@@ -733,7 +753,7 @@ def _draft_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexp
             # logit); the draw then finds no token and the walk ends with token 0 (`_emit`).
             c = tl.full((), 0.0, tl.float32)
             kind = tl.full((), ZPASS, tl.int32)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q), res
+    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), res
 
 
 @triton.jit
@@ -771,7 +791,7 @@ def _proposal_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.const
     """Given proposals (no draft logits): every child in node order in one go (the residual's mass is
     closed-form) until one is accepted (descend: STATS), else the draw (LOCATE) from p minus the rejected
     tokens, or from p itself (c = -1) when rounding left nothing of it."""
-    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q = walk
+    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
     accepted = tl.full((), T_BLOCK, tl.int32)
     child = _first_child(req, node, node, req.valid, T_BLOCK)
     while (child < T_BLOCK) & (accepted == T_BLOCK):
@@ -793,7 +813,7 @@ def _proposal_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.const
         else:
             c = tl.full((), -1.0, tl.float32)
             res = Residual(res.mass, c)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q), res
+    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -899,7 +919,7 @@ def _after_search(walk, sp, sq):
     """SELECT while a row's search goes on, else statistics through the thresholds found (sel 1)."""
     done = (sp.goal == GOAL_DONE) & (sq.goal == GOAL_DONE)
     return Walk(tl.where(done, STATS, SELECT).to(tl.int32), walk.node, walk.depth, walk.cursor, walk.c, walk.z,
-                walk.lse_p, walk.lse_q, done.to(tl.int32), sp.tau, sq.tau)
+                walk.lse_p, walk.lse_q, done.to(tl.int32), sp.tau, sq.tau, walk.w, walk.tau_node, walk.w_tau, walk.final)
 
 
 @triton.jit
@@ -1139,7 +1159,7 @@ def _select_step(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.co
 
 
 @triton.jit
-def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr,
+def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr, T_BLOCK: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
                    CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """After a SELECT pass (partials in buffer `buf`): each row's search one step on. When both end in this
@@ -1164,13 +1184,13 @@ def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, T_BLOCK:
         chunks = Chunks(max_p=tl.where(have, sp.max_a, NEG_INF), sum_p=kept_p, max_q=tl.where(q_on, sq.max_a, NEG_INF),
                         sum_q=tl.where(q_on, kept_q, 0.0), argmax=tl.full((S_BLOCK,), -1, tl.int32), mass=kept_p * 0.0,
                         max_x=none, max_xq=none)
-        walk, res = _verify(req, walk, chunks, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+        walk, res = _verify(req, walk, chunks, HAS_DRAFT, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
     return walk, res, sp, sq
 
 
 @triton.jit
-def _decide(req, walk, chunks, HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, T_BLOCK: tl.constexpr,
-            NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
+def _decide(req, walk, chunks, HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, BLOCK: tl.constexpr,
+            T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
     """Merge the partials of the pass walk.kind (STATS or ZPASS) and walk on until the next pass is needed.
     Returns the walk, the `Residual` a draw (LOCATE) or the candidates (TRIAL) pick from, and the rows'
     searches (a filtered node's first statistics start them: SELECT next)."""
@@ -1186,20 +1206,105 @@ def _decide(req, walk, chunks, HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexp
         if searching:
             walk, sp, sq = _start_search(req, walk, chunks, HAS_DRAFT, T_BLOCK)
         else:
-            walk, res = _verify(req, walk, chunks, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+            walk, res = _verify(req, walk, chunks, HAS_DRAFT, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
     return walk, res, sp, sq
 
 
 @triton.jit
-def _verify(req, walk, chunks, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
+def _walk_to(walk, kind, node, c, final):
+    """The walk at another step: `kind` next at `node` (a new node: its thresholds not known yet), Z-pass c."""
+    zero = tl.full((), 0, tl.int32)
+    moved = node != walk.node
+    return Walk(tl.full((), kind, tl.int32), node, walk.depth, walk.cursor, c, walk.z, walk.lse_p, walk.lse_q,
+                tl.where(moved, zero, walk.sel), tl.where(moved, NEG_INF, walk.tau_p),
+                tl.where(moved, NEG_INF, walk.tau_q), walk.w, walk.tau_node, walk.w_tau, zero + final)
+
+
+@triton.jit
+def _block_draw(req, walk, res):
+    """The draw after block verification accepted nodes 1..tau of the chain (the walk at node tau, `res` the
+    chunk masses of the law to draw from): the path is written, then LOCATE."""
+    tau = walk.tau_node
+    tl.store(req.path + req.idx, req.idx, mask=(req.idx >= 1) & (req.idx < tl.where(req.writer, tau + 1, 0)))
+    walk = Walk(tl.full((), LOCATE, tl.int32), walk.node, tau, walk.cursor, res.c, walk.z, walk.lse_p, walk.lse_q,
+                walk.sel, walk.tau_p, walk.tau_q, walk.w, tau, walk.w_tau, walk.final)
+    return walk, res
+
+
+@triton.jit
+def _block_step(req, walk, res, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr):
+    """Block verification of the request's chain (Sun et al., arXiv 2403.10444, Algorithm 2; the reference's
+    block_weights), one decision per pass. Walking (final 0), at node i after its statistics: i < gamma (not
+    the root) needs S_i = sum max(p_i P_i - Q_i, 0) first: a Z pass with c = 1 / p_i gives S_i / p_i. Then
+    h_i = S_i / (S_i + 1 - p_i) (h_gamma = p_gamma) and node i's test u_i < h_i makes i the last accepted node
+    tau so far; the next weight p_{i+1} = min(p_i P_i(X_{i+1}) / Q_i(X_{i+1}), 1) from two lookups, and the walk
+    moves to node i + 1, unless i = gamma or the weight is 0 (every later h is 0): then the draw at tau, from
+    max(p_tau P_tau - Q_tau, 0) (tau = gamma: P_gamma), the Z-pass residual with c = 1 / p_tau. Back at an
+    earlier tau (final 1: its statistics; 2: its residual's Z pass; 3: a residual of mass 0 by rounding, P
+    itself) the rows of tau are read again."""
+    gamma = req.n_real - 1
+    i = walk.node
+    if walk.final == 0:
+        tested = (walk.kind == ZPASS) | (i == gamma)  # (node i's statistics first, then its Z pass if i < gamma)
+        if (walk.kind == STATS) & (i > 0) & (i < gamma):
+            walk = _walk_to(walk, ZPASS, i, 1.0 / walk.w, 0)
+        else:
+            w = walk.w
+            tau_node = walk.tau_node
+            w_tau = walk.w_tau
+            if tested & (i > 0):
+                s = w * walk.z
+                h = tl.where(i == gamma, w, tl.where(s + 1.0 - w > 0, s / (s + 1.0 - w), 1.0))
+                _, u = _child(req, i)
+                if u < h:
+                    tau_node = i
+                    w_tau = w
+            nxt = w * 0.0
+            if i < gamma:
+                x, _ = _child(req, i + 1)
+                t_row, d_row = _rows(req, i)
+                lp = _logit(req, t_row, i, x, walk.tau_p) - walk.lse_p
+                lq = _logit(req, d_row, i, x, walk.tau_q) - walk.lse_q
+                ratio = tl.where(lq == NEG_INF, tl.where(lp > NEG_INF, POS_INF, 0.0), tl.exp(lp - tl.where(lq == NEG_INF, 0.0, lq)))
+                nxt = tl.where(w == 0.0, 0.0, tl.minimum(w * ratio, 1.0))
+            walk = Walk(walk.kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.lse_p, walk.lse_q, walk.sel,
+                        walk.tau_p, walk.tau_q, nxt, tau_node, w_tau, walk.final)
+            if nxt > 0.0:
+                walk = _walk_to(walk, STATS, i + 1, 0.0, 0)
+            elif tau_node == i:
+                if i == gamma:  # the draw from P_gamma: its statistics' chunk masses
+                    walk, res = _block_draw(req, walk, Residual(res.mass, 0.0 * res.c))
+                elif walk.kind == ZPASS:  # the Z pass's residual is the draw's (S_i > 0: u_i < h_i)
+                    walk, res = _block_draw(req, walk, res)
+                else:  # tau = 0 at the root, after its statistics: max(P - Q, 0) needs its Z pass
+                    walk = _walk_to(walk, ZPASS, i, 1.0 / w_tau, 2)
+            else:
+                walk = _walk_to(walk, STATS, tau_node, 0.0, 1)
+    elif walk.final == 1:  # back at tau, its statistics done
+        if walk.tau_node == gamma:
+            walk, res = _block_draw(req, walk, Residual(res.mass, 0.0 * res.c))
+        else:
+            walk = _walk_to(walk, ZPASS, walk.node, 1.0 / walk.w_tau, 2)
+    else:
+        if (walk.final == 2) & (not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0):
+            walk = _walk_to(walk, ZPASS, walk.node, 0.0, 3)  # (a residual of mass 0 by rounding: P itself)
+        else:
+            walk, res = _block_draw(req, walk, res)
+    return walk, res
+
+
+@triton.jit
+def _verify(req, walk, chunks, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr, T_BLOCK: tl.constexpr,
+            NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
     """Sampling, after a pass over the node's rows: its residual (fresh after statistics, else after a Z pass),
-    then its children's tests."""
+    then its children's tests (BLOCK: block verification of the chain, `_block_step`)."""
     if walk.kind == STATS:
         walk, res = _start_node(walk, chunks)
     else:
         walk, res = _after_z(walk, chunks)
-    if HAS_DRAFT:
+    if BLOCK:
+        walk, res = _block_step(req, walk, res, NUM_SPLITS, S_BLOCK)
+    elif HAS_DRAFT:
         walk, res = _draft_verify(req, walk, res, T_BLOCK, NUM_SPLITS, S_BLOCK)
     else:
         walk, res = _proposal_verify(req, walk, res, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
@@ -1313,9 +1418,9 @@ def _merge_candidates(req, walk, part_f_ptr, part_i_ptr, buf, NUM_SPLITS: tl.con
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, buf, IS_FIRST: tl.constexpr,
-            HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr, TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-            CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+            HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, BLOCK: tl.constexpr, T_BLOCK: tl.constexpr,
+            NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr, TRIALS: tl.constexpr,
+            NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """The walk where the previous launch left it (buffer `buf`), its last pass merged and decided on; the
     first launch starts at the root. Returns the walk, the `Residual` of its draw and the rows' searches."""
     # (only a decision leads to a draw)
@@ -1332,12 +1437,12 @@ def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, buf, I
         elif walk.kind == SELECT:
             if HAS_FILTERS:
                 walk, res, sp, sq = _select_decide(req, walk, _load_search(sb, buf, 0), _load_search(sb, buf, 1), sb,
-                                                   buf, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, NUM_PIVOTS,
-                                                   CAP, PAIR_BLOCK)
+                                                   buf, HAS_DRAFT, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK,
+                                                   NUM_PIVOTS, CAP, PAIR_BLOCK)
         elif walk.kind != DONE:
             walk, res, sp, sq = _decide(req, walk, _load_chunks(part_f_ptr, part_i_ptr, buf, walk.kind, NUM_SPLITS,
-                                                                S_BLOCK), HAS_DRAFT, HAS_FILTERS, T_BLOCK, NUM_SPLITS,
-                                        SPLIT_V, S_BLOCK)
+                                                                S_BLOCK), HAS_DRAFT, HAS_FILTERS, BLOCK, T_BLOCK,
+                                        NUM_SPLITS, SPLIT_V, S_BLOCK)
     return walk, res, sp, sq
 
 
@@ -1352,7 +1457,7 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
                   part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr,
                   sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
                   HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
-                  IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                  BLOCK: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
                   T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr,
                   NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """A split launch, grid (B, NUM_SPLITS): merge the previous launch's partials and decide (every program
@@ -1363,8 +1468,8 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
                    stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
     sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
     walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
-                                HAS_DRAFT, HAS_FILTERS, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS, NUM_PIVOTS, CAP,
-                                PAIR_BLOCK)
+                                HAS_DRAFT, HAS_FILTERS, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS, NUM_PIVOTS,
+                                CAP, PAIR_BLOCK)
     buf = 1 - read_buf
     _store_state(state_i_ptr, state_f_ptr, buf, walk, req.writer)
     if HAS_FILTERS:
@@ -1427,7 +1532,7 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds
                  part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr,
                  sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
                  HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
-                 IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
                  T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr,
                  NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """The last launch, grid (B,): merge the last split launch's partials, decide, and finish the walk, each
@@ -1438,8 +1543,8 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds
                    stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
     sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
     walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
-                                HAS_DRAFT, HAS_FILTERS, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS, NUM_PIVOTS, CAP,
-                                PAIR_BLOCK)
+                                HAS_DRAFT, HAS_FILTERS, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS, NUM_PIVOTS,
+                                CAP, PAIR_BLOCK)
     walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
     while walk.kind != DONE:
         if walk.kind == SELECT:
@@ -1449,12 +1554,12 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds
                     _select_chunk(req, walk, sp, sq, s, sb, read_buf, HAS_DRAFT, NUM_SPLITS, NUM_PIVOTS, CAP, SPLIT_V,
                                   SELECT_BLOCK)
                 tl.debug_barrier()
-                walk, res, sp, sq = _select_decide(req, walk, sp, sq, sb, read_buf, HAS_DRAFT, T_BLOCK, NUM_SPLITS,
-                                                   SPLIT_V, S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
+                walk, res, sp, sq = _select_decide(req, walk, sp, sq, sb, read_buf, HAS_DRAFT, BLOCK, T_BLOCK,
+                                                   NUM_SPLITS, SPLIT_V, S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
         else:
             walk, res, sp, sq = _decide(req, walk, _row_pass(req, walk, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V,
                                                              BLOCK_V, S_BLOCK, PREFETCH), HAS_DRAFT, HAS_FILTERS,
-                                        T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+                                        BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
         walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
 
 
@@ -1469,7 +1574,7 @@ NUM_PIVOTS = 16
 CAP = 256
 
 
-def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: bool = False) -> dict:
+def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: bool = False, block: bool = False) -> dict:
     """Tile sizes and schedule from shapes, logit width and device only (never B: results stay batch
     invariant).
 
@@ -1483,16 +1588,17 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
     Interpreter: 16-entry tiles so small test vocabularies span several tiles, one chunk and only the
     walker (cheapest; test_accept.py checks that the split schedules give identical results).
     Filters (top-k / top-p / min-p given): a node takes 3 passes (statistics, pivots, gathering), a few more
-    for a long search, so up to 4 (T + 1) split launches; pivot passes over 256-entry tiles (their [tile, pivots]
+    for a long search, so up to 4 (T + 1) split launches (block verification: twice as many, every chain node
+    taking a Z pass, plus the draw's at tau); pivot passes over 256-entry tiles (their [tile, pivots]
     compares stay in registers). Untuned too.
     """
     select = dict(num_pivots=NUM_PIVOTS, cap=CAP, pair_block=16)
     if device.type == "cuda":
         block_v = max(16, min(2048, triton.next_power_of_2(V)))
         num_splits = min(16, triton.cdiv(V, block_v))
-        passes = 4 * (T + 1) if filtered else T + 1
+        passes = (4 if filtered else 1) * (T + 1) * (2 if block else 1) + (3 if block else 0)
         # a row of one chunk gains nothing from split launches: the walker alone, one launch
-        return dict(block_v=block_v, num_splits=num_splits, split_steps=min(passes, 40 if filtered else 16)
+        return dict(block_v=block_v, num_splits=num_splits, split_steps=min(passes, 40 if filtered or block else 16)
                     if num_splits > 1 else 0, num_warps=8, prefetch=2 if elem_bytes <= 2 else 1, trials=TRIALS,
                     select_block=min(block_v, 256), **select)
     return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4, prefetch=1, trials=TRIALS, select_block=16,
@@ -1507,17 +1613,15 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
 
     Everything is fused: the grammar mask (token_bitmask) is read beside a walked row's logits (`_allowed`),
     and top_k / top_p / min_p become one threshold per walked row, found by the kernel's own passes over it
-    (see "filters" above): no sort, no processed copy of any row. Keyword tunables override `_config` (tests
-    use them to compare schedules, and a small `cap` / `num_pivots` to exercise the long searches).
+    (see "filters" above): no sort, no processed copy of any row. method "block" (with draft logits; chains,
+    checked by specdec.ops.accept): block verification, `_block_step`. Keyword tunables override `_config`
+    (tests use them to compare schedules, and a small `cap` / `num_pivots` to exercise the long searches).
     """
-    if method != "token":
-        raise NotImplementedError(f"method: {method!r} is not in the Triton kernel yet (the torch and cpp backends "
-                                  "have it)")
     B, T, V = target_logits.shape
     dev = target_logits.device
     has_filters = any(f is not None for f in (top_k, top_p, min_p))
     elem_bytes = max(target_logits.element_size(), 0 if draft_logits is None else draft_logits.element_size())
-    cfg = _config(T, V, elem_bytes, dev, has_filters)
+    cfg = _config(T, V, elem_bytes, dev, has_filters, method == "block")
     for name, value in (("block_v", block_v), ("num_splits", num_splits), ("split_steps", split_steps),
                         ("num_warps", num_warps), ("prefetch", prefetch), ("trials", trials),
                         ("num_pivots", num_pivots), ("cap", cap), ("select_block", select_block),
@@ -1567,7 +1671,8 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
             num_nodes.contiguous(), offsets, masks, top_k, top_p, min_p, accepted, num_accepted, next_tokens,
             state_i, state_f, part_f, part_i, *search, *select, T, V, W, target.stride(0), target.stride(1),
             d.stride(0), d.stride(1), offset & 0x7FFFFFFF, offset >> 31)
-    meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, HAS_FILTERS=has_filters, NUM_SPLITS=S,
+    meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, HAS_FILTERS=has_filters,
+                BLOCK=method == "block" and draft is not None, NUM_SPLITS=S,
                 SPLIT_V=split_v, BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T),
                 S_BLOCK=triton.next_power_of_2(S), PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=NP,
                 CAP=cap, SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], num_warps=cfg["num_warps"])

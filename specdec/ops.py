@@ -298,7 +298,8 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     method: the verifier of sampling requests (one for the batch; greedy requests are unaffected).
     "token": token-wise (multi-step) rejection sampling, any tree. "block": block verification (Sun et al.,
     arXiv 2403.10444), which decides a chain jointly and accepts at least as many tokens on average, with
-    the same output law; chains only (parents[b, i] = i - 1, a value check) and draft_logits required.
+    the same output law; chains only (parents[b, i] = i - 1, a value check) and draft_logits required. It
+    reads every row of a sampled chain (token-wise stops at the first rejection).
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
     """
     num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = OPS["accept"].check(

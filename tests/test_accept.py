@@ -358,17 +358,19 @@ def hopper_compile_report() -> None:
              "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "search_i_ptr": "*i32", "search_f_ptr": "*fp32",
              "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32"}
     report = {}
-    for has_filters in (False, True):
-        for has_draft in (True, False):
+    for has_filters, block in ((False, False), (True, False), (False, True)):
+        for has_draft in (True, False) if not block else (True,):
             for first, walk in ((True, False), (False, False), (False, True)):
-                constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters, IS_FIRST=first,
+                constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters, BLOCK=block,
+                                  IS_FIRST=first,
                                   NUM_SPLITS=S, SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
                                   BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                                   PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
                                   CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
                 kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
                                             cfg["num_warps"])
-                report[f"filters={has_filters},draft={has_draft},first={first},walk={walk}"] = spilled_bytes(kernel)
+                report[f"filters={has_filters},block={block},draft={has_draft},first={first},walk={walk}"] = \
+                    spilled_bytes(kernel)
     print(json.dumps(report))
 
 

@@ -18,14 +18,19 @@ import torch
 
 import specdec
 from specdec import reference
-from tests.helpers import accept_on
+from tests.helpers import DEVICE, MemorySpy, accept_on, element_addresses
 from tests.stats import ALPHA, assert_law, chi_square_pvalue, emitted_tokens
-from tests.test_accept_lossless import M, P_TARGET, Q_DRAFT, _markov_step
+from tests.test_accept_lossless import FILTERS, M, P_TARGET, Q_DRAFT, _markov_step, _two_token_law
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-BLOCK_BACKENDS = ["torch"] + (["cpp"] if specdec.ops.HAS_CPP else [])
+BLOCK_BACKENDS = ["torch"] + (["cpp"] if specdec.ops.HAS_CPP else []) + ["triton"]
 SAMPLES = 3000
+INTERPRETED = DEVICE.type == "cpu"  # the Triton kernel runs in the interpreter: smaller samples, fewer cases
+
+
+def samples_for(backend: str) -> int:
+    return 800 if backend == "triton" and INTERPRETED else SAMPLES
 
 
 def _chain(gamma: int) -> list[int]:
@@ -122,9 +127,10 @@ def test_block_is_exactly_lossless_and_never_worse(gamma):
 # ----------------------------------------------------------------------------------------------
 # sampled: accept itself on every CPU backend
 # ----------------------------------------------------------------------------------------------
-def _first_tokens(backend, gamma, t, n, seed, k):
+def _first_tokens(backend, gamma, t, n, seed, k, filters=None):
     """(n, k) the first k tokens generated from state 0 by steps of accept(method="block") on chains of gamma
-    Markov drafts (q's transitions at temperature t), each request's next step from its last emitted token."""
+    Markov drafts (q's transitions at temperature t, processed by `filters` if given), each request's next
+    step from its last emitted token."""
     gen = torch.Generator().manual_seed(seed)
     seeds = torch.arange(n, dtype=torch.int64) + 7919 * seed
     out = [[] for _ in range(n)]
@@ -133,7 +139,7 @@ def _first_tokens(backend, gamma, t, n, seed, k):
         todo = torch.tensor([len(o) < k for o in out])
         if not todo.any():
             break
-        batch = _markov_step(last[todo], _chain(gamma), t, True, gen)
+        batch = _markov_step(last[todo], _chain(gamma), t, True, gen, filters)
         res = accept_on(backend, **batch, seeds=seeds[todo], offset=step, method="block")
         for b, emitted in zip(torch.nonzero(todo).flatten().tolist(), emitted_tokens(res, batch["tokens"])):
             out[b] += emitted
@@ -161,9 +167,22 @@ def test_first_tokens_follow_the_markov_target(backend, gamma, t):
     tokens follow the target's Markov law (chi-square)."""
     if backend == "torch" and gamma not in (2, 5):
         pytest.skip("the reference loops in Python: two chain lengths")
-    tokens = _first_tokens(backend, gamma, t, SAMPLES, seed=11 + gamma, k=3)
+    if backend == "triton" and INTERPRETED and gamma != 3:
+        pytest.skip("the interpreter's time: one chain length")
+    tokens = _first_tokens(backend, gamma, t, samples_for(backend), seed=11 + gamma, k=3)
     assert_law(_index(tokens[:, :2]), _k_token_law(t, 2), f"block, first two tokens, gamma {gamma}, on {backend}")
     assert_law(_index(tokens), _k_token_law(t, 3), f"block, first three tokens, gamma {gamma}, on {backend}")
+
+
+@pytest.mark.parametrize("backend", BLOCK_BACKENDS)
+def test_block_with_every_filter_follows_the_processed_target(backend):
+    """Top-k, top-p, min-p and a path-dependent grammar mask compose with block verification: its P and Q are
+    the processed laws (the drafter samples from its processed one); the first two tokens follow the
+    processed target law."""
+    f = FILTERS["all"]
+    n = 400 if backend == "triton" and INTERPRETED else SAMPLES  # (test_accept_lossless's filtered size there)
+    tokens = _first_tokens(backend, 3, 0.9, n, seed=21, k=2, filters=f)
+    assert_law(_index(tokens), _two_token_law(0.9, f), f"block with every filter on {backend}")
 
 
 @pytest.mark.parametrize("backend", BLOCK_BACKENDS)
@@ -171,8 +190,10 @@ def test_first_tokens_follow_the_markov_target(backend, gamma, t):
 def test_mean_accepted_length_is_the_exact_one(backend, gamma):
     """A lossless sampler can still reject too often: the mean accepted length of one step from state 0 is
     the exact expectation (enumerated), within 4 standard errors, and above token-wise's exact one."""
+    if backend == "triton" and INTERPRETED and gamma != 4:
+        pytest.skip("the interpreter's time: one chain length")
     t = 1.0
-    n = SAMPLES
+    n = samples_for(backend)
     gen = torch.Generator().manual_seed(5 + gamma)
     batch = _markov_step(torch.zeros(n, dtype=torch.int64), _chain(gamma), t, True, gen)
     res = accept_on(backend, **batch, seeds=torch.arange(n) + 17, offset=0, method="block")
@@ -186,8 +207,9 @@ def test_mean_accepted_length_is_the_exact_one(backend, gamma):
 
 def test_negative_controls_reject_wrong_block_samplers(monkeypatch):
     """The chi-square over the first two tokens rejects block verification without its residual correction
-    (the next token from the target itself), and with token-wise weights (p_i = min(P/Q, 1), not carried)."""
-    gamma, t, n = 3, 1.0, SAMPLES
+    (the next token from the target itself), and with token-wise weights (p_i = min(P/Q, 1), not carried), at
+    the smallest sample size used above (the interpreter's), by a wide margin."""
+    gamma, t, n = 3, 1.0, samples_for("triton")
     law = _k_token_law(t, 2)
     def no_correction(p_row, q_row, weight):
         return p_row.clone()
@@ -215,17 +237,20 @@ def test_negative_controls_reject_wrong_block_samplers(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # the op: arguments, greedy requests, determinism, batch invariance
 # ----------------------------------------------------------------------------------------------
+V_CHAIN = 11
+
+
 def _chain_batch(B, T, gen, temperature):
-    target = torch.randn(B, T, 11, generator=gen) * 2
-    draft = target + torch.randn(B, T, 11, generator=gen)
-    tokens = torch.randint(0, 11, (B, T), generator=gen)
+    target = torch.randn(B, T, V_CHAIN, generator=gen) * 2
+    draft = target + torch.randn(B, T, V_CHAIN, generator=gen)
+    tokens = torch.randint(0, V_CHAIN, (B, T), generator=gen)
     tokens[:, 1:] = target[:, :-1].argmax(-1)  # long greedy paths, often accepted when sampling too
     return dict(target_logits=target, tokens=tokens, parents=torch.arange(-1, T - 1).expand(B, T),
                 draft_logits=draft, temperature=temperature, seeds=torch.arange(B) + 3,
                 num_nodes=torch.randint(1, T + 1, (B,), generator=gen))
 
 
-@pytest.mark.parametrize("backend", BLOCK_BACKENDS + ["triton"])
+@pytest.mark.parametrize("backend", BLOCK_BACKENDS)
 def test_bad_method_arguments(backend):
     gen = torch.Generator().manual_seed(0)
     batch = _chain_batch(3, 4, gen, torch.tensor([1.0, 0.0, 0.7]))
@@ -236,10 +261,6 @@ def test_bad_method_arguments(backend):
     with pytest.raises(ValueError, match="method: 'block' needs draft_logits"):
         accept_on(backend, **dict(batch, draft_logits=None), method="block")
     tree = dict(batch, parents=torch.tensor([[-1, 0, 0, 1]] * 3), num_nodes=torch.full((3,), 4))
-    if backend == "triton":
-        with pytest.raises(NotImplementedError, match="method"):
-            accept_on(backend, **batch, method="block")
-        return
     with pytest.raises(ValueError, match="method: 'block' verifies chains only"):
         accept_on(backend, **tree, method="block")
 
@@ -261,3 +282,38 @@ def test_greedy_requests_ignore_the_method_and_results_are_deterministic_and_bat
     again = accept_on(backend, **shuffled, method="block")
     assert all(torch.equal(x[order], y) for x, y in zip(block, again))
     assert int(block.num_accepted[~greedy].max()) >= 2
+
+
+def test_triton_block_schedules_agree_and_read_every_chain_row(monkeypatch):
+    """The Triton walk of block verification gives the same results under the split launches as in the
+    walker alone, with filters too; it reads every row of each sampled chain (each test needs its node's
+    residual mass), not only the rows up to a first rejection, never a row past the chain, and never the
+    last node's draft row (h_gamma = p_gamma needs none)."""
+    from specdec.kernels.accept import accept as triton_accept
+
+    gen = torch.Generator().manual_seed(4)
+    B, T = 6, 5
+    temps = torch.tensor([1.0, 0.8, 0.0, 1.2, 1.0, 0.7])
+    batch = _chain_batch(B, T, gen, temps)
+    target, draft = batch["target_logits"], batch["draft_logits"]
+    args = (target, batch["tokens"].int(), batch["parents"].int(), draft, temps, batch["seeds"],
+            batch["num_nodes"].int(), 0)
+    spy = MemorySpy(monkeypatch)
+    base = triton_accept(*args, method="block")
+    reads = {name: spy.counts([x]) for name, x in (("target", target), ("draft", draft))}
+    for b in range(B):
+        n = int(batch["num_nodes"][b])
+        for i in range(T):
+            rows = {name: element_addresses(x)[b, i].tolist() for name, x in (("target", target), ("draft", draft))}
+            target_read = all(reads["target"].get(a, 0) >= 1 for a in rows["target"])
+            if temps[b] > 0:
+                assert target_read == (i < n), (b, i)
+                draft_read = sum(reads["draft"].get(a, 0) > 0 for a in rows["draft"])
+                assert (draft_read == V_CHAIN) == (i < n - 1), (b, i, draft_read)
+    for schedule in (dict(num_splits=3, split_steps=2 * T + 3), dict(num_splits=2, split_steps=3)):
+        assert all(torch.equal(x, y) for x, y in zip(base, triton_accept(*args, method="block", **schedule)))
+    filters = (torch.tensor([3, 0, 5, 2, 0, 4], dtype=torch.int32), torch.tensor([0.9, 0.8, 1.0, 1.0, 0.95, 0.7]),
+               torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0, 0.0]), None)
+    filtered = triton_accept(*args, None, *filters, "block")
+    assert all(torch.equal(x, y) for x, y in zip(filtered, triton_accept(*args, None, *filters, "block",
+                                                                         num_splits=3, split_steps=20)))
