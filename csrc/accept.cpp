@@ -740,13 +740,13 @@ struct Accept {
   // u_i < h_i. A weight of 0 ends the loop (every later h is 0). Then the next token from max(p_tau P_tau -
   // Q_tau, 0) (tau = gamma: P_gamma), node tau's rows computed again. Returns (tau, token).
   template <typename LawsFn>
-  std::pair<int64_t, int64_t> walk_block(int64_t b, int64_t n, RequestRng& rng, Residual<acc_t>& res,
-                                         LawsFn&& laws) const {
+  std::pair<int64_t, int64_t> walk_block(int64_t b, int64_t n, const Filters& f, RequestRng& rng,
+                                         Residual<acc_t>& res, LawsFn&& laws) const {
     const int64_t gamma = n - 1;
     double w = 1.0, w_tau = 1.0;
     int64_t tau = 0;
     for (int64_t i = 0; i <= gamma; ++i) {
-      const auto [r_sum, q_sum, empty] = laws(i, i < gamma);
+      const auto [r_sum, q_sum, M] = laws(i, i < gamma);
       if (i > 0) {
         double h = w;
         if (i < gamma) {
@@ -765,11 +765,15 @@ struct Accept {
       w = w == 0.0 ? 0.0 : std::min(w * ratio, 1.0);
       if (w == 0.0) break;
     }
-    const auto [r_sum, q_sum, empty] = laws(tau, tau < gamma);
+    const auto [r_sum, q_sum, M] = laws(tau, tau < gamma);
     const double total = tau == gamma ? r_sum : subtract_residual(res, r_sum, q_sum * w_tau);
     const double u = rng.uniform();
     if (total > 0) return {tau, sample(res, total, u)};
-    return {tau, empty ? -1 : -2};  // (no law: the caller's fallback token)
+    // no law to draw from: an empty row emits 0, a residual of probability 0 (by rounding) the argmax
+    if (!(r_sum > 0)) return {tau, 0};
+    const int64_t row = b * T + tau;
+    const MaskRow mask{f.mask != nullptr ? f.mask + tau * words() : nullptr};
+    return {tau, any(f) ? first_allowed_max(target + row * V, mask, M) : first_argmax(target + row * V, target_max[row])};
   }
 
   void run(int64_t b, Residual<acc_t>& res) const {
@@ -796,31 +800,31 @@ struct Accept {
     const bool filtered = any(f);  // else the plain path, as without the filters
     int64_t node = 0, length = 0, token = -1;
     accepted[b * T] = 0;
-    // node i's processed target law into res.r (and the draft's into res.q when `with_q`): (sums, empty)
+    // Node i's processed target law into res.r (block sums refreshed) and, when `with_q`, the draft's into
+    // res.q: (their totals, the target's masked max M).
     auto laws = [&](int64_t i, bool with_q) {
       const int64_t row = b * T + i;
       const MaskRow mask{f.mask != nullptr ? f.mask + i * words() : nullptr};
       scan(i);
-      const double r_sum = filtered ? process_row(target + row * V, target_max[row], inv_t, f, mask, r,
-                                                  res.block_sums.data(), res).total
-                                    : exp_row(target + row * V, target_max[row], inv_t, r, res.block_sums.data());
+      acc_t M = static_cast<acc_t>(target_max[row]);
+      double r_sum;
+      if (filtered) {
+        const Law law = process_row(target + row * V, target_max[row], inv_t, f, mask, r, res.block_sums.data(), res);
+        r_sum = law.total;
+        M = law.max;
+      } else {
+        r_sum = exp_row(target + row * V, target_max[row], inv_t, r, res.block_sums.data());
+      }
       const double q_sum = !with_q ? 0.0
           : filtered ? process_row(draft + row * V, draft_max[row], inv_t, f, mask, q, nullptr, res).total
                      : exp_row(draft + row * V, draft_max[row], inv_t, q, nullptr);
-      return std::make_tuple(r_sum, q_sum, !(r_sum > 0));
+      return std::make_tuple(r_sum, q_sum, M);
     };
     if (block && t > 0.0) {
-      auto [tau, drawn] = walk_block(b, n, rng, res, laws);
+      const auto [tau, drawn] = walk_block(b, n, f, rng, res, laws);
       for (int64_t i = 1; i <= tau; ++i) accepted[b * T + i] = static_cast<int32_t>(i);
       length = tau;
-      const int64_t row = b * T + tau;
-      const MaskRow mask{f.mask != nullptr ? f.mask + tau * words() : nullptr};
-      // no law to draw from: an empty row emits 0, a residual of probability 0 (by rounding) the argmax
-      token = drawn >= 0 ? drawn : drawn == -1 ? 0
-              : filtered ? first_allowed_max(target + row * V, mask,
-                                             mask.words != nullptr ? masked_max(target + row * V, mask)
-                                                                   : static_cast<acc_t>(target_max[row]))
-                         : first_argmax(target + row * V, target_max[row]);
+      token = drawn;
     }
     while (!(block && t > 0.0)) {
       const int64_t row = b * T + node;
@@ -838,22 +842,11 @@ struct Accept {
           if (tokens[b * T + c] == token) chosen = c;
         }
       } else {
-        double r_sum;
-        acc_t M = static_cast<acc_t>(target_max[row]);
-        if (filtered) {
-          const Law law = process_row(target_row, target_max[row], inv_t, f, mask, r, res.block_sums.data(), res);
-          r_sum = law.total;
-          M = law.max;
-        } else {
-          r_sum = exp_row(target_row, target_max[row], inv_t, r, res.block_sums.data());
-        }
         // a leaf's draft row is never needed: only the target law is sampled there; an empty target row
         // (bad input) accepts nothing
+        auto [r_sum, q_sum, M] = laws(node, draft != nullptr && first_child[node] >= 0);
         const bool empty = filtered && !(r_sum > 0);
         const bool use_draft = draft != nullptr && first_child[node] >= 0 && !empty;
-        const double q_sum = !use_draft ? 0.0
-            : filtered ? process_row(draft + row * V, draft_max[row], inv_t, f, mask, q, nullptr, res).total
-                       : exp_row(draft + row * V, draft_max[row], inv_t, q, nullptr);
         for (int64_t c = empty ? -1 : first_child[node]; c >= 0 && chosen < 0; c = next_sibling[c]) {
           const int64_t x = tokens[b * T + c];
           const double u = rng.uniform();

@@ -774,13 +774,9 @@ def _rejected_masses(req, node, lse_p, tau_p, SPLIT_V: tl.constexpr, S_BLOCK: tl
     dup = tl.reduce(((req.tok[:, None] == req.tok[None, :]) & child[None, :]
                      & (req.idx[None, :] < req.idx[:, None])).to(tl.int32), 1, _MAX) > 0
     rejected = child & (dup == 0) & (req.tok >= 0) & (req.tok < req.V)
-    if req.W > 0:  # a disallowed token has p = 0
-        rejected = rejected & _allowed(req, node, req.tok)
     t_row, _ = _rows(req, node)
     raw = tl.load(t_row + req.tok, mask=rejected, other=NEG_INF).to(tl.float32)
-    if req.filtered:
-        raw = tl.where(raw < tau_p, NEG_INF, raw)
-    p = tl.exp(raw * req.inv_t - lse_p)
+    p = tl.exp(_kept(req, node, req.tok, raw, tau_p) * req.inv_t - lse_p)  # (a dropped token has p = 0)
     owner = req.tok // SPLIT_V
     return tl.reduce(tl.where(owner[:, None] == tl.arange(0, S_BLOCK)[None, :], p[:, None], 0.0), 0, _SUM)
 
