@@ -403,13 +403,11 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     if values and offsets is not None:
         _fail_if("offset", (offsets < 0) | (offsets >= MAX_OFFSET), "must be in [0, 2**60)")
     check_parents(parents, num_nodes, values)
-    if values and method == "block":
-        idx = torch.arange(T, device=dev)
-        inner = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
-        _fail_if("method", inner & (parents != idx - 1), "'block' verifies chains only (parents[b, i] = i - 1)")
     if values:
         idx = torch.arange(T, device=dev)
         real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
+        if method == "block":
+            _fail_if("method", real & (parents != idx - 1), "'block' verifies chains only (parents[b, i] = i - 1)")
         rows_real = idx.unsqueeze(0) < num_nodes.long().unsqueeze(1)
         _fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")
         _fail_if("temperature", torch.isnan(temperature) | (temperature < 0) | torch.isinf(temperature),
