@@ -152,7 +152,8 @@ struct AcceptInputs {
   // the filters, undefined when absent: top_k (B,) int32 clamped to [-1, V], top_p / min_p (B,) float32,
   // token_bitmask (B, T, ceil(V/32)) int32, all contiguous
   Tensor top_k, top_p, min_p, token_bitmask;
-  bool block = false;  // method "block": block verification of chains (else "token")
+  bool block = false;  // method "block": block verification of chains
+  bool traversal = false;  // method "traversal": traversal verification of trees (neither: "token")
 };
 constexpr int64_t kMaxOffset = int64_t{1} << 60;  // _validation.MAX_OFFSET
 AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, const Tensor& parents,

@@ -250,10 +250,10 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
                           const std::optional<Tensor>& min_p, const std::optional<Tensor>& token_bitmask,
                           c10::string_view method) {
   // _validation.check_method
-  TORCH_CHECK_VALUE(method == "token" || method == "block", "method: expected one of ('token', 'block'), got '",
-                    std::string(method), "'");
-  TORCH_CHECK_VALUE(method != "block" || draft_logits.has_value(), "method: 'block' needs draft_logits (the drafter's "
-                    "laws); given proposals verify with method='token'");
+  TORCH_CHECK_VALUE(method == "token" || method == "block" || method == "traversal",
+                    "method: expected one of ('token', 'block', 'traversal'), got '", std::string(method), "'");
+  TORCH_CHECK_VALUE(method == "token" || draft_logits.has_value(), "method: '", std::string(method),
+                    "' needs draft_logits (the drafter's laws); given proposals verify with method='token'");
   check_tensor("target_logits", target_logits, 3, kFloat);
   const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
   const c10::Device device = target_logits.device();
@@ -310,6 +310,7 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   in.parents = int32_contiguous(parents);
   check_parents(in.parents, in.num_nodes);
   in.block = method == "block";
+  in.traversal = method == "traversal";
   if (in.block) {
     const int32_t* par = in.parents.data_ptr<int32_t>();
     const int32_t* n = in.num_nodes.data_ptr<int32_t>();

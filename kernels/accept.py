@@ -1613,6 +1613,8 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     checked by specdec.ops.accept): block verification, `_block_step`. Keyword tunables override `_config`
     (tests use them to compare schedules, and a small `cap` / `num_pivots` to exercise the long searches).
     """
+    if method == "traversal":
+        raise NotImplementedError("accept: method='traversal' is not in the Triton kernel yet (torch and cpp have it)")
     B, T, V = target_logits.shape
     dev = target_logits.device
     has_filters = any(f is not None for f in (top_k, top_p, min_p))

@@ -437,18 +437,18 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     return num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask
 
 
-METHODS = ("token", "block")
+METHODS = ("token", "block", "traversal")
 
 
 def check_method(method, draft_logits):
-    """accept's verifier: "token" (token-wise, any tree) or "block" (block verification of chains, which needs
-    the drafter's laws)."""
+    """accept's verifier: "token" (token-wise, any tree), "block" (block verification of chains) or "traversal"
+    (traversal verification, any tree); the last two need the drafter's laws."""
     if not isinstance(method, str):
         raise TypeError(f"method: expected a str, one of {METHODS}, got {type(method).__name__}")
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    if method == "block" and draft_logits is None:
-        raise ValueError("method: 'block' needs draft_logits (the drafter's laws); given proposals verify with "
+    if method != "token" and draft_logits is None:
+        raise ValueError(f"method: {method!r} needs draft_logits (the drafter's laws); given proposals verify with "
                          "method='token'")
 
 

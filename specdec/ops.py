@@ -299,7 +299,12 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     "token": token-wise (multi-step) rejection sampling, any tree. "block": block verification (Sun et al.,
     arXiv 2403.10444), which decides a chain jointly and accepts at least as many tokens on average, with
     the same output law; chains only (parents[b, i] = i - 1, a value check) and draft_logits required. It
-    reads every row of a sampled chain (token-wise stops at the first rejection).
+    reads every row of a sampled chain (token-wise stops at the first rejection). "traversal": traversal
+    verification (Weng et al., arXiv 2505.12398), any tree with draft_logits: the tree is visited leaf to
+    root in post-order with sequence-level weights, so a rejected node's siblings and their subtrees still
+    count; on a chain it is block verification. Same output law, at least as many accepted tokens on
+    average as "token" on trees of depth >= 2 (equal on stars). It reads the rows of every inner node it
+    enters and a leaf's target row only when the next token is drawn there (reference._traversal_verify).
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
     """
     num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = OPS["accept"].check(

@@ -299,6 +299,62 @@ def _block_verify(P, Q, drafted, gen, fallback):
     return tau, fallback(tau)  # an empty row, or a residual of probability 0 (by rounding)
 
 
+# ----------------------------------------------------------------------------------------------
+# Traversal verification of a tree (Weng, Hu, Chen, Liu, Mei, Qiu, Tian, Shi, "Traversal Verification for
+# Speculative Tree Decoding", arXiv 2505.12398): leaf-to-root, in post-order, with sequence-level weights.
+# Written here for children drawn i.i.d. from q (the paper's full text was not at hand); exact losslessness
+# is proven by enumeration in tests/test_traversal_verification.py. On a chain it is block verification.
+# ----------------------------------------------------------------------------------------------
+def traversal_child_weight(w: float, law: torch.Tensor, q_row: torch.Tensor, x: int) -> float:
+    """The weight of child x of a node of weight w whose current law is `law` (P at first, a residual after a
+    rejected child): min(w law(x) / q(x), 1); 0 when law(x) = 0, 1 when q(x) = 0 < law(x)."""
+    big, small = float(law[x]), float(q_row[x])
+    if w == 0.0 or big == 0.0:
+        return 0.0
+    return 1.0 if small == 0.0 else min(w * big / small, 1.0)
+
+
+def traversal_residual(w: float, law: torch.Tensor, q_row: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """A node after one child's whole subtree was rejected: (its new law, its new weight). With r = max(w law -
+    q, 0) and S = sum r: law' = r / S and w' = S / (S + 1 - w) (the conditional chance of still emitting from
+    this node, given that the child failed: that has probability 1 - w + S). S + 1 - w = 0 (law = q, w = 1)
+    makes the failure impossible: w' = 1 then. S = 0: law' is all zeros."""
+    r = torch.clamp(w * law - q_row, min=0.0)
+    s = float(r.sum())
+    return (r / s if s > 0 else r), (s / (s + 1.0 - w) if s + 1.0 - w > 0 else 1.0)
+
+
+def _traversal_verify(P, Q, tokens, kids, gen, fallback):
+    """One request's traversal verification with its random stream: (accepted path, next token).
+
+    visit(v, w) walks v's subtree in post-order (children in node order) and emits the continuation y after
+    v's path with probability w * P(y | v's path), or fails with probability 1 - w: that is what makes the root
+    (w = 1) lossless. Step by step:
+      1. a node of weight 0 fails at once (nothing below it can be emitted; none of its rows is read);
+      2. each child c, in node order, is visited with weight traversal_child_weight(w, law, Q[v], x_c); its
+         subtree either emits (done) or fails, and then the node's law and weight become traversal_residual's;
+      3. after the last child, the node emits with probability w (one uniform u < w; the root's w is 1): the
+         next token is drawn from its current law (P at a leaf); else the node fails to its parent.
+    """
+    def visit(v, w, path):
+        if w == 0.0:  # step 1
+            return None
+        law = P[v]
+        for c in kids[v]:  # step 2
+            found = visit(c, traversal_child_weight(w, law, Q[v], int(tokens[c])), path + [c])
+            if found is not None:
+                return found
+            law, w = traversal_residual(w, law, Q[v])
+            if w == 0.0:
+                return None
+        if float(torch.rand((), dtype=torch.float64, generator=gen)) >= w:  # step 3
+            return None
+        token = int(torch.multinomial(law, 1, generator=gen)) if bool(law.sum() > 0) else fallback(v)
+        return path, token
+
+    return visit(0, 1.0, [0])
+
+
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
            top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token"):
     """Walk each request's tree from the root and return (accepted_nodes, num_accepted, next_tokens).
@@ -315,9 +371,11 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     child and emits token 0.
     method="block" (sampling requests; chains with draft logits): block verification (`block_weights`,
     Algorithm 2 of Sun et al.) decides the chain jointly: the accepted prefix X^tau and the next token from
-    `block_residual`; the uniforms eta_1..eta_gamma come first in the stream, then the draw. Greedy
-    requests are unaffected. (A non-chain tree is rejected by the validation; unchecked, the nodes are read
-    as the chain 0, 1, ..., num_nodes - 1.)
+    `block_residual`; the uniforms eta_1..eta_gamma come first in the stream, then the draw. (A non-chain tree
+    is rejected by the validation; unchecked, the nodes are read as the chain 0, 1, ..., num_nodes - 1.)
+    method="traversal" (sampling requests; any tree with draft logits): traversal verification
+    (`_traversal_verify`): the subtrees are visited in post-order, one uniform per node that decides, then the
+    draw. Greedy requests are unaffected by the method.
     Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
     """
     B, T, V = target_logits.shape
@@ -331,14 +389,18 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
         t = float(temperature[b])
         k, p_top, p_min = request_filters(b, top_k, top_p, min_p)
         gen = request_generator(int(seeds[b]), offset + (0 if offsets is None else int(offsets[b])))
-        if method == "block" and t > 0.0:
+        if method != "token" and t > 0.0:
             rows = [None if allowed is None else allowed[b, i] for i in range(n)]
             P = [processed_probs(target_logits[b, i], t, k, p_top, p_min, rows[i]) for i in range(n)]
             Q = [processed_probs(draft_logits[b, i], t, k, p_top, p_min, rows[i]) for i in range(n)]
-            tau, token = _block_verify(P, Q, [int(tokens[b, i]) for i in range(1, n)], gen,
-                                       lambda i: greedy_token(target_logits[b, i], rows[i]) or 0)
-            accepted[b, : tau + 1] = torch.arange(tau + 1, dtype=torch.int32)
-            num_acc[b], next_tok[b] = tau, token
+            fallback = lambda i: greedy_token(target_logits[b, i], rows[i]) or 0  # noqa: E731
+            if method == "block":
+                tau, token = _block_verify(P, Q, [int(tokens[b, i]) for i in range(1, n)], gen, fallback)
+                path = list(range(tau + 1))
+            else:
+                path, token = _traversal_verify(P, Q, tokens[b].tolist(), kids, gen, fallback)
+            accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
+            num_acc[b], next_tok[b] = len(path) - 1, token
             continue
         path, node = [0], 0
         while True:
