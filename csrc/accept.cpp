@@ -280,6 +280,7 @@ struct Accept {
   bool* masked_empty[2];  // (B, T) flags of the target's / draft's rows: -inf on every allowed token (or null)
   int64_t T, V, offset;
   bool block;  // method "block": sampling requests verify their chain by block verification (walk_block)
+  bool traversal;  // method "traversal": sampling requests verify their tree by traversal (walk_traversal)
   int32_t* accepted;  // (B, T), pre-filled with -1
   int32_t* num_accepted;
   int64_t* next_tokens;
@@ -776,6 +777,106 @@ struct Accept {
     return {tau, any(f) ? first_allowed_max(target + row * V, mask, M) : first_argmax(target + row * V, target_max[row])};
   }
 
+  // Traversal verification of request b's tree (the reference's _traversal_verify): post-order visits from
+  // the root with weight 1. A node's current law is max(P - c Q, 0) / Z(c) (c = 0, Z = 1: P itself) and it
+  // has a weight w; child x is visited with min(w L(x) / Q(x), 1); after a child's subtree failed,
+  // c' = c + Z / w, S = w Z(c') / Z and w' = S / (S + 1 - w) (one pass over the node's rows); after its last
+  // child a node emits with probability w (the root always: its w stays 1), else it fails to its parent. A
+  // node of weight 0 fails at once, unread. res holds one node's rows at a time: `load` recomputes them (and
+  // the residual at its c) when the walk comes back from a child that overwrote them. Returns (node, token).
+  template <typename LawsFn>
+  std::pair<int64_t, int64_t> walk_traversal(int64_t b, int64_t n, const std::vector<int64_t>& first_child,
+                                             const std::vector<int64_t>& next_sibling, const Filters& f,
+                                             RequestRng& rng, Residual<acc_t>& res, LawsFn&& laws) const {
+    struct Node {
+      double c = 0, z = 1, w = 0, r_sum = 0, q_sum = 0;
+      acc_t max = 0;
+      int64_t next_child = -1;
+    };
+    std::vector<Node> nodes(n);
+    int64_t loaded = -1;   // the node whose rows res holds, ...
+    double loaded_c = 0;   // ... as max(P - loaded_c Q, 0), with r in P's scale (loaded_c > 0) or raw (0)
+    // res.r <- node v's current residual; returns its total in r's scale (r_sum raw, Z(c) after a residual)
+    auto load = [&](int64_t v, double c) {
+      Node& node = nodes[v];
+      if (loaded != v) {
+        const auto [r_sum, q_sum, M] = laws(v, first_child[v] >= 0);
+        node.r_sum = r_sum;
+        node.q_sum = q_sum;
+        node.max = M;
+        loaded = v;
+        loaded_c = 0;
+      }
+      if (c > loaded_c && node.r_sum > 0 && node.q_sum > 0) {  // max(P - c Q, 0) from max(P - loaded_c Q, 0)
+        subtract_residual(res, loaded_c > 0 ? 1.0 : node.r_sum, node.q_sum / (c - loaded_c));
+        loaded_c = c;
+      }
+      double total = 0;
+      for (const double s : res.block_sums) total += s;
+      return loaded_c > 0 ? total : node.r_sum;
+    };
+    auto emit = [&](int64_t v) -> std::pair<int64_t, int64_t> {
+      const double total = load(v, nodes[v].c);
+      const double u = rng.uniform();
+      if (total > 0) return {v, sample(res, total, u)};
+      // no law to draw from: an empty row emits 0, a residual of probability 0 (by rounding) the argmax
+      if (!(nodes[v].r_sum > 0)) return {v, 0};
+      const int64_t row = b * T + v;
+      const MaskRow mask{f.mask != nullptr ? f.mask + v * words() : nullptr};
+      return {v, any(f) ? first_allowed_max(target + row * V, mask, nodes[v].max)
+                        : first_argmax(target + row * V, target_max[row])};
+    };
+    int64_t v = 0;
+    double w = 1.0;
+    bool entering = true;  // else v's child failed: update v, then its next child
+    for (;;) {
+      if (entering) {
+        if (w == 0.0) {  // nothing below v can be emitted: fail, unread
+          entering = false;
+          v = parents[b * T + v];
+          continue;
+        }
+        if (first_child[v] < 0) {  // a leaf emits from its own P with probability w
+          if (rng.uniform() < w) return emit(v);
+          entering = false;
+          v = parents[b * T + v];
+          continue;
+        }
+        nodes[v].w = w;
+        nodes[v].c = 0;
+        nodes[v].z = 1;
+        nodes[v].next_child = first_child[v];
+      } else {
+        Node& node = nodes[v];
+        const double c = node.c + node.z / node.w;  // (w > 0 here)
+        const double z_next = load(v, c);
+        const double s = node.z > 0 && node.q_sum > 0 ? node.w * z_next / node.z : 0.0;
+        node.w = s + 1.0 - node.w > 0 ? s / (s + 1.0 - node.w) : 1.0;
+        node.c = c;
+        node.z = z_next;
+        if (node.w == 0.0) {
+          v = parents[b * T + v];
+          continue;
+        }
+      }
+      Node& node = nodes[v];
+      const int64_t child = node.next_child;
+      if (child < 0) {  // every child failed: v emits from its residual with probability w (the root: 1)
+        if (v == 0 || rng.uniform() < node.w) return emit(v);
+        entering = false;
+        v = parents[b * T + v];
+        continue;
+      }
+      node.next_child = next_sibling[child];
+      const double total = load(v, node.c);
+      const int64_t x = tokens[b * T + child];
+      const double big = total > 0 ? res.r[x] / total : 0.0, small = node.q_sum > 0 ? res.q[x] / node.q_sum : 0.0;
+      w = big == 0.0 ? 0.0 : small == 0.0 ? 1.0 : std::min(node.w * big / small, 1.0);
+      v = child;
+      entering = true;
+    }
+  }
+
   void run(int64_t b, Residual<acc_t>& res) const {
     const int64_t n = num_nodes[b];
     // children in node order: first_child / next_sibling lists
@@ -826,7 +927,13 @@ struct Accept {
       length = tau;
       token = drawn;
     }
-    while (!(block && t > 0.0)) {
+    if (traversal && t > 0.0) {
+      const auto [last, drawn] = walk_traversal(b, n, first_child, next_sibling, f, rng, res, laws);
+      for (int64_t i = last; i > 0; i = parents[b * T + i]) ++length;
+      for (int64_t i = last, k = length; i > 0; i = parents[b * T + i], --k) accepted[b * T + k] = static_cast<int32_t>(i);
+      token = drawn;
+    }
+    while (!((block || traversal) && t > 0.0)) {
       const int64_t row = b * T + node;
       const scalar_t* target_row = target + row * V;
       const MaskRow mask{f.mask != nullptr ? f.mask + node * words() : nullptr};
@@ -934,7 +1041,7 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                               in.token_bitmask.defined() ? in.token_bitmask.const_data_ptr<int32_t>() : nullptr,
                               {masked_empty[0].defined() ? masked_empty[0].data_ptr<bool>() : nullptr,
                                masked_empty[1].defined() ? masked_empty[1].data_ptr<bool>() : nullptr},
-                              T, V, offset, in.block,
+                              T, V, offset, in.block, in.traversal,
                               accepted.data_ptr<int32_t>(),
                               num_accepted.data_ptr<int32_t>(),
                               next_tokens.data_ptr<int64_t>()};

@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0 = off, default)")
-    g.add_argument("--method", choices=("token", "block"), default="token",
-                   help="verifier of sampled chains: token-wise (default) or block verification (chains only)")
+    g.add_argument("--method", choices=("token", "block", "traversal"), default="token",
+                   help="verifier of sampled drafts: token-wise (default), block verification (chains) or "
+                        "traversal verification (static trees and chains)")
     g.add_argument("--compare-ar", action="store_true", help="also run plain autoregressive decoding")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--device", default="cpu", help="cpu (C++ ops) or cuda (Triton kernels); default %(default)s")

@@ -44,13 +44,16 @@ class SpeculativeDecoder:
                  block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token"):
         """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
         kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
-        method: accept's verifier for sampling requests, "token" or "block" (chains drafted with draft
-        logits: the draft model's chain:K)."""
+        method: accept's verifier for sampling requests: "token", "block" (chains) or "traversal" (any
+        static tree); the last two need a drafter that samples its children (the draft model's static trees)."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
         if method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+        if method != "token" and self.drafter.max_nodes > 1 and not self.drafter.samples_children:
+            raise ValueError(f"method: {method!r} needs a drafter whose children are drawn from its own laws "
+                             f"(draft_logits); {type(self.drafter).__name__} gives proposals: use method='token'")
         if method == "block" and self.drafter.max_nodes != self.drafter.max_depth + 1:
             raise ValueError(f"method: 'block' verifies chains only; the drafter proposes trees of "
                              f"{self.drafter.max_nodes} nodes and depth {self.drafter.max_depth}")

@@ -327,6 +327,7 @@ def bad_cases():
         "accept/logits_dim": accept(logits=x["logits"][0]),
         "accept/method_name": accept(method="blocks"),
         "accept/method_block_without_draft": accept(draft=None, method="block"),
+        "accept/method_traversal_without_draft": accept(draft=None, method="traversal"),
         "accept/method_block_on_a_tree": accept(parents=torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]]),
                                                 nn=torch.tensor([4, 4], dtype=torch.int32), method="block"),
         "accept/tokens_shape": accept(tokens=x["tokens"][:, :3]),

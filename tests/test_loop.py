@@ -223,12 +223,12 @@ def exact_two_token_law(target, prompt, temperature):
 
 
 @pytest.mark.parametrize("tree, method", [("chain:3", "token"), ("tree:3,1", "token"), ("dynamic:6,3,2", "token"),
-                                          ("chain:4", "block")])
+                                          ("chain:4", "block"), ("tree:2,2,1", "traversal")])
 def test_sampling_is_lossless_on_shipped_pair(tree, method):
     """Many seeds in one batch: the first two tokens' empirical law matches the target's exact law
     (chi-square, cells with expected count >= 5, the rest pooled). chain:3 and tree:3,1 pass draft logits
     (children drawn i.i.d. from the draft; several siblings in the tree); the dynamic tree passes given
-    proposals; chain:4 is verified by block verification."""
+    proposals; chain:4 is verified by block verification, tree:2,2,1 by traversal verification."""
     target = load_model(os.path.join(ASSETS, "target"))
     draft = load_model(os.path.join(ASSETS, "draft"))
     prompt = ByteTokenizer().encode("import os\nimport s")
@@ -403,6 +403,8 @@ def test_cli_json(capsys, byte_pair):
     (["--tree", "chain:0"], "tree spec"),
     (["--drafter", "ngram", "--tree", "tree:2,2"], "ngram drafter proposes chains"),
     (["--method", "block", "--tree", "tree:2,2"], "method: 'block' verifies chains only"),
+    (["--method", "traversal", "--tree", "dynamic:6,3,2"], "method: 'traversal' needs a drafter"),
+    (["--method", "traversal", "--drafter", "ngram"], "method: 'traversal' needs a drafter"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "--top-p"),

@@ -41,6 +41,9 @@ class Drafter:
     max_nodes: int = 1
     max_depth: int = 0
     vocab_size: Optional[int] = None  # None: any vocabulary (no model)
+    # whether sampling requests' proposals carry draft_logits (children drawn i.i.d. from them), as the
+    # verifiers "block" and "traversal" need; else they are given proposals
+    samples_children: bool = False
 
     def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
               seeds: Sequence[int], params: SamplingParams = SamplingParams()) -> None:

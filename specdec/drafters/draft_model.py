@@ -90,6 +90,7 @@ class DraftModelDrafter(Drafter):
         self.max_nodes = self.tree.max_nodes
         self.max_depth = self.tree.depth if self.tree.parents is None else len(_levels(list(self.tree.parents))) - 1
         self.vocab_size = model.cfg.vocab_size
+        self.samples_children = self.tree.parents is not None  # (dynamic trees are given proposals)
         if self.tree.parents is not None:
             self._init_static(list(self.tree.parents))
         else:
