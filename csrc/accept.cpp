@@ -1000,16 +1000,28 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                                               const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
                                               const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k,
                                               const std::optional<Tensor>& top_p, const std::optional<Tensor>& min_p,
-                                              const std::optional<Tensor>& token_bitmask, c10::string_view method) {
+                                              const std::optional<Tensor>& token_bitmask, c10::string_view method,
+                                              bool probs) {
   AcceptInputs in = check_accept(target_in, tokens, parents, draft_in, temperature, seeds, num_nodes, offset, offsets,
-                                 top_k, top_p, min_p, token_bitmask, method);
+                                 top_k, top_p, min_p, token_bitmask, method, probs);
   const int64_t B = target_in.size(0), T = target_in.size(1), V = target_in.size(2);
+  const char* target_name = probs ? "target_probs" : "target_logits";
+  const char* draft_name = probs ? "draft_probs" : "draft_logits";
   // mixed target/draft dtypes: both promoted (exactly) to a common one, so q is the drafter's own law
-  const auto dtype = draft_in.has_value() ? c10::promoteTypes(target_in.scalar_type(), draft_in->scalar_type())
-                                          : target_in.scalar_type();
-  const Tensor target = target_in.to(dtype).contiguous();
+  auto dtype = draft_in.has_value() ? c10::promoteTypes(target_in.scalar_type(), draft_in->scalar_type())
+                                    : target_in.scalar_type();
+  // probabilities: the walk runs on their logs (log 0 = -inf), taken row by row in at least float32 (a
+  // half-precision log would move the law); negative entries are reported first, NaN / +inf / empty rows by
+  // the walk's own row checks
+  if (probs) dtype = c10::promoteTypes(dtype, at::kFloat);
+  auto laws_of = [&](const Tensor& x, const char* name) {
+    if (!probs) return x.to(dtype).contiguous();
+    TORCH_CHECK_VALUE(!x.lt(0).any().item<bool>(), name, ": contains a negative value");
+    return x.to(dtype).log().contiguous();
+  };
+  const Tensor target = laws_of(target_in, target_name);
   const std::optional<Tensor> draft =
-      draft_in.has_value() ? std::optional<Tensor>(draft_in->to(dtype).contiguous()) : std::nullopt;
+      draft_in.has_value() ? std::optional<Tensor>(laws_of(*draft_in, draft_name)) : std::nullopt;
   auto opts = target.options();
   Tensor accepted = at::full({B, T}, -1, opts.dtype(at::kInt));
   Tensor num_accepted = at::empty({B}, opts.dtype(at::kInt));
@@ -1059,8 +1071,8 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
       Residual<acc_t> res(V, draft.has_value());
       for (int64_t b = begin; b < end; ++b) op.run(b, res);
     });
-    check_logit_rows("target_logits", ts.nan, ts.posinf, ts.max, in.num_nodes, masked_empty[0]);
-    if (ds.has_value()) check_logit_rows("draft_logits", ds->nan, ds->posinf, ds->max, in.num_nodes, masked_empty[1]);
+    check_logit_rows(target_name, ts.nan, ts.posinf, ts.max, in.num_nodes, masked_empty[0], probs);
+    if (ds.has_value()) check_logit_rows(draft_name, ds->nan, ds->posinf, ds->max, in.num_nodes, masked_empty[1], probs);
   });
   return {accepted, num_accepted, next_tokens};
 }

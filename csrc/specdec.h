@@ -161,12 +161,14 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
                           const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
                           const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k,
                           const std::optional<Tensor>& top_p, const std::optional<Tensor>& min_p,
-                          const std::optional<Tensor>& token_bitmask, c10::string_view method);
+                          const std::optional<Tensor>& token_bitmask, c10::string_view method, bool probs);
 // Per-row flags of a logits tensor, computed by the accept kernel's first pass; raises the errors of
 // _validation.check_accept ("contains NaN", "contains +inf", "a real node's row is entirely -inf", and with a
 // bitmask (masked_empty defined, (B, T) bool) "a real node's row is -inf on every token token_bitmask allows").
+// probs: the rows are log-probabilities taken of probabilities (accept's probs=True), and the empty rows' errors
+// say so ("all zeros", "0 on every token ...").
 void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf,
-                      const Tensor& row_max, const Tensor& num_nodes, const Tensor& masked_empty);
+                      const Tensor& row_max, const Tensor& num_nodes, const Tensor& masked_empty, bool probs = false);
 
 void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_new, const Tensor& v_new,
                      const Tensor& cache_lens, const std::optional<Tensor>& block_table, double k_scale,

@@ -248,13 +248,15 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
                           const Tensor& num_nodes, int64_t offset, const std::optional<Tensor>& offsets,
                           const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p,
                           const std::optional<Tensor>& min_p, const std::optional<Tensor>& token_bitmask,
-                          c10::string_view method) {
+                          c10::string_view method, bool probs) {
+  const char* target_name = probs ? "target_probs" : "target_logits";
+  const char* draft_name = probs ? "draft_probs" : "draft_logits";
   // _validation.check_method
   TORCH_CHECK_VALUE(method == "token" || method == "block" || method == "traversal",
                     "method: expected one of ('token', 'block', 'traversal'), got '", std::string(method), "'");
-  TORCH_CHECK_VALUE(method == "token" || draft_logits.has_value(), "method: '", std::string(method),
-                    "' needs draft_logits (the drafter's laws); given proposals verify with method='token'");
-  check_tensor("target_logits", target_logits, 3, kFloat);
+  TORCH_CHECK_VALUE(method == "token" || draft_logits.has_value(), "method: '", std::string(method), "' needs ",
+                    draft_name, " (the drafter's laws); given proposals verify with method='token'");
+  check_tensor(target_name, target_logits, 3, kFloat);
   const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
   const c10::Device device = target_logits.device();
   check_tensor("tokens", tokens, 2, kInt, &device);
@@ -262,8 +264,8 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   check_tensor("parents", parents, 2, kInt, &device);
   check_shape("parents", parents, {B, T});
   if (draft_logits.has_value()) {
-    check_tensor("draft_logits", *draft_logits, 3, kFloat, &device);
-    check_shape("draft_logits", *draft_logits, {B, T, V});
+    check_tensor(draft_name, *draft_logits, 3, kFloat, &device);
+    check_shape(draft_name, *draft_logits, {B, T, V});
   }
   AcceptInputs in;
   in.num_nodes = normalize_num_nodes(num_nodes, B, device);
@@ -362,7 +364,7 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
 }
 
 void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf, const Tensor& row_max,
-                      const Tensor& num_nodes, const Tensor& masked_empty) {
+                      const Tensor& num_nodes, const Tensor& masked_empty, bool probs) {
   const int64_t B = row_max.size(0), T = row_max.size(1);
   const bool* nan = row_nan.data_ptr<bool>();
   const bool* posinf = row_posinf.data_ptr<bool>();
@@ -372,14 +374,16 @@ void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row
   auto mx = row_max.accessor<double, 2>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < nn[b]; ++i) {
-      TORCH_CHECK_VALUE(mx[b][i] != -INFINITY, name, ": a real node's row is entirely -inf");
+      TORCH_CHECK_VALUE(mx[b][i] != -INFINITY, name, probs ? ": a real node's row is all zeros"
+                                                            : ": a real node's row is entirely -inf");
     }
   }
   if (!masked_empty.defined()) return;
   const bool* empty = masked_empty.data_ptr<bool>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < nn[b]; ++i) {
-      TORCH_CHECK_VALUE(!empty[b * T + i], name, ": a real node's row is -inf on every token token_bitmask allows");
+      TORCH_CHECK_VALUE(!empty[b * T + i], name, ": a real node's row is ", probs ? "0" : "-inf",
+                        " on every token token_bitmask allows");
     }
   }
 }

@@ -364,12 +364,13 @@ def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accept
 # acceptance
 # ----------------------------------------------------------------------------------------------
 def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k=None,
-                 top_p=None, min_p=None, token_bitmask=None, method="token", values=True):
+                 top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, values=True):
     """The checks of specdec.accept; returns the normalized (num_nodes, temperature, seeds, offset, offsets,
     top_k, top_p, min_p, token_bitmask): top_k (B,) int32, top_p / min_p (B,) float32, each None when it is off
     for the whole batch (None, or a Python number meaning off), so the kernels keep their plain path."""
-    check_method(method, draft_logits)
-    _tensor("target_logits", target_logits, dim=3, dtypes=FLOAT_DTYPES)
+    target_name, draft_name = ("target_probs", "draft_probs") if probs else ("target_logits", "draft_logits")
+    check_method(method, draft_logits, draft_name)
+    _tensor(target_name, target_logits, dim=3, dtypes=FLOAT_DTYPES)
     B, T, V = target_logits.shape
     dev = target_logits.device
     _tensor("tokens", tokens, dim=2, dtypes=INT_DTYPES, device=dev)
@@ -377,8 +378,8 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     _tensor("parents", parents, dim=2, dtypes=INT_DTYPES, device=dev)
     _shape("parents", parents, (B, T))
     if draft_logits is not None:
-        _tensor("draft_logits", draft_logits, dim=3, dtypes=FLOAT_DTYPES, device=dev)
-        _shape("draft_logits", draft_logits, (B, T, V))
+        _tensor(draft_name, draft_logits, dim=3, dtypes=FLOAT_DTYPES, device=dev)
+        _shape(draft_name, draft_logits, (B, T, V))
     num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
     temperature = normalize_temperature(temperature, B, dev)
     seeds = normalize_seeds(seeds, B, dev)
@@ -423,32 +424,37 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
             from .sampling import unpack_bitmask
             allowed = unpack_bitmask(token_bitmask, V)  # (B, T, V)
             _fail_if("token_bitmask", rows_real & ~allowed.any(-1), "a real node's row allows no token")
-        for name, x in (("target_logits", target_logits), ("draft_logits", draft_logits)):
+        for name, x in ((target_name, target_logits), (draft_name, draft_logits)):
             if x is None:
                 continue
             row_max = x.amax(-1)  # one pass: NaN propagates into the max, +inf is the max
             _fail_if(name, torch.isnan(row_max), "contains NaN")
             _fail_if(name, row_max == float("inf"), "contains +inf")
-            _fail_if(name, rows_real & (row_max == float("-inf")), "a real node's row is entirely -inf")
+            if probs:  # zeros are impossible tokens; a row needs some positive entry, no negative one
+                _fail_if(name, x.amin(-1) < 0, "contains a negative value")
+                _fail_if(name, rows_real & (row_max == 0), "a real node's row is all zeros")
+            else:
+                _fail_if(name, rows_real & (row_max == float("-inf")), "a real node's row is entirely -inf")
             if allowed is not None:
-                masked_max = x.masked_fill(~allowed, float("-inf")).amax(-1)
-                _fail_if(name, rows_real & (masked_max == float("-inf")),
-                         "a real node's row is -inf on every token token_bitmask allows")
+                empty = 0.0 if probs else float("-inf")
+                masked_max = x.masked_fill(~allowed, empty).amax(-1)
+                _fail_if(name, rows_real & (masked_max == empty),
+                         f"a real node's row is {'0' if probs else '-inf'} on every token token_bitmask allows")
     return num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask
 
 
 METHODS = ("token", "block", "traversal")
 
 
-def check_method(method, draft_logits):
+def check_method(method, draft_logits, draft_name="draft_logits"):
     """accept's verifier: "token" (token-wise, any tree), "block" (block verification of chains) or "traversal"
-    (traversal verification, any tree); the last two need the drafter's laws."""
+    (traversal verification, any tree); the last two need the drafter's laws (draft_logits or draft_probs)."""
     if not isinstance(method, str):
         raise TypeError(f"method: expected a str, one of {METHODS}, got {type(method).__name__}")
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if method != "token" and draft_logits is None:
-        raise ValueError(f"method: {method!r} needs draft_logits (the drafter's laws); given proposals verify with "
+        raise ValueError(f"method: {method!r} needs {draft_name} (the drafter's laws); given proposals verify with "
                          "method='token'")
 
 

@@ -74,7 +74,7 @@ def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
 
 
 def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-                 top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token"):
+                 top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False):
     B, T, _ = target_logits.shape
     return (tokens.new_empty((B, T), dtype=torch.int32), tokens.new_empty((B,), dtype=torch.int32),
             tokens.new_empty((B,), dtype=torch.int64))
@@ -98,7 +98,8 @@ OPS = {spec.name: spec for spec in (
     OpSpec("accept",
            "(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, Tensor temperature, "
            "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None, Tensor? top_k=None, Tensor? top_p=None, "
-           "Tensor? min_p=None, Tensor? token_bitmask=None, str method=\"token\") -> (Tensor, Tensor, Tensor)",
+           "Tensor? min_p=None, Tensor? token_bitmask=None, str method=\"token\", bool probs=False) -> "
+           "(Tensor, Tensor, Tensor)",
            reference.accept, _fake_accept, (".kernels.accept", "accept"), val.check_accept),
     OpSpec("kv_append",
            "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
@@ -257,8 +258,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return (out, lse) if return_lse else out
 
 
-def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, *,
-           draft_logits: Optional[torch.Tensor] = None,
+def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None,
+           parents: Optional[torch.Tensor] = None, *, draft_logits: Optional[torch.Tensor] = None,
+           target_probs: Optional[torch.Tensor] = None, draft_probs: Optional[torch.Tensor] = None,
            temperature: Union[None, float, torch.Tensor] = None, seeds: Optional[torch.Tensor] = None,
            num_nodes: Optional[torch.Tensor] = None, offset: Union[int, torch.Tensor] = 0,
            top_k: Union[None, int, torch.Tensor] = None, top_p: Union[None, float, torch.Tensor] = None,
@@ -307,15 +309,34 @@ def accept(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     enters and a leaf's target row only when the next token is drawn there (reference._traversal_verify).
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
     """
+    target_logits, draft_logits, probs = _accept_laws(target_logits, draft_logits, target_probs, draft_probs)
+    if tokens is None or parents is None:
+        raise TypeError(f"{'tokens' if tokens is None else 'parents'}: required")
     num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = OPS["accept"].check(
         target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k, top_p, min_p,
-        token_bitmask, method, _python_value_checks(backend, target_logits))
+        token_bitmask, method, probs, _python_value_checks(backend, target_logits))
     filters = (top_k, top_p, min_p, token_bitmask)
-    # (every filter off and token-wise: the schema's defaults, and the argument list of callers that predate them)
-    extra = (*filters, method) if method != "token" else filters if any(f is not None for f in filters) else ()
+    # (the schema's defaults left out: the argument list of callers that predate them)
+    extra = ((*filters, method, True) if probs else (*filters, method) if method != "token"
+             else filters if any(f is not None for f in filters) else ())
     res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
                 parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset, offsets, *extra)
     return AcceptResult(*res)
+
+
+def _accept_laws(target_logits, draft_logits, target_probs, draft_probs):
+    """(target, draft, probs): the laws accept was given, logits or probabilities, never a mix."""
+    if target_probs is None:
+        if target_logits is None:
+            raise TypeError("target_logits: required (or target_probs)")
+        if draft_probs is not None:
+            raise TypeError("draft_probs: goes with target_probs; with target_logits give draft_logits")
+        return target_logits, draft_logits, False
+    if target_logits is not None:
+        raise TypeError("target_probs: give target_logits or target_probs, not both")
+    if draft_logits is not None:
+        raise TypeError("draft_logits: goes with target_logits; with target_probs give draft_probs")
+    return target_probs, draft_probs, True
 
 
 def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -356,8 +356,11 @@ def _traversal_verify(P, Q, tokens, kids, gen, fallback):
 
 
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token"):
+           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False):
     """Walk each request's tree from the root and return (accepted_nodes, num_accepted, next_tokens).
+
+    probs=True: target_logits and draft_logits hold probabilities (unnormalized, zeros impossible), which mean
+    what the logits log(probs) mean: everything below runs on those logs.
 
     At node i, the target's law p and (with draft logits) the drafter's law q are the processed laws of
     rows target_logits[b, i] and draft_logits[b, i] (processed_probs: node i's row of token_bitmask, then
@@ -378,6 +381,9 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     draw. Greedy requests are unaffected by the method.
     Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
     """
+    if probs:
+        target_logits = target_logits.double().log()
+        draft_logits = None if draft_logits is None else draft_logits.double().log()
     B, T, V = target_logits.shape
     accepted = torch.full((B, T), -1, dtype=torch.int32)
     num_acc = torch.zeros(B, dtype=torch.int32)

@@ -271,14 +271,15 @@ def bad_cases():
 
     def accept(logits=x["logits"], tokens=x["tokens"], parents=x["parents"], draft=x["draft"],
                temperature=x["temperature"], seeds=x["seeds"], nn=x["num_nodes"], offset=0, offsets=None,
-               top_k=None, top_p=None, min_p=None, bitmask=None, method="token"):
+               top_k=None, top_p=None, min_p=None, bitmask=None, method="token", probs=False):
         # the schema takes (int offset, Tensor? offsets); the public op one `offset`, an int or a tensor
         def python_check(*a):
             return val.check_accept(*a[:7], a[7] if a[8] is None else a[8], *a[9:])
         return "accept", python_check, (logits, tokens, parents, draft, temperature, seeds, nn, offset, offsets,
-                                        top_k, top_p, min_p, bitmask, method)
+                                        top_k, top_p, min_p, bitmask, method, probs)
 
     W = (x["logits"].shape[-1] + 31) // 32
+    probs, probs_d = torch.softmax(x["logits"], -1), torch.softmax(x["draft"], -1)
     everything = torch.full((2, 4, W), -1, dtype=torch.int32)
 
     def append(k=x["k"], v=x["v"], k_new=x["k_new"], v_new=x["v_new"], lens=x["lens"], table=None, scales=(1.0, 1.0)):
@@ -371,6 +372,17 @@ def bad_cases():
                                                 bitmask=with_(everything, (0, 1), 1 << 4)),
         "accept/bitmask_draft_neginf": accept(draft=with_(x["draft"], (1, 0, 0), float("-inf")),
                                               bitmask=with_(everything, (1, 0), 1)),
+        "accept/probs_dim": accept(logits=probs[0], draft=probs_d, probs=True),
+        "accept/probs_draft_shape": accept(logits=probs, draft=probs_d[..., :4], probs=True),
+        "accept/probs_traversal_without_draft": accept(logits=probs, draft=None, method="traversal", probs=True),
+        "accept/probs_negative": accept(logits=with_(probs, (0, 1, 3), -0.5), draft=probs_d, probs=True),
+        "accept/probs_draft_negative": accept(logits=probs, draft=with_(probs_d, (1, 0, 2), -1e-9), probs=True),
+        "accept/probs_nan": accept(logits=with_(probs, (1, 2, 2), float("nan")), draft=probs_d, probs=True),
+        "accept/probs_posinf": accept(logits=probs, draft=with_(probs_d, (0, 0, 1), float("inf")), probs=True),
+        "accept/probs_zero_row": accept(logits=with_(probs, (1, 1), 0.0), draft=probs_d, probs=True),
+        "accept/probs_draft_zero_row": accept(logits=probs, draft=with_(probs_d, (0, 2), 0.0), probs=True),
+        "accept/probs_bitmask_allowed_zero": accept(logits=with_(probs, (0, 1, 4), 0.0), draft=probs_d, probs=True,
+                                                    bitmask=with_(everything, (0, 1), 1 << 4)),
         "append/k_new_dtype": append(k_new=x["k_new"].half()),
         "append/v_new_dtype": append(v_new=x["v_new"].double()),
         "append/v_new_shape": append(v_new=x["v_new"][:, :3]),
