@@ -1,0 +1,24 @@
+"""Drop-in entry points with the peers' own signatures, argument order, dtypes, in-place outputs and return
+layouts: swapping the import is the integration.
+
+  specdec.integrations.flashinfer.chain_speculative_sampling       (flashinfer.sampling)
+  specdec.integrations.sglang.verify_tree_greedy,
+  specdec.integrations.sglang.tree_speculative_sampling_target_only (sgl_kernel)
+  specdec.integrations.vllm.RejectionSampler, rejection_sample      (vllm.v1.sample.rejection_sampler)
+
+None of them imports its peer. Each maps the peer's layout onto `specdec.accept` (probabilities in, the same
+output law); where the peer takes its randomness from outside (uniform samples, a torch.Generator), the entry
+point derives specdec's per-request seeds from it, on the device, and says so in its docstring. They copy the
+rows into accept's padded (B, T, V) layout today (one gather per call): the packed layout will remove it.
+"""
+from __future__ import annotations
+
+import torch
+
+_SEED_SPAN = 2**62
+
+
+def seeds_from(generator, batch: int, device) -> torch.Tensor:
+    """(batch,) int64 seeds drawn from `generator` (None: torch's default one for `device`), on the device:
+    a fresh, independent stream per call and per request, advancing the generator, with no host sync."""
+    return torch.randint(0, _SEED_SPAN, (batch,), generator=generator, device=device, dtype=torch.int64)

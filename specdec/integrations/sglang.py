@@ -1,0 +1,133 @@
+"""SGLang's tree verifiers (`sgl_kernel.verify_tree_greedy`, `sgl_kernel.tree_speculative_sampling_target_only`)
+on specdec, with SGLang's signatures, dtypes and in-place outputs, without importing sgl_kernel.
+
+Trees come as SGLang links them: node i of request b (i = 0 the root, the last verified token) has its draft
+token candidates[b, i], its first child retrive_next_token[b, i] and its next sibling retrive_next_sibling[b, i]
+(-1: none), and its flat index retrive_index[b, i] into predicts (normally b * N + i). Outputs, written in place:
+accept_token_num[b] = the accepted draft tokens (the root and the final token not counted), accept_index[b, j]
+= the flat index of the j-th node of the accepted path for j <= accept_token_num[b] (later entries untouched),
+predicts[flat index of each path node] = the token emitted after it (the next path node's token, and the
+correction or bonus token after the last one); other entries of predicts are untouched. Trees deeper than
+accept_index.shape[1] - 1 levels are SGLang's caller's error, as there.
+
+The links are turned into parents on the device by pointer jumping (log2 N rounds, no host sync).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import specdec
+
+
+def _jumps(N: int) -> int:
+    return max(1, math.ceil(math.log2(max(N, 2)))) + 1
+
+
+def _links(retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor):
+    """(parents (bs, N) int64, -1 at the root and unreachable nodes; rank (bs, N): a node's distance to the end
+    of its sibling list, so a larger rank comes earlier in SGLang's sibling order)."""
+    first, nxt = retrive_next_token.long(), retrive_next_sibling.long()
+    bs, N = first.shape
+    node = torch.arange(N, device=first.device).expand(bs, N)
+    # owner[c] = v when c is v's first child; prev[s] = c when s is c's next sibling
+    owner = torch.full((bs, N + 1), -1, dtype=torch.int64, device=first.device)
+    owner.scatter_(1, torch.where(first >= 0, first, N), node)
+    prev = torch.full((bs, N + 1), -1, dtype=torch.int64, device=first.device)
+    prev.scatter_(1, torch.where(nxt >= 0, nxt, N), node)
+    owner, prev = owner[:, :N], prev[:, :N]
+    head = torch.where(prev >= 0, prev, node)  # pointer jumping: the head of each node's sibling list ...
+    follow = torch.where(nxt >= 0, nxt, node)  # ... and its distance to the list's end (list ranking)
+    rank = (nxt >= 0).long()
+    for _ in range(_jumps(N)):
+        head = head.gather(1, head)
+        rank = rank + rank.gather(1, follow)
+        follow = follow.gather(1, follow)
+    parents = owner.gather(1, head)
+    parents[:, 0] = -1
+    return parents, rank
+
+
+def _walk_outputs(path, n, predicts, accept_index, accept_token_num, retrive_index, candidates, last_token):
+    """Write SGLang's outputs in place from the accepted path (bs, K) (node indices, -1 past n), n (bs,) and the
+    token emitted after the last node (bs,)."""
+    bs, K = path.shape
+    j = torch.arange(K, device=path.device)
+    on_path = j <= n.unsqueeze(1)
+    nodes = torch.where(on_path, path, path.gather(1, n.unsqueeze(1)))  # past n: the last node again
+    flat = retrive_index.long().gather(1, nodes)
+    accept_index.copy_(torch.where(on_path, flat, accept_index.long()).to(accept_index.dtype))
+    accept_token_num.copy_(n.to(accept_token_num.dtype))
+    # the token after each path node: the next node's draft token, the final token after the last one (entries
+    # past n repeat the last node's write, the same value, so the scatter stays deterministic)
+    following = candidates.long().gather(1, nodes.roll(-1, 1).clamp(min=0))
+    after = torch.where(j < n.unsqueeze(1), following, last_token.long().unsqueeze(1))
+    predicts.view(-1).scatter_(0, flat.reshape(-1), after.reshape(-1).to(predicts.dtype))
+
+
+def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor,
+                       candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
+                       retrive_next_sibling: torch.Tensor, target_predict: torch.Tensor) -> None:
+    """Greedy tree verification: descend into the first child, in sibling-list order, whose token is the target's
+    argmax at its parent (target_predict, read at the parent's flat index), at most accept_index.shape[1] - 1
+    levels; the final token is the argmax at the last accepted node. predicts (>= bs * N,) int32, accept_index
+    (bs, K) int32, accept_token_num (bs,) int32: outputs in place; candidates, retrive_* (bs, N) int64;
+    target_predict (bs, N) int64. Exactly SGLang's result, sibling order included (it needs no rows)."""
+    bs, N = candidates.shape
+    K = accept_index.shape[1]
+    parents, rank = _links(retrive_next_token, retrive_next_sibling)
+    pred = target_predict.reshape(-1).long()[retrive_index.long()]  # (bs, N): the argmax after each node
+    match = (parents >= 0) & (candidates.long() == pred.gather(1, parents.clamp(min=0)))
+    key = torch.where(match, rank + 1, 0)  # the matching child that comes first in its list has the largest key
+    slot = torch.where(parents >= 0, parents, N)
+    best = torch.zeros(bs, N + 1, dtype=torch.int64, device=key.device).scatter_reduce(1, slot, key, "amax")
+    chosen = torch.full((bs, N + 1), -1, dtype=torch.int64, device=key.device)
+    node = torch.arange(N, device=key.device).expand(bs, N)
+    chosen.scatter_(1, torch.where((key > 0) & (key == best.gather(1, slot)), slot, N), node)
+    chosen = chosen[:, :N]
+    path = torch.full((bs, K), -1, dtype=torch.int64, device=key.device)
+    path[:, 0] = 0
+    cur = torch.zeros(bs, 1, dtype=torch.int64, device=key.device)
+    alive = torch.ones(bs, 1, dtype=torch.bool, device=key.device)
+    for j in range(1, K):
+        step = chosen.gather(1, cur)
+        alive = alive & (step >= 0)
+        cur = torch.where(alive, step, cur)
+        path[:, j:j + 1] = torch.where(alive, step, -1)
+    n = (path[:, 1:] >= 0).sum(1)
+    _walk_outputs(path, n, predicts, accept_index, accept_token_num, retrive_index, candidates,
+                  pred.gather(1, cur)[:, 0])
+
+
+def tree_speculative_sampling_target_only(predicts: torch.Tensor, accept_index: torch.Tensor,
+                                          accept_token_num: torch.Tensor, candidates: torch.Tensor,
+                                          retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
+                                          retrive_next_sibling: torch.Tensor, uniform_samples: torch.Tensor,
+                                          uniform_samples_for_final_sampling: torch.Tensor,
+                                          target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                                          threshold_single: float = 1.0, threshold_acc: float = 1.0,
+                                          deterministic: bool = True) -> None:
+    """Sampled tree verification of given proposals (EAGLE's top-k trees): the target's law target_probs (bs, N,
+    V) after each node (temperature and filters already applied, as SGLang passes it); children are accepted by
+    rejection sampling from the target restricted to what is left (accept x with probability r(x) / sum r, else
+    r(x) = 0), and the final token is drawn from what is left at the last accepted node. Outputs in place as in
+    verify_tree_greedy. Lossless also when sibling tokens repeat (SGLang's kernel adds a repeated sibling's
+    probability twice); siblings are tried in node order, which does not change the output law.
+
+    Randomness: request b's specdec stream is keyed by the bits of uniform_samples[b, 0] and
+    uniform_samples_for_final_sampling[b] (so the caller's uniforms still decide the result, deterministically),
+    not by those numbers as SGLang's coins. draft_probs (SGLang's scratch of zeros) is neither read nor written.
+    threshold_single / threshold_acc below 1 are SGLang's relaxed, lossy acceptance: refused (ValueError)."""
+    if threshold_single != 1.0 or threshold_acc != 1.0:
+        raise ValueError("threshold_single, threshold_acc: only 1.0 (exact verification); SGLang's relaxed "
+                         "thresholds change the output law and are not implemented")
+    bs, N = candidates.shape
+    K = accept_index.shape[1]
+    parents, _ = _links(retrive_next_token, retrive_next_sibling)
+    bits = lambda u: u.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF  # noqa: E731
+    seeds = ((bits(uniform_samples[:, 0]) << 31) ^ bits(uniform_samples_for_final_sampling.reshape(bs))) & (2**62 - 1)
+    res = specdec.accept(tokens=candidates, parents=parents, target_probs=target_probs, temperature=1.0, seeds=seeds)
+    path = torch.cat((res.accepted_nodes.long(), res.accepted_nodes.new_full((bs, max(0, K - N)), -1).long()), 1)
+    _walk_outputs(path[:, :K], res.num_accepted.long(), predicts, accept_index, accept_token_num, retrive_index,
+                  candidates, res.next_tokens)
