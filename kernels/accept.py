@@ -25,6 +25,15 @@ node's processed law keeps: its bitmask row, and with filters the row's threshol
     statistics, then (inner nodes) a Z pass with c = 1 / p_i, whose mass times p_i is S_i; the test of node
     i is u_i < h_i = S_i / (S_i + 1 - p_i) (h_gamma = p_gamma), the last node passing it is tau, and the next
     token is drawn from max(p - q / p_tau, 0) at tau (p at gamma), tau's rows read again if needed;
+  * method "traversal" (trees with draft logits): traversal verification (`_traversal_step`), the reference's
+    post-order visit: node v of weight w (the root: 1) has the law L = max(p - c q, 0) / Z (c = 0, Z = 1 after
+    its statistics); child x gets w_x = min(w max(p(x) / q(x) - c, 0) / Z, 1) from two lookups, and an inner
+    child with w_x > 0 is entered (v's c, Z, w, log-sum-exps, thresholds kept in v's node record while its
+    subtree is walked); a leaf child is entered only when it emits (u_x < w_x). A child's failure updates v:
+    c' = c + Z / w, one Z pass for Z' = Z(c'), S = (w / Z) Z', w' = S / (S + 1 - w) (w' = 0: v fails at once).
+    After its last child v emits with probability w' (u_v < w'): the next token is drawn from max(p - c q, 0)
+    (at a leaf p), the chunk masses from the pass just merged (an inner node's last Z pass, a leaf's
+    statistics); else v fails to its parent. No candidates (TRIAL): the weight needs the Z pass anyway;
   * the next token (correction or bonus) is drawn from the unnormalized final residual r (p at a leaf,
     p minus the rejected tokens for given proposals, max(p - c q, 0) after rejections with draft logits)
     by inverse transform with ONE uniform u per request: the last full pass (statistics, or Z after the
@@ -40,7 +49,11 @@ node's processed law keeps: its bitmask row, and with filters the row's threshol
     same result), then the exact Z-pass draw as the fallback; a truncated rejection sampler followed by an
     exact one is exact. This replaces a second pass over both rows by a few chunk scans of one.
 Only the rows of walked nodes are read (plus chunks of the last row for the draw); no softmax row is
-materialized.
+materialized. Traversal reads exactly: both rows of every inner node entered with weight > 0 (statistics,
+then a Z pass per failed child; its draw's chunk scans when it emits), the emitting leaf's target row
+(statistics, the draw's scan), and single entries of an entered node's rows at its children's tokens (the
+weights); no draft row of a leaf, nothing of a node entered with weight 0, of a leaf that does not emit, or
+of a node never reached.
 
 Cost per vocab entry (why this shape): every pass keeps per-lane running statistics (max, sum of exp
 against the lane max, first argmax, residual sums) and reduces across lanes once per chunk, not once per
@@ -50,8 +63,9 @@ two logs per entry, several times the instruction budget of a bf16 row read at H
 
 Randomness: Philox-4x32-10 (tl.philox) keyed by seeds[b], counters (index, word, 4 * (offset >> 31) +
 STREAM_U, offset mod 2^31), with request b's offset = offset + offsets[b] (< 2^60): u of child i's test
-is word 0 of (i, U_TEST = 0), u of the draw at node n is word 0 of (n, U_DRAW = 1), candidate j's pair at
-node n words 0 and 1 of (n, U_CANDIDATE + j = 2 + j). A request's result therefore depends only on its own
+is word 0 of (i, U_TEST = 0) (block: node i's test; traversal: node i's emission decision, each node deciding
+at most once), u of the draw at node n is word 0 of (n, U_DRAW = 1), candidate j's pair at node n words 0
+and 1 of (n, U_CANDIDATE + j = 2 + j). A request's result therefore depends only on its own
 inputs, seed and offset, never on the batch or the tiling.
 
 Parallel schedule (the choice and why). A walk is a chain of dependent V-reductions (one per pass:
@@ -67,7 +81,8 @@ run (grid (B, NUM_SPLITS)), then one launch of `_walk_kernel` (grid (B,)) merges
 finishes any walk still running by looping over the same chunk passes itself. The walker merges its chunk
 results exactly like the split launches do, so the result does not depend on SPLIT_STEPS (bit-identical
 on the interpreter). A walk needs at most T + 1 launches (path nodes + rejections + the draw), so with
-SPLIT_STEPS = T + 1 every pass runs at full width; requests that finished early exit at once.
+SPLIT_STEPS = T + 1 every pass runs at full width; requests that finished early exit at once (block and
+traversal walks take more passes: see `_config`).
 Launch count: SPLIT_STEPS + 1 (fixed by shapes: CUDA-graph capturable).
 
 Code layout. Both kernels start alike: `_request` gathers the request's read-only context (a `Request`),
@@ -76,22 +91,28 @@ partials the previous launch left (`_decide`). Then the split kernel stores the 
 of the next step; the walker loops over whole-row passes (`_row_pass`), decisions and the draw
 (`_draw_if_due`) until the walk is done. The kinds of step:
   STATS   `_chunk_pass`: (max, sum exp) of target/t and draft/t per chunk, and the first argmax;
-  ZPASS   `_chunk_pass`: the mass of the residual max(p - c q, 0) per chunk (draft logits only);
+  ZPASS   `_chunk_pass`: the mass of the residual max(p - c q, 0) per chunk (draft logits only; traversal:
+          after a failed child, or c = 0 for a draw from p after a residual of mass 0 by rounding, final 1);
   TRIAL   `_first_accepted`: the candidates after a last rejection (draft logits only);
   LOCATE  `_pick_chunk` + `_locate`: the draw's chunk and its scan;
   SELECT  `_select_chunk`: a top-k / top-p threshold search's pivot or gathering pass (filters only);
   DONE.
 A decision (`_decide`) is the greedy step (`_greedy_step`) or, sampling, the node's fresh residual
 (`_start_node`) or the Z just summed (`_after_z`) followed by the verifier: `_draft_verify` (one child's
-test per pass, `_draft_accepts`) or `_proposal_verify` (every child in one go, `_proposal_accepts`), which
+test per pass, `_draft_accepts`), `_block_step`, `_traversal_step` (one child's visit or one node's update
+per pass; node records `_push_node` / `_fail_to_parent`, each written by chunk 0 and read by every program)
+or `_proposal_verify` (every child in one go, `_proposal_accepts`), which
 ends in a descent (`_descend`), the next pass, or the draw from a `Residual` (chunk masses and c). Between
 launches the state lives in records of named int slots (KIND, NODE, DEPTH, CURSOR) and float slots (C, Z,
 LSE_P, LSE_Q), the partials in per-chunk records (MAX_P, SUM_P, MAX_Q, SUM_Q, MASS; ARGMAX, CANDIDATE,
 CANDIDATE_TOKEN), double-buffered by launch parity (a launch reads one buffer while chunk 0 writes the
-other). Context and state travel as named tuples (flattened by the compiler: free at run time).
+other); traversal's node records (B, T, the float slots) follow the state records, single-buffered
+(`_push_node`). Context and state travel as named tuples (flattened by the compiler: free at run time).
 
 Bytes floor (for the benchmark): sum_b (num_accepted[b] + 1) * V * (target itemsize + draft itemsize if
-draft logits are given and temperature[b] > 0), plus V / 8 per walked row with a bitmask. With top-k / top-p a
+draft logits are given and temperature[b] > 0), plus V / 8 per walked row with a bitmask (traversal: the
+rows above instead: V * (target + draft itemsize) per inner node entered with weight > 0, V * target
+itemsize for an emitting leaf; its Z passes re-read entered rows, one per failed child). With top-k / top-p a
 walked sampling row is read 3 times, not once (min-p alone: twice; see "filters"). Extra traffic
 over the floor: the draw's chunk scans of the last target row (one, or one per candidate after a last
 rejection with draft logits), and a Z pass (a re-read of the node's rows, partly from L2) after a rejection
@@ -156,7 +177,7 @@ CANDIDATE_TOKEN = tl.constexpr(2)  # and its token
 PART_INTS = tl.constexpr(3)
 
 STREAM_U = tl.constexpr(0)  # the Philox stream of every uniform
-U_TEST = tl.constexpr(0)  # Philox counter word 1: a child's acceptance test (counter 0: the child)
+U_TEST = tl.constexpr(0)  # Philox counter word 1: a child's test (counter 0: the child; traversal: its emission)
 U_DRAW = tl.constexpr(1)  # the draw at a node (counter 0: the node)
 U_CANDIDATE = tl.constexpr(2)  # + j: candidate j at a node
 NEG_INF = tl.constexpr(float("-inf"))
@@ -223,6 +244,7 @@ class Request(NamedTuple):
     out_num: tl.tensor  # its num_accepted and next_tokens entries
     out_next: tl.tensor
     writer: tl.tensor  # chunk 0's program: writes the state and the path
+    records: tl.tensor  # traversal: its node records (STATE_FLOATS float slots per node; see `_push_node`)
 
 
 class Walk(NamedTuple):
@@ -239,7 +261,8 @@ class Walk(NamedTuple):
     tau_p: tl.tensor  # the thresholds of the node's target and draft rows: raw values below are dropped
     tau_q: tl.tensor
     w: tl.tensor  # block verification: the node's weight p_i, the last accepted node tau and its weight p_tau,
-    tau_node: tl.tensor  # and the phase (0: walking the chain; 1-3: the draw at tau, see `_block_step`)
+    tau_node: tl.tensor  # and the phase (0: walking the chain; 1-3: the draw at tau, see `_block_step`);
+    # traversal: w the node's weight, final 1 for the draw from p after a residual of mass 0 (`_traversal_step`)
     w_tau: tl.tensor
     final: tl.tensor
 
@@ -327,9 +350,9 @@ def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr, mask_ptr,
-             top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb, stride_tt, stride_db,
-             stride_dt, offset_lo, offset_hi, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
-             T_BLOCK: tl.constexpr):
+             top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W, stride_tb,
+             stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS: tl.constexpr,
+             HAS_FILTERS: tl.constexpr, T_BLOCK: tl.constexpr):
     """The `Request` of this program (request program_id(0))."""
     b = tl.program_id(0)
     t = tl.load(temp_ptr + b)
@@ -364,7 +387,8 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
                    t_rows=target_ptr + b.to(tl.int64) * stride_tb, d_rows=draft_ptr + b.to(tl.int64) * stride_db,
                    stride_tt=stride_tt, stride_dt=stride_dt, V=V, masks=mask_ptr + b.to(tl.int64) * T * W, W=W,
                    t=tl.where(greedy, 1.0, t), k=k, top_p=top_p, min_p=min_p, filtered=filtered, path=acc_ptr + b * T,
-                   out_num=num_acc_ptr + b, out_next=next_ptr + b, writer=tl.program_id(1) == 0)
+                   out_num=num_acc_ptr + b, out_next=next_ptr + b, writer=tl.program_id(1) == 0,
+                   records=state_f_ptr + (2 * tl.num_programs(0) + b * T).to(tl.int64) * STATE_FLOATS)
 
 
 @triton.jit
@@ -1155,9 +1179,9 @@ def _select_step(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.co
 
 
 @triton.jit
-def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr, T_BLOCK: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                   CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr,
+                   T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr,
+                   NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """After a SELECT pass (partials in buffer `buf`): each row's search one step on. When both end in this
     step on gathered values that give their kept weights, the node's law is known (log-sum-exp and chunk
     masses from those weights) and its children are tested at once; else the next pass: more searching, or
@@ -1180,13 +1204,14 @@ def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, BLOCK: t
         chunks = Chunks(max_p=tl.where(have, sp.max_a, NEG_INF), sum_p=kept_p, max_q=tl.where(q_on, sq.max_a, NEG_INF),
                         sum_q=tl.where(q_on, kept_q, 0.0), argmax=tl.full((S_BLOCK,), -1, tl.int32), mass=kept_p * 0.0,
                         max_x=none, max_xq=none)
-        walk, res = _verify(req, walk, chunks, HAS_DRAFT, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+        walk, res = _verify(req, walk, chunks, HAS_DRAFT, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
     return walk, res, sp, sq
 
 
 @triton.jit
 def _decide(req, walk, chunks, HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, BLOCK: tl.constexpr,
-            T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
+            TRAVERSAL: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
+            S_BLOCK: tl.constexpr):
     """Merge the partials of the pass walk.kind (STATS or ZPASS) and walk on until the next pass is needed.
     Returns the walk, the `Residual` a draw (LOCATE) or the candidates (TRIAL) pick from, and the rows'
     searches (a filtered node's first statistics start them: SELECT next)."""
@@ -1202,7 +1227,7 @@ def _decide(req, walk, chunks, HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexp
         if searching:
             walk, sp, sq = _start_search(req, walk, chunks, HAS_DRAFT, T_BLOCK)
         else:
-            walk, res = _verify(req, walk, chunks, HAS_DRAFT, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+            walk, res = _verify(req, walk, chunks, HAS_DRAFT, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
     return walk, res, sp, sq
 
 
@@ -1289,17 +1314,160 @@ def _block_step(req, walk, res, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr)
     return walk, res
 
 
+# ----------------------------------------------------------------------------------------------
+# traversal verification of a tree (method "traversal", draft logits: `_traversal_step`)
+# ----------------------------------------------------------------------------------------------
+# The walk is the reference's post-order visit (`_traversal_verify`). At node v of weight w the current law
+# is L = max(p - c q, 0) / Z(c), one scalar c as in the token-wise walk (c = 0, Z = 1 after the statistics):
+# a failed child updates r = max(w L - q, 0) = (w / Z) max(p - c' q, 0) with c' = c + Z / w, so its mass is
+# S = (w / Z) Z(c') (one Z pass over v's rows) and the new law is max(p - c' q, 0) / Z(c'). A visit descends
+# into a child and may come back to v: v's state (c, Z, w, log-sum-exps, thresholds) is kept in v's node
+# record while its subtree is walked, never recomputed.
 @triton.jit
-def _verify(req, walk, chunks, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr, T_BLOCK: tl.constexpr,
-            NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
+def _push_node(req, walk):
+    """Node walk.node's record, before the walk enters one of its inner children (written by chunk 0).
+
+    One record per node and request, not double-buffered: every program of a launch takes the same decisions,
+    and in one decision a record is either written (entering a child) or read (a child's subtree failed),
+    never both (a read is always followed by a Z pass), so no program reads a record another program of its
+    launch writes. The barrier orders the walker's own loads of the record before this store."""
+    rec = req.records + walk.node.to(tl.int64) * STATE_FLOATS
+    tl.debug_barrier()
+    tl.store(rec + C, walk.c, mask=req.writer)
+    tl.store(rec + Z, walk.z, mask=req.writer)
+    tl.store(rec + WEIGHT, walk.w, mask=req.writer)
+    tl.store(rec + LSE_P, walk.lse_p, mask=req.writer)
+    tl.store(rec + LSE_Q, walk.lse_q, mask=req.writer)
+    tl.store(rec + TAU_P, walk.tau_p, mask=req.writer)
+    tl.store(rec + TAU_Q, walk.tau_q, mask=req.writer)
+
+
+@triton.jit
+def _child_weight(req, walk, x):
+    """The weight of child token x at node v of weight w and law max(p - c q, 0) / Z (the reference's
+    traversal_child_weight): min(w max(p(x) - c q(x), 0) / (Z q(x)), 1) = min(w max(p(x) / q(x) - c, 0) / Z, 1)
+    on the logit ratio; 0 when the law has no mass at x (p(x) = 0, p(x) <= c q(x), or Z = 0), 1 when
+    q(x) = 0 < p(x). Two lookups in v's rows."""
+    t_row, d_row = _rows(req, walk.node)
+    lp = _logit(req, t_row, walk.node, x, walk.tau_p) - walk.lse_p
+    lq = _logit(req, d_row, walk.node, x, walk.tau_q) - walk.lse_q
+    ratio = tl.exp(lp - tl.where(lq == NEG_INF, 0.0, lq))  # p(x) / q(x) (q(x) > 0)
+    weight = tl.minimum(walk.w * tl.maximum(ratio - walk.c, 0.0) / tl.where(walk.z > 0, walk.z, 1.0), 1.0)
+    weight = tl.where(lq == NEG_INF, 1.0, weight)
+    return tl.where((lp == NEG_INF) | (not walk.z > 0) | (not walk.w > 0), 0.0, weight)
+
+
+@triton.jit
+def _after_failed_child(walk, child):
+    """Node v after child's subtree failed: its law becomes max(p - c' q, 0) / Z(c'), c' = c + Z / w; the Z pass
+    next (walk.z keeps Z(c) through it for the new weight, `_weight_after_z`). A law of mass 0 (Z = 0, only at a
+    node of weight 1) stays as it is."""
+    c = tl.where(walk.z > 0, walk.c + walk.z / walk.w, walk.c)
+    return Walk(tl.full((), ZPASS, tl.int32), walk.node, walk.depth, child, c, walk.z, walk.lse_p, walk.lse_q, walk.sel,
+                walk.tau_p, walk.tau_q, walk.w, walk.tau_node, walk.w_tau, walk.final)
+
+
+@triton.jit
+def _weight_after_z(walk, z_before):
+    """After the Z pass of a failed child's update: S = (w / Z(c)) Z(c') and w' = S / (S + 1 - w) (1 when
+    S + 1 - w = 0: the failure was impossible). 1 - w first, so that the root (w = 1) keeps w = 1 exactly."""
+    w = walk.w
+    s = tl.where(z_before > 0, w / tl.where(z_before > 0, z_before, 1.0) * walk.z, 0.0)
+    den = s + (1.0 - w)
+    w = tl.where(den > 0, tl.minimum(s / tl.where(den > 0, den, 1.0), 1.0), 1.0)
+    w = tl.where(walk.node == 0, 1.0, w)  # (the root's weight is 1: its visit always emits)
+    return Walk(walk.kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.lse_p, walk.lse_q, walk.sel,
+                walk.tau_p, walk.tau_q, w, walk.tau_node, walk.w_tau, walk.final)
+
+
+@triton.jit
+def _fail_to_parent(req, walk):
+    """Node v's subtree failed (v is not the root): back at its parent, from the parent's record, v dropped from
+    the path; the parent's update (`_after_failed_child`) follows."""
+    here = req.idx == walk.node
+    parent = tl.reduce(tl.where(here, req.par, 0), 0, _SUM)
+    tl.store(req.path + walk.depth, -1, mask=req.writer)
+    rec = req.records + parent.to(tl.int64) * STATE_FLOATS
+    tl.debug_barrier()  # (the walker's own store of the record, `_push_node`, is visible)
+    # (sel 1: the parent's thresholds are known)
+    back = Walk(walk.kind, parent, walk.depth - 1, walk.cursor, tl.load(rec + C), tl.load(rec + Z),
+                tl.load(rec + LSE_P), tl.load(rec + LSE_Q), tl.full((), 1, tl.int32), tl.load(rec + TAU_P),
+                tl.load(rec + TAU_Q), tl.load(rec + WEIGHT), walk.tau_node, walk.w_tau, walk.final)
+    return _after_failed_child(back, walk.node)
+
+
+@triton.jit
+def _try_child(req, walk, child, T_BLOCK: tl.constexpr):
+    """Visit child of node v (w > 0) with its weight w_c (`_child_weight`): an inner child is entered (v's record
+    pushed; its statistics next), a leaf child only when it emits (u_child < w_c: its statistics, then the
+    draw); else (w_c = 0, or a leaf that does not emit) the child fails at once, no row of it read, and v's
+    update follows."""
+    x, u = _child(req, child)
+    w_c = _child_weight(req, walk, x)
+    inner = _first_child(req, child, child, req.valid, T_BLOCK) < T_BLOCK
+    if (w_c > 0) & (inner | (u < w_c)):
+        if inner:
+            _push_node(req, walk)
+        depth = _descend(req, child, walk.depth)
+        zero = tl.full((), 0.0, tl.float32)
+        # the child's thresholds are not known yet (sel 0); cursor = node: no child of it tried yet
+        walk = Walk(tl.full((), STATS, tl.int32), child, depth, child, zero, zero + 1.0, walk.lse_p, walk.lse_q,
+                    tl.full((), 0, tl.int32), zero + NEG_INF, zero + NEG_INF, w_c, walk.tau_node, walk.w_tau,
+                    walk.final)
+    else:
+        walk = _after_failed_child(walk, child)
+    return walk
+
+
+@triton.jit
+def _traversal_step(req, walk, res, z_before, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    S_BLOCK: tl.constexpr):
+    """Traversal verification (the reference's `_traversal_verify`), one decision per pass at node v: after
+    its statistics (c = 0, Z = 1, w its weight), or after the Z pass of a failed child's update (z_before =
+    Z(c) before it: w' from `_weight_after_z`; w' = 0 fails v at once). Then v's next child (`_try_child`), or
+    after its last child v's emission: with probability w (u_v < w; the root always; a leaf is entered only
+    when it emits) the draw from v's law, whose chunk masses `res` are those of the pass just merged (a leaf:
+    p from its statistics; an inner node: its last Z pass); else v fails to its parent (`_fail_to_parent`).
+    final 1: the draw from p after a residual of mass 0 by rounding (its Z pass with c = 0)."""
+    v = walk.node
+    if walk.final == 1:
+        walk = _with_kind(walk, tl.full((), LOCATE, tl.int32))
+    else:
+        if walk.kind == ZPASS:
+            walk = _weight_after_z(walk, z_before)
+        if not walk.w > 0:
+            walk = _fail_to_parent(req, walk)
+        else:
+            child = _first_child(req, v, walk.cursor, req.valid, T_BLOCK)
+            if child < T_BLOCK:
+                walk = _try_child(req, walk, child, T_BLOCK)
+            else:
+                _, u = _child(req, v)
+                if (v == 0) | (walk.cursor == v) | (u < walk.w):
+                    if (not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0) & (walk.c != 0.0):
+                        walk = _walk_to(walk, ZPASS, v, 0.0, 1)
+                    else:
+                        walk = _with_kind(walk, tl.full((), LOCATE, tl.int32))
+                else:
+                    walk = _fail_to_parent(req, walk)
+    return walk, res
+
+
+@triton.jit
+def _verify(req, walk, chunks, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr,
+            T_BLOCK: tl.constexpr,             NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
     """Sampling, after a pass over the node's rows: its residual (fresh after statistics, else after a Z pass),
-    then its children's tests (BLOCK: block verification of the chain, `_block_step`)."""
+    then its children's tests (BLOCK: block verification of the chain, `_block_step`; TRAVERSAL: traversal
+    verification of the tree, `_traversal_step`)."""
+    z_before = walk.z  # (the Z of the residual a Z pass updated: traversal's new weight needs it)
     if walk.kind == STATS:
         walk, res = _start_node(walk, chunks)
     else:
         walk, res = _after_z(walk, chunks)
     if BLOCK:
         walk, res = _block_step(req, walk, res, NUM_SPLITS, S_BLOCK)
+    elif TRAVERSAL:
+        walk, res = _traversal_step(req, walk, res, z_before, T_BLOCK, NUM_SPLITS, S_BLOCK)
     elif HAS_DRAFT:
         walk, res = _draft_verify(req, walk, res, T_BLOCK, NUM_SPLITS, S_BLOCK)
     else:
@@ -1414,9 +1582,9 @@ def _merge_candidates(req, walk, part_f_ptr, part_i_ptr, buf, NUM_SPLITS: tl.con
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, buf, IS_FIRST: tl.constexpr,
-            HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, BLOCK: tl.constexpr, T_BLOCK: tl.constexpr,
-            NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr, TRIALS: tl.constexpr,
-            NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+            HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr,
+            T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr,
+            TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """The walk where the previous launch left it (buffer `buf`), its last pass merged and decided on; the
     first launch starts at the root. Returns the walk, the `Residual` of its draw and the rows' searches."""
     # (only a decision leads to a draw)
@@ -1433,12 +1601,12 @@ def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, buf, I
         elif walk.kind == SELECT:
             if HAS_FILTERS:
                 walk, res, sp, sq = _select_decide(req, walk, _load_search(sb, buf, 0), _load_search(sb, buf, 1), sb,
-                                                   buf, HAS_DRAFT, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK,
-                                                   NUM_PIVOTS, CAP, PAIR_BLOCK)
+                                                   buf, HAS_DRAFT, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V,
+                                                   S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
         elif walk.kind != DONE:
             walk, res, sp, sq = _decide(req, walk, _load_chunks(part_f_ptr, part_i_ptr, buf, walk.kind, NUM_SPLITS,
-                                                                S_BLOCK), HAS_DRAFT, HAS_FILTERS, BLOCK, T_BLOCK,
-                                        NUM_SPLITS, SPLIT_V, S_BLOCK)
+                                                                S_BLOCK), HAS_DRAFT, HAS_FILTERS, BLOCK, TRAVERSAL,
+                                        T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
     return walk, res, sp, sq
 
 
@@ -1453,19 +1621,20 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
                   part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr,
                   sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
                   HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
-                  BLOCK: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                  T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr,
-                  NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
+                  PREFETCH: tl.constexpr, TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
+                  SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """A split launch, grid (B, NUM_SPLITS): merge the previous launch's partials and decide (every program
     alike), store the state, then run this program's chunk of the next pass, or its part of the draw."""
     split = tl.program_id(1)
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                   mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb,
-                   stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
+                   mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W,
+                   stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
     sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
     walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
-                                HAS_DRAFT, HAS_FILTERS, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS, NUM_PIVOTS,
-                                CAP, PAIR_BLOCK)
+                                HAS_DRAFT, HAS_FILTERS, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS,
+                                NUM_PIVOTS, CAP, PAIR_BLOCK)
     buf = 1 - read_buf
     _store_state(state_i_ptr, state_f_ptr, buf, walk, req.writer)
     if HAS_FILTERS:
@@ -1528,19 +1697,20 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds
                  part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr,
                  sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
                  HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
-                 BLOCK: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                 T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, TRIALS: tl.constexpr,
-                 NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
+                 PREFETCH: tl.constexpr, TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
+                 SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
     """The last launch, grid (B,): merge the last split launch's partials, decide, and finish the walk, each
     pass over the whole row in this one program (a SELECT pass's partials through buffer `read_buf`, which
     it no longer needs: barriers order the program's own stores and loads)."""
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                   mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, T, V, W, stride_tb,
-                   stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
+                   mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W,
+                   stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
     sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
     walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
-                                HAS_DRAFT, HAS_FILTERS, BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS, NUM_PIVOTS,
-                                CAP, PAIR_BLOCK)
+                                HAS_DRAFT, HAS_FILTERS, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS,
+                                NUM_PIVOTS, CAP, PAIR_BLOCK)
     walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
     while walk.kind != DONE:
         if walk.kind == SELECT:
@@ -1550,12 +1720,12 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds
                     _select_chunk(req, walk, sp, sq, s, sb, read_buf, HAS_DRAFT, NUM_SPLITS, NUM_PIVOTS, CAP, SPLIT_V,
                                   SELECT_BLOCK)
                 tl.debug_barrier()
-                walk, res, sp, sq = _select_decide(req, walk, sp, sq, sb, read_buf, HAS_DRAFT, BLOCK, T_BLOCK,
-                                                   NUM_SPLITS, SPLIT_V, S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
+                walk, res, sp, sq = _select_decide(req, walk, sp, sq, sb, read_buf, HAS_DRAFT, BLOCK, TRAVERSAL,
+                                                   T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
         else:
             walk, res, sp, sq = _decide(req, walk, _row_pass(req, walk, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V,
                                                              BLOCK_V, S_BLOCK, PREFETCH), HAS_DRAFT, HAS_FILTERS,
-                                        BLOCK, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+                                        BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
         walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
 
 
@@ -1570,7 +1740,8 @@ NUM_PIVOTS = 16
 CAP = 256
 
 
-def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: bool = False, block: bool = False) -> dict:
+def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: bool = False, block: bool = False,
+            traversal: bool = False) -> dict:
     """Tile sizes and schedule from shapes, logit width and device only (never B: results stay batch
     invariant).
 
@@ -1585,18 +1756,22 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
     walker (cheapest; test_accept.py checks that the split schedules give identical results).
     Filters (top-k / top-p / min-p given): a node takes 3 passes (statistics, pivots, gathering), a few more
     for a long search, so up to 4 (T + 1) split launches (block verification: twice as many, every chain node
-    taking a Z pass, plus the draw's at tau); pivot passes over 256-entry tiles (their [tile, pivots]
-    compares stay in registers). Untuned too.
+    taking a Z pass, plus the draw's at tau; traversal: statistics at up to T nodes, 4 T with filters, a Z pass
+    per failed child, at most T - 1, and one for a draw from p: 2 T + 1, 5 T + 1; capped at 40); pivot passes
+    over 256-entry tiles (their [tile, pivots] compares stay in registers). Untuned too.
     """
     select = dict(num_pivots=NUM_PIVOTS, cap=CAP, pair_block=16)
     if device.type == "cuda":
         block_v = max(16, min(2048, triton.next_power_of_2(V)))
         num_splits = min(16, triton.cdiv(V, block_v))
         passes = (4 if filtered else 1) * (T + 1) * (2 if block else 1) + (3 if block else 0)
+        if traversal:  # statistics at every inner node entered and the emitting leaf, a Z pass per failed child
+            passes = (4 if filtered else 1) * T + T + 1
         # a row of one chunk gains nothing from split launches: the walker alone, one launch
-        return dict(block_v=block_v, num_splits=num_splits, split_steps=min(passes, 40 if filtered or block else 16)
-                    if num_splits > 1 else 0, num_warps=8, prefetch=2 if elem_bytes <= 2 else 1, trials=TRIALS,
-                    select_block=min(block_v, 256), **select)
+        return dict(block_v=block_v, num_splits=num_splits,
+                    split_steps=min(passes, 40 if filtered or block or traversal else 16) if num_splits > 1 else 0,
+                    num_warps=8, prefetch=2 if elem_bytes <= 2 else 1, trials=TRIALS, select_block=min(block_v, 256),
+                    **select)
     return dict(block_v=16, num_splits=1, split_steps=0, num_warps=4, prefetch=1, trials=TRIALS, select_block=16,
                 **select)
 
@@ -1610,16 +1785,17 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     Everything is fused: the grammar mask (token_bitmask) is read beside a walked row's logits (`_allowed`),
     and top_k / top_p / min_p become one threshold per walked row, found by the kernel's own passes over it
     (see "filters" above): no sort, no processed copy of any row. method "block" (with draft logits; chains,
-    checked by specdec.ops.accept): block verification, `_block_step`. Keyword tunables override `_config`
+    checked by specdec.ops.accept): block verification, `_block_step`; method "traversal" (with draft logits;
+    any tree): traversal verification, `_traversal_step` (its node records after the walk state in state_f).
+    Greedy requests take the greedy walk whatever the method. Keyword tunables override `_config`
     (tests use them to compare schedules, and a small `cap` / `num_pivots` to exercise the long searches).
     """
-    if method == "traversal":
-        raise NotImplementedError("accept: method='traversal' is not in the Triton kernel yet (torch and cpp have it)")
     B, T, V = target_logits.shape
     dev = target_logits.device
     has_filters = any(f is not None for f in (top_k, top_p, min_p))
     elem_bytes = max(target_logits.element_size(), 0 if draft_logits is None else draft_logits.element_size())
-    cfg = _config(T, V, elem_bytes, dev, has_filters, method == "block")
+    traversal = method == "traversal" and draft_logits is not None
+    cfg = _config(T, V, elem_bytes, dev, has_filters, method == "block", traversal)
     for name, value in (("block_v", block_v), ("num_splits", num_splits), ("split_steps", split_steps),
                         ("num_warps", num_warps), ("prefetch", prefetch), ("trials", trials),
                         ("num_pivots", num_pivots), ("cap", cap), ("select_block", select_block),
@@ -1643,9 +1819,10 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
         raise ValueError(f"accept: invalid tunables {cfg} (block_v: a power of 2 >= 16, num_splits >= 1, "
                          "prefetch 1 or 2, trials >= 0; num_pivots, cap, select_block, pair_block: powers of 2 >= 4)")
     split_v = triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"]
-    # walk state and chunk partials, double-buffered: launch `step` reads buffer (step + 1) % 2, writes step % 2
+    # walk state and chunk partials, double-buffered: launch `step` reads buffer (step + 1) % 2, writes step % 2;
+    # traversal: then the node records (B, T) of the walk's ancestors, same float slots (`_push_node`)
     state_i = torch.empty((2, B, STATE_INTS.value), dtype=torch.int32, device=dev)
-    state_f = torch.empty((2, B, STATE_FLOATS.value), dtype=torch.float32, device=dev)
+    state_f = torch.empty((2 * B + (B * T if traversal else 0), STATE_FLOATS.value), dtype=torch.float32, device=dev)
     part_f = torch.empty((2, B, S, PART_FLOATS.value), dtype=torch.float32, device=dev)
     part_i = torch.empty((2, B, S, PART_INTS.value), dtype=torch.int32, device=dev)
     has_offsets = offsets is not None
@@ -1670,7 +1847,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
             state_i, state_f, part_f, part_i, *search, *select, T, V, W, target.stride(0), target.stride(1),
             d.stride(0), d.stride(1), offset & 0x7FFFFFFF, offset >> 31)
     meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, HAS_FILTERS=has_filters,
-                BLOCK=method == "block" and draft is not None, NUM_SPLITS=S,
+                BLOCK=method == "block" and draft is not None, TRAVERSAL=traversal, NUM_SPLITS=S,
                 SPLIT_V=split_v, BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T),
                 S_BLOCK=triton.next_power_of_2(S), PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=NP,
                 CAP=cap, SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], num_warps=cfg["num_warps"])
