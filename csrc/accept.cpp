@@ -60,11 +60,11 @@ struct RowStats {
 
   const scalar_t* data;
   int64_t V;
-  Tensor max, nan, posinf;  // (B, T) double, bool, bool
+  Tensor max, nan, posinf;  // per row ((B, T), or (N,) packed): double, bool, bool
 
   explicit RowStats(const Tensor& logits)
-      : data(logits.const_data_ptr<scalar_t>()), V(logits.size(2)),
-        max(at::empty(logits.sizes().slice(0, 2), logits.options().dtype(at::kDouble))),
+      : data(logits.const_data_ptr<scalar_t>()), V(logits.size(-1)),
+        max(at::empty(logits.sizes().slice(0, logits.dim() - 1), logits.options().dtype(at::kDouble))),
         nan(at::empty_like(max, max.options().dtype(at::kBool))),
         posinf(at::empty_like(max, max.options().dtype(at::kBool))) {}
 
@@ -281,6 +281,8 @@ struct Accept {
   int64_t T, V, offset;
   bool block;  // method "block": sampling requests verify their chain by block verification (walk_block)
   bool traversal;  // method "traversal": sampling requests verify their tree by traversal (walk_traversal)
+  const int64_t* row_offsets;  // (B,): node i of request b is row row_offsets[b] + i of the row tensors
+  bool packed;  // rows packed (N, V) (else (B, T, V), row_offsets[b] = b * T)
   int32_t* accepted;  // (B, T), pre-filled with -1
   int32_t* num_accepted;
   int64_t* next_tokens;
@@ -416,7 +418,7 @@ struct Accept {
     if (top_k != nullptr) f.k = top_k[b];
     if (top_p != nullptr) f.top_p = top_p[b];
     if (min_p != nullptr) f.min_p = min_p[b];
-    if (bitmask != nullptr) f.mask = bitmask + b * T * words();
+    if (bitmask != nullptr) f.mask = bitmask + row_offsets[b] * words();
     return f;
   }
 
@@ -772,7 +774,7 @@ struct Accept {
     if (total > 0) return {tau, sample(res, total, u)};
     // no law to draw from: an empty row emits 0, a residual of probability 0 (by rounding) the argmax
     if (!(r_sum > 0)) return {tau, 0};
-    const int64_t row = b * T + tau;
+    const int64_t row = row_offsets[b] + tau;
     const MaskRow mask{f.mask != nullptr ? f.mask + tau * words() : nullptr};
     return {tau, any(f) ? first_allowed_max(target + row * V, mask, M) : first_argmax(target + row * V, target_max[row])};
   }
@@ -821,7 +823,7 @@ struct Accept {
       if (total > 0) return {v, sample(res, total, u)};
       // no law to draw from: an empty row emits 0, a residual of probability 0 (by rounding) the argmax
       if (!(nodes[v].r_sum > 0)) return {v, 0};
-      const int64_t row = b * T + v;
+      const int64_t row = row_offsets[b] + v;
       const MaskRow mask{f.mask != nullptr ? f.mask + v * words() : nullptr};
       return {v, any(f) ? first_allowed_max(target + row * V, mask, nodes[v].max)
                         : first_argmax(target + row * V, target_max[row])};
@@ -894,8 +896,8 @@ struct Accept {
     auto scan = [&](int64_t i) {
       if (lazy_target == nullptr || scanned[i]) return;
       scanned[i] = true;
-      lazy_target->compute(b * T + i, b * T + i + 1);
-      if (lazy_draft != nullptr) lazy_draft->compute(b * T + i, b * T + i + 1);
+      lazy_target->compute(row_offsets[b] + i, row_offsets[b] + i + 1);
+      if (lazy_draft != nullptr) lazy_draft->compute(row_offsets[b] + i, row_offsets[b] + i + 1);
     };
     const Filters f = filters(b);
     const bool filtered = any(f);  // else the plain path, as without the filters
@@ -904,7 +906,7 @@ struct Accept {
     // Node i's processed target law into res.r (block sums refreshed) and, when `with_q`, the draft's into
     // res.q: (their totals, the target's masked max M).
     auto laws = [&](int64_t i, bool with_q) {
-      const int64_t row = b * T + i;
+      const int64_t row = row_offsets[b] + i;
       const MaskRow mask{f.mask != nullptr ? f.mask + i * words() : nullptr};
       scan(i);
       acc_t M = static_cast<acc_t>(target_max[row]);
@@ -934,7 +936,7 @@ struct Accept {
       token = drawn;
     }
     while (!((block || traversal) && t > 0.0)) {
-      const int64_t row = b * T + node;
+      const int64_t row = row_offsets[b] + node;
       const scalar_t* target_row = target + row * V;
       const MaskRow mask{f.mask != nullptr ? f.mask + node * words() : nullptr};
       scan(node);
@@ -982,10 +984,10 @@ struct Accept {
       accepted[b * T + ++length] = static_cast<int32_t>(chosen);
       node = chosen;
     }
-    for (int64_t i = 0; i < T; ++i) scan(i);
+    for (int64_t i = 0; i < (packed ? n : T); ++i) scan(i);  // (a padded request's padding rows are its own)
     if (f.mask != nullptr) {  // the value check of masked rows (reported after the walk)
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t row = b * T + i;
+        const int64_t row = row_offsets[b] + i;
         masked_empty[0][row] = !any_allowed_finite(target + row * V, f.mask + i * words());
         if (draft != nullptr) masked_empty[1][row] = !any_allowed_finite(draft + row * V, f.mask + i * words());
       }
@@ -1001,10 +1003,10 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                                               const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k,
                                               const std::optional<Tensor>& top_p, const std::optional<Tensor>& min_p,
                                               const std::optional<Tensor>& token_bitmask, c10::string_view method,
-                                              bool probs) {
+                                              bool probs, const std::optional<Tensor>& row_offsets) {
   AcceptInputs in = check_accept(target_in, tokens, parents, draft_in, temperature, seeds, num_nodes, offset, offsets,
-                                 top_k, top_p, min_p, token_bitmask, method, probs);
-  const int64_t B = target_in.size(0), T = target_in.size(1), V = target_in.size(2);
+                                 top_k, top_p, min_p, token_bitmask, method, probs, row_offsets);
+  const int64_t B = tokens.size(0), T = tokens.size(1), V = target_in.size(-1);
   const char* target_name = probs ? "target_probs" : "target_logits";
   const char* draft_name = probs ? "draft_probs" : "draft_logits";
   // mixed target/draft dtypes: both promoted (exactly) to a common one, so q is the drafter's own law
@@ -1028,13 +1030,17 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
   Tensor next_tokens = at::empty({B}, opts.dtype(at::kLong));
   // rows -inf on every allowed token (filled for real rows when there is a bitmask)
   Tensor masked_empty[2];
-  for (auto& flags : masked_empty) flags = in.token_bitmask.defined() ? at::zeros({B, T}, opts.dtype(at::kBool)) : Tensor();
+  for (auto& flags : masked_empty) {
+    flags = in.token_bitmask.defined() ? at::zeros(target.sizes().slice(0, target.dim() - 1), opts.dtype(at::kBool))
+                                       : Tensor();
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target.scalar_type(), "specdec::accept", [&] {
     using acc_t = acc_type_t<scalar_t>;
     RowStats<scalar_t> ts(target);
     std::optional<RowStats<scalar_t>> ds;
     if (draft.has_value()) ds.emplace(*draft);
-    const bool stats_in_walk = B >= at::get_num_threads();
+    // (packed rows: all of them first, as rows between requests belong to no walk)
+    const bool stats_in_walk = B >= at::get_num_threads() && !row_offsets.has_value();
     const Accept<scalar_t> op{target.const_data_ptr<scalar_t>(),
                               draft.has_value() ? draft->const_data_ptr<scalar_t>() : nullptr,
                               ts.max.template const_data_ptr<double>(),
@@ -1053,7 +1059,7 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
                               in.token_bitmask.defined() ? in.token_bitmask.const_data_ptr<int32_t>() : nullptr,
                               {masked_empty[0].defined() ? masked_empty[0].data_ptr<bool>() : nullptr,
                                masked_empty[1].defined() ? masked_empty[1].data_ptr<bool>() : nullptr},
-                              T, V, offset, in.block, in.traversal,
+                              T, V, offset, in.block, in.traversal, in.row_offsets.const_data_ptr<int64_t>(), row_offsets.has_value(),
                               accepted.data_ptr<int32_t>(),
                               num_accepted.data_ptr<int32_t>(),
                               next_tokens.data_ptr<int64_t>()};
@@ -1066,7 +1072,7 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
     // rows (Accept::lazy_target); else rows first, then requests. Bad logits are reported after both
     // passes (outputs are the op's own, nothing of the caller's is written), and the walk stays in
     // bounds on them.
-    if (!stats_in_walk) at::parallel_for(0, B * T, 1, stats);
+    if (!stats_in_walk) at::parallel_for(0, ts.max.numel(), 1, stats);
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       Residual<acc_t> res(V, draft.has_value());
       for (int64_t b = begin; b < end; ++b) op.run(b, res);

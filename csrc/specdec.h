@@ -154,6 +154,7 @@ struct AcceptInputs {
   Tensor top_k, top_p, min_p, token_bitmask;
   bool block = false;  // method "block": block verification of chains
   bool traversal = false;  // method "traversal": traversal verification of trees (neither: "token")
+  Tensor row_offsets;  // (B,) int64: node i of request b is row row_offsets[b] + i (padded: b * T)
 };
 constexpr int64_t kMaxOffset = int64_t{1} << 60;  // _validation.MAX_OFFSET
 AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, const Tensor& parents,
@@ -161,7 +162,8 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
                           const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
                           const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k,
                           const std::optional<Tensor>& top_p, const std::optional<Tensor>& min_p,
-                          const std::optional<Tensor>& token_bitmask, c10::string_view method, bool probs);
+                          const std::optional<Tensor>& token_bitmask, c10::string_view method, bool probs,
+                          const std::optional<Tensor>& row_offsets);
 // Per-row flags of a logits tensor, computed by the accept kernel's first pass; raises the errors of
 // _validation.check_accept ("contains NaN", "contains +inf", "a real node's row is entirely -inf", and with a
 // bitmask (masked_empty defined, (B, T) bool) "a real node's row is -inf on every token token_bitmask allows").

@@ -248,7 +248,7 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
                           const Tensor& num_nodes, int64_t offset, const std::optional<Tensor>& offsets,
                           const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p,
                           const std::optional<Tensor>& min_p, const std::optional<Tensor>& token_bitmask,
-                          c10::string_view method, bool probs) {
+                          c10::string_view method, bool probs, const std::optional<Tensor>& row_offsets) {
   const char* target_name = probs ? "target_probs" : "target_logits";
   const char* draft_name = probs ? "draft_probs" : "draft_logits";
   // _validation.check_method
@@ -256,16 +256,30 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
                     "method: expected one of ('token', 'block', 'traversal'), got '", std::string(method), "'");
   TORCH_CHECK_VALUE(method == "token" || draft_logits.has_value(), "method: '", std::string(method), "' needs ",
                     draft_name, " (the drafter's laws); given proposals verify with method='token'");
-  check_tensor(target_name, target_logits, 3, kFloat);
-  const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
+  // packed rows (N, V) when row_offsets is given: node i of request b is row row_offsets[b] + i
+  const bool packed = row_offsets.has_value();
+  check_tensor(target_name, target_logits, packed ? 2 : 3, kFloat);
   const c10::Device device = target_logits.device();
   check_tensor("tokens", tokens, 2, kInt, &device);
+  // (padded: the shapes follow target_logits; packed: the nodes' (B, T) follow tokens)
+  const int64_t B = packed ? tokens.size(0) : target_logits.size(0);
+  const int64_t T = packed ? tokens.size(1) : target_logits.size(1), V = target_logits.size(-1);
+  std::vector<int64_t> rows_shape = packed ? std::vector<int64_t>{target_logits.size(0)} : std::vector<int64_t>{B, T};
+  auto with_last = [&](int64_t last) {
+    std::vector<int64_t> shape = rows_shape;
+    shape.push_back(last);
+    return shape;
+  };
   check_shape("tokens", tokens, {B, T});
   check_tensor("parents", parents, 2, kInt, &device);
   check_shape("parents", parents, {B, T});
   if (draft_logits.has_value()) {
-    check_tensor(draft_name, *draft_logits, 3, kFloat, &device);
-    check_shape(draft_name, *draft_logits, {B, T, V});
+    check_tensor(draft_name, *draft_logits, packed ? 2 : 3, kFloat, &device);
+    check_shape(draft_name, *draft_logits, with_last(V));
+  }
+  if (packed) {
+    check_tensor("row_offsets", *row_offsets, 1, kInt, &device);
+    check_shape("row_offsets", *row_offsets, {B});
   }
   AcceptInputs in;
   in.num_nodes = normalize_num_nodes(num_nodes, B, device);
@@ -299,10 +313,10 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
     out = x->to(at::kFloat).contiguous();
   }
   if (token_bitmask.has_value()) {
-    check_tensor("token_bitmask", *token_bitmask, 3, {}, &device);
+    check_tensor("token_bitmask", *token_bitmask, packed ? 2 : 3, {}, &device);
     TORCH_CHECK_VALUE(token_bitmask->scalar_type() == ScalarType::Int, "token_bitmask: dtype ",
                       dtype_name(token_bitmask->scalar_type()), " not supported (expected int32)");
-    check_shape("token_bitmask", *token_bitmask, {B, T, (V + 31) / 32});
+    check_shape("token_bitmask", *token_bitmask, with_last((V + 31) / 32));
     in.token_bitmask = token_bitmask->contiguous();
   }
   const int64_t* off = in.offsets.data_ptr<int64_t>();
@@ -311,6 +325,19 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   }
   in.parents = int32_contiguous(parents);
   check_parents(in.parents, in.num_nodes);
+  if (packed) {
+    in.row_offsets = row_offsets->to(at::kLong).contiguous();
+    const int64_t* ro = in.row_offsets.data_ptr<int64_t>();
+    const int32_t* n = in.num_nodes.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK_VALUE(ro[b] >= 0 && ro[b] + n[b] <= rows_shape[0], "row_offsets: request b's rows row_offsets[b] .. "
+                        "+ num_nodes[b] - 1 must be in [0, ", rows_shape[0], ")");
+    }
+  } else {
+    in.row_offsets = at::empty({B}, target_logits.options().dtype(at::kLong));
+    int64_t* ro = in.row_offsets.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) ro[b] = b * T;
+  }
   in.block = method == "block";
   in.traversal = method == "traversal";
   if (in.block) {
@@ -353,7 +380,7 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
     const int32_t* words = in.token_bitmask.data_ptr<int32_t>();
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t i = 0; i < nn[b]; ++i) {
-        const int32_t* row = words + (b * T + i) * W;
+        const int32_t* row = words + (in.row_offsets.data_ptr<int64_t>()[b] + i) * W;
         bool any = false;
         for (int64_t w = 0; w < W && !any; ++w) any = (static_cast<uint32_t>(row[w]) & (w == W - 1 ? last : ~0u)) != 0;
         TORCH_CHECK_VALUE(any, "token_bitmask: a real node's row allows no token");
@@ -365,23 +392,24 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
 
 void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf, const Tensor& row_max,
                       const Tensor& num_nodes, const Tensor& masked_empty, bool probs) {
-  const int64_t B = row_max.size(0), T = row_max.size(1);
+  const bool packed = row_max.dim() == 1;  // packed rows: every one is a node's
+  const int64_t B = packed ? 1 : row_max.size(0), T = packed ? row_max.size(0) : row_max.size(1);
   const bool* nan = row_nan.data_ptr<bool>();
   const bool* posinf = row_posinf.data_ptr<bool>();
   const int32_t* nn = num_nodes.data_ptr<int32_t>();
   for (int64_t r = 0; r < B * T; ++r) TORCH_CHECK_VALUE(!nan[r], name, ": contains NaN");
   for (int64_t r = 0; r < B * T; ++r) TORCH_CHECK_VALUE(!posinf[r], name, ": contains +inf");
-  auto mx = row_max.accessor<double, 2>();
+  const double* mx = row_max.data_ptr<double>();
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 0; i < nn[b]; ++i) {
-      TORCH_CHECK_VALUE(mx[b][i] != -INFINITY, name, probs ? ": a real node's row is all zeros"
+    for (int64_t i = 0; i < (packed ? T : nn[b]); ++i) {
+      TORCH_CHECK_VALUE(mx[b * T + i] != -INFINITY, name, probs ? ": a real node's row is all zeros"
                                                             : ": a real node's row is entirely -inf");
     }
   }
   if (!masked_empty.defined()) return;
   const bool* empty = masked_empty.data_ptr<bool>();
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 0; i < nn[b]; ++i) {
+    for (int64_t i = 0; i < (packed ? T : nn[b]); ++i) {
       TORCH_CHECK_VALUE(!empty[b * T + i], name, ": a real node's row is ", probs ? "0" : "-inf",
                         " on every token token_bitmask allows");
     }

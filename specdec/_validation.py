@@ -363,23 +363,59 @@ def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accept
 # ----------------------------------------------------------------------------------------------
 # acceptance
 # ----------------------------------------------------------------------------------------------
+def packed_nodes(cu_num_nodes, max_nodes, tokens, parents, num_rows, values=True):
+    """accept's packed form -> the op's: (tokens (B, T), parents (B, T), num_nodes (B,) int32, row_offsets (B,)
+    int64) with T = max_nodes, from cu_num_nodes (B + 1,) and tokens / parents (num_rows,) packed the same way
+    (request b's nodes are rows cu[b] .. cu[b + 1] - 1; parents are indices within the request). On the device,
+    no host sync (the value checks aside)."""
+    if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
+        raise TypeError("max_nodes: with cu_num_nodes, an int >= 1 bounding every request's number of nodes")
+    dev = tokens.device if isinstance(tokens, torch.Tensor) else None
+    _tensor("cu_num_nodes", cu_num_nodes, dim=1, dtypes=INT_DTYPES, device=dev)
+    if cu_num_nodes.numel() < 2:
+        raise ValueError(f"cu_num_nodes: expected (B + 1,) offsets with B >= 1, got shape {tuple(cu_num_nodes.shape)}")
+    for name, x in (("tokens", tokens), ("parents", parents)):
+        _tensor(name, x, dim=1, dtypes=INT_DTYPES, device=dev)
+        _shape(name, x, (num_rows,))
+    cu = cu_num_nodes.long()
+    counts = cu[1:] - cu[:-1]
+    if values and value_checks_enabled():
+        _fail_if("cu_num_nodes", cu[:1] != 0, "cu_num_nodes[0] must be 0")
+        _fail_if("cu_num_nodes", cu[-1:] != num_rows, f"cu_num_nodes[-1] must be the number of packed rows, {num_rows}")
+        _fail_if("cu_num_nodes", (counts < 1) | (counts > max_nodes),
+                 f"every request needs 1 to max_nodes = {max_nodes} nodes")
+    i = torch.arange(max_nodes, device=cu.device)
+    real = i < counts.unsqueeze(1)
+    rows = (cu[:-1].unsqueeze(1) + i).clamp(0, max(num_rows - 1, 0))
+    return (torch.where(real, tokens.long()[rows], 0), torch.where(real, parents.long()[rows], -1),
+            counts.to(torch.int32), cu[:-1])
+
+
 def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k=None,
-                 top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, values=True):
+                 top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None,
+                 values=True):
     """The checks of specdec.accept; returns the normalized (num_nodes, temperature, seeds, offset, offsets,
     top_k, top_p, min_p, token_bitmask): top_k (B,) int32, top_p / min_p (B,) float32, each None when it is off
     for the whole batch (None, or a Python number meaning off), so the kernels keep their plain path."""
     target_name, draft_name = ("target_probs", "draft_probs") if probs else ("target_logits", "draft_logits")
     check_method(method, draft_logits, draft_name)
-    _tensor(target_name, target_logits, dim=3, dtypes=FLOAT_DTYPES)
-    B, T, V = target_logits.shape
+    packed = row_offsets is not None  # rows (N, V): node i of request b is row row_offsets[b] + i
+    _tensor(target_name, target_logits, dim=2 if packed else 3, dtypes=FLOAT_DTYPES)
     dev = target_logits.device
     _tensor("tokens", tokens, dim=2, dtypes=INT_DTYPES, device=dev)
+    # (padded: the shapes follow target_logits; packed: the nodes' (B, T) follow tokens)
+    B, T = tokens.shape if packed else target_logits.shape[:2]
+    V = target_logits.shape[-1]
+    rows_shape = tuple(target_logits.shape[:1]) if packed else (B, T)
     _shape("tokens", tokens, (B, T))
     _tensor("parents", parents, dim=2, dtypes=INT_DTYPES, device=dev)
     _shape("parents", parents, (B, T))
     if draft_logits is not None:
-        _tensor(draft_name, draft_logits, dim=3, dtypes=FLOAT_DTYPES, device=dev)
-        _shape(draft_name, draft_logits, (B, T, V))
+        _tensor(draft_name, draft_logits, dim=2 if packed else 3, dtypes=FLOAT_DTYPES, device=dev)
+        _shape(draft_name, draft_logits, (*rows_shape, V))
+    if packed:
+        _tensor("row_offsets", row_offsets, dim=1, dtypes=INT_DTYPES, device=dev)
+        _shape("row_offsets", row_offsets, (B,))
     num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
     temperature = normalize_temperature(temperature, B, dev)
     seeds = normalize_seeds(seeds, B, dev)
@@ -396,10 +432,10 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     top_p = normalize_fraction("top_p", top_p, B, dev, off=1.0)
     min_p = normalize_fraction("min_p", min_p, B, dev, off=0.0)
     if token_bitmask is not None:
-        _tensor("token_bitmask", token_bitmask, dim=3, device=dev)
+        _tensor("token_bitmask", token_bitmask, dim=len(rows_shape) + 1, device=dev)
         if token_bitmask.dtype != torch.int32:  # a ValueError: the layout is wrong, as for a wrong shape
             raise ValueError(f"token_bitmask: dtype {_dtype_name(token_bitmask.dtype)} not supported (expected int32)")
-        _shape("token_bitmask", token_bitmask, (B, T, (V + 31) // 32))
+        _shape("token_bitmask", token_bitmask, (*rows_shape, (V + 31) // 32))
     values = values and value_checks_enabled()
     if values and offsets is not None:
         _fail_if("offset", (offsets < 0) | (offsets >= MAX_OFFSET), "must be in [0, 2**60)")
@@ -409,7 +445,12 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
         real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
         if method == "block":
             _fail_if("method", real & (parents != idx - 1), "'block' verifies chains only (parents[b, i] = i - 1)")
-        rows_real = idx.unsqueeze(0) < num_nodes.long().unsqueeze(1)
+        if packed:  # every packed row is a node's (the rows of request b must lie inside the packed rows)
+            rows_real = torch.ones(rows_shape, dtype=torch.bool, device=dev)
+            _fail_if("row_offsets", (row_offsets < 0) | (row_offsets + num_nodes > rows_shape[0]),
+                     f"request b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, {rows_shape[0]})")
+        else:
+            rows_real = idx.unsqueeze(0) < num_nodes.long().unsqueeze(1)
         _fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")
         _fail_if("temperature", torch.isnan(temperature) | (temperature < 0) | torch.isinf(temperature),
                  "must be finite and >= 0")
@@ -422,7 +463,7 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
         allowed = None
         if token_bitmask is not None:
             from .sampling import unpack_bitmask
-            allowed = unpack_bitmask(token_bitmask, V)  # (B, T, V)
+            allowed = unpack_bitmask(token_bitmask, V)  # (B, T, V) or (N, V)
             _fail_if("token_bitmask", rows_real & ~allowed.any(-1), "a real node's row allows no token")
         for name, x in ((target_name, target_logits), (draft_name, draft_logits)):
             if x is None:

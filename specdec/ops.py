@@ -74,8 +74,8 @@ def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
 
 
 def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-                 top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False):
-    B, T, _ = target_logits.shape
+                 top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None):
+    B, T = tokens.shape
     return (tokens.new_empty((B, T), dtype=torch.int32), tokens.new_empty((B,), dtype=torch.int32),
             tokens.new_empty((B,), dtype=torch.int64))
 
@@ -98,8 +98,8 @@ OPS = {spec.name: spec for spec in (
     OpSpec("accept",
            "(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, Tensor temperature, "
            "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None, Tensor? top_k=None, Tensor? top_p=None, "
-           "Tensor? min_p=None, Tensor? token_bitmask=None, str method=\"token\", bool probs=False) -> "
-           "(Tensor, Tensor, Tensor)",
+           "Tensor? min_p=None, Tensor? token_bitmask=None, str method=\"token\", bool probs=False, "
+           "Tensor? row_offsets=None) -> (Tensor, Tensor, Tensor)",
            reference.accept, _fake_accept, (".kernels.accept", "accept"), val.check_accept),
     OpSpec("kv_append",
            "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
@@ -265,7 +265,8 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
            num_nodes: Optional[torch.Tensor] = None, offset: Union[int, torch.Tensor] = 0,
            top_k: Union[None, int, torch.Tensor] = None, top_p: Union[None, float, torch.Tensor] = None,
            min_p: Union[None, float, torch.Tensor] = None, token_bitmask: Optional[torch.Tensor] = None,
-           method: str = "token", backend: Optional[str] = None) -> AcceptResult:
+           method: str = "token", cu_num_nodes: Optional[torch.Tensor] = None, max_nodes: Optional[int] = None,
+           backend: Optional[str] = None) -> AcceptResult:
     """Verify draft trees against the target: the longest accepted path plus one next token.
 
     target_logits: (B, T, V) the target's logits at each node. tokens: (B, T) int, tokens[b, i] is node
@@ -307,17 +308,32 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     count; on a chain it is block verification. Same output law, at least as many accepted tokens on
     average as "token" on trees of depth >= 2 (equal on stars). It reads the rows of every inner node it
     enters and a leaf's target row only when the next token is drawn there (reference._traversal_verify).
+    Packed (ragged) form, vLLM's and SGLang's: with cu_num_nodes (B + 1,) int offsets, request b's nodes are the
+    rows cu_num_nodes[b] .. cu_num_nodes[b + 1] - 1 of target_logits (N, V) / target_probs, draft_logits (N, V),
+    tokens (N,), parents (N,) (indices within the request: parents of a request's first row is -1) and
+    token_bitmask (N, ceil(V/32)); num_nodes is then not given, and max_nodes, a Python int, bounds every
+    request's nodes (the launch configuration depends on it, never on the data). The kernels read the packed
+    rows in place; the results are the padded form's, (B, max_nodes) with indices within the request.
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
     """
     target_logits, draft_logits, probs = _accept_laws(target_logits, draft_logits, target_probs, draft_probs)
     if tokens is None or parents is None:
         raise TypeError(f"{'tokens' if tokens is None else 'parents'}: required")
+    values = _python_value_checks(backend, target_logits)
+    row_offsets = None
+    if cu_num_nodes is not None:
+        if num_nodes is not None:
+            raise TypeError("num_nodes: with cu_num_nodes the counts are its differences; give one of them")
+        # (the offsets' checks run on every backend: the op sees only the rows they give)
+        tokens, parents, num_nodes, row_offsets = val.packed_nodes(cu_num_nodes, max_nodes, tokens, parents,
+                                                                   target_logits.shape[0])
     num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = OPS["accept"].check(
         target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k, top_p, min_p,
-        token_bitmask, method, probs, _python_value_checks(backend, target_logits))
+        token_bitmask, method, probs, row_offsets, values)
     filters = (top_k, top_p, min_p, token_bitmask)
     # (the schema's defaults left out: the argument list of callers that predate them)
-    extra = ((*filters, method, True) if probs else (*filters, method) if method != "token"
+    extra = ((*filters, method, probs, row_offsets) if row_offsets is not None
+             else (*filters, method, True) if probs else (*filters, method) if method != "token"
              else filters if any(f is not None for f in filters) else ())
     res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
                 parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset, offsets, *extra)

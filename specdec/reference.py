@@ -356,8 +356,11 @@ def _traversal_verify(P, Q, tokens, kids, gen, fallback):
 
 
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False):
+           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None):
     """Walk each request's tree from the root and return (accepted_nodes, num_accepted, next_tokens).
+
+    row_offsets (B,) (the packed form): target_logits, draft_logits (N, V) and token_bitmask (N, W) are packed
+    rows, node i of request b being row row_offsets[b] + i; they are unpacked to (B, T, ...) first.
 
     probs=True: target_logits and draft_logits hold probabilities (unnormalized, zeros impossible), which mean
     what the logits log(probs) mean: everything below runs on those logs.
@@ -381,6 +384,11 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     draw. Greedy requests are unaffected by the method.
     Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
     """
+    if row_offsets is not None:
+        T = tokens.shape[1]
+        rows = (row_offsets.long().unsqueeze(1) + torch.arange(T, device=tokens.device)).clamp(max=target_logits.shape[0] - 1)
+        target_logits, draft_logits, token_bitmask = (None if x is None else x[rows]
+                                                      for x in (target_logits, draft_logits, token_bitmask))
     if probs:
         target_logits = target_logits.double().log()
         draft_logits = None if draft_logits is None else draft_logits.double().log()
