@@ -99,6 +99,8 @@ struct TreeAttention {
   const int32_t* cache_lens;
   const int32_t* tree_mask;  // contiguous (B, T, W)
   const int32_t* num_nodes;
+  const int64_t* row_offsets;  // (B,): node i of request b is row row_offsets[b] + i of q, tree_mask, out, lse
+  bool packed;  // rows packed (N, ...): only real nodes' rows are written (else padded, row_offsets[b] = b * T)
   int64_t T, Hq, Hkv, D, W;
   acc_t q_scale;  // scale * k_scale
   acc_t v_scale;
@@ -118,14 +120,14 @@ struct TreeAttention {
   };
 
   bool visible(int64_t b, int64_t node, int64_t j) const {
-    return (static_cast<uint32_t>(tree_mask[(b * T + node) * W + j / 32]) >> (j % 32)) & 1u;
+    return (static_cast<uint32_t>(tree_mask[(row_offsets[b] + node) * W + j / 32]) >> (j % 32)) & 1u;
   }
 
   // depth of a node: the tree nodes it sees (bits j < T of its mask row) minus itself
   int64_t depth(int64_t b, int64_t node) const {
     int64_t seen = 0;
     for (int64_t word = 0; word < W; ++word) {
-      uint32_t bits = static_cast<uint32_t>(tree_mask[(b * T + node) * W + word]);
+      uint32_t bits = static_cast<uint32_t>(tree_mask[(row_offsets[b] + node) * W + word]);
       if (word == W - 1 && T % 32 != 0) bits &= (uint32_t{1} << (T % 32)) - 1;
       seen += __builtin_popcount(bits);
     }
@@ -142,7 +144,7 @@ struct TreeAttention {
     std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<acc_t>::infinity());
     std::fill(w.row_sum.begin(), w.row_sum.end(), acc_t(0));
     for (int64_t m = 0; m < M; ++m) {
-      const scalar_t* src = q + ((b * T + m / G) * Hq + kv_head * G + m % G) * D;
+      const scalar_t* src = q + ((row_offsets[b] + m / G) * Hq + kv_head * G + m % G) * D;
       for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = static_cast<acc_t>(src[d]) * q_scale;
     }
     // keys: the committed prefix and the real nodes' tree positions (padding nodes' rows are never seen);
@@ -190,14 +192,14 @@ struct TreeAttention {
       gemm<acc_t, true>(Dp, Mp, vb, 1, Dp, s, rows, ot, w.alpha.data());
     }
     for (int64_t m = 0; m < M; ++m) {
-      const int64_t row = (b * T + m / G) * Hq + kv_head * G + m % G;
+      const int64_t row = (row_offsets[b] + m / G) * Hq + kv_head * G + m % G;
       const acc_t inv = v_scale / w.row_sum[m];
       for (int64_t d = 0; d < D; ++d) out[row * D + d] = static_cast<scalar_t>(ot[d * Mp + m] * inv);
       lse[row] = static_cast<float>(w.row_max[m] + std::log(w.row_sum[m]));
     }
-    for (int64_t node = n; node < T; ++node) {
+    for (int64_t node = n; node < (packed ? n : T); ++node) {  // a padded request's padding rows
       for (int64_t g = 0; g < G; ++g) {
-        const int64_t row = (b * T + node) * Hq + kv_head * G + g;
+        const int64_t row = (row_offsets[b] + node) * Hq + kv_head * G + g;
         std::fill(out + row * D, out + (row + 1) * D, scalar_t(0));
         lse[row] = -std::numeric_limits<float>::infinity();
       }
@@ -232,16 +234,23 @@ std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& 
                                               const Tensor& cache_lens, const Tensor& tree_mask_in,
                                               const std::optional<Tensor>& block_table, const Tensor& num_nodes_in,
                                               double scale, double k_scale, double v_scale, int64_t window_left,
-                                              double logits_soft_cap) {
+                                              double logits_soft_cap, const std::optional<Tensor>& row_offsets_in,
+                                              int64_t max_nodes) {
   Tensor num_nodes = check_tree_attention(q_in, k_in, v_in, cache_lens, tree_mask_in, block_table, num_nodes_in,
-                                          k_scale, v_scale, window_left, logits_soft_cap);
+                                          k_scale, v_scale, window_left, logits_soft_cap, row_offsets_in, max_nodes);
+  const bool packed = row_offsets_in.has_value();
   const Tensor q = q_in.contiguous(), tree_mask = tree_mask_in.contiguous(), lens = cache_lens.contiguous();
   // rows are read as D contiguous values; any other layout is copied once
   const Tensor k_cache = k_in.stride(-1) == 1 ? k_in : k_in.contiguous();
   const Tensor v_cache = v_in.stride(-1) == 1 ? v_in : v_in.contiguous();
-  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k_cache.size(-2);
+  const int64_t B = packed ? row_offsets_in->size(0) : q.size(0), T = packed ? max_nodes : q.size(1);
+  const int64_t Hq = q.size(-2), D = q.size(-1), Hkv = k_cache.size(-2);
   Tensor out = at::empty_like(q);
-  Tensor lse = at::empty({B, T, Hq}, q.options().dtype(at::kFloat));
+  Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
+  Tensor row_offsets = packed ? row_offsets_in->to(at::kLong).contiguous() : at::empty({B}, lse.options().dtype(at::kLong));
+  if (!packed) {
+    for (int64_t b = 0; b < B; ++b) row_offsets.data_ptr<int64_t>()[b] = b * T;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "specdec::tree_attention", [&] {
     auto launch = [&](auto cache_tag) {
       using cache_t = decltype(cache_tag);
@@ -251,7 +260,8 @@ std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& 
                   CacheRows<const cache_t>(k_cache.const_data_ptr<cache_t>(), k_cache, block_table),
                   CacheRows<const cache_t>(v_cache.const_data_ptr<cache_t>(), v_cache, block_table),
                   lens.const_data_ptr<int32_t>(), tree_mask.const_data_ptr<int32_t>(),
-                  num_nodes.const_data_ptr<int32_t>(), T, Hq, Hkv, D, tree_mask.size(2),
+                  num_nodes.const_data_ptr<int32_t>(), row_offsets.const_data_ptr<int64_t>(), packed, T, Hq, Hkv,
+                  D, tree_mask.size(-1),
                   static_cast<acc_t>(scale * k_scale), static_cast<acc_t>(v_scale), window_left,
                   static_cast<acc_t>(logits_soft_cap), out.data_ptr<scalar_t>(), lse.data_ptr<float>()};
       at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {

@@ -194,9 +194,14 @@ TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes) {
 Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& cache_lens,
                             const Tensor& tree_mask, const std::optional<Tensor>& block_table,
                             const Tensor& num_nodes, double k_scale, double v_scale, int64_t window_left,
-                            double logits_soft_cap) {
-  check_tensor("q", q, 4, kFloat);
-  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
+                            double logits_soft_cap, const std::optional<Tensor>& row_offsets, int64_t max_nodes) {
+  // packed (row_offsets given): q (N, Hq, D) and tree_mask (N, W) rows, node i of request b at row_offsets[b] + i
+  const bool packed = row_offsets.has_value();
+  check_tensor("q", q, packed ? 3 : 4, kFloat);
+  const int64_t B = packed ? row_offsets->size(0) : q.size(0), T = packed ? max_nodes : q.size(1);
+  const int64_t Hq = q.size(-2), D = q.size(-1);
+  TORCH_CHECK_TYPE(!packed || max_nodes >= 1, "max_nodes: with cu_num_nodes, an int >= 1 bounding every request's "
+                   "number of nodes");
   const c10::Device device = q.device();
   check_tensor("k_cache", k_cache, 4, {}, &device);
   check_cache_pair(k_cache, v_cache, block_table, B);
@@ -209,9 +214,9 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
   TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "q: ", Hq, " query heads is not a multiple of the ", Hkv, " KV heads");
   check_cache_lens(cache_lens, B, device);
   check_block_table(block_table, B, device);
-  check_tensor("tree_mask", tree_mask, 3, kInt32, &device);
+  check_tensor("tree_mask", tree_mask, packed ? 2 : 3, kInt32, &device);
   const int64_t words = (T + 31) / 32;
-  check_shape("tree_mask", tree_mask, {B, T, words});
+  check_shape("tree_mask", tree_mask, packed ? std::vector<int64_t>{q.size(0), words} : std::vector<int64_t>{B, T, words});
   Tensor nn = normalize_num_nodes(num_nodes, B, device);
   // (scale: any float the schema accepts; the Python TypeErrors for non-numbers cannot happen here)
   TORCH_CHECK_VALUE(window_left == -1 || window_left >= T - 1, "window_left: must be -1 (no window) or >= T - 1 = ",
@@ -225,9 +230,18 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
       k_cache.sizes(), cache_lens, block_table, [T](int64_t) { return T; },
       [window_left](int64_t L) { return window_left >= 0 ? std::max<int64_t>(0, L - window_left) : 0; },
       "the T new tokens");
-  auto mask = tree_mask.accessor<int32_t, 3>();
+  const Tensor mask_rows = tree_mask.contiguous();
+  const int32_t* mask = mask_rows.data_ptr<int32_t>();
   const int32_t* n = nn.data_ptr<int32_t>();
-  auto bit = [&](int64_t b, int64_t i, int64_t j) { return (static_cast<uint32_t>(mask[b][i][j / 32]) >> (j % 32)) & 1u; };
+  std::vector<int64_t> first_row(B);
+  for (int64_t b = 0; b < B; ++b) {
+    first_row[b] = packed ? row_offsets->to(at::kLong).data_ptr<int64_t>()[b] : b * T;
+    TORCH_CHECK_VALUE(!packed || (first_row[b] >= 0 && first_row[b] + n[b] <= q.size(0)), "row_offsets: request "
+                      "b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, ", q.size(0), ")");
+  }
+  auto bit = [&](int64_t b, int64_t i, int64_t j) {
+    return (static_cast<uint32_t>(mask[(first_row[b] + i) * words + j / 32]) >> (j % 32)) & 1u;
+  };
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < n[b]; ++i) {
       TORCH_CHECK_VALUE(bit(b, i, i), "tree_mask: every real node must have its own bit set");

@@ -171,7 +171,7 @@ def _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_P
 
 @triton.jit
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, cache_lens_ptr, tree_mask_ptr, block_table_ptr, num_nodes_ptr,
+    q_ptr, k_ptr, v_ptr, cache_lens_ptr, tree_mask_ptr, block_table_ptr, num_nodes_ptr, row_offsets_ptr,
     out_ptr, lse_ptr,  # final outputs (NUM_SPLITS == 1) or per-split partials (out: partial dtype; lse: fp32)
     qk_scale, v_scale, cap, window_left, T, block_size,
     stride_qb, stride_qt, stride_qh, stride_qd,
@@ -183,7 +183,7 @@ def _tree_attention_kernel(
     stride_lb, stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, IDENTITY_TABLE: tl.constexpr,
-    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, PACKED: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -195,9 +195,18 @@ def _tree_attention_kernel(
     rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     node = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    row_ok = node < T
+    if PACKED:  # node i of request b is row row_offsets[b] + i of q, tree_mask (and the final out, lse)
+        row0 = tl.load(row_offsets_ptr + b).to(tl.int64)
+        q_base = row0 * stride_qt
+        mask_base = row0 * stride_mt
+        row_ok = node < real_nodes  # (the rows after a request's nodes are the next request's)
+    else:
+        row0 = b * 0
+        q_base = b * stride_qb
+        mask_base = b * stride_mb
+        row_ok = node < T
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + node[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+    q = tl.load(q_ptr + q_base + node[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=row_ok[:, None], other=0.0)
     q = q.to(COMPUTE_DTYPE)
 
@@ -217,7 +226,7 @@ def _tree_attention_kernel(
     if WINDOW:
         depth = tl.full([BLOCK_M], -1, tl.int32)
         for w in range(0, (T + 31) // 32):
-            word = tl.load(tree_mask_ptr + b * stride_mb + node * stride_mt + w * stride_mw, mask=row_ok, other=0)
+            word = tl.load(tree_mask_ptr + mask_base + node * stride_mt + w * stride_mw, mask=row_ok, other=0)
             bits = T - 32 * w  # word w holds nodes 32w..32w+31: count those below T only
             depth += _popcount(word & tl.where(bits >= 32, -1, (1 << tl.minimum(bits, 31)) - 1))
         row_first = prefix_len + depth - window_left
@@ -248,7 +257,7 @@ def _tree_attention_kernel(
         k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, b, prefix_len + j, key_ok,
                                block_size, stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
                                HEAD_DIM, COMPUTE_DTYPE, IDENTITY_TABLE)
-        words = tl.load(tree_mask_ptr + b * stride_mb + node[:, None] * stride_mt + (j // 32)[None, :] * stride_mw,
+        words = tl.load(tree_mask_ptr + mask_base + node[:, None] * stride_mt + (j // 32)[None, :] * stride_mw,
                         mask=row_ok[:, None] & key_ok[None, :], other=0)
         allowed = ((words >> (j % 32)[None, :]) & 1) != 0
         m_i, l_i, acc = _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_PRECISION,
@@ -259,23 +268,39 @@ def _tree_attention_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc * (v_scale / l_safe)[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
-    out_rows = out_ptr + b * stride_ob + split * stride_os + node * stride_ot + head * stride_oh
+    if PACKED and NUM_SPLITS == 1:  # the final outputs, packed like q
+        out_base = row0 * stride_ot
+        lse_base = row0 * stride_lt
+    else:
+        out_base = b * stride_ob
+        lse_base = b * stride_lb
+    out_rows = out_ptr + out_base + split * stride_os + node * stride_ot + head * stride_oh
     tl.store(out_rows[:, None] + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse_ptr + b * stride_lb + split * stride_ls + node * stride_lt + head * stride_lh, lse, mask=row_ok)
+    tl.store(lse_ptr + lse_base + split * stride_ls + node * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes_ptr, row_offsets_ptr,
                          stride_pb, stride_ps, stride_pt, stride_ph, stride_pd,
                          stride_qb, stride_qs, stride_qt, stride_qh,
                          stride_ob, stride_ot, stride_oh, stride_od,
                          stride_lb, stride_lt, stride_lh,
-                         NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PACKED: tl.constexpr):
     """out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, for one (request, node, head).
-    Empty splits carry lse_s = -inf (weight 0); if every split is empty the row is padding: 0 / -inf."""
+    Empty splits carry lse_s = -inf (weight 0); if every split is empty the row is padding: 0 / -inf.
+    PACKED: the final row of node i of request b is row_offsets[b] + i, written for real nodes only."""
     head = tl.program_id(0)
     node = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
+    if PACKED:
+        if node >= tl.load(num_nodes_ptr + b):
+            return
+        out_base = tl.load(row_offsets_ptr + b).to(tl.int64) * stride_ot
+        lse_base = tl.load(row_offsets_ptr + b).to(tl.int64) * stride_lt
+    else:
+        out_base = b * stride_ob
+        lse_base = b * stride_lb
     s = tl.arange(0, SPLITS_POW2)
     s_ok = s < NUM_SPLITS
     d = tl.arange(0, HEAD_DIM)
@@ -291,15 +316,16 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     total_safe = tl.where(total > 0, total, 1.0)
     out = tl.sum(weight[:, None] * part_out, 0) / total_safe
     lse = tl.where(total > 0, m_safe + tl.log(total_safe), float("-inf"))
-    tl.store(out_ptr + b * stride_ob + node * stride_ot + head * stride_oh + d * stride_od,
+    tl.store(out_ptr + out_base + node * stride_ot + head * stride_oh + d * stride_od,
              out.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + b * stride_lb + node * stride_lt + head * stride_lh, lse)
+    tl.store(lse_ptr + lse_base + node * stride_lt + head * stride_lh, lse)
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                    tree_mask: torch.Tensor, block_table: Optional[torch.Tensor], num_nodes: torch.Tensor,
                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window_left: int = -1,
-                   logits_soft_cap: float = 0.0, *, num_splits: Optional[int] = None, config: Optional[TileConfig] = None,
+                   logits_soft_cap: float = 0.0, row_offsets: Optional[torch.Tensor] = None, max_nodes: int = 0, *,
+                   num_splits: Optional[int] = None, config: Optional[TileConfig] = None,
                    out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                    partial_dtype: Optional[torch.dtype] = None):
     """Launcher (normalized args of the `specdec::tree_attention` schema); returns (out, lse).
@@ -307,9 +333,17 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     Keyword-only extras for tests, benchmarks and engines: `num_splits` overrides the split-KV heuristic
     (`choose_num_splits`), `config` the tile heuristic (`choose_config`), `partial_dtype` the dtype of the
     split partial outputs (default q.dtype), and `out` (B, T, Hq, D) q.dtype / `lse` (B, T, Hq) float32
-    are preallocated outputs to write into. Every element of them is written.
+    are preallocated outputs to write into. Every element of them is written. Packed form (row_offsets (B,)
+    given): q (N, Hq, D) and tree_mask (N, W) rows, node i of request b at row row_offsets[b] + i, T = max_nodes;
+    out (N, Hq, D) / lse (N, Hq), only the rows of real nodes written.
     """
-    B, T, Hq, D = q.shape
+    packed = row_offsets is not None
+    if packed:
+        B, T, (N, Hq, D) = row_offsets.shape[0], max_nodes, q.shape
+        # the kernels address packed rows from row_offsets: views with a dummy request dim (its stride unused)
+        q, tree_mask = q.unsqueeze(0), tree_mask.unsqueeze(0)
+    else:
+        B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q: dtype {q.dtype} not supported by the triton backend (float16, bfloat16, float32); "
@@ -321,38 +355,44 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     identity_table = block_table is None
     # the kernel never reads the table of a contiguous cache: any int32 tensor stands in, with strides 0
     table, table_strides = (cache_lens, (0, 0)) if identity_table else (block_table, block_table.stride())
-    config = config or default_config(q, k_cache)
+    # (the heuristics read shapes only: a padded batch's, packed or not)
+    shaped = torch.empty((B, T, Hq, D), dtype=q.dtype, device="meta") if packed else q
+    config = config or default_config(shaped, k_cache)
     row_tiles = triton.cdiv(T * group, config.block_m)
     if num_splits is None:
-        num_splits = default_num_splits(q, k_cache, block_table, config, window_left)
+        num_splits = default_num_splits(shaped, k_cache, block_table, config, window_left)
+    rows = (N,) if packed else (B, T)
     if out is None:
-        out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
+        out = torch.empty((*rows, Hq, D), dtype=q.dtype, device=q.device)
     if lse is None:
-        lse = torch.empty((B, T, Hq), dtype=torch.float32, device=q.device)
-    for name, buf, shape, dtype in (("out", out, (B, T, Hq, D), q.dtype), ("lse", lse, (B, T, Hq), torch.float32)):
+        lse = torch.empty((*rows, Hq), dtype=torch.float32, device=q.device)
+    for name, buf, shape, dtype in (("out", out, (*rows, Hq, D), q.dtype), ("lse", lse, (*rows, Hq), torch.float32)):
         if tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != q.device:
             raise ValueError(f"{name}: expected a {shape} {dtype} buffer on {q.device}, got {tuple(buf.shape)} "
                              f"{buf.dtype} on {buf.device}")
+    final_out, final_lse = (out.unsqueeze(0), lse.unsqueeze(0)) if packed else (out, lse)  # (B or 1, T or N, ...)
     if num_splits == 1:
-        att_out, att_lse = out.unsqueeze(1), lse.unsqueeze(1)  # (B, 1, T, Hq, D), (B, 1, T, Hq)
+        att_out, att_lse = final_out.unsqueeze(1), final_lse.unsqueeze(1)  # (B, 1, T, Hq, D), (B, 1, T, Hq)
     else:
         att_out = torch.empty((B, num_splits, T, Hq, D), dtype=partial_dtype or q.dtype, device=q.device)
         att_lse = torch.empty((B, num_splits, T, Hq), dtype=torch.float32, device=q.device)
 
     _tree_attention_kernel[(row_tiles, Hkv * num_splits, B)](
-        q, k_cache, v_cache, cache_lens, tree_mask, table, num_nodes, att_out, att_lse,
+        q, k_cache, v_cache, cache_lens, tree_mask, table, num_nodes, row_offsets if packed else num_nodes,
+        att_out, att_lse,
         scale * k_scale * LOG2E, v_scale, logits_soft_cap * LOG2E, window_left, T, block_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *table_strides,
         *att_out.stride(), *att_lse.stride(),
         GROUP=group, HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         COMPUTE_DTYPE=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        IDENTITY_TABLE=identity_table, WINDOW=window_left >= 0, SOFT_CAP=logits_soft_cap > 0,
+        IDENTITY_TABLE=identity_table, WINDOW=window_left >= 0, SOFT_CAP=logits_soft_cap > 0, PACKED=packed,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(Hq, T, B)](
-            att_out, att_lse, out, lse, *att_out.stride(), *att_lse.stride(), *out.stride(), *lse.stride(),
-            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=D,
+            att_out, att_lse, final_out, final_lse, num_nodes, row_offsets if packed else num_nodes,
+            *att_out.stride(), *att_lse.stride(), *final_out.stride(), *final_lse.stride(),
+            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=D, PACKED=packed,
         )
     return out, lse

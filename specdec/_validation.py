@@ -215,9 +215,14 @@ def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T
 
 
 def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=None,
-                         v_scale=None, window_left=-1, logits_soft_cap=0.0, values=True):
-    _tensor("q", q, dim=4, dtypes=FLOAT_DTYPES)
-    B, T, Hq, D = q.shape
+                         v_scale=None, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0,
+                         values=True):
+    packed = row_offsets is not None  # q (N, Hq, D), tree_mask (N, W): node i of request b at row_offsets[b] + i
+    _tensor("q", q, dim=3 if packed else 4, dtypes=FLOAT_DTYPES)
+    if packed:
+        (N, Hq, D), B, T = q.shape, row_offsets.shape[0], max_nodes
+    else:
+        B, T, Hq, D = q.shape
     dev = q.device
     _tensor("k_cache", k_cache, dim=4, device=dev)
     Hkv, Dk = check_cache_pair(k_cache, v_cache, block_table, B)
@@ -231,8 +236,8 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         raise ValueError(f"q: {Hq} query heads is not a multiple of the {Hkv} KV heads")
     check_cache_lens(cache_lens, B, dev)
     check_block_table(block_table, B, dev)
-    _tensor("tree_mask", tree_mask, dim=3, dtypes=(torch.int32,), device=dev)
-    _shape("tree_mask", tree_mask, (B, T, (T + 31) // 32))
+    _tensor("tree_mask", tree_mask, dim=2 if packed else 3, dtypes=(torch.int32,), device=dev)
+    _shape("tree_mask", tree_mask, (N, (T + 31) // 32) if packed else (B, T, (T + 31) // 32))
     num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
     if scale is None:
         scale = D ** -0.5
@@ -252,6 +257,11 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         first = (cache_lens.long() - window_left).clamp(min=0) if window_left >= 0 else None
         check_positions(k_cache.shape, cache_lens, block_table, T, first=first)
         from .reference import unpack_bits
+        if packed:  # request b's rows, gathered (B, T, W) for the checks below
+            _fail_if("row_offsets", (row_offsets < 0) | (row_offsets + nn > N),
+                     f"request b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, {N})")
+            rows = (row_offsets.long().unsqueeze(1) + torch.arange(T, device=dev)).clamp(0, N - 1)
+            tree_mask = tree_mask[rows]
         bits = unpack_bits(tree_mask, T)  # (B, T, T)
         idx = torch.arange(T, device=dev)
         real = idx.unsqueeze(0) < nn.unsqueeze(1)
@@ -363,32 +373,39 @@ def check_kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accept
 # ----------------------------------------------------------------------------------------------
 # acceptance
 # ----------------------------------------------------------------------------------------------
-def packed_nodes(cu_num_nodes, max_nodes, tokens, parents, num_rows, values=True):
-    """accept's packed form -> the op's: (tokens (B, T), parents (B, T), num_nodes (B,) int32, row_offsets (B,)
-    int64) with T = max_nodes, from cu_num_nodes (B + 1,) and tokens / parents (num_rows,) packed the same way
-    (request b's nodes are rows cu[b] .. cu[b + 1] - 1; parents are indices within the request). On the device,
-    no host sync (the value checks aside)."""
+def packed_rows(cu_num_nodes, max_nodes, num_rows):
+    """A packed batch's (num_nodes (B,) int32, row_offsets (B,) int64) from cu_num_nodes (B + 1,): request b's
+    nodes are the rows cu[b] .. cu[b + 1] - 1 of num_rows packed rows, at most max_nodes (a Python int) each.
+    Its checks run whatever the backend (a kernel sees only the rows the offsets give); no host sync but theirs."""
     if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
         raise TypeError("max_nodes: with cu_num_nodes, an int >= 1 bounding every request's number of nodes")
-    dev = tokens.device if isinstance(tokens, torch.Tensor) else None
-    _tensor("cu_num_nodes", cu_num_nodes, dim=1, dtypes=INT_DTYPES, device=dev)
+    _tensor("cu_num_nodes", cu_num_nodes, dim=1, dtypes=INT_DTYPES)
     if cu_num_nodes.numel() < 2:
         raise ValueError(f"cu_num_nodes: expected (B + 1,) offsets with B >= 1, got shape {tuple(cu_num_nodes.shape)}")
-    for name, x in (("tokens", tokens), ("parents", parents)):
-        _tensor(name, x, dim=1, dtypes=INT_DTYPES, device=dev)
-        _shape(name, x, (num_rows,))
     cu = cu_num_nodes.long()
     counts = cu[1:] - cu[:-1]
-    if values and value_checks_enabled():
+    if value_checks_enabled():
         _fail_if("cu_num_nodes", cu[:1] != 0, "cu_num_nodes[0] must be 0")
         _fail_if("cu_num_nodes", cu[-1:] != num_rows, f"cu_num_nodes[-1] must be the number of packed rows, {num_rows}")
         _fail_if("cu_num_nodes", (counts < 1) | (counts > max_nodes),
                  f"every request needs 1 to max_nodes = {max_nodes} nodes")
-    i = torch.arange(max_nodes, device=cu.device)
-    real = i < counts.unsqueeze(1)
-    rows = (cu[:-1].unsqueeze(1) + i).clamp(0, max(num_rows - 1, 0))
-    return (torch.where(real, tokens.long()[rows], 0), torch.where(real, parents.long()[rows], -1),
-            counts.to(torch.int32), cu[:-1])
+    return counts.to(torch.int32), cu[:-1]
+
+
+def packed_nodes(cu_num_nodes, max_nodes, tokens, parents, num_rows):
+    """accept's packed form -> the op's: (tokens (B, T), parents (B, T), num_nodes (B,) int32, row_offsets (B,)
+    int64) with T = max_nodes, from cu_num_nodes (B + 1,) and tokens / parents (num_rows,) packed the same way
+    (parents are indices within the request). On the device, no host sync (the value checks aside)."""
+    num_nodes, row_offsets = packed_rows(cu_num_nodes, max_nodes, num_rows)
+    dev = cu_num_nodes.device
+    for name, x in (("tokens", tokens), ("parents", parents)):
+        _tensor(name, x, dim=1, dtypes=INT_DTYPES, device=dev)
+        _shape(name, x, (num_rows,))
+    i = torch.arange(max_nodes, device=dev)
+    real = i < num_nodes.long().unsqueeze(1)
+    rows = (row_offsets.unsqueeze(1) + i).clamp(0, max(num_rows - 1, 0))
+    return (torch.where(real, tokens.long()[rows], 0), torch.where(real, parents.long()[rows], -1), num_nodes,
+            row_offsets)
 
 
 def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k=None,

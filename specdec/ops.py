@@ -69,8 +69,8 @@ def _fake_build_tree(parents, num_nodes):
 
 
 def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
-                         v_scale=1.0, window_left=-1, logits_soft_cap=0.0):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+                         v_scale=1.0, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
@@ -92,7 +92,7 @@ OPS = {spec.name: spec for spec in (
     OpSpec("tree_attention",
            "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, Tensor tree_mask, Tensor? block_table, "
            "Tensor num_nodes, float scale, float k_scale=1.0, float v_scale=1.0, int window_left=-1, "
-           "float logits_soft_cap=0.0) -> (Tensor, Tensor)",
+           "float logits_soft_cap=0.0, Tensor? row_offsets=None, int max_nodes=0) -> (Tensor, Tensor)",
            reference.tree_attention, _fake_tree_attention, (".kernels.tree_attention", "tree_attention"),
            val.check_tree_attention),
     OpSpec("accept",
@@ -235,7 +235,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    tree_mask: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
                    num_nodes: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                    k_scale: Optional[float] = None, v_scale: Optional[float] = None, window_left: int = -1,
-                   logits_soft_cap: float = 0.0, return_lse: bool = False, backend: Optional[str] = None):
+                   logits_soft_cap: float = 0.0, return_lse: bool = False, cu_num_nodes: Optional[torch.Tensor] = None,
+                   max_nodes: Optional[int] = None, backend: Optional[str] = None):
     """Attention of T draft-tree queries over the committed prefix plus their ancestors.
 
     q: (B, T, Hq, D). k_cache, v_cache: (B, L_max, Hkv, D) contiguous, or (num_blocks, block_size, Hkv, D)
@@ -249,12 +250,21 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     every node still sees its ancestors. logits_soft_cap c > 0 (Gemma 2): scores become c * tanh(score / c).
     Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 (of the capped scores) if return_lse.
     Padding nodes get out = 0 and lse = -inf.
+    Packed (ragged) form, as accept's: with cu_num_nodes (B + 1,), q is (N, Hq, D) and tree_mask (N, ceil(T/32))
+    with T = max_nodes (a Python int), request b's nodes being rows cu_num_nodes[b] .. cu_num_nodes[b + 1] - 1;
+    num_nodes is then not given. Returns out (N, Hq, D) and lse (N, Hq), read and written in place (no padding).
     """
+    row_offsets = None
+    if cu_num_nodes is not None:
+        if num_nodes is not None:
+            raise TypeError("num_nodes: with cu_num_nodes the counts are its differences; give one of them")
+        num_nodes, row_offsets = val.packed_rows(cu_num_nodes, max_nodes, q.shape[0])
     num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap = OPS["tree_attention"].check(
         q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale, v_scale, window_left,
-        logits_soft_cap, _python_value_checks(backend, q))
+        logits_soft_cap, row_offsets, max_nodes or 0, _python_value_checks(backend, q))
+    packed = () if row_offsets is None else (row_offsets, max_nodes)
     out, lse = _call("tree_attention", backend, q.device, q, k_cache, v_cache, cache_lens, tree_mask,
-                     block_table, num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap)
+                     block_table, num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap, *packed)
     return (out, lse) if return_lse else out
 
 

@@ -81,7 +81,7 @@ def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
-                   v_scale=1.0, window_left=-1, logits_soft_cap=0.0):
+                   v_scale=1.0, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0):
     """out (B, T, Hq, D) in q.dtype and lse (B, T, Hq) float32.
 
     Node i of request b attends to committed positions [0, L) (L = cache_lens[b]) and to tree position
@@ -89,8 +89,17 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
     v_cache * v_scale (scales other than 1 come with float8 caches). With window_left >= 0, node i (at
     position L + depth_i, depth_i = its set bits - 1) sees only committed positions >= L + depth_i -
     window_left. With logits_soft_cap c > 0 the scores are c * tanh(score / c). Padding nodes get out = 0,
-    lse = -inf.
+    lse = -inf. row_offsets (B,) (the packed form): q (N, Hq, D) and tree_mask (N, W) rows, node i of request b at
+    row row_offsets[b] + i, T = max_nodes; unpacked first, and the outputs packed back.
     """
+    if row_offsets is not None:
+        rows = (row_offsets.cpu().long().unsqueeze(1) + torch.arange(max_nodes)).clamp(max=q.shape[0] - 1)
+        out_p, lse_p = tree_attention(q[rows], k_cache, v_cache, cache_lens, tree_mask[rows], block_table, num_nodes,
+                                      scale, k_scale, v_scale, window_left, logits_soft_cap)
+        real = torch.arange(max_nodes) < num_nodes.cpu().long().unsqueeze(1)
+        out, lse = q.new_zeros(q.shape), torch.full(q.shape[:-1], -math.inf, device=q.device)
+        out[rows[real]], lse[rows[real]] = out_p[real], lse_p[real]
+        return out, lse
     B, T, Hq, D = q.shape
     group = Hq // k_cache.shape[-2]
     out = torch.zeros(B, T, Hq, D, dtype=torch.float64)

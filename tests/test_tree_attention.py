@@ -388,23 +388,25 @@ def spilled_bytes(kernel):
     return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
-def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap: bool = False) -> None:
+def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap: bool = False,
+                  packed: bool = False) -> None:
     """Prints (JSON) what compiling the kernels at the benchmark shape gives: bf16 q, D 128, T 16, GQA 4, a
-    `cache` ("bf16" or "fp8e4nv") KV cache, with a sliding window and soft-capping if `window_cap`. Runs in a
-    fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
+    `cache` ("bf16" or "fp8e4nv") KV cache, with a sliding window and soft-capping if `window_cap`, packed rows if
+    `packed`. Runs in a fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
     import json
     config = ta.choose_config(16 * 4, 128, 2)
     types = {"q_ptr": "*bf16", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "cache_lens_ptr": "*i32",
-             "tree_mask_ptr": "*i32", "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "out_ptr": "*bf16",
-             "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "cap": "fp32"}
+             "tree_mask_ptr": "*i32", "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64",
+             "out_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "cap": "fp32"}
     constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
                       COMPUTE_DTYPE=triton.language.bfloat16, DOT_PRECISION="tf32", IDENTITY_TABLE=not paged,
-                      WINDOW=window_cap, SOFT_CAP=window_cap,
+                      WINDOW=window_cap, SOFT_CAP=window_cap, PACKED=packed,
                       stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1)
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
-    merge_types = {"part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
+    merge_types = {"part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+                   "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64"}
     merge_constexprs = dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=128,
-                            stride_pd=1, stride_od=1)
+                            PACKED=packed, stride_pd=1, stride_od=1)
     merge = compile_for_hopper(ta._merge_splits_kernel, merge_types, merge_constexprs)
     print(json.dumps({"wgmma": "wgmma" in kernel.asm["ptx"], "shared": kernel.metadata.shared,
                       "spilled": spilled_bytes(kernel), "merge_spilled": spilled_bytes(merge)}))
@@ -412,10 +414,11 @@ def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap:
 
 @pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checked on the CPU machine; a GPU run runs the compiled kernels")
-@pytest.mark.parametrize("paged,num_splits,cache,window_cap", [
-    (False, 1, "bf16", False), (True, 4, "bf16", False), (False, 1, "fp8e4nv", False), (True, 4, "bf16", True)],
-    ids=["contiguous", "paged-split", "contiguous-fp8", "paged-split-window-cap"])
-def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache, window_cap):
+@pytest.mark.parametrize("paged,num_splits,cache,window_cap,packed", [
+    (False, 1, "bf16", False, False), (True, 4, "bf16", False, False), (False, 1, "fp8e4nv", False, False),
+    (True, 4, "bf16", True, False), (True, 4, "bf16", False, True)],
+    ids=["contiguous", "paged-split", "contiguous-fp8", "paged-split-window-cap", "paged-split-packed"])
+def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache, window_cap, packed):
     """Tensor-core dots (wgmma), no register spills, and shared memory for two programs per SM
     (228 KiB per SM, 1 KiB reserved per program)."""
     import json
@@ -424,7 +427,8 @@ def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache, wi
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"from tests.test_tree_attention import hopper_report; hopper_report({paged}, {num_splits}, {cache!r}, {window_cap})"
+    code = (f"from tests.test_tree_attention import hopper_report; "
+            f"hopper_report({paged}, {num_splits}, {cache!r}, {window_cap}, {packed})")
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
