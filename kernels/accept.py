@@ -33,7 +33,8 @@ node's processed law keeps: its bitmask row, and with filters the row's threshol
     c' = c + Z / w, one Z pass for Z' = Z(c'), S = (w / Z) Z', w' = S / (S + 1 - w) (w' = 0: v fails at once).
     After its last child v emits with probability w' (u_v < w'): the next token is drawn from max(p - c q, 0)
     (at a leaf p), the chunk masses from the pass just merged (an inner node's last Z pass, a leaf's
-    statistics); else v fails to its parent. No candidates (TRIAL): the weight needs the Z pass anyway;
+    statistics); else v fails to its parent. A node of weight 1 (the root) whose last child fails at once
+    emits for sure: its draw takes the candidates (TRIAL) from the residual before, as token-wise does;
   * the next token (correction or bonus) is drawn from the unnormalized final residual r (p at a leaf,
     p minus the rejected tokens for given proposals, max(p - c q, 0) after rejections with draft logits)
     by inverse transform with ONE uniform u per request: the last full pass (statistics, or Z after the
@@ -1401,7 +1402,9 @@ def _try_child(req, walk, child, T_BLOCK: tl.constexpr):
     """Visit child of node v (w > 0) with its weight w_c (`_child_weight`): an inner child is entered (v's record
     pushed; its statistics next), a leaf child only when it emits (u_child < w_c: its statistics, then the
     draw); else (w_c = 0, or a leaf that does not emit) the child fails at once, no row of it read, and v's
-    update follows."""
+    update follows. When that was v's last child and w = 1 (the root, always), v's new weight is 1 whatever
+    Z' is: no Z pass, the draw's candidates (TRIAL) from the residual just merged, as after a token-wise
+    walk's last rejection (a star costs what token-wise costs)."""
     x, u = _child(req, child)
     w_c = _child_weight(req, walk, x)
     inner = _first_child(req, child, child, req.valid, T_BLOCK) < T_BLOCK
@@ -1415,7 +1418,11 @@ def _try_child(req, walk, child, T_BLOCK: tl.constexpr):
                     tl.full((), 0, tl.int32), zero + NEG_INF, zero + NEG_INF, w_c, walk.tau_node, walk.w_tau,
                     walk.final)
     else:
+        last = _first_child(req, walk.node, child, req.valid, T_BLOCK) == T_BLOCK
+        certain = last & (walk.w == 1.0)  # (w' = S / (S + 1 - w) = 1)
         walk = _after_failed_child(walk, child)
+        if certain:
+            walk = _with_kind(walk, tl.full((), TRIAL, tl.int32))
     return walk
 
 

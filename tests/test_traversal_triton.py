@@ -3,10 +3,12 @@
 The kernel walks the reference's post-order visit (reference._traversal_verify) with one scalar c per node
 (`_traversal_step`). Checked here: the split launches and the walker alone give bit-identical results (with
 filters and a bitmask too, mixed greedy and sampling requests, ragged trees of several shapes); greedy
-requests are those of method="token"; for a fixed draft tree the law of (emitting node, next token) is the
-exact one (enumerated from the reference's traversal_child_weight / traversal_residual), and on a Markov
-target the first two generated tokens follow the target law (chi-square); the memory spy: the rows read are
-exactly those of the nodes the walk visits (recomputed in Python from the kernel's own uniforms).
+requests are those of method="token"; for a fixed draft tree (and a star whose root draws through the
+candidates) the law of (emitting node, next token) is the exact one (enumerated from the reference's
+traversal_child_weight / traversal_residual), and on a Markov target the first two generated tokens follow
+the target law (chi-square); the memory spy: the rows read are exactly those of the nodes the walk visits
+(recomputed in float64 from the reference's functions with the kernel's own uniforms); the launch variants
+compile for sm_90 without (more than negligible) spills.
 """
 from __future__ import annotations
 
@@ -126,15 +128,17 @@ def _exact_outcomes(P, Q, tokens, kids):
     return visit(0, 1.0)
 
 
-def test_traversal_follows_the_exact_law_of_a_fixed_draft_tree():
-    """One draft tree [-1, 0, 0, 1, 1, 2] with fixed tokens (chosen so that inner nodes and leaves emit with
-    a fair chance), 500 seeds: the (emitting node, next token) pairs follow the exact law (chi-square)."""
+@pytest.mark.parametrize("parents,tokens,n", [([-1, 0, 0, 1, 1, 2], [0, 4, 1, 4, 0, 4], 500),
+                                              ([-1, 0, 0, 0], [0, 0, 0, 0], 300)], ids=["tree", "star"])
+def test_traversal_follows_the_exact_law_of_a_fixed_draft_tree(parents, tokens, n):
+    """A fixed draft tree, n seeds: the (emitting node, next token) pairs follow the exact law (chi-square).
+    The tree's tokens were chosen (by enumeration) so that nodes 1-5, inner nodes and leaves, emit with
+    probability 0.07-0.38; the star's so that the root's last children fail at once (weight 0) after its
+    first one failed: the draw's candidates from the residual before (TRIAL)."""
     gen = torch.Generator().manual_seed(7)
-    Vs, parents = 5, [-1, 0, 0, 1, 1, 2]
-    T, n, t = len(parents), 500, 1.0
+    Vs, T, t = 5, len(parents), 1.0
     target = torch.randn(T, Vs, generator=gen)
     draft = torch.randn(T, Vs, generator=gen)
-    tokens = [0, 4, 1, 4, 0, 4]  # (nodes 1-5 emit with probability 0.07-0.38: found by enumeration)
     P = [torch.softmax(target[i].double() / t, -1) for i in range(T)]
     Q = [torch.softmax(draft[i].double() / t, -1) for i in range(T)]
     exact = _exact_outcomes(P, Q, tokens, reference.children_of(parents, T))
@@ -142,13 +146,13 @@ def test_traversal_follows_the_exact_law_of_a_fixed_draft_tree():
     law = torch.zeros(T * Vs, dtype=torch.float64)
     for (v, y), pr in exact.items():
         law[v * Vs + y] = pr
-    assert (law.view(T, Vs).sum(-1) > 0.05).sum() >= 5  # inner nodes and leaves emit often
+    assert (law.view(T, Vs).sum(-1) > 0.05).sum() >= min(5, T - 2)  # (several nodes emit often)
     batch = dict(target_logits=target.expand(n, T, Vs), tokens=torch.tensor(tokens).expand(n, T),
                  parents=torch.tensor(parents).expand(n, T), draft_logits=draft.expand(n, T, Vs), temperature=t,
                  seeds=torch.arange(n, dtype=torch.int64) + 101)
     res = accept_on("triton", **batch, method="traversal")
     node = res.accepted_nodes.gather(1, res.num_accepted.long()[:, None])[:, 0].long()
-    assert_law(node * Vs + res.next_tokens, law, "traversal on triton, a fixed draft tree")
+    assert_law(node * Vs + res.next_tokens, law, f"traversal on triton, a fixed draft {len(parents)}-node tree")
 
 
 def test_traversal_first_two_tokens_follow_the_markov_target():
@@ -318,12 +322,13 @@ def hopper_compile_report() -> None:
     for method in ("token", "block", "traversal"):
         cfg = ka._config(T, Vb, 2, torch.device("cuda"), False, method == "block", method == "traversal")
         S = cfg["num_splits"]
+        split_v = triton.cdiv(triton.cdiv(Vb, S), cfg["block_v"]) * cfg["block_v"]
         for has_filters in (False, True) if method != "block" else (False,):
             for has_draft in (True, False) if method == "token" else (True,):
                 for first, walk in ((True, False), (False, False), (False, True)):
                     constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters,
                                       BLOCK=method == "block", TRAVERSAL=method == "traversal", IS_FIRST=first,
-                                      NUM_SPLITS=S, SPLIT_V=triton.cdiv(triton.cdiv(Vb, S), cfg["block_v"]) * cfg["block_v"],
+                                      NUM_SPLITS=S, SPLIT_V=split_v,
                                       BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                                       PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
                                       CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
