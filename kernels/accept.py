@@ -1784,7 +1784,7 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
 
 
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", *,
+           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None, *,
            block_v=None, num_splits=None, split_steps=None, num_warps=None, prefetch=None, trials=None,
            num_pivots=None, cap=None, select_block=None, pair_block=None):
     """Normalized arguments of the `specdec::accept` schema (validated by specdec.ops.accept).
@@ -1797,6 +1797,9 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     Greedy requests take the greedy walk whatever the method. Keyword tunables override `_config`
     (tests use them to compare schedules, and a small `cap` / `num_pivots` to exercise the long searches).
     """
+    if probs or row_offsets is not None:
+        raise NotImplementedError("accept (triton): probabilities and the packed form are not in this kernel yet; "
+                                  "the torch and cpp backends have them")
     B, T, V = target_logits.shape
     dev = target_logits.device
     has_filters = any(f is not None for f in (top_k, top_p, min_p))

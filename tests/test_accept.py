@@ -361,7 +361,7 @@ def hopper_compile_report() -> None:
     for has_filters, block in ((False, False), (True, False), (False, True)):
         for has_draft in (True, False) if not block else (True,):
             for first, walk in ((True, False), (False, False), (False, True)):
-                constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters, BLOCK=block,
+                constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters, BLOCK=block, TRAVERSAL=False,
                                   IS_FIRST=first,
                                   NUM_SPLITS=S, SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
                                   BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
