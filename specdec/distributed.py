@@ -1,0 +1,565 @@
+"""Vocab-parallel acceptance: `accept` on logits sharded by vocabulary columns over a torch.distributed group.
+
+Under tensor parallelism each rank's LM head computes the columns [vocab_start, vocab_start + width) of the
+logits. Engines all-gather the full rows before sampling (B * T * V numbers per step); `accept` here exchanges
+per-row statistics only, O(B * T) numbers a round:
+
+  round          what each rank contributes                                              when
+  stats          per row (B, T): max and sum of exp of l = masked logits / t, the first   always
+                 argmax, l at each node's draft token in its parent's row
+  filters        per row: a count (top-k) or a mass (top-p) above a threshold candidate,  32 rounds per filter
+                 a bisection over the float32 order (exact thresholds, ties kept as       (+1: the kept rows'
+                 the reference keeps them); then the stats again over the kept tokens      stats)
+  residuals      per request: the mass of max(r - q, 0) after a rejected child            <= T - 1 rounds (token,
+                                                                                          draft laws); 1 (block)
+  the draw       per request: the Gumbel-max winner (key, token id) of its last law        1 round
+
+Every collective is an all_gather whose pieces all ranks combine in the same order, so every rank computes
+the same numbers bit for bit and returns the same AcceptResult. The random numbers are counter-based
+(splitmix64 of the seed, the offset, the node and the token id), so for a seed the result depends neither on
+the rank nor, rounding aside, on how the vocabulary is split. The output law is `specdec.accept`'s (the same
+processing, the same acceptance rules); the random stream is not the single-device backends'.
+
+Bad input raises on every rank alike: each rank runs its own checks, then (value checks on) one exchange of
+(error flag, shard layout, a fingerprint of the replicated inputs) decides for all, before any other
+collective. With the value checks off (CUDA-graph capture, torch.compile) nothing is exchanged or read on the
+host: the walk runs a fixed number of rounds, the same on every rank.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _validation as val
+from .ops import AcceptResult
+
+__all__ = ["accept", "shard_range"]
+
+
+def shard_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, end) of rank's columns when vocab_size is split as evenly as possible (the first ranks one more)."""
+    base, extra = divmod(vocab_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+# ----------------------------------------------------------------------------------------------
+# counter-based random numbers, the same on every rank
+# ----------------------------------------------------------------------------------------------
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_MIX1, _MIX2, _GOLDEN = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB), _signed(0x9E3779B97F4A7C15)
+_DRAW = 1 << 40  # counters: node i's uniform is i; the draw's noise at token x is _DRAW + x
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (products wrap; logical right shifts by masking)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def _uniform(stream: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms in (0, 1): the request streams (B, 1..) at the counters (broadcast)."""
+    bits = (_mix(stream + _mix(counter)) >> 11) & ((1 << 53) - 1)
+    return (bits.double() + 0.5) * 2.0 ** -53
+
+
+# ----------------------------------------------------------------------------------------------
+# collectives
+# ----------------------------------------------------------------------------------------------
+class _Exchange:
+    """all_gather of small tensors over the group, counting what this rank contributes."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rounds = 0
+        self.bytes = 0
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(world, *x.shape): every rank's x, in rank order."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x, group=self.group)
+        self.rounds += 1
+        self.bytes += x.numel() * x.element_size()
+        return torch.stack(parts)
+
+
+def _combine_lse(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-shard (max, sum exp(l - max)) gathered as (world, ...) -> (global max, global log-sum-exp)."""
+    top = m.amax(0)
+    ref = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = (s * torch.exp(m - ref)).sum(0)
+    return top, ref + total.log()
+
+
+def _local_lse(l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = l.amax(-1)
+    ref = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return m.double(), torch.exp(l - ref.unsqueeze(-1)).sum(-1, dtype=torch.float64)
+
+
+def _keys(l: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 keys in the same order (-0.0 taken as +0.0); _keys is its own inverse on int32 bits."""
+    bits = (l + 0.0).view(torch.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
+
+
+def _from_keys(k: torch.Tensor) -> torch.Tensor:
+    bits = k.to(torch.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+_LOWEST_KEY = int(_keys(torch.tensor([-torch.finfo(torch.float32).max])).item())  # the smallest finite l
+_KEY_BITS = 32  # bisection rounds: the key range has 2**32 values
+
+
+# ----------------------------------------------------------------------------------------------
+# the processed laws on a shard: l (L, B, T, width) float32, dropped tokens at -inf, and their log-sum-exp
+# ----------------------------------------------------------------------------------------------
+def _top_k_threshold(ex, keys, top, k):
+    """The largest key with at least k kept tokens at or above it (keys (L, B, T, w), top the global max key
+    (L, B, T), k (B,)): top-k keeps the tokens at or above it, every tie at the k-th value included."""
+    lo, hi = torch.full_like(top, _LOWEST_KEY), top
+    k = k.long().view(1, -1, 1)
+    for _ in range(_KEY_BITS):
+        mid = (lo + hi + 1) >> 1
+        count = ex.gather((keys >= mid.unsqueeze(-1)).sum(-1, dtype=torch.int32)).sum(0)
+        ok = count >= k
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid - 1)
+    return lo
+
+
+def _top_p_threshold(ex, keys, p, top, top_p):
+    """The smallest key above which the kept mass (p, the kept tokens' softmax) is < top_p: top-p keeps the
+    tokens at or above it (the mass strictly above a token's l decides, so ties go together)."""
+    lo, hi = torch.full_like(top, _LOWEST_KEY), top
+    top_p = top_p.double().view(1, -1, 1)
+    for _ in range(_KEY_BITS):
+        mid = (lo + hi) >> 1
+        mass = ex.gather(torch.where(keys > mid.unsqueeze(-1), p, 0.0).sum(-1, dtype=torch.float64)).sum(0)
+        ok = mass < top_p
+        lo, hi = torch.where(ok, lo, mid + 1), torch.where(ok, mid, hi)
+    return hi
+
+
+def _filter(ex, l, top, lse, top_k, top_p, min_p, vocab_size):
+    """Steps 3-5 of the processed law on the shard rows l (L, B, T, w): top-k, top-p, min-p, each on what the
+    previous kept. Returns l with the dropped tokens at -inf."""
+    neg_inf = torch.tensor(-math.inf, dtype=l.dtype, device=l.device)
+    if top_k is not None:
+        keys = _keys(l)
+        threshold = _top_k_threshold(ex, keys, _keys(top.float()), top_k)
+        on = ((top_k > 0) & (top_k < vocab_size)).view(1, -1, 1, 1)
+        l = torch.where(on & (keys < threshold.unsqueeze(-1)), neg_inf, l)
+        lse = _combine_lse(*map(ex.gather, _local_lse(l)))[1]
+    if top_p is not None:
+        keys = _keys(l)
+        p = torch.exp(l.double() - lse.unsqueeze(-1)).float()
+        threshold = _top_p_threshold(ex, keys, p, _keys(top.float()), top_p)
+        on = (top_p < 1.0).view(1, -1, 1, 1)
+        l = torch.where(on & (keys < threshold.unsqueeze(-1)), neg_inf, l)
+    if min_p is not None:  # p(x) >= min_p * max p  <=>  l(x) >= max l + log(min_p)
+        floor = top.float() + torch.log(min_p.float()).view(1, -1, 1)
+        l = torch.where(l < floor.unsqueeze(-1), neg_inf, l)
+    return l
+
+
+# ----------------------------------------------------------------------------------------------
+# the public op
+# ----------------------------------------------------------------------------------------------
+def accept(target_logits_shard: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None,
+           parents: Optional[torch.Tensor] = None, *, vocab_start: int, vocab_size: int, group=None,
+           draft_logits_shard: Optional[torch.Tensor] = None, target_probs_shard: Optional[torch.Tensor] = None,
+           draft_probs_shard: Optional[torch.Tensor] = None, temperature: Union[None, float, torch.Tensor] = None,
+           seeds: Optional[torch.Tensor] = None, num_nodes: Optional[torch.Tensor] = None,
+           offset: Union[int, torch.Tensor] = 0, top_k=None, top_p=None, min_p=None,
+           token_bitmask: Optional[torch.Tensor] = None, method: str = "token",
+           cu_num_nodes: Optional[torch.Tensor] = None, max_nodes: Optional[int] = None,
+           stats: Optional[dict] = None) -> AcceptResult:
+    """`specdec.accept` on vocab-sharded rows; every rank of `group` calls it and gets the same AcceptResult.
+
+    target_logits_shard (B, T, w) (or (N, w) packed, with cu_num_nodes / max_nodes as in specdec.accept): this
+    rank's columns [vocab_start, vocab_start + w) of the target's logits; draft_logits_shard the same columns
+    of the drafter's (or target_probs_shard / draft_probs_shard: probabilities, unnormalized). The shards of
+    the group tile [0, vocab_size) in any order, any widths (uneven is fine). tokens, parents, num_nodes,
+    temperature, seeds, offset, top_k, top_p, min_p, token_bitmask ((B, T, ceil(vocab_size / 32)), the full
+    vocabulary's words) and method ("token" or "block") mean what they mean in specdec.accept and must be the
+    same on every rank (checked, with the value checks on). seeds None: rank 0's fresh seeds, sent to all.
+    Greedy results equal specdec.accept on the gathered logits; sampled results follow its law (see the
+    module's docstring for the random stream).
+    stats: a dict, or None; if given it receives {"rounds": collectives, "bytes": bytes this rank sent into
+    them} (each rank receives world - 1 times that).
+    """
+    ex = _Exchange(group)
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+              else torch.device("cpu"))
+    checked = val.value_checks_enabled()
+    error, args = None, None
+    try:
+        args = _checked_args(target_logits_shard, tokens, parents, vocab_start, vocab_size, draft_logits_shard,
+                             target_probs_shard, draft_probs_shard, temperature, seeds, num_nodes, offset, top_k,
+                             top_p, min_p, token_bitmask, method, cu_num_nodes, max_nodes, checked)
+    except (TypeError, ValueError) as e:
+        if not checked:
+            raise
+        error = e
+    if checked:
+        _agree(ex, error, args, vocab_size, device, seeds is not None)
+    if seeds is None:  # rank 0's
+        args["seeds"] = ex.gather(args["seeds"])[0]
+    result = _accept(ex, **args)
+    if stats is not None:
+        stats.update(rounds=ex.rounds, bytes=ex.bytes)
+    return result
+
+
+def _checked_args(target, tokens, parents, vocab_start, vocab_size, draft, target_probs, draft_probs, temperature,
+                  seeds, num_nodes, offset, top_k, top_p, min_p, token_bitmask, method, cu_num_nodes, max_nodes,
+                  checked):
+    """This rank's checks (they raise before any collective) and the normalized arguments of _accept."""
+    from .ops import _accept_laws
+    target, draft, probs = _accept_laws(target, draft, target_probs, draft_probs)
+    names = ("target_probs_shard", "draft_probs_shard") if probs else ("target_logits_shard", "draft_logits_shard")
+    for name, v in (("vocab_size", vocab_size), ("vocab_start", vocab_start)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "vocab_size" else 0):
+            raise TypeError(f"{name}: expected an int >= {1 if name == 'vocab_size' else 0}, got {v!r}")
+    if method == "traversal":
+        raise ValueError("method: 'traversal' is not vocab-parallel yet; use 'token' or 'block'")
+    if tokens is None or parents is None:
+        raise TypeError(f"{'tokens' if tokens is None else 'parents'}: required")
+    for name, x in ((names[0], target), (names[1], draft)):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() < 2):
+            raise TypeError(f"{name}: expected a (B, T, w) or packed (N, w) tensor")
+    width = target.shape[-1]
+    if width < 1:
+        raise ValueError(f"{names[0]}: a shard needs at least one column, got shape {tuple(target.shape)}")
+    if vocab_start + width > vocab_size:
+        raise ValueError(f"vocab_start: the shard's columns [{vocab_start}, {vocab_start + width}) pass vocab_size "
+                         f"{vocab_size}")
+    row_offsets = None
+    if cu_num_nodes is not None:
+        if num_nodes is not None:
+            raise TypeError("num_nodes: with cu_num_nodes the counts are its differences; give one of them")
+        tokens, parents, num_nodes, row_offsets = val.packed_nodes(cu_num_nodes, max_nodes, tokens, parents,
+                                                                   target.shape[0])
+    # the full vocabulary's checks on a zero-copy (.., vocab_size) view (never read: values=False)
+    def wide(x):
+        return None if x is None else x[..., :1].expand(*x.shape[:-1], vocab_size)
+    num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = val.check_accept(
+        wide(target), tokens, parents, wide(draft), temperature, seeds, num_nodes, offset, top_k, top_p, min_p,
+        token_bitmask, method, probs, row_offsets, values=False)
+    for name, x in ((names[0], target), (names[1], draft)):
+        if x is not None and x.shape[-1] != width:
+            raise ValueError(f"{name}: expected {width} columns (the target shard's), got {x.shape[-1]}")
+    if checked:
+        _check_nodes(tokens, parents, num_nodes, temperature, offsets, top_k, top_p, min_p, method, vocab_size,
+                     row_offsets, target.shape[0] if row_offsets is not None else None)
+        for name, x in ((names[0], target), (names[1], draft)):
+            if x is not None:
+                _check_finite_rows(name, x, probs)
+    if row_offsets is not None:  # this shard's rows to the padded layout (a gather of the local columns)
+        rows = (row_offsets.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)).clamp(
+            max=target.shape[0] - 1)
+        target, draft, token_bitmask = (None if x is None else x[rows] for x in (target, draft, token_bitmask))
+    offsets = torch.full_like(seeds, offset) if offsets is None else offsets.long() + offset
+    return dict(target=target, draft=draft, probs=probs, names=names, tokens=tokens.long(), parents=parents.long(),
+                num_nodes=num_nodes.long(), temperature=temperature, seeds=seeds, offsets=offsets, top_k=top_k,
+                top_p=top_p, min_p=min_p, token_bitmask=token_bitmask, method=method, vocab_start=vocab_start,
+                vocab_size=vocab_size, checked=checked)
+
+
+def _check_nodes(tokens, parents, num_nodes, temperature, offsets, top_k, top_p, min_p, method, V,
+                       row_offsets=None, num_rows=None):
+    """The value checks of accept's per-node and per-request inputs (normalized by check_accept), for a
+    vocabulary of V tokens: everything but the rows of logits or probabilities (_check_finite_rows)."""
+    B, T = tokens.shape
+    if offsets is not None:
+        val._fail_if("offset", (offsets < 0) | (offsets >= val.MAX_OFFSET), "must be in [0, 2**60)")
+    val.check_parents(parents, num_nodes, True)
+    idx = torch.arange(T, device=tokens.device)
+    real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
+    if method == "block":
+        val._fail_if("method", real & (parents != idx - 1), "'block' verifies chains only (parents[b, i] = i - 1)")
+    if row_offsets is not None:
+        val._fail_if("row_offsets", (row_offsets < 0) | (row_offsets + num_nodes > num_rows),
+                 f"request b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, {num_rows})")
+    val._fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")
+    val._fail_if("temperature", torch.isnan(temperature) | (temperature < 0) | torch.isinf(temperature),
+             "must be finite and >= 0")
+    if top_k is not None:
+        val._fail_if("top_k", top_k < 0, val.TOP_K_RANGE)
+    if top_p is not None:
+        val._fail_if("top_p", ~((top_p > 0) & (top_p <= 1)), val.TOP_P_RANGE)
+    if min_p is not None:
+        val._fail_if("min_p", ~((min_p >= 0) & (min_p < 1)), val.MIN_P_RANGE)
+
+
+def _check_finite_rows(name, x, probs):
+    """No NaN or +inf in rows of logits x; probabilities: no negative entry either (the checks that need no
+    other row or shard)."""
+    row_max = x.amax(-1)  # one pass: NaN propagates into the max, +inf is the max
+    val._fail_if(name, torch.isnan(row_max), "contains NaN")
+    val._fail_if(name, row_max == float("inf"), "contains +inf")
+    if probs:
+        val._fail_if(name, x.amin(-1) < 0, "contains a negative value")
+
+
+def _fingerprint(*xs) -> int:
+    """A hash of the replicated inputs (ints, and floats by their bits), to check that every rank got the same."""
+    h = 0
+    for i, x in enumerate(xs):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            h = (h * 1000003 + zlib.crc32(repr(x).encode())) % (1 << 61)
+            continue
+        x = x.reshape(-1)
+        bits = x.double().view(torch.int64) if x.is_floating_point() else x.long()
+        idx = torch.arange(bits.numel(), device=bits.device) + (i << 32)
+        h = (h * 1000003 + int(_mix(bits ^ _mix(idx)).sum()) % (1 << 61)) % (1 << 61)
+    return h
+
+
+def _agree(ex, error, args, vocab_size, device, seeds_given):
+    """One exchange that makes every rank raise the same error, or none: a rank's own error, a layout whose
+    shards do not tile [0, vocab_size), or replicated inputs that differ across ranks."""
+    if error is None:
+        replicated = [args[k] for k in ("tokens", "parents", "num_nodes", "temperature", "offsets", "top_k", "top_p",
+                                        "min_p", "token_bitmask", "method", "vocab_size")]
+        mine = [0, args["vocab_start"], args["target"].shape[-1],
+                _fingerprint(*replicated, args["seeds"] if seeds_given else None)]
+    else:
+        mine = [1, 0, 0, 0]
+    seen = ex.gather(torch.tensor(mine, dtype=torch.int64, device=device)).tolist()
+    failed = [r for r, row in enumerate(seen) if row[0]]
+    if failed:
+        messages = [None] * ex.world
+        dist.all_gather_object(messages, None if error is None else (type(error).__name__, str(error)),
+                               group=ex.group)
+        kind, message = messages[failed[0]]
+        raise (TypeError if kind == "TypeError" else ValueError)(f"{message} (raised on rank {failed[0]})")
+    spans = sorted((row[1], row[1] + row[2]) for row in seen)
+    if spans[0][0] != 0 or spans[-1][1] != vocab_size or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        raise ValueError(f"vocab_start: the ranks' shards {spans} do not tile [0, {vocab_size}) without gaps or "
+                         "overlaps")
+    if len({row[3] for row in seen}) > 1:
+        raise ValueError("tokens: the replicated inputs (tokens, parents, num_nodes, temperature, seeds, offset, "
+                         "filters, token_bitmask, method) differ across ranks")
+
+
+# ----------------------------------------------------------------------------------------------
+# the walk: every rank runs it on the same gathered numbers
+# ----------------------------------------------------------------------------------------------
+def _shard_allowed(token_bitmask, vocab_start, width):
+    """(B, T, width) bool: this shard's columns of the full vocabulary's bitmask."""
+    w0, w1 = vocab_start // 32, (vocab_start + width + 31) // 32
+    words = token_bitmask[..., w0:w1]
+    bits = (words.unsqueeze(-1) >> torch.arange(32, device=words.device, dtype=words.dtype)) & 1
+    first = vocab_start - 32 * w0
+    return bits.flatten(-2)[..., first:first + width].bool()
+
+
+class _Laws:
+    """This shard's processed laws: l (L, B, T, w) float32 (L = 1, or 2 with the drafter's; dropped tokens at
+    -inf) and their global log-sum-exp lse (L, B, T) (-inf for a row with nothing kept)."""
+
+    def __init__(self, l, lse, vocab_start):
+        self.l, self.vocab_start = l, vocab_start
+        self.lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # (exp(-inf - 0) = 0, no NaN)
+        self.empty = ~torch.isfinite(lse)
+
+    def rows(self, i):  # (B, T, w) float64: law i's probabilities
+        return torch.exp(self.l[i].double() - self.lse[i].unsqueeze(-1))
+
+    def row(self, i, node):  # (B, w) float64: law i's probabilities at node[b]
+        B, _, w = self.l[i].shape
+        at = self.l[i].gather(1, node.view(B, 1, 1).expand(B, 1, w)).squeeze(1).double()
+        return torch.exp(at - self.lse[i].gather(1, node.view(B, 1)))
+
+    def without(self, weights, tokens, drop):
+        """weights (B, w) with the tokens tokens[b, j] (drop[b, j]) that lie in this shard set to 0."""
+        local = tokens - self.vocab_start
+        w = weights.shape[1]
+        spot = torch.where(drop & (local >= 0) & (local < w), local, w)  # (column w: a spare for the others)
+        dropped = torch.zeros(weights.shape[0], w + 1, dtype=torch.bool, device=weights.device).scatter_(1, spot, True)
+        return weights.masked_fill(dropped[:, :w], 0.0)
+
+
+def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, temperature, seeds, offsets, top_k, top_p,
+            min_p, token_bitmask, method, vocab_start, vocab_size, checked):
+    B, T, width = target.shape
+    dev = target.device
+    raw = torch.stack([x.float() for x in ([target] if draft is None else [target, draft])])  # (L, B, T, w)
+    if probs:
+        raw = raw.log()  # zeros: impossible tokens (-inf), as in specdec.accept
+    if token_bitmask is not None:
+        raw = raw.masked_fill(~_shard_allowed(token_bitmask, vocab_start, width), -math.inf)
+    sampled = temperature > 0
+    l = raw / torch.where(sampled, temperature, torch.ones_like(temperature)).view(1, B, 1, 1)
+    idx = torch.arange(T, device=dev)
+    real = idx < num_nodes.unsqueeze(1)
+    child = real & (idx > 0)
+    up = parents.clamp(min=0)
+
+    def token_values(l):  # (L, B, T) float64: l of each node's token in its parent's row (-inf off this shard)
+        local = tokens - vocab_start
+        mine = child & (local >= 0) & (local < width)
+        at = l[:, torch.arange(B, device=dev).view(B, 1), up, local.clamp(0, width - 1)]
+        return torch.where(mine, at, -math.inf).double()
+
+    # round 1: per row, (max, sum of exp) of l, the tokens' l, the first argmax (of the target's masked row)
+    m, s = _local_lse(l)
+    first = (l[0].argmax(-1) + vocab_start).double().unsqueeze(0).expand_as(m)
+    g = ex.gather(torch.stack([m, s, token_values(l), first]))
+    top, lse = _combine_lse(g[:, 0], g[:, 1])
+    at = g[:, 2].amax(0)
+    argmax = torch.where(g[:, 0, 0] == top[0], g[:, 3, 0], math.inf).amin(0)
+    greedy = torch.where(torch.isfinite(top[0]), argmax, 0.0).long()  # (B, T); 0: a row with no finite logit
+    if checked:
+        what = ("0 on every token token_bitmask allows" if probs else "-inf on every token token_bitmask allows"
+                ) if token_bitmask is not None else "all zeros" if probs else "entirely -inf"
+        for i in range(l.shape[0]):
+            val._fail_if(names[i], real & (top[i] == -math.inf), f"a real node's row is {what}")
+    if any(f is not None for f in (top_k, top_p, min_p)):
+        l = _filter(ex, l, top, lse, top_k, top_p, min_p, vocab_size)
+        m, s = _local_lse(l)
+        g = ex.gather(torch.stack([m, s, token_values(l)]))
+        lse, at = _combine_lse(g[:, 0], g[:, 1])[1], g[:, 2].amax(0)
+    laws = _Laws(l, lse, vocab_start)
+    p_at = torch.exp(at - laws.lse.gather(2, up.unsqueeze(0).expand_as(at)))  # p_parent(c)(x_c); 0 if dropped
+    stream = _mix(_mix(seeds) + offsets * _GOLDEN)
+
+    if method == "block":
+        node, weights = _block_walk(ex, laws, p_at, num_nodes, stream)
+    else:
+        node, weights = _token_walk(ex, laws, p_at, tokens, parents, child, sampled, stream)
+    node = torch.where(sampled, node, _greedy_walk(greedy, tokens, parents, child))
+    # the draw: the Gumbel-max winner of the last law's weights (B, w); none (an empty residual): the argmax
+    cols = torch.arange(width, device=dev) + vocab_start
+    noise = -torch.log(-torch.log(_uniform(stream.unsqueeze(1), _DRAW + cols.unsqueeze(0))))
+    best, where = torch.where(weights > 0, weights.log() + noise, -math.inf).max(-1)
+    g = ex.gather(torch.stack([best, (where + vocab_start).double()]))
+    winner = torch.where(g[:, 0] == g[:, 0].amax(0), g[:, 1], math.inf).amin(0)
+    argmax_at_node = greedy.gather(1, node.view(B, 1)).squeeze(1)
+    drawn = torch.where(torch.isfinite(g[:, 0].amax(0)), winner, argmax_at_node.double()).long()
+    next_tokens = torch.where(sampled, drawn, argmax_at_node)
+    # the accepted path: node's ancestors, root first
+    up_path = torch.empty(B, T, dtype=torch.long, device=dev)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
+    cur = node
+    for d in range(T):
+        up_path[:, d] = cur
+        num_accepted += (cur > 0).long()
+        cur = up.gather(1, cur.view(B, 1)).squeeze(1)  # (the root's parent, clamped, is the root)
+    back = num_accepted.view(B, 1) - idx
+    accepted = torch.where(back >= 0, up_path.gather(1, back.clamp(min=0)), -1)
+    return AcceptResult(accepted.to(torch.int32), num_accepted.to(torch.int32), next_tokens)
+
+
+def _greedy_walk(greedy, tokens, parents, child):
+    """Descend into the first child whose token is its parent's argmax, while there is one."""
+    B, T = tokens.shape
+    node = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    idx = torch.arange(T, device=tokens.device)
+    for _ in range(T - 1):
+        match = child & (parents == node.view(B, 1)) & (tokens == greedy.gather(1, node.view(B, 1)))
+        node = torch.where(match.any(1), torch.where(match, idx, T).amin(1), node)
+    return node
+
+
+def _token_walk(ex, laws, p_at, tokens, parents, child, sampled, stream):
+    """Token-wise (multi-step) rejection sampling, as specdec.reference.accept, in lockstep over the batch.
+
+    At the current node with residual r (P at first) the children are tried in node order: child c (token x)
+    is accepted iff u_c * q(x) < r(x) (draft laws) or u_c * sum r < r(x) (given proposals). A rejection sets
+    r <- max(r - q, 0) / S with draft laws (S, a vocabulary sum: the round's one exchange, a number per
+    request), or r(x) <- 0 with proposals (nothing to exchange). Returns (the node each request stopped at,
+    the residual's weights there on this shard (B, w); all 0 when r == q: the argmax then, as the reference)."""
+    B, T = tokens.shape
+    dev = tokens.device
+    has_draft = laws.l.shape[0] == 2
+    idx = torch.arange(T, device=dev)
+    node = torch.zeros(B, dtype=torch.long, device=dev)
+    last = torch.zeros(B, dtype=torch.long, device=dev)  # the last child of `node` tried (children are > node)
+    stopped = ~sampled | laws.empty[0, :, 0]  # (an empty root row accepts nothing)
+    r_at = p_at[0].clone()  # r(x_c): child c's token in its parent's current residual
+    r_sum = torch.ones(B, dtype=torch.float64, device=dev)  # proposals: the residual's mass
+    zeroed = torch.zeros(B, T, dtype=torch.bool, device=dev)  # proposals: children whose token r dropped
+    r_row, r_node = laws.row(0, node), node.clone()  # draft laws: the residual row of node r_node
+    for _ in range(T - 1 if has_draft else 1):  # with draft laws a round ends at a rejection (<= T - 1 of them)
+        pending = torch.zeros(B, dtype=torch.bool, device=dev)
+        for _ in range(T - 1):
+            cand = child & (parents == node.view(B, 1)) & (idx > last.view(B, 1))
+            c = torch.where(cand, idx, T - 1).amin(1)
+            active = ~stopped & ~pending
+            stopped = stopped | (active & ~cand.any(1))
+            active = active & cand.any(1)
+            r_x = r_at.gather(1, c.view(B, 1)).squeeze(1)
+            if has_draft:
+                ok = _uniform(stream, c) * p_at[1].gather(1, c.view(B, 1)).squeeze(1) < r_x
+            else:
+                ok = _uniform(stream, c) * r_sum < r_x
+            took, rejected = active & ok, active & ~ok
+            if has_draft:
+                pending = pending | rejected
+            else:  # r(x) <- 0, for every child of the node with that token
+                same = rejected.view(B, 1) & (parents == node.view(B, 1)) & (tokens == tokens.gather(1, c.view(B, 1)))
+                r_sum = torch.where(took, 1.0, torch.where(rejected, r_sum - r_x, r_sum))
+                r_at = torch.where(same, 0.0, r_at)
+                zeroed = zeroed | same
+            last = torch.where(active, c, last)
+            node = torch.where(took, c, node)
+        if not has_draft:
+            break
+        # the round's rejections: r <- max(r - q, 0) / S (a node just entered starts from its P)
+        r = torch.where((r_node == node).view(B, 1), r_row, laws.row(0, node))
+        r = (r - laws.row(1, node)).clamp(min=0)
+        S = ex.gather(torch.where(pending, r.sum(-1), 0.0)).sum(0)
+        scale = torch.where(S > 0, S, 1.0)
+        r_row = torch.where(pending.view(B, 1), r / scale.view(B, 1), r_row)
+        r_node = torch.where(pending, node, r_node)
+        kids = pending.view(B, 1) & (parents == node.view(B, 1))
+        r_at = torch.where(kids, (r_at - p_at[1]).clamp(min=0) / scale.view(B, 1), r_at)
+        stopped = stopped | (pending & (S == 0))  # r == q: nothing left to accept or draw (the argmax, below)
+        if dev.type == "cpu" and bool(stopped.all()):  # (the same on every rank; no sync to save on CPU)
+            break
+    if has_draft:
+        return node, torch.where((r_node == node).view(B, 1), r_row, laws.row(0, node))
+    return node, laws.without(laws.row(0, node), tokens, zeroed & (parents == node.view(B, 1)))
+
+
+def _block_walk(ex, laws, p_at, num_nodes, stream):
+    """Block verification of a chain (specdec.reference.block_weights / _block_verify), all requests at once:
+    the weights from the tokens' probability ratios, the residual masses S_i of every node in one exchange,
+    then tau and the residual to draw from. Returns (tau, the residual's weights on this shard (B, w))."""
+    B, T = p_at.shape[1:]
+    dev = p_at.device
+    big, small = p_at[0], p_at[1]  # node i's token in node i - 1's laws
+    ratio = torch.where(small > 0, big / small.clamp(min=1e-300), torch.where(big > 0, math.inf, 0.0))
+    w = torch.ones(B, T, dtype=torch.float64, device=dev)
+    for i in range(1, T):
+        w[:, i] = torch.where(w[:, i - 1] == 0, 0.0, torch.minimum(w[:, i - 1] * ratio[:, i], torch.ones_like(big[:, i])))
+    P, Q = laws.rows(0), laws.rows(1)
+    S = ex.gather((w.unsqueeze(-1) * P - Q).clamp(min=0).sum(-1)).sum(0)
+    gamma = (num_nodes - 1).view(B, 1)
+    idx = torch.arange(T, device=dev)
+    h = torch.where(S + 1 - w > 0, S / (S + 1 - w), 1.0)
+    h = torch.where(idx == gamma, w, h)
+    hit = (idx >= 1) & (idx <= gamma) & (_uniform(stream.view(B, 1), idx.view(1, T)) < h)
+    tau = torch.where(hit, idx, 0).amax(1)
+    at = tau.view(B, 1, 1).expand(B, 1, P.shape[-1])
+    P_tau, Q_tau = P.gather(1, at).squeeze(1), Q.gather(1, at).squeeze(1)
+    w_tau = w.gather(1, tau.view(B, 1))
+    residual = torch.where((tau == gamma.view(B)).view(B, 1), P_tau, (w_tau * P_tau - Q_tau).clamp(min=0))
+    return tau, residual
