@@ -258,10 +258,8 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         check_positions(k_cache.shape, cache_lens, block_table, T, first=first)
         from .reference import unpack_bits
         if packed:  # request b's rows, gathered (B, T, W) for the checks below
-            _fail_if("row_offsets", (row_offsets < 0) | (row_offsets + nn > N),
-                     f"request b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, {N})")
-            rows = (row_offsets.long().unsqueeze(1) + torch.arange(T, device=dev)).clamp(0, N - 1)
-            tree_mask = tree_mask[rows]
+            check_packed_bounds(row_offsets, num_nodes, N)
+            tree_mask = tree_mask[packed_row_index(row_offsets, T, N)]
         bits = unpack_bits(tree_mask, T)  # (B, T, T)
         idx = torch.arange(T, device=dev)
         real = idx.unsqueeze(0) < nn.unsqueeze(1)
@@ -401,11 +399,23 @@ def packed_nodes(cu_num_nodes, max_nodes, tokens, parents, num_rows):
     for name, x in (("tokens", tokens), ("parents", parents)):
         _tensor(name, x, dim=1, dtypes=INT_DTYPES, device=dev)
         _shape(name, x, (num_rows,))
-    i = torch.arange(max_nodes, device=dev)
-    real = i < num_nodes.long().unsqueeze(1)
-    rows = (row_offsets.unsqueeze(1) + i).clamp(0, max(num_rows - 1, 0))
+    real = torch.arange(max_nodes, device=dev) < num_nodes.long().unsqueeze(1)
+    rows = packed_row_index(row_offsets, max_nodes, num_rows)
     return (torch.where(real, tokens.long()[rows], 0), torch.where(real, parents.long()[rows], -1), num_nodes,
             row_offsets)
+
+
+def packed_row_index(row_offsets, max_nodes, num_rows):
+    """(B, max_nodes) int64: the packed row of node i of request b, row_offsets[b] + i, clamped into
+    [0, num_rows) so that a padding node (i >= num_nodes[b]) indexes some row; what it reads there is unused."""
+    i = torch.arange(max_nodes, device=row_offsets.device)
+    return (row_offsets.long().unsqueeze(1) + i).clamp(0, max(num_rows - 1, 0))
+
+
+def check_packed_bounds(row_offsets, num_nodes, num_rows):
+    """A value check: request b's rows row_offsets[b] .. + num_nodes[b] - 1 lie among the num_rows packed rows."""
+    _fail_if("row_offsets", (row_offsets < 0) | (row_offsets + num_nodes.long() > num_rows),
+             f"request b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, {num_rows})")
 
 
 def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k=None,
@@ -462,10 +472,9 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
         real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
         if method == "block":
             _fail_if("method", real & (parents != idx - 1), "'block' verifies chains only (parents[b, i] = i - 1)")
-        if packed:  # every packed row is a node's (the rows of request b must lie inside the packed rows)
+        if packed:  # every packed row is a node's
             rows_real = torch.ones(rows_shape, dtype=torch.bool, device=dev)
-            _fail_if("row_offsets", (row_offsets < 0) | (row_offsets + num_nodes > rows_shape[0]),
-                     f"request b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, {rows_shape[0]})")
+            check_packed_bounds(row_offsets, num_nodes, rows_shape[0])
         else:
             rows_real = idx.unsqueeze(0) < num_nodes.long().unsqueeze(1)
         _fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")
@@ -504,13 +513,18 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
 METHODS = ("token", "block", "traversal")
 
 
-def check_method(method, draft_logits, draft_name="draft_logits"):
+def check_method_name(method):
     """accept's verifier: "token" (token-wise, any tree), "block" (block verification of chains) or "traversal"
-    (traversal verification, any tree); the last two need the drafter's laws (draft_logits or draft_probs)."""
+    (traversal verification, any tree)."""
     if not isinstance(method, str):
         raise TypeError(f"method: expected a str, one of {METHODS}, got {type(method).__name__}")
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+
+
+def check_method(method, draft_logits, draft_name="draft_logits"):
+    """check_method_name, and the drafter's laws (draft_logits or draft_probs) that "block" and "traversal" need."""
+    check_method_name(method)
     if method != "token" and draft_logits is None:
         raise ValueError(f"method: {method!r} needs {draft_name} (the drafter's laws); given proposals verify with "
                          "method='token'")

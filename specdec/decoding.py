@@ -26,7 +26,7 @@ import torch
 import specdec
 from .drafters.base import Drafter, NoDrafter
 from .models.llama import Llama
-from ._validation import METHODS
+from ._validation import check_method_name
 from .sampling import SamplingParams
 
 @dataclass
@@ -49,8 +49,7 @@ class SpeculativeDecoder:
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
-        if method not in METHODS:
-            raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+        check_method_name(method)
         if method != "token" and self.drafter.max_nodes > 1 and not self.drafter.samples_children:
             raise ValueError(f"method: {method!r} needs a drafter whose children are drawn from its own laws "
                              f"(draft_logits); {type(self.drafter).__name__} gives proposals: use method='token'")

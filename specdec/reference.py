@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ._validation import FP8_DTYPES
+from ._validation import FP8_DTYPES, packed_row_index
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
     row row_offsets[b] + i, T = max_nodes; unpacked first, and the outputs packed back.
     """
     if row_offsets is not None:
-        rows = (row_offsets.cpu().long().unsqueeze(1) + torch.arange(max_nodes)).clamp(max=q.shape[0] - 1)
+        rows = packed_row_index(row_offsets.cpu(), max_nodes, q.shape[0])
         out_p, lse_p = tree_attention(q[rows], k_cache, v_cache, cache_lens, tree_mask[rows], block_table, num_nodes,
                                       scale, k_scale, v_scale, window_left, logits_soft_cap)
         real = torch.arange(max_nodes) < num_nodes.cpu().long().unsqueeze(1)
@@ -394,8 +394,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
     """
     if row_offsets is not None:
-        T = tokens.shape[1]
-        rows = (row_offsets.long().unsqueeze(1) + torch.arange(T, device=tokens.device)).clamp(max=target_logits.shape[0] - 1)
+        rows = packed_row_index(row_offsets, tokens.shape[1], target_logits.shape[0])
         target_logits, draft_logits, token_bitmask = (None if x is None else x[rows]
                                                       for x in (target_logits, draft_logits, token_bitmask))
     if probs:

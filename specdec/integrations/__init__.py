@@ -8,8 +8,10 @@ layouts: swapping the import is the integration.
 
 None of them imports its peer. Each maps the peer's layout onto `specdec.accept` (probabilities in, the same
 output law); where the peer takes its randomness from outside (uniform samples, a torch.Generator), the entry
-point derives specdec's per-request seeds from it, on the device, and says so in its docstring. They copy the
-rows into accept's padded (B, T, V) layout today (one gather per call): the packed layout will remove it.
+point derives specdec's per-request seeds from it, on the device, and says so in its docstring. vLLM's packed
+rows are gathered into accept's padded (B, T, V) layout (one gather per call), and FlashInfer's chains get one
+row appended: accept's packed form (cu_num_nodes) would read them in place, but its Triton kernel does not take
+that form (nor probabilities) yet.
 """
 from __future__ import annotations
 

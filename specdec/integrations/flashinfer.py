@@ -6,8 +6,8 @@ same. Randomness: FlashInfer keys a Philox stream per row with (seed, offset) or
 request b's stream is specdec's, keyed by a seed derived from (seed, b) with `offset` as the stream offset, or
 by a seed drawn from `generator` (or torch's default generator): deterministic for a given (seed, offset),
 independent across rows, but not FlashInfer's numbers. The accepted-token counter's re-tests draw from
-`generator`, or from a generator keyed by int (seed, offset), else from torch's default one. `deterministic` is accepted and has no effect (specdec
-is always deterministic).
+`generator`, or from a generator keyed by int (seed, offset), else from torch's default one. `deterministic` is
+accepted and has no effect (specdec is always deterministic).
 """
 from __future__ import annotations
 

@@ -45,6 +45,8 @@ class _Chains(NamedTuple):
 
 
 def _chains(draft_token_ids, num_draft_tokens: Sequence[int], max_spec_len: int, cu_num_draft_tokens) -> _Chains:
+    if max_spec_len > MAX_SPEC_LEN:
+        raise ValueError(f"max_spec_len: at most {MAX_SPEC_LEN}, got {max_spec_len}")
     dev = draft_token_ids.device
     B, T = len(num_draft_tokens), max_spec_len + 1
     lengths = torch.tensor(list(num_draft_tokens), dtype=torch.int64, device=dev)
@@ -56,7 +58,7 @@ def _chains(draft_token_ids, num_draft_tokens: Sequence[int], max_spec_len: int,
     return _Chains(starts, lengths, tokens, torch.arange(-1, T - 1, device=dev).expand(B, T))
 
 
-def _rows(chains: _Chains, T: int) -> torch.Tensor:
+def _draft_positions(chains: _Chains, T: int) -> torch.Tensor:
     """(B, T) flat draft positions of each node's law; nodes from n_b on (the bonus position, whose law the
     caller's target rows do not hold, and padding) stand in with the request's last position (or 0): accept
     reads them at most for a draw the bonus then replaces."""
@@ -89,18 +91,16 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: list, max_
     target law, temperature and top-k/top-p applied, as vLLM passes it); bonus_token_ids [batch, 1] (or
     [batch]). Returns [batch, max_spec_len + 1] int32, -1 padded."""
     B, T, dev = len(num_draft_tokens), max_spec_len + 1, target_probs.device
-    if max_spec_len > MAX_SPEC_LEN:
-        raise ValueError(f"max_spec_len: at most {MAX_SPEC_LEN}, got {max_spec_len}")
-    bonus = bonus_token_ids.reshape(B).long()
     chains = _chains(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens)
+    bonus = bonus_token_ids.reshape(B).long()
     if target_probs.shape[0] == 0:  # no drafts anywhere: the bonus tokens alone
         out = torch.full((B, T), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
         out[:, 0] = bonus.to(torch.int32)
         return out
-    rows = _rows(chains, T)
+    positions = _draft_positions(chains, T)
     greedy = _temperature(sampling_metadata, B, dev) == GREEDY_TEMPERATURE
-    res = specdec.accept(tokens=chains.tokens, parents=chains.parents, target_probs=target_probs[rows],
-                         draft_probs=None if draft_probs is None else draft_probs[rows],
+    res = specdec.accept(tokens=chains.tokens, parents=chains.parents, target_probs=target_probs[positions],
+                         draft_probs=None if draft_probs is None else draft_probs[positions],
                          temperature=torch.where(greedy, 0.0, 1.0),  # (the probabilities carry the temperature)
                          seeds=_seeds(sampling_metadata, num_draft_tokens, dev), num_nodes=chains.lengths + 1)
     return _output(res, chains, bonus)
@@ -133,13 +133,12 @@ class RejectionSampler(nn.Module):
         num_draft = list(metadata.num_draft_tokens)
         B, max_spec_len = len(num_draft), max(num_draft, default=0)
         T, dev = max_spec_len + 1, logits.device
-        if max_spec_len > MAX_SPEC_LEN:
-            raise ValueError(f"max_spec_len: at most {MAX_SPEC_LEN}, got {max_spec_len}")
         chains = _chains(metadata.draft_token_ids, num_draft, max_spec_len, metadata.cu_num_draft_tokens)
+        positions = _draft_positions(chains, T)
         i = torch.arange(T, device=dev)
         target_index = metadata.target_logits_indices.long()
         rows = torch.where(i < chains.lengths.unsqueeze(1),
-                           target_index[_rows(chains, T)] if target_index.numel() else 0,
+                           target_index[positions] if target_index.numel() else 0,
                            metadata.bonus_logits_indices.long().unsqueeze(1))  # node n_b (and padding): the bonus row
         t = _temperature(sampling_metadata, B, dev)
         greedy = t == GREEDY_TEMPERATURE
@@ -152,7 +151,7 @@ class RejectionSampler(nn.Module):
         draft = None
         if draft_probs is not None and draft_probs.shape[0] > 0:
             # q = softmax(t log q / t): accept's drafter law at the request's temperature is draft_probs itself
-            draft = draft_probs[_rows(chains, T)].float().log() * t_sampled.view(B, 1, 1)
+            draft = draft_probs[positions].float().log() * t_sampled.view(B, 1, 1)
         elif draft_probs is not None:
             draft = torch.zeros_like(target)
         res = specdec.accept(target, chains.tokens, chains.parents, draft_logits=draft, temperature=t,
