@@ -95,18 +95,17 @@ class _Exchange:
         return torch.stack(parts)
 
 
-def _combine_lse(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-shard (max, sum exp(l - max)) gathered as (world, ...) -> (global max, global log-sum-exp)."""
+def _combine_lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Per-shard maxima and sums of exp(l - max), gathered as (world, ...) -> the global log-sum-exp."""
     top = m.amax(0)
     ref = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    total = (s * torch.exp(m - ref)).sum(0)
-    return top, ref + total.log()
+    return ref + (s * torch.exp(m - ref)).sum(0).log()
 
 
-def _local_lse(l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    m = l.amax(-1)
+def _sum_exp(l: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """sum exp(l - m) along the last dimension (m: its max; a row of -inf sums to 0), as float64."""
     ref = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return m.double(), torch.exp(l - ref.unsqueeze(-1)).sum(-1, dtype=torch.float64)
+    return torch.exp(l - ref.unsqueeze(-1)).sum(-1).double()
 
 
 def _keys(l: torch.Tensor) -> torch.Tensor:
@@ -122,6 +121,7 @@ def _from_keys(k: torch.Tensor) -> torch.Tensor:
 
 _LOWEST_KEY = int(_keys(torch.tensor([-torch.finfo(torch.float32).max])).item())  # the smallest finite l
 _KEY_BITS = 32  # bisection rounds: the key range has 2**32 values
+_CANDIDATES = 64  # per row and rank: the largest l each rank sends for the filters' thresholds
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,26 +153,76 @@ def _top_p_threshold(ex, keys, p, top, top_p):
     return hi
 
 
+def _bisection_thresholds(ex, l, top, lse, top_k, top_p, vocab_size):
+    """(L, B, T) float32: top-k then top-p's thresholds (keep l >= it; -inf: off) by bisections over the whole
+    shard rows, 32 rounds each (+1 for the top-k kept tokens' log-sum-exp)."""
+    keys, top_key = _keys(l), _keys(top.float())
+    theta = torch.full_like(top, -math.inf, dtype=torch.float32)
+    if top_k is not None:
+        on = ((top_k > 0) & (top_k < vocab_size)).view(1, -1, 1)
+        theta = torch.where(on, _from_keys(_top_k_threshold(ex, keys, top_key, top_k)), theta)
+        l = l.masked_fill(l < theta.unsqueeze(-1), -math.inf)
+        m = l.amax(-1)
+        g = ex.gather(torch.stack([m.double(), _sum_exp(l, m)]))
+        lse = _combine_lse(g[:, 0], g[:, 1])
+    if top_p is not None:
+        p = torch.exp(l.double() - lse.unsqueeze(-1)).float()
+        at = _from_keys(_top_p_threshold(ex, keys, p, top_key, top_p))
+        theta = torch.where((top_p < 1.0).view(1, -1, 1), torch.maximum(theta, at), theta)
+    return theta
+
+
+def _candidate_thresholds(ex, l, lse, top_k, top_p, vocab_size):
+    """(theta, resolved), both (L, B, T): top-k then top-p's thresholds from each rank's _CANDIDATES largest l
+    per row, one round. They are exact where the kept tokens all lie above the floor, the largest of the ranks'
+    last candidates (every l above it is a candidate on its rank): `resolved`; elsewhere theta is a guess."""
+    L, B, T, w = l.shape
+    C = _CANDIDATES  # (the same on every rank: a narrower shard pads with -inf)
+    mine = torch.nn.functional.pad(l.topk(min(C, w), dim=-1).values, (0, max(C - w, 0)), value=-math.inf)
+    floor = mine[..., -1] if w > C else torch.full_like(mine[..., -1], -math.inf)  # all sent: no floor
+    g = ex.gather(torch.cat([mine, floor.unsqueeze(-1)], -1))
+    floor = g[..., C].amax(0)
+    union = g[..., :C].movedim(0, -2).flatten(-2).sort(-1, descending=True).values  # (L, B, T, n)
+    n = union.shape[-1]
+    theta = torch.full_like(floor, -math.inf)
+    resolved = torch.ones_like(floor, dtype=torch.bool)
+    complete = floor == -math.inf
+    if top_k is not None:
+        k = top_k.long().view(1, B, 1)
+        on = (k > 0) & (k < vocab_size)
+        kth = union.gather(-1, (k - 1).clamp(0, n - 1).expand(L, B, T).unsqueeze(-1)).squeeze(-1)
+        kth = torch.where(k <= n, kth, -math.inf)  # (more than n: only when complete, and then all are kept)
+        theta = torch.where(on, kth, theta)
+        resolved = resolved & (~on | (kth > floor) | complete)
+        kept = union >= theta.unsqueeze(-1)
+        lse = torch.where(on, torch.logsumexp(union.double().masked_fill(~kept, -math.inf), -1), lse)
+    if top_p is not None:
+        on = (top_p < 1.0).view(1, B, 1)
+        mass = torch.exp(union.double() - lse.unsqueeze(-1)).masked_fill(union < theta.unsqueeze(-1), 0.0)
+        ascending = union.flip(-1).contiguous()
+        greater = n - torch.searchsorted(ascending, union.contiguous(), right=True)  # candidates with a larger l
+        above = torch.cat([torch.zeros_like(mass[..., :1]), mass.cumsum(-1)], -1).gather(-1, greater)
+        keep = (above < top_p.double().view(1, B, 1, 1)) & (mass > 0)
+        at = torch.where(keep, union, math.inf).amin(-1)
+        theta = torch.where(on, torch.maximum(theta, at), theta)
+        reached = mass.masked_fill(union <= floor.unsqueeze(-1), 0.0).sum(-1) >= top_p.double().view(1, B, 1)
+        resolved = resolved & (~on | reached | complete)
+    return theta, resolved
+
+
 def _filter(ex, l, top, lse, top_k, top_p, min_p, vocab_size):
     """Steps 3-5 of the processed law on the shard rows l (L, B, T, w): top-k, top-p, min-p, each on what the
-    previous kept. Returns l with the dropped tokens at -inf."""
-    neg_inf = torch.tensor(-math.inf, dtype=l.dtype, device=l.device)
-    if top_k is not None:
-        keys = _keys(l)
-        threshold = _top_k_threshold(ex, keys, _keys(top.float()), top_k)
-        on = ((top_k > 0) & (top_k < vocab_size)).view(1, -1, 1, 1)
-        l = torch.where(on & (keys < threshold.unsqueeze(-1)), neg_inf, l)
-        lse = _combine_lse(*map(ex.gather, _local_lse(l)))[1]
-    if top_p is not None:
-        keys = _keys(l)
-        p = torch.exp(l.double() - lse.unsqueeze(-1)).float()
-        threshold = _top_p_threshold(ex, keys, p, _keys(top.float()), top_p)
-        on = (top_p < 1.0).view(1, -1, 1, 1)
-        l = torch.where(on & (keys < threshold.unsqueeze(-1)), neg_inf, l)
+    previous kept. Returns l with the dropped tokens at -inf. The thresholds come from the candidates; rows they
+    leave unresolved (a nucleus or k larger than the candidates hold) are bisected (on the CPU only when some
+    row needs it: knowing that costs no sync there)."""
+    theta = torch.full_like(top, -math.inf, dtype=torch.float32)
+    if top_k is not None or top_p is not None:
+        theta, resolved = _candidate_thresholds(ex, l, lse, top_k, top_p, vocab_size)
+        if l.device.type != "cpu" or not bool(resolved.all()):
+            theta = torch.where(resolved, theta, _bisection_thresholds(ex, l, top, lse, top_k, top_p, vocab_size))
     if min_p is not None:  # p(x) >= min_p * max p  <=>  l(x) >= max l + log(min_p)
-        floor = top.float() + torch.log(min_p.float()).view(1, -1, 1)
-        l = torch.where(l < floor.unsqueeze(-1), neg_inf, l)
-    return l
+        theta = torch.maximum(theta, top.float() + torch.log(min_p.float()).view(1, -1, 1))
+    return l.masked_fill(l < theta.unsqueeze(-1), -math.inf)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,8 +429,8 @@ class _Laws:
         self.lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # (exp(-inf - 0) = 0, no NaN)
         self.empty = ~torch.isfinite(lse)
 
-    def rows(self, i):  # (B, T, w) float64: law i's probabilities
-        return torch.exp(self.l[i].double() - self.lse[i].unsqueeze(-1))
+    def rows(self, i):  # (B, T, w) float32: law i's probabilities
+        return torch.exp(self.l[i] - self.lse[i].unsqueeze(-1).float())
 
     def row(self, i, node):  # (B, w) float64: law i's probabilities at node[b]
         B, _, w = self.l[i].shape
@@ -400,13 +450,16 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
             min_p, token_bitmask, method, vocab_start, vocab_size, checked):
     B, T, width = target.shape
     dev = target.device
-    raw = torch.stack([x.float() for x in ([target] if draft is None else [target, draft])])  # (L, B, T, w)
-    if probs:
-        raw = raw.log()  # zeros: impossible tokens (-inf), as in specdec.accept
-    if token_bitmask is not None:
-        raw = raw.masked_fill(~_shard_allowed(token_bitmask, vocab_start, width), -math.inf)
     sampled = temperature > 0
-    l = raw / torch.where(sampled, temperature, torch.ones_like(temperature)).view(1, B, 1, 1)
+    # an all-greedy batch needs only the rows' maxima (on the CPU, knowing that costs no sync)
+    sampling = dev.type != "cpu" or bool(sampled.any())
+    l = target.float().unsqueeze(0) if draft is None else torch.stack([target.float(), draft.float()])  # (L, B, T, w)
+    if probs:
+        l = l.log()  # zeros: impossible tokens (-inf), as in specdec.accept
+    if token_bitmask is not None:
+        l = l.masked_fill(~_shard_allowed(token_bitmask, vocab_start, width), -math.inf)
+    if sampling:
+        l = l / torch.where(sampled, temperature, torch.ones_like(temperature)).view(1, B, 1, 1)
     idx = torch.arange(T, device=dev)
     real = idx < num_nodes.unsqueeze(1)
     child = real & (idx > 0)
@@ -418,24 +471,30 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
         at = l[:, torch.arange(B, device=dev).view(B, 1), up, local.clamp(0, width - 1)]
         return torch.where(mine, at, -math.inf).double()
 
-    # round 1: per row, (max, sum of exp) of l, the tokens' l, the first argmax (of the target's masked row)
-    m, s = _local_lse(l)
+    # round 1: per row, the max and first argmax (the target's), and when sampling the sum of exp and the tokens' l
+    m = l.amax(-1)
     first = (l[0].argmax(-1) + vocab_start).double().unsqueeze(0).expand_as(m)
-    g = ex.gather(torch.stack([m, s, token_values(l), first]))
-    top, lse = _combine_lse(g[:, 0], g[:, 1])
-    at = g[:, 2].amax(0)
-    argmax = torch.where(g[:, 0, 0] == top[0], g[:, 3, 0], math.inf).amin(0)
+    if sampling:
+        g = ex.gather(torch.stack([m.double(), first, _sum_exp(l, m), token_values(l)]))
+    else:
+        g = ex.gather(torch.stack([m.double(), first]))
+    top = g[:, 0].amax(0)
+    argmax = torch.where(g[:, 0, 0] == top[0], g[:, 1, 0], math.inf).amin(0)
     greedy = torch.where(torch.isfinite(top[0]), argmax, 0.0).long()  # (B, T); 0: a row with no finite logit
     if checked:
         what = ("0 on every token token_bitmask allows" if probs else "-inf on every token token_bitmask allows"
                 ) if token_bitmask is not None else "all zeros" if probs else "entirely -inf"
         for i in range(l.shape[0]):
             val._fail_if(names[i], real & (top[i] == -math.inf), f"a real node's row is {what}")
+    greedy_node = _greedy_walk(greedy, tokens, parents, child)
+    if not sampling:
+        return _result(greedy_node, greedy.gather(1, greedy_node.view(B, 1)).squeeze(1), up)
+    lse, at = _combine_lse(g[:, 0], g[:, 2]), g[:, 3].amax(0)
     if any(f is not None for f in (top_k, top_p, min_p)):
         l = _filter(ex, l, top, lse, top_k, top_p, min_p, vocab_size)
-        m, s = _local_lse(l)
-        g = ex.gather(torch.stack([m, s, token_values(l)]))
-        lse, at = _combine_lse(g[:, 0], g[:, 1])[1], g[:, 2].amax(0)
+        m = l.amax(-1)
+        g = ex.gather(torch.stack([m.double(), _sum_exp(l, m), token_values(l)]))
+        lse, at = _combine_lse(g[:, 0], g[:, 1]), g[:, 2].amax(0)
     laws = _Laws(l, lse, vocab_start)
     p_at = torch.exp(at - laws.lse.gather(2, up.unsqueeze(0).expand_as(at)))  # p_parent(c)(x_c); 0 if dropped
     stream = _mix(_mix(seeds) + offsets * _GOLDEN)
@@ -444,7 +503,7 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
         node, weights = _block_walk(ex, laws, p_at, num_nodes, stream)
     else:
         node, weights = _token_walk(ex, laws, p_at, tokens, parents, child, sampled, stream)
-    node = torch.where(sampled, node, _greedy_walk(greedy, tokens, parents, child))
+    node = torch.where(sampled, node, greedy_node)
     # the draw: the Gumbel-max winner of the last law's weights (B, w); none (an empty residual): the argmax
     cols = torch.arange(width, device=dev) + vocab_start
     noise = -torch.log(-torch.log(_uniform(stream.unsqueeze(1), _DRAW + cols.unsqueeze(0))))
@@ -453,16 +512,20 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
     winner = torch.where(g[:, 0] == g[:, 0].amax(0), g[:, 1], math.inf).amin(0)
     argmax_at_node = greedy.gather(1, node.view(B, 1)).squeeze(1)
     drawn = torch.where(torch.isfinite(g[:, 0].amax(0)), winner, argmax_at_node.double()).long()
-    next_tokens = torch.where(sampled, drawn, argmax_at_node)
-    # the accepted path: node's ancestors, root first
-    up_path = torch.empty(B, T, dtype=torch.long, device=dev)
-    num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
+    return _result(node, torch.where(sampled, drawn, argmax_at_node), up)
+
+
+def _result(node, next_tokens, up):
+    """The AcceptResult of paths that end at node (B,): node's ancestors, root first."""
+    B, T = up.shape
+    up_path = torch.empty(B, T, dtype=torch.long, device=up.device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=up.device)
     cur = node
     for d in range(T):
         up_path[:, d] = cur
         num_accepted += (cur > 0).long()
         cur = up.gather(1, cur.view(B, 1)).squeeze(1)  # (the root's parent, clamped, is the root)
-    back = num_accepted.view(B, 1) - idx
+    back = num_accepted.view(B, 1) - torch.arange(T, device=up.device)
     accepted = torch.where(back >= 0, up_path.gather(1, back.clamp(min=0)), -1)
     return AcceptResult(accepted.to(torch.int32), num_accepted.to(torch.int32), next_tokens)
 
@@ -551,7 +614,7 @@ def _block_walk(ex, laws, p_at, num_nodes, stream):
     for i in range(1, T):
         w[:, i] = torch.where(w[:, i - 1] == 0, 0.0, torch.minimum(w[:, i - 1] * ratio[:, i], torch.ones_like(big[:, i])))
     P, Q = laws.rows(0), laws.rows(1)
-    S = ex.gather((w.unsqueeze(-1) * P - Q).clamp(min=0).sum(-1)).sum(0)
+    S = ex.gather((w.float().unsqueeze(-1) * P - Q).clamp(min=0).sum(-1).double()).sum(0)
     gamma = (num_nodes - 1).view(B, 1)
     idx = torch.arange(T, device=dev)
     h = torch.where(S + 1 - w > 0, S / (S + 1 - w), 1.0)

@@ -138,6 +138,18 @@ def scenario_two_tokens():
     return out
 
 
+def scenario_two_tokens_few_candidates():
+    """The filtered cases again with one candidate per rank and row: most thresholds are not resolved by the
+    candidates and come from the bisections, some are (on the 4-token vocabulary)."""
+    default, sd._CANDIDATES = sd._CANDIDATES, 1
+    try:
+        return {name: lossless._first_two_tokens(None, lossless.MARKOV_TREE, 1.0, True, N, seed=40 + i,
+                                                 filters=lossless.FILTERS[name])
+                for i, name in enumerate(("top_k", "top_p", "all"))}
+    finally:
+        sd._CANDIDATES = default
+
+
 def scenario_block():
     return {"plain": blockv._first_tokens(None, 3, 1.0, N, seed=14, k=3),
             "all": blockv._first_tokens(None, 3, 0.9, N, seed=21, k=2, filters=lossless.FILTERS["all"])}
@@ -315,6 +327,14 @@ def test_first_two_tokens_follow_the_markov_target_with_and_without_filters(worl
         t = 1.0 if with_draft else 0.8
         law = lossless._two_token_law(t, None if filters == "plain" else lossless.FILTERS[filters])
         assert_law(pairs[:, 0] * M + pairs[:, 1], law, f"{filters}, draft={with_draft}, {world} ranks")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_filters_follow_the_target_when_the_candidates_do_not_settle_them(world):
+    got = results(world, "two_tokens_few_candidates")[0]
+    for name, pairs in got.items():
+        law = lossless._two_token_law(1.0, lossless.FILTERS[name])
+        assert_law(pairs[:, 0] * lossless.M + pairs[:, 1], law, f"{name}, one candidate, {world} ranks")
 
 
 @pytest.mark.parametrize("world", WORLDS)
