@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=("token", "block", "traversal"), default="token",
                    help="verifier of sampled drafts: token-wise (default), block verification (chains) or "
                         "traversal verification (static trees and chains)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism over the vocabulary: the target's LM head split over N gloo processes "
+                        "(CPU), its logits verified by specdec.distributed.accept without gathering them (default 1)")
     g.add_argument("--compare-ar", action="store_true", help="also run plain autoregressive decoding")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--device", default="cpu", help="cpu (C++ ops) or cuda (Triton kernels); default %(default)s")
@@ -69,7 +72,14 @@ def make_drafter(args, target):
     return DraftModelDrafter(draft, tree, kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
 
 
-def generate(args) -> dict:
+def generate(args, vocab_group=None) -> dict:
+    """One generate run; with args.tp > 1, in args.tp processes (each calls this with its vocab_group)."""
+    if args.tp < 1:
+        raise ValueError("--tp must be >= 1")
+    if args.tp > 1 and vocab_group is None:
+        if args.device != "cpu":
+            raise ValueError("--tp: the processes talk over gloo, on the CPU: use --device cpu")
+        return _generate_tensor_parallel(args)
     from .decoding import SpeculativeDecoder
     from .models.hf import load_model
     from .models.tokenizer import load_tokenizer
@@ -93,8 +103,9 @@ def generate(args) -> dict:
     drafter = make_drafter(args, target)
     prompts = [tok.encode(p) for p in args.prompt]
     kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
-    decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method),
-                SpeculativeDecoder(target, kv_dtype=kv_dtype))
+    shard = None if vocab_group is None else specdec.distributed.shard_lm_head(target, vocab_group)
+    decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method, vocab_shard=shard),
+                SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard))
     for decoder in decoders[:1 + args.compare_ar]:
         decoder.generate(prompts[:1], 4)  # warm-up, so that the timings compare steady states
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
@@ -106,7 +117,7 @@ def generate(args) -> dict:
               "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
               "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree, "method": args.method,
               "temperature": args.temperature, **filters, "device": str(device), "dtype": args.dtype,
-              "kv_cache_dtype": args.kv_cache_dtype, "requests": spec.stats}
+              "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "requests": spec.stats}
     if args.compare_ar:
         ar = decoders[1].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress,
                                   **filters)
@@ -114,6 +125,37 @@ def generate(args) -> dict:
                       identical=ar.tokens == spec.tokens,
                       speedup=spec.summary["tokens_per_s"] / ar.summary["tokens_per_s"])
     return result
+
+
+def _generate_tensor_parallel(args) -> dict:
+    """generate(args) in args.tp processes of one gloo group (a file store); rank 0's result."""
+    import tempfile
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_tensor_parallel_rank, (args, d), nprocs=args.tp)
+        with open(os.path.join(d, "result.json")) as f:
+            result = json.load(f)
+    if "error" in result:
+        raise ValueError(result["error"])
+    return result
+
+
+def _tensor_parallel_rank(rank: int, args, d: str) -> None:
+    import torch.distributed as dist
+    from .models.hf import CheckpointError
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=rank, world_size=args.tp)
+    if rank:
+        args.no_progress = True
+    try:
+        with specdec.value_checks(args.check_values):
+            result = generate(args, vocab_group=dist.group.WORLD)
+    except (CheckpointError, ValueError) as exc:  # (the same on every rank: the inputs are)
+        result = {"error": str(exc)}
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(os.path.join(d, "result.json"), "w") as f:
+            json.dump(result, f)
 
 
 def print_text(r: dict) -> None:

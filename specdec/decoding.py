@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 import specdec
+from . import distributed
 from .drafters.base import Drafter, NoDrafter
 from .models.llama import Llama
 from ._validation import check_method_name
@@ -41,11 +42,15 @@ class GenerationOutput:
 
 class SpeculativeDecoder:
     def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
-                 block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token"):
+                 block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token",
+                 vocab_shard=None):
         """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
         kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
         method: accept's verifier for sampling requests: "token", "block" (chains) or "traversal" (any
-        static tree); the last two need a drafter that samples its children (the draft model's static trees)."""
+        static tree); the last two need a drafter that samples its children (the draft model's static trees).
+        vocab_shard: tensor parallelism over the vocabulary, a specdec.distributed.VocabShard (from
+        shard_lm_head(target, group)): the target's logits are this rank's columns, verified by
+        specdec.distributed.accept; every rank of the group runs the same generate call."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -56,7 +61,9 @@ class SpeculativeDecoder:
         if method == "block" and self.drafter.max_nodes != self.drafter.max_depth + 1:
             raise ValueError(f"method: 'block' verifies chains only; the drafter proposes trees of "
                              f"{self.drafter.max_nodes} nodes and depth {self.drafter.max_depth}")
-        self.method = method
+        if vocab_shard is not None and method == "traversal":
+            raise ValueError("method: 'traversal' is not vocab-parallel yet (vocab_shard); use 'token' or 'block'")
+        self.method, self.vocab_shard = method, vocab_shard
         V = target.cfg.vocab_size
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != V:
             raise ValueError(f"vocab mismatch: the drafter has {self.drafter.vocab_size} tokens, the target {V}")
@@ -112,9 +119,8 @@ class SpeculativeDecoder:
             prop = self.drafter.propose(tokens, seq_lens, temp)
             tree = specdec.build_tree(prop.parents, prop.num_nodes)
             logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes)
-            res = specdec.accept(logits, prop.tokens, prop.parents, draft_logits=prop.draft_logits,
-                                 temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes, offset=steps,
-                                 method=method, **params.accept_kwargs(prop.tokens.shape[1]))
+            res = self._accept(logits, prop, temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes,
+                               offset=steps, method=method, **params.accept_kwargs(prop.tokens.shape[1]))
             live = ~done
             num_acc = torch.where(live, res.num_accepted, 0)
             cache.rollback(res.accepted_nodes, num_acc)
@@ -147,6 +153,14 @@ class SpeculativeDecoder:
         wall = time.perf_counter() - t0
         return self._collect(tokens, prompt_lens, seq_lens, max_new_tokens, steps, emitted_live, accepted_hist,
                              finish_step, step_times, wall)
+
+    def _accept(self, logits, prop, **kwargs) -> specdec.AcceptResult:
+        if self.vocab_shard is None:
+            return specdec.accept(logits, prop.tokens, prop.parents, draft_logits=prop.draft_logits, **kwargs)
+        start, size, group = self.vocab_shard
+        draft = None if prop.draft_logits is None else prop.draft_logits[..., start:start + logits.shape[-1]]
+        return distributed.accept(logits, prop.tokens, prop.parents, draft_logits_shard=draft, vocab_start=start,
+                                  vocab_size=size, group=group, **kwargs)
 
     def _collect(self, tokens, prompt_lens, seq_lens, max_new, steps, emitted_live, accepted_hist, finish_step,
                  step_times, wall) -> GenerationOutput:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from . import _validation as val
 from .ops import AcceptResult
 
-__all__ = ["accept", "shard_range"]
+__all__ = ["VocabShard", "accept", "shard_lm_head", "shard_range"]
 
 
 def shard_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -45,6 +45,22 @@ def shard_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     base, extra = divmod(vocab_size, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
+
+
+class VocabShard(NamedTuple):
+    """This rank's columns [start, start + width) of a vocabulary of `size` tokens, split over `group`."""
+    start: int
+    size: int
+    group: object = None
+
+
+def shard_lm_head(model, group=None) -> VocabShard:
+    """Split model's LM head over the ranks of group (shard_range's columns): its logits become this rank's
+    columns, for `accept` here (and SpeculativeDecoder(..., vocab_shard=)). model: a specdec Llama."""
+    size = model.cfg.vocab_size
+    start, end = shard_range(size, dist.get_rank(group), dist.get_world_size(group))
+    model.shard_lm_head(start, end)
+    return VocabShard(start, size, group)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ rank r does not hold the r-th piece (the shards tile [0, V) in any order). Check
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import tempfile
@@ -201,6 +202,40 @@ def scenario_bytes():
     return out
 
 
+LOOP_PROMPTS = ["def fib(n):\n    ", "import os\nimport s", "class Stack:\n    def push(self, x):"]
+LOOP_CASES = [("chain:4", None), ("tree:2,2,1", 4)]  # (tree, the target cache's block size: paged)
+
+
+def _shipped_pair_on_this_rank():
+    """The shipped pair with the target's LM head cut to this rank's piece, and that piece's VocabShard."""
+    from specdec.cli import ASSETS
+    from specdec.models.hf import load_model
+    target, draft = (load_model(os.path.join(ASSETS, name)) for name in ("target", "draft"))
+    V = target.cfg.vocab_size
+    start, end = pieces(V, dist.get_world_size())[dist.get_rank()]
+    target.shard_lm_head(start, end)
+    return target, draft, sd.VocabShard(start, V)
+
+
+def scenario_loop():
+    """The loop on the shipped pair with the target's head sharded: greedy outputs (chain and paged tree, a
+    batch of 3) and, sampled at T = 0.8, the first two tokens of many seeds (token-wise chain:3, block chain:4)."""
+    from specdec.decoding import SpeculativeDecoder
+    from specdec.drafters import DraftModelDrafter
+    from specdec.models.tokenizer import ByteTokenizer
+    target, draft, shard = _shipped_pair_on_this_rank()
+    prompts = [ByteTokenizer().encode(p) for p in LOOP_PROMPTS]
+    out = {"greedy": {}, "sampled": {}}
+    for tree, block_size in LOOP_CASES:
+        decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, tree), block_size=block_size, vocab_shard=shard)
+        out["greedy"][tree] = decoder.generate(prompts, 24).tokens
+    n = 600 if dist.get_world_size() == 2 else 0  # (the law once: 4 ranks on 2 cores make it slow)
+    for tree, method in (("chain:3", "token"), ("chain:4", "block")) if n else ():
+        decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, tree), method=method, vocab_shard=shard)
+        out["sampled"][method] = decoder.generate([prompts[1]] * n, 2, 0.8, seed=list(range(1000, 1000 + n))).tokens
+    return out
+
+
 def _bad_calls():
     """(name, call) pairs; each call is bad on some ranks only, or on all."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -372,6 +407,49 @@ def test_bytes_sent_do_not_grow_with_the_vocabulary(world):
         assert got[(64, t)] == got[(640, t)], t
         # a (B, T) = (4, 5) batch: far below one row of logits per node (640 * 4 bytes each)
         assert 0 < got[(640, t)]["bytes"] < 4 * 5 * 640 * 4 / 2
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_loop_with_a_sharded_lm_head_equals_the_unsharded_run(world):
+    """Greedy: the tokens of the unsharded loop (and of AR), every request; sampled: the target's exact law of the
+    first two tokens (chi-square, as tests/test_loop.py's on the shipped pair)."""
+    import numpy as np
+    from scipy.stats import chi2
+    from specdec.cli import ASSETS
+    from specdec.decoding import generate_ar
+    from specdec.models.hf import load_model
+    from specdec.models.tokenizer import ByteTokenizer
+    from tests.test_loop import exact_two_token_law
+    got = results(world, "loop")[0]
+    target = load_model(os.path.join(ASSETS, "target"))
+    prompts = [ByteTokenizer().encode(p) for p in LOOP_PROMPTS]
+    ar = generate_ar(target, prompts, 24).tokens
+    for tree, _ in LOOP_CASES:
+        assert got["greedy"][tree] == ar, tree
+    law = exact_two_token_law(target, prompts[1], 0.8)
+    assert len(got["sampled"]) == (2 if world == 2 else 0)
+    for method, tokens in got["sampled"].items():
+        n = len(tokens)
+        cells = [c for c, p in law.items() if p * n >= 5]
+        observed = np.array([sum(tuple(t[:2]) == c for t in tokens) for c in cells], dtype=float)
+        expected = np.array([law[c] * n for c in cells])
+        observed, expected = np.append(observed, n - observed.sum()), np.append(expected, n - expected.sum())
+        assert len(cells) >= 3
+        assert float(((observed - expected) ** 2 / expected).sum()) < chi2.ppf(0.999, len(cells)), method
+
+
+def test_cli_tp_2_greedy_output_equals_the_unsharded_run(capsys):
+    """`python -m specdec generate --tp 2`: two gloo processes, the target's head split; the same tokens."""
+    from specdec.cli import main
+    args = ["generate", "--prompt", "def fib(n):", "--prompt", "import os", "--max-new-tokens", "20", "--json",
+            "--no-progress"]
+    outs = []
+    for extra in ([], ["--tp", "2"]):
+        assert main(args + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[1]["tp"] == 2 and outs[1]["tokens"] == outs[0]["tokens"]
+    assert main(args + ["--tp", "2", "--method", "traversal", "--tree", "tree:2,1", "--temperature", "1"]) == 2
+    assert "traversal" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("world", WORLDS)

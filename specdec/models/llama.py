@@ -286,6 +286,13 @@ class Llama(nn.Module):
         sin = angles.sin()
         return torch.cat((angles, angles), dim=-1).cos().to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
 
+    def shard_lm_head(self, start: int, end: int) -> None:
+        """Keep only the LM head's rows [start, end) (tensor parallelism over the vocabulary): the logits become
+        those columns of the full ones. cfg.vocab_size stays the full vocabulary's size."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head = nn.Linear(self.cfg.dim, end - start, bias=False, device=weight.device, dtype=weight.dtype)
+        self.lm_head.weight = nn.Parameter(weight[start:end].detach().clone(), requires_grad=False)
+
     def head(self, x):
         x = self.model.norm(x)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
