@@ -61,8 +61,6 @@ class SpeculativeDecoder:
         if method == "block" and self.drafter.max_nodes != self.drafter.max_depth + 1:
             raise ValueError(f"method: 'block' verifies chains only; the drafter proposes trees of "
                              f"{self.drafter.max_nodes} nodes and depth {self.drafter.max_depth}")
-        if vocab_shard is not None and method == "traversal":
-            raise ValueError("method: 'traversal' is not vocab-parallel yet (vocab_shard); use 'token' or 'block'")
         self.method, self.vocab_shard = method, vocab_shard
         V = target.cfg.vocab_size
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != V:

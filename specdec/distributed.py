@@ -11,7 +11,8 @@ per-row statistics only, O(B * T) numbers a round:
                  a bisection over the float32 order (exact thresholds, ties kept as       (+1: the kept rows'
                  the reference keeps them); then the stats again over the kept tokens      stats)
   residuals      per request: the mass of max(r - q, 0) after a rejected child            <= T - 1 rounds (token,
-                                                                                          draft laws); 1 (block)
+                 (traversal: of max(w law - q, 0) after a failed subtree)                 draft laws; traversal);
+                                                                                          1 (block)
   the draw       per request: the Gumbel-max winner (key, token id) of its last law        1 round
 
 Every collective is an all_gather whose pieces all ranks combine in the same order, so every rank computes
@@ -260,7 +261,7 @@ def accept(target_logits_shard: Optional[torch.Tensor] = None, tokens: Optional[
     of the drafter's (or target_probs_shard / draft_probs_shard: probabilities, unnormalized). The shards of
     the group tile [0, vocab_size) in any order, any widths (uneven is fine). tokens, parents, num_nodes,
     temperature, seeds, offset, top_k, top_p, min_p, token_bitmask ((B, T, ceil(vocab_size / 32)), the full
-    vocabulary's words) and method ("token" or "block") mean what they mean in specdec.accept and must be the
+    vocabulary's words) and method ("token", "block" or "traversal") mean what they mean in specdec.accept and must be the
     same on every rank (checked, with the value checks on). seeds None: rank 0's fresh seeds, sent to all.
     Greedy results equal specdec.accept on the gathered logits; sampled results follow its law (see the
     module's docstring for the random stream).
@@ -300,8 +301,6 @@ def _checked_args(target, tokens, parents, vocab_start, vocab_size, draft, targe
     for name, v in (("vocab_size", vocab_size), ("vocab_start", vocab_start)):
         if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "vocab_size" else 0):
             raise TypeError(f"{name}: expected an int >= {1 if name == 'vocab_size' else 0}, got {v!r}")
-    if method == "traversal":
-        raise ValueError("method: 'traversal' is not vocab-parallel yet; use 'token' or 'block'")
     if tokens is None or parents is None:
         raise TypeError(f"{'tokens' if tokens is None else 'parents'}: required")
     for name, x in ((names[0], target), (names[1], draft)):
@@ -517,6 +516,8 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
 
     if method == "block":
         node, weights = _block_walk(ex, laws, p_at, num_nodes, stream)
+    elif method == "traversal":
+        node, weights = _traversal_walk(ex, laws, p_at, tokens, parents, child, sampled, stream)
     else:
         node, weights = _token_walk(ex, laws, p_at, tokens, parents, child, sampled, stream)
     node = torch.where(sampled, node, greedy_node)
@@ -616,6 +617,60 @@ def _token_walk(ex, laws, p_at, tokens, parents, child, sampled, stream):
     if has_draft:
         return node, torch.where((r_node == node).view(B, 1), r_row, laws.row(0, node))
     return node, laws.without(laws.row(0, node), tokens, zeroed & (parents == node.view(B, 1)))
+
+
+def _traversal_walk(ex, laws, p_at, tokens, parents, child, sampled, stream):
+    """Traversal verification (specdec.reference._traversal_verify), a post-order walk in lockstep over the batch.
+
+    Each step of a request is one event at its current node v of weight w_v: w_v = 0 fails v at once; else
+    the next untried child c is entered with weight min(w_v law_v(x_c) / q_v(x_c), 1); a node with no child
+    left emits with probability w_v (its uniform u_v < w_v: the walk stops there, the next token drawn from
+    its law) or fails. A failed node's parent takes law <- max(w law - q, 0) / S, w <- S / (S + 1 - w), S a
+    vocabulary sum: the round's one exchange, one number per request. Every non-root node fails at most once:
+    T rounds. Returns (the emitting node, its law's weights on this shard (B, w))."""
+    B, T = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(B, device=dev)
+    idx = torch.arange(T, device=dev)
+    up = parents.clamp(min=0)
+    node = torch.zeros(B, dtype=torch.long, device=dev)
+    weight = torch.ones(B, T, dtype=torch.float64, device=dev)  # each entered node's current weight
+    last = torch.zeros(B, T, dtype=torch.long, device=dev)  # each node's last child entered (children are > it)
+    law_at, q_at = p_at[0].clone(), p_at[1]  # law_parent(c)(x_c), q_parent(c)(x_c)
+    law_rows = laws.rows(0)  # (B, T, w): each node's current law (P until a child fails)
+    done = ~sampled | laws.empty[0, :, 0]
+    for _ in range(T):
+        failed = torch.zeros(B, dtype=torch.bool, device=dev)
+        for _ in range(T):
+            active = ~done & ~failed
+            w_v = weight[rows, node]
+            cand = child & (parents == node.view(B, 1)) & (idx > last[rows, node].view(B, 1))
+            c = torch.where(cand, idx, T - 1).amin(1)
+            enter = active & (w_v > 0) & cand.any(1)
+            decide = active & (w_v > 0) & ~cand.any(1)
+            law_x, q_x = law_at[rows, c], q_at[rows, c]
+            w_c = torch.where(law_x == 0, 0.0, torch.where(q_x == 0, 1.0,
+                              torch.minimum(w_v * law_x / q_x.clamp(min=1e-300), torch.ones_like(w_v))))
+            weight[rows, c] = torch.where(enter, w_c, weight[rows, c])
+            last[rows, node] = torch.where(enter, c, last[rows, node])
+            emit = decide & (_uniform(stream, node) < w_v)
+            done = done | emit
+            failed = failed | (active & (w_v == 0)) | (decide & ~emit)
+            node = torch.where(enter, c, node)
+        # the failed nodes' parents: law <- max(w law - q, 0) / S, w <- S / (S + 1 - w)
+        parent = up.gather(1, node.view(B, 1)).squeeze(1)
+        w_p = weight[rows, parent]
+        r = (w_p.float().view(B, 1) * law_rows[rows, parent] - laws.row(1, parent).float()).clamp(min=0)
+        S = ex.gather(torch.where(failed, r.sum(-1).double(), 0.0)).sum(0)
+        scale = torch.where(S > 0, S, 1.0)
+        law_rows[rows, parent] = torch.where(failed.view(B, 1), r / scale.float().view(B, 1), law_rows[rows, parent])
+        kids = failed.view(B, 1) & (parents == parent.view(B, 1)) & child
+        law_at = torch.where(kids, (w_p.view(B, 1) * law_at - q_at).clamp(min=0) / scale.view(B, 1), law_at)
+        weight[rows, parent] = torch.where(failed, torch.where(S + 1 - w_p > 0, S / (S + 1 - w_p), 1.0), w_p)
+        node = torch.where(failed, parent, node)
+        if dev.type == "cpu" and bool(done.all()):  # (the same on every rank; no sync to save on CPU)
+            break
+    return node, law_rows[rows, node].double()
 
 
 def _block_walk(ex, laws, p_at, num_nodes, stream):

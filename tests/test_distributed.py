@@ -8,7 +8,8 @@ rank r does not hold the r-th piece (the shards tile [0, V) in any order). Check
   - sampled results follow the target's law: chi-square over the first one, two and three emitted tokens
     (tests/test_accept_lossless.py's and tests/test_block_verification.py's scenarios: chains and trees, with
     and without draft laws, every filter and a path-dependent mask, block verification, probabilities);
-  - the mean accepted length equals its exact value (enumerated), token-wise and block;
+  - traversal verification likewise (random trees, binary trees, every filter);
+  - the mean accepted length equals its exact value (enumerated), token-wise, block and traversal;
   - every rank returns the same result; a call repeated returns it again; packed == padded;
   - the bytes that cross do not grow with V (never a row of logits);
   - bad input raises the same error on every rank, also when only one rank's input is bad, and the group
@@ -32,6 +33,7 @@ import specdec
 from specdec import distributed as sd
 from tests import test_accept_lossless as lossless
 from tests import test_block_verification as blockv
+from tests import test_traversal_verification as traversal
 from tests.helpers import random_trees
 from tests.stats import assert_law, first_tokens
 
@@ -156,12 +158,23 @@ def scenario_block():
             "all": blockv._first_tokens(None, 3, 0.9, N, seed=21, k=2, filters=lossless.FILTERS["all"])}
 
 
+def scenario_traversal():
+    return {"random7": traversal._first_tokens(None, traversal.SAMPLED_TREES["random7"], 1.0, N, seed=38, k=3),
+            "binary": traversal._first_tokens(None, traversal.SAMPLED_TREES["binary"], 2.0, N, seed=37, k=3),
+            "all": traversal._first_tokens(None, traversal.BINARY, 0.9, N, seed=23, k=2,
+                                           filters=lossless.FILTERS["all"])}
+
+
+MEAN_LENGTH_CASES = [("token", blockv._chain(3)), ("block", blockv._chain(4)), ("traversal", traversal.BINARY),
+                     ("traversal", traversal.MIXED)]
+
+
 def scenario_mean_length():
-    out = {}
-    for method, gamma in (("token", 3), ("block", 4)):
-        gen = torch.Generator().manual_seed(5 + gamma)
-        batch = lossless._markov_step(torch.zeros(N, dtype=torch.int64), blockv._chain(gamma), 1.0, True, gen)
-        out[method] = _rank_accept(**batch, seeds=torch.arange(N) + 17, offset=0, method=method).num_accepted
+    out = []
+    for method, parents in MEAN_LENGTH_CASES:
+        gen = torch.Generator().manual_seed(5 + len(parents))
+        batch = lossless._markov_step(torch.zeros(N, dtype=torch.int64), parents, 1.0, True, gen)
+        out.append(_rank_accept(**batch, seeds=torch.arange(N) + 17, offset=0, method=method).num_accepted)
     return out
 
 
@@ -261,7 +274,7 @@ def _bad_calls():
         ("a gap", lambda: call(shard=logits[..., start:end - 1] if rank == 0 else None)),
         ("tokens differ", lambda: call(tokens=tokens + (rank == 1))),
         ("bad top_p on one rank", lambda: call(top_p=1.5 if rank == 0 else 0.9)),
-        ("traversal", lambda: call(method="traversal", draft_logits_shard=logits[..., start:end])),
+        ("block on a tree", lambda: call(method="block", draft_logits_shard=logits[..., start:end])),
     ]
 
 
@@ -290,6 +303,7 @@ def _worker(rank, world, store, outdir):
     torch.set_num_threads(1)
     lossless.accept_on = _rank_accept  # the lossless tests' batches, verified by this rank's shard call
     blockv.accept_on = _rank_accept
+    traversal.accept_on = _rank_accept
     results = {}
     for name, fn in SCENARIOS.items():
         try:
@@ -381,15 +395,27 @@ def test_block_verification_follows_the_markov_target(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_traversal_verification_follows_the_markov_target(world):
+    got = results(world, "traversal")[0]
+    for name, t in (("random7", 1.0), ("binary", 2.0)):
+        tokens = got[name]
+        assert_law(blockv._index(tokens[:, :2]), blockv._k_token_law(t, 2), f"traversal, two tokens, {name}")
+        assert_law(blockv._index(tokens), blockv._k_token_law(t, 3), f"traversal, three tokens, {name}, {world} ranks")
+    assert_law(blockv._index(got["all"]), lossless._two_token_law(0.9, lossless.FILTERS["all"]),
+               f"traversal with every filter, {world} ranks")
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_mean_accepted_length_is_the_exact_one(world):
     got = results(world, "mean_length")[0]
     p = torch.softmax(lossless.P_TARGET.log(), -1)
     q = torch.softmax(lossless.Q_DRAFT.log(), -1)
-    for method, gamma, verify in (("token", 3, blockv._token_wise), ("block", 4, blockv._block)):
-        n = got[method].double()
-        exact = blockv._exact(verify, p, q, gamma)[1]
-        assert abs(float(n.mean()) - exact) < 4 * float(n.std()) / math.sqrt(n.numel()), (method, float(n.mean()),
-                                                                                         exact)
+    exact = {"token": lambda parents: blockv._exact(blockv._token_wise, p, q, len(parents) - 1)[1],
+             "block": lambda parents: blockv._exact(blockv._block, p, q, len(parents) - 1)[1],
+             "traversal": lambda parents: traversal._exact_tree(traversal._traversal, p, q, parents)[1]}
+    for (method, parents), n in zip(MEAN_LENGTH_CASES, got):
+        n, want = n.double(), exact[method](parents)
+        assert abs(float(n.mean()) - want) < 4 * float(n.std()) / math.sqrt(n.numel()), (method, parents, want)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -448,8 +474,8 @@ def test_cli_tp_2_greedy_output_equals_the_unsharded_run(capsys):
         assert main(args + extra) == 0
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[1]["tp"] == 2 and outs[1]["tokens"] == outs[0]["tokens"]
-    assert main(args + ["--tp", "2", "--method", "traversal", "--tree", "tree:2,1", "--temperature", "1"]) == 2
-    assert "traversal" in capsys.readouterr().err
+    assert main(args + ["--tp", "2", "--tree", "chain:3", "--max-new-tokens", "0"]) == 2  # errors reach the caller
+    assert "--max-new-tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -457,7 +483,7 @@ def test_bad_input_raises_the_same_error_on_every_rank(world):
     per_rank = results(world, "errors")
     expected_arg = {"nan on the last rank": "target_logits_shard", "token out of range": "tokens",
                     "overlapping shards": "vocab_start", "a gap": "vocab_start", "tokens differ": "tokens",
-                    "bad top_p on one rank": "top_p", "traversal": "method"}
+                    "bad top_p on one rank": "top_p", "block on a tree": "method"}
     for i, (name, kind, message) in enumerate(per_rank[0]):
         if name == "after":
             assert all(r[i] == per_rank[0][i] for r in per_rank) and len(message) == 2
