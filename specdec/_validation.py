@@ -455,7 +455,7 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
         raise TypeError("offset: expected a non-negative int or a (B,) int tensor")
     elif offset >= MAX_OFFSET:
         raise ValueError(f"offset: must be < 2**60, got {offset}")
-    top_k_in, top_k = top_k, normalize_top_k(top_k, B, V, dev)
+    top_k = normalize_top_k(top_k, B, V, dev)
     top_p = normalize_fraction("top_p", top_p, B, dev, off=1.0)
     min_p = normalize_fraction("min_p", min_p, B, dev, off=0.0)
     if token_bitmask is not None:
@@ -464,28 +464,12 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
             raise ValueError(f"token_bitmask: dtype {_dtype_name(token_bitmask.dtype)} not supported (expected int32)")
         _shape("token_bitmask", token_bitmask, (*rows_shape, (V + 31) // 32))
     values = values and value_checks_enabled()
-    if values and offsets is not None:
-        _fail_if("offset", (offsets < 0) | (offsets >= MAX_OFFSET), "must be in [0, 2**60)")
     check_parents(parents, num_nodes, values)
     if values:
-        idx = torch.arange(T, device=dev)
-        real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
-        if method == "block":
-            _fail_if("method", real & (parents != idx - 1), "'block' verifies chains only (parents[b, i] = i - 1)")
-        if packed:  # every packed row is a node's
-            rows_real = torch.ones(rows_shape, dtype=torch.bool, device=dev)
-            check_packed_bounds(row_offsets, num_nodes, rows_shape[0])
-        else:
-            rows_real = idx.unsqueeze(0) < num_nodes.long().unsqueeze(1)
-        _fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")
-        _fail_if("temperature", torch.isnan(temperature) | (temperature < 0) | torch.isinf(temperature),
-                 "must be finite and >= 0")
-        if isinstance(top_k_in, torch.Tensor):
-            _fail_if("top_k", top_k_in < 0, TOP_K_RANGE)
-        if top_p is not None:
-            _fail_if("top_p", ~((top_p > 0) & (top_p <= 1)), TOP_P_RANGE)
-        if min_p is not None:
-            _fail_if("min_p", ~((min_p >= 0) & (min_p < 1)), MIN_P_RANGE)
+        check_accept_nodes(tokens, parents, num_nodes, temperature, offsets, top_k, top_p, min_p, method, V,
+                           row_offsets, rows_shape[0])
+        rows_real = (torch.ones(rows_shape, dtype=torch.bool, device=dev) if packed  # every packed row is a node's
+                     else torch.arange(T, device=dev).unsqueeze(0) < num_nodes.long().unsqueeze(1))
         allowed = None
         if token_bitmask is not None:
             from .sampling import unpack_bitmask
@@ -494,11 +478,8 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
         for name, x in ((target_name, target_logits), (draft_name, draft_logits)):
             if x is None:
                 continue
-            row_max = x.amax(-1)  # one pass: NaN propagates into the max, +inf is the max
-            _fail_if(name, torch.isnan(row_max), "contains NaN")
-            _fail_if(name, row_max == float("inf"), "contains +inf")
-            if probs:  # zeros are impossible tokens; a row needs some positive entry, no negative one
-                _fail_if(name, x.amin(-1) < 0, "contains a negative value")
+            row_max = check_finite_rows(name, x, probs)
+            if probs:  # zeros are impossible tokens; a row needs some positive entry
                 _fail_if(name, rows_real & (row_max == 0), "a real node's row is all zeros")
             else:
                 _fail_if(name, rows_real & (row_max == float("-inf")), "a real node's row is entirely -inf")
@@ -508,6 +489,42 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
                 _fail_if(name, rows_real & (masked_max == empty),
                          f"a real node's row is {'0' if probs else '-inf'} on every token token_bitmask allows")
     return num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask
+
+
+def check_accept_nodes(tokens, parents, num_nodes, temperature, offsets, top_k, top_p, min_p, method, V,
+                       row_offsets=None, num_rows=None):
+    """accept's value checks of everything but the rows of logits (check_finite_rows): the draft tokens (of a
+    vocabulary of V), the tree, the per-request parameters (normalized by check_accept) and the packed offsets.
+    (check_parents first: its messages come before these.)"""
+    if offsets is not None:
+        _fail_if("offset", (offsets < 0) | (offsets >= MAX_OFFSET), "must be in [0, 2**60)")
+    T = tokens.shape[1]
+    idx = torch.arange(T, device=tokens.device)
+    real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
+    if method == "block":
+        _fail_if("method", real & (parents != idx - 1), "'block' verifies chains only (parents[b, i] = i - 1)")
+    if row_offsets is not None:
+        check_packed_bounds(row_offsets, num_nodes, num_rows)
+    _fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")
+    _fail_if("temperature", torch.isnan(temperature) | (temperature < 0) | torch.isinf(temperature),
+             "must be finite and >= 0")
+    if top_k is not None:
+        _fail_if("top_k", top_k < 0, TOP_K_RANGE)
+    if top_p is not None:
+        _fail_if("top_p", ~((top_p > 0) & (top_p <= 1)), TOP_P_RANGE)
+    if min_p is not None:
+        _fail_if("min_p", ~((min_p >= 0) & (min_p < 1)), MIN_P_RANGE)
+
+
+def check_finite_rows(name, x, probs):
+    """No NaN or +inf in the rows x (logits or probabilities), and no negative probability: the checks that need
+    no other row or shard. Returns the rows' maxima."""
+    row_max = x.amax(-1)  # one pass: NaN propagates into the max, +inf is the max
+    _fail_if(name, torch.isnan(row_max), "contains NaN")
+    _fail_if(name, row_max == float("inf"), "contains +inf")
+    if probs:
+        _fail_if(name, x.amin(-1) < 0, "contains a negative value")
+    return row_max
 
 
 METHODS = ("token", "block", "traversal")

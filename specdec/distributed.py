@@ -328,56 +328,20 @@ def _checked_args(target, tokens, parents, vocab_start, vocab_size, draft, targe
         if x is not None and x.shape[-1] != width:
             raise ValueError(f"{name}: expected {width} columns (the target shard's), got {x.shape[-1]}")
     if checked:
-        _check_nodes(tokens, parents, num_nodes, temperature, offsets, top_k, top_p, min_p, method, vocab_size,
-                     row_offsets, target.shape[0] if row_offsets is not None else None)
+        val.check_parents(parents, num_nodes, True)
+        val.check_accept_nodes(tokens, parents, num_nodes, temperature, offsets, top_k, top_p, min_p, method,
+                               vocab_size, row_offsets, target.shape[0])
         for name, x in ((names[0], target), (names[1], draft)):
             if x is not None:
-                _check_finite_rows(name, x, probs)
+                val.check_finite_rows(name, x, probs)
     if row_offsets is not None:  # this shard's rows to the padded layout (a gather of the local columns)
-        rows = (row_offsets.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)).clamp(
-            max=target.shape[0] - 1)
+        rows = val.packed_row_index(row_offsets, tokens.shape[1], target.shape[0])
         target, draft, token_bitmask = (None if x is None else x[rows] for x in (target, draft, token_bitmask))
     offsets = torch.full_like(seeds, offset) if offsets is None else offsets.long() + offset
     return dict(target=target, draft=draft, probs=probs, names=names, tokens=tokens.long(), parents=parents.long(),
                 num_nodes=num_nodes.long(), temperature=temperature, seeds=seeds, offsets=offsets, top_k=top_k,
                 top_p=top_p, min_p=min_p, token_bitmask=token_bitmask, method=method, vocab_start=vocab_start,
                 vocab_size=vocab_size, checked=checked)
-
-
-def _check_nodes(tokens, parents, num_nodes, temperature, offsets, top_k, top_p, min_p, method, V,
-                       row_offsets=None, num_rows=None):
-    """The value checks of accept's per-node and per-request inputs (normalized by check_accept), for a
-    vocabulary of V tokens: everything but the rows of logits or probabilities (_check_finite_rows)."""
-    B, T = tokens.shape
-    if offsets is not None:
-        val._fail_if("offset", (offsets < 0) | (offsets >= val.MAX_OFFSET), "must be in [0, 2**60)")
-    val.check_parents(parents, num_nodes, True)
-    idx = torch.arange(T, device=tokens.device)
-    real = (idx > 0) & (idx < num_nodes.long().unsqueeze(1))
-    if method == "block":
-        val._fail_if("method", real & (parents != idx - 1), "'block' verifies chains only (parents[b, i] = i - 1)")
-    if row_offsets is not None:
-        val._fail_if("row_offsets", (row_offsets < 0) | (row_offsets + num_nodes > num_rows),
-                 f"request b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, {num_rows})")
-    val._fail_if("tokens", real & ((tokens < 0) | (tokens >= V)), f"draft tokens must be in [0, {V})")
-    val._fail_if("temperature", torch.isnan(temperature) | (temperature < 0) | torch.isinf(temperature),
-             "must be finite and >= 0")
-    if top_k is not None:
-        val._fail_if("top_k", top_k < 0, val.TOP_K_RANGE)
-    if top_p is not None:
-        val._fail_if("top_p", ~((top_p > 0) & (top_p <= 1)), val.TOP_P_RANGE)
-    if min_p is not None:
-        val._fail_if("min_p", ~((min_p >= 0) & (min_p < 1)), val.MIN_P_RANGE)
-
-
-def _check_finite_rows(name, x, probs):
-    """No NaN or +inf in rows of logits x; probabilities: no negative entry either (the checks that need no
-    other row or shard)."""
-    row_max = x.amax(-1)  # one pass: NaN propagates into the max, +inf is the max
-    val._fail_if(name, torch.isnan(row_max), "contains NaN")
-    val._fail_if(name, row_max == float("inf"), "contains +inf")
-    if probs:
-        val._fail_if(name, x.amin(-1) < 0, "contains a negative value")
 
 
 def _fingerprint(*xs) -> int:
