@@ -5,7 +5,7 @@ logits. Engines all-gather the full rows before sampling (B * T * V numbers per 
 per-row statistics only, O(B * T) numbers a round:
 
   round          what each rank contributes                                              when
-  stats          per row (B, T): max and sum of exp of l = masked logits / t, the first   always
+  stats          per row (B, T): max and log-sum-exp of l = masked logits / t, the first  always
                  argmax, l at each node's draft token in its parent's row
   filters        per row: a count (top-k) or a mass (top-p) above a threshold candidate,  32 rounds per filter
                  a bisection over the float32 order (exact thresholds, ties kept as       (+1: the kept rows'
@@ -112,19 +112,6 @@ class _Exchange:
         return torch.stack(parts)
 
 
-def _combine_lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Per-shard maxima and sums of exp(l - max), gathered as (world, ...) -> the global log-sum-exp."""
-    top = m.amax(0)
-    ref = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    return ref + (s * torch.exp(m - ref)).sum(0).log()
-
-
-def _sum_exp(l: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """sum exp(l - m) along the last dimension (m: its max; a row of -inf sums to 0), as float64."""
-    ref = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return torch.exp(l - ref.unsqueeze(-1)).sum(-1).double()
-
-
 def _keys(l: torch.Tensor) -> torch.Tensor:
     """float32 -> int64 keys in the same order (-0.0 taken as +0.0); _keys is its own inverse on int32 bits."""
     bits = (l + 0.0).view(torch.int32)
@@ -179,9 +166,7 @@ def _bisection_thresholds(ex, l, top, lse, top_k, top_p, vocab_size):
         on = ((top_k > 0) & (top_k < vocab_size)).view(1, -1, 1)
         theta = torch.where(on, _from_keys(_top_k_threshold(ex, keys, top_key, top_k)), theta)
         l = l.masked_fill(l < theta.unsqueeze(-1), -math.inf)
-        m = l.amax(-1)
-        g = ex.gather(torch.stack([m.double(), _sum_exp(l, m)]))
-        lse = _combine_lse(g[:, 0], g[:, 1])
+        lse = torch.logsumexp(ex.gather(torch.logsumexp(l, -1).double()), 0)
     if top_p is not None:
         p = torch.exp(l.double() - lse.unsqueeze(-1)).float()
         at = _from_keys(_top_p_threshold(ex, keys, p, top_key, top_p))
@@ -432,13 +417,18 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
     sampled = temperature > 0
     # an all-greedy batch needs only the rows' maxima (on the CPU, knowing that costs no sync)
     sampling = dev.type != "cpu" or bool(sampled.any())
-    l = target.float().unsqueeze(0) if draft is None else torch.stack([target.float(), draft.float()])  # (L, B, T, w)
+    laws_in = [target] if draft is None else [target, draft]
     if probs:
-        l = l.log()  # zeros: impossible tokens (-inf), as in specdec.accept
+        laws_in = [x.float().log() for x in laws_in]  # zeros: impossible tokens (-inf), as in specdec.accept
+    if sampling:  # l = logits / t, (L, B, T, w) float32
+        l = torch.empty((len(laws_in), B, T, width), dtype=torch.float32, device=dev)
+        t = torch.where(sampled, temperature, torch.ones_like(temperature)).view(B, 1, 1)
+        for i, x in enumerate(laws_in):
+            torch.div(x, t, out=l[i])
+    else:  # (greedy: the logits themselves, no copy when they are float32 already)
+        l = laws_in[0].float().unsqueeze(0) if len(laws_in) == 1 else torch.stack([x.float() for x in laws_in])
     if token_bitmask is not None:
         l = l.masked_fill(~_shard_allowed(token_bitmask, vocab_start, width), -math.inf)
-    if sampling:
-        l = l / torch.where(sampled, temperature, torch.ones_like(temperature)).view(1, B, 1, 1)
     idx = torch.arange(T, device=dev)
     real = idx < num_nodes.unsqueeze(1)
     child = real & (idx > 0)
@@ -450,11 +440,11 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
         at = l[:, torch.arange(B, device=dev).view(B, 1), up, local.clamp(0, width - 1)]
         return torch.where(mine, at, -math.inf).double()
 
-    # round 1: per row, the max and first argmax (the target's), and when sampling the sum of exp and the tokens' l
+    # round 1: per row, the max and first argmax (the target's), and when sampling the log-sum-exp and the tokens' l
     m = l.amax(-1)
     first = (l[0].argmax(-1) + vocab_start).double().unsqueeze(0).expand_as(m)
     if sampling:
-        g = ex.gather(torch.stack([m.double(), first, _sum_exp(l, m), token_values(l)]))
+        g = ex.gather(torch.stack([m.double(), first, torch.logsumexp(l, -1).double(), token_values(l)]))
     else:
         g = ex.gather(torch.stack([m.double(), first]))
     top = g[:, 0].amax(0)
@@ -468,12 +458,11 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
     greedy_node = _greedy_walk(greedy, tokens, parents, child)
     if not sampling:
         return _result(greedy_node, greedy.gather(1, greedy_node.view(B, 1)).squeeze(1), up)
-    lse, at = _combine_lse(g[:, 0], g[:, 2]), g[:, 3].amax(0)
+    lse, at = torch.logsumexp(g[:, 2], 0), g[:, 3].amax(0)
     if any(f is not None for f in (top_k, top_p, min_p)):
         l = _filter(ex, l, top, lse, top_k, top_p, min_p, vocab_size)
-        m = l.amax(-1)
-        g = ex.gather(torch.stack([m.double(), _sum_exp(l, m), token_values(l)]))
-        lse, at = _combine_lse(g[:, 0], g[:, 1]), g[:, 2].amax(0)
+        g = ex.gather(torch.stack([torch.logsumexp(l, -1).double(), token_values(l)]))
+        lse, at = torch.logsumexp(g[:, 0], 0), g[:, 1].amax(0)
     laws = _Laws(l, lse, vocab_start)
     p_at = torch.exp(at - laws.lse.gather(2, up.unsqueeze(0).expand_as(at)))  # p_parent(c)(x_c); 0 if dropped
     stream = _mix(_mix(seeds) + offsets * _GOLDEN)
