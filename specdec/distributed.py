@@ -7,9 +7,10 @@ per-row statistics only, O(B * T) numbers a round:
   round          what each rank contributes                                              when
   stats          per row (B, T): max and log-sum-exp of l = masked logits / t, the first  always
                  argmax, l at each node's draft token in its parent's row
-  filters        per row: a count (top-k) or a mass (top-p) above a threshold candidate,  32 rounds per filter
-                 a bisection over the float32 order (exact thresholds, ties kept as       (+1: the kept rows'
-                 the reference keeps them); then the stats again over the kept tokens      stats)
+  filters        per row: the shard's 64 largest l, which settle top-k / top-p exactly     1 round (+1: the kept
+                 when the kept tokens lie above every rank's last candidate; rows they    tokens' stats)
+                 leave open: a count / a mass above a candidate threshold, a bisection   +32 per filter, only
+                 over the float32 order (exact, ties kept as the reference keeps them)    for rows left open
   residuals      per request: the mass of max(r - q, 0) after a rejected child            <= T - 1 rounds (token,
                  (traversal: of max(w law - q, 0) after a failed subtree)                 draft laws; traversal);
                                                                                           1 (block)
@@ -24,7 +25,8 @@ processing, the same acceptance rules); the random stream is not the single-devi
 Bad input raises on every rank alike: each rank runs its own checks, then (value checks on) one exchange of
 (error flag, shard layout, a fingerprint of the replicated inputs) decides for all, before any other
 collective. With the value checks off (CUDA-graph capture, torch.compile) nothing is exchanged or read on the
-host: the walk runs a fixed number of rounds, the same on every rank.
+host off the CPU: the walk runs a fixed number of rounds, the same on every rank (on the CPU, where a read
+costs no sync, an all-greedy batch, settled filters and finished walks skip their remaining rounds).
 """
 from __future__ import annotations
 
