@@ -8,6 +8,13 @@ offset + offsets[b], read on the device), top_k / top_p / min_p (B,) or None and
 (B, T, ceil(V/32)) int32 or None (all applied in the kernel: `_allowed`, and the "filters" section).
 Returns accepted_nodes (B, T) int32 (the path from node 0, padded with -1), num_accepted (B,) int32,
 next_tokens (B,) int64. Semantics are those of reference.accept.
+Two switches of the input form (constexprs; everything below is unchanged by them):
+  * PROBS: the rows hold probabilities (unnormalized, 0 = impossible), which mean what their logs mean as
+    logits: each entry's log is taken in float32 as it is read (`_load_row`, then `_row_logits`; a masked lane
+    reads 0, i.e. -inf), never a log of a whole row outside the kernel;
+  * PACKED: target / draft rows (N, V) and token_bitmask (N, ceil(V/32)) are packed, node i of request b being
+    row row_offsets[b] + i; tokens / parents / num_nodes arrive padded (B, T), T = max_nodes. Only the request's
+    row bases change (`_request`); the launch still depends on B, T and V alone.
 
 Algorithm (per request, walking from the root; p = softmax(target/t), q = softmax(draft/t), each over what the
 node's processed law keeps: its bitmask row, and with filters the row's threshold, `_kept`):
@@ -246,6 +253,9 @@ class Request(NamedTuple):
     out_next: tl.tensor
     writer: tl.tensor  # chunk 0's program: writes the state and the path
     records: tl.tensor  # traversal: its node records (STATE_FLOATS float slots per node; see `_push_node`)
+    # the launch's PROBS switch: the rows hold probabilities, read as their logs (`_load_row`, `_row_logits`).
+    # A compile-time field rather than one more argument: every helper that reads a row has the request
+    probs: tl.constexpr
 
 
 class Walk(NamedTuple):
@@ -346,14 +356,36 @@ def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
     return p
 
 
+@triton.jit
+def _load_row(ptrs, mask, PROBS: tl.constexpr):
+    """Row entries as stored, a masked lane as an impossible token: probability 0 (PROBS) or logit -inf; every
+    load of a target or draft row goes through here, and its values through `_row_logits` before use."""
+    if PROBS:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        x = tl.load(ptrs, mask=mask, other=NEG_INF)
+    return x
+
+
+@triton.jit
+def _row_logits(x, PROBS: tl.constexpr):
+    """float32 logits of entries `_load_row` read: probabilities mean their logs (log 0 = -inf, as a masked lane),
+    taken after the upcast (a 16-bit log would move the law). A step of its own so that the prefetched tiles
+    stay raw loads until they are folded in (a log at the load would wait for it, defeating the prefetch)."""
+    x = x.to(tl.float32)
+    if PROBS:
+        x = tl.log(x)
+    return x
+
+
 # ----------------------------------------------------------------------------------------------
 # the request, its tree and rows
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr, mask_ptr,
-             top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W, stride_tb,
-             stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS: tl.constexpr,
-             HAS_FILTERS: tl.constexpr, T_BLOCK: tl.constexpr):
+             row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W,
+             stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS: tl.constexpr,
+             HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr, T_BLOCK: tl.constexpr):
     """The `Request` of this program (request program_id(0))."""
     b = tl.program_id(0)
     t = tl.load(temp_ptr + b)
@@ -379,17 +411,26 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
     valid = idx < n_real  # (paths only ascend: a walk ends even on unchecked input)
     par_row = parents_ptr + b * T
     tok_row = tokens_ptr + b * T
+    # the request's first target / draft / bitmask row: node n's rows follow it at n row strides
+    if PACKED:  # rows (N, ...) shared by the batch: request b's start at row row_offsets[b] (no stride of its own)
+        first = tl.load(row_offsets_ptr + b).to(tl.int64)
+        t_rows = target_ptr + first * stride_tt
+        d_rows = draft_ptr + first * stride_dt
+        masks = mask_ptr + first * W
+    else:
+        t_rows = target_ptr + b.to(tl.int64) * stride_tb
+        d_rows = draft_ptr + b.to(tl.int64) * stride_db
+        masks = mask_ptr + b.to(tl.int64) * T * W
     u_test = tl.full((T_BLOCK,), 0.0, tl.float32)
     if t != 0.0:  # drawn up front in one call
         u_test = _uniform(stream, idx, U_TEST)
     return Request(greedy=greedy, inv_t=1.0 / tl.where(greedy, 1.0, t), stream=stream, idx=idx, valid=valid,
                    par=tl.load(par_row + idx, mask=valid, other=-2), tok=tl.load(tok_row + idx, mask=valid, other=-1),
                    u_test=u_test, par_row=par_row, tok_row=tok_row, n_real=n_real,
-                   t_rows=target_ptr + b.to(tl.int64) * stride_tb, d_rows=draft_ptr + b.to(tl.int64) * stride_db,
-                   stride_tt=stride_tt, stride_dt=stride_dt, V=V, masks=mask_ptr + b.to(tl.int64) * T * W, W=W,
+                   t_rows=t_rows, d_rows=d_rows, stride_tt=stride_tt, stride_dt=stride_dt, V=V, masks=masks, W=W,
                    t=tl.where(greedy, 1.0, t), k=k, top_p=top_p, min_p=min_p, filtered=filtered, path=acc_ptr + b * T,
                    out_num=num_acc_ptr + b, out_next=next_ptr + b, writer=tl.program_id(1) == 0,
-                   records=state_f_ptr + (2 * tl.num_programs(0) + b * T).to(tl.int64) * STATE_FLOATS)
+                   records=state_f_ptr + (2 * tl.num_programs(0) + b * T).to(tl.int64) * STATE_FLOATS, probs=PROBS)
 
 
 @triton.jit
@@ -422,7 +463,7 @@ def _kept(req, node, cols, x, tau):
 @triton.jit
 def _logit(req, row, node, x, tau):
     """row[x] / t at node, -inf for an x outside the vocabulary or dropped by the node's processed law."""
-    raw = tl.load(row + x, mask=(x >= 0) & (x < req.V), other=NEG_INF).to(tl.float32)
+    raw = _row_logits(_load_row(row + x, (x >= 0) & (x < req.V), req.probs), req.probs)
     return _kept(req, node, x, raw, tau) * req.inv_t
 
 
@@ -558,19 +599,20 @@ def _bounds(req, s, SPLIT_V: tl.constexpr):
 # does not pipeline loads that feed no dot): `_prefetch` issues them before the loop, `_next_tile` hands out
 # the oldest and issues the one PREFETCH tiles ahead.
 @triton.jit
-def _prefetch(row, lo, hi, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr):
+def _prefetch(row, lo, hi, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, PROBS: tl.constexpr):
     cols = lo + tl.arange(0, BLOCK_V)
-    tile_next = tl.load(row + cols, mask=cols < hi, other=NEG_INF)
+    tile_next = _load_row(row + cols, cols < hi, PROBS)
     tile_later = tile_next
     if PREFETCH == 2:
-        tile_later = tl.load(row + cols + BLOCK_V, mask=cols + BLOCK_V < hi, other=NEG_INF)
+        tile_later = _load_row(row + cols + BLOCK_V, cols + BLOCK_V < hi, PROBS)
     return tile_next, tile_later
 
 
 @triton.jit
-def _next_tile(row, start, hi, tile_next, tile_later, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr):
+def _next_tile(row, start, hi, tile_next, tile_later, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
+               PROBS: tl.constexpr):
     ahead = start + PREFETCH * BLOCK_V + tl.arange(0, BLOCK_V)
-    new = tl.load(row + ahead, mask=ahead < hi, other=NEG_INF)
+    new = _load_row(row + ahead, ahead < hi, PROBS)
     tile = tile_next
     if PREFETCH == 2:
         tile_next = tile_later
@@ -600,17 +642,17 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
     x_p = m_p  # raw maxima (filtered requests only)
     x_q = m_p
     best = tl.full([BLOCK_V], -1, tl.int32)
-    a_next, a_later = _prefetch(t_row, lo, hi, BLOCK_V, PREFETCH)
+    a_next, a_later = _prefetch(t_row, lo, hi, BLOCK_V, PREFETCH, req.probs)
     b_next, b_later = a_next, a_later  # (the draft's tiles exist only with draft logits)
     if HAS_DRAFT:
-        b_next, b_later = _prefetch(d_row, lo, hi_q, BLOCK_V, PREFETCH)
+        b_next, b_later = _prefetch(d_row, lo, hi_q, BLOCK_V, PREFETCH, req.probs)
     for start in range(lo, hi, BLOCK_V):
-        a, a_next, a_later = _next_tile(t_row, start, hi, a_next, a_later, BLOCK_V, PREFETCH)
+        a, a_next, a_later = _next_tile(t_row, start, hi, a_next, a_later, BLOCK_V, PREFETCH, req.probs)
         b = a
         if HAS_DRAFT:
-            b, b_next, b_later = _next_tile(d_row, start, hi_q, b_next, b_later, BLOCK_V, PREFETCH)
-        a = _kept(req, walk.node, start + ar, a.to(tl.float32), walk.tau_p)
-        b = _kept(req, walk.node, start + ar, b.to(tl.float32), walk.tau_q)
+            b, b_next, b_later = _next_tile(d_row, start, hi_q, b_next, b_later, BLOCK_V, PREFETCH, req.probs)
+        a = _kept(req, walk.node, start + ar, _row_logits(a, req.probs), walk.tau_p)
+        b = _kept(req, walk.node, start + ar, _row_logits(b, req.probs), walk.tau_q)
         if req.filtered:
             x_p = tl.maximum(x_p, a)
             x_q = tl.maximum(x_q, b)
@@ -800,7 +842,7 @@ def _rejected_masses(req, node, lse_p, tau_p, SPLIT_V: tl.constexpr, S_BLOCK: tl
                      & (req.idx[None, :] < req.idx[:, None])).to(tl.int32), 1, _MAX) > 0
     rejected = child & (dup == 0) & (req.tok >= 0) & (req.tok < req.V)
     t_row, _ = _rows(req, node)
-    raw = tl.load(t_row + req.tok, mask=rejected, other=NEG_INF).to(tl.float32)
+    raw = _row_logits(_load_row(t_row + req.tok, rejected, req.probs), req.probs)
     p = tl.exp(_kept(req, node, req.tok, raw, tau_p) * req.inv_t - lse_p)  # (a dropped token has p = 0)
     owner = req.tok // SPLIT_V
     return tl.reduce(tl.where(owner[:, None] == tl.arange(0, S_BLOCK)[None, :], p[:, None], 0.0), 0, _SUM)
@@ -986,7 +1028,7 @@ def _select_row_chunk(req, node, row, srch, s, rec, sb, NUM_PIVOTS: tl.constexpr
     j = tl.arange(0, NUM_PIVOTS)
     for start in range(lo, hi, SELECT_BLOCK):
         cols = start + ar
-        x = _kept(req, node, cols, tl.load(row + cols, mask=cols < hi, other=NEG_INF).to(tl.float32), NEG_INF)
+        x = _kept(req, node, cols, _row_logits(_load_row(row + cols, cols < hi, req.probs), req.probs), NEG_INF)
         weight = tl.exp(x * req.inv_t - srch.max_a)
         if gather:
             inside = (x >= srch.lo) & (x < srch.hi)
@@ -1486,9 +1528,9 @@ def _verify(req, walk, chunks, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr, TRA
 # the draw's second level (a chunk's scan) and the candidates after a last rejection
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _tile(row, start, hi, ar):
-    """Entries start + ar of a row, -inf past hi (hi = start: nothing is read)."""
-    return tl.load(row + start + ar, mask=start + ar < hi, other=NEG_INF)
+def _tile(row, start, hi, ar, PROBS: tl.constexpr):
+    """float32 logits of entries start + ar of a row, -inf past hi (hi = start: nothing is read)."""
+    return _row_logits(_load_row(row + start + ar, start + ar < hi, PROBS), PROBS)
 
 
 @triton.jit
@@ -1507,10 +1549,10 @@ def _locate(req, node, pick, thresh, c, lse_p, lse_q, tau_p, tau_q, HAS_DRAFT: t
     start = lo
     while (start < hi) & (token < 0):
         cols = start + ar
-        a = _kept(req, node, cols, _tile(t_row, start, hi, ar).to(tl.float32), tau_p) * req.inv_t
+        a = _kept(req, node, cols, _tile(t_row, start, hi, ar, req.probs), tau_p) * req.inv_t
         b = a
         if HAS_DRAFT:
-            b = _kept(req, node, cols, _tile(d_row, start, hi_q, ar).to(tl.float32), tau_q) * req.inv_t
+            b = _kept(req, node, cols, _tile(d_row, start, hi_q, ar, req.probs), tau_q) * req.inv_t
         r = _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
         if not HAS_DRAFT:
             if c >= 0:
@@ -1624,20 +1666,22 @@ def _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel
 
 @triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf"])
 def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                  mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr,
-                  part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr,
-                  sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
-                  HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
-                  BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
-                  PREFETCH: tl.constexpr, TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
-                  SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+                  mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
+                  state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr,
+                  sel_count_ptr, sel_mass_ptr, sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt,
+                  offset_lo, offset_hi, read_buf, HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                  HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr,
+                  TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
+                  BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+                  TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr,
+                  PAIR_BLOCK: tl.constexpr):
     """A split launch, grid (B, NUM_SPLITS): merge the previous launch's partials and decide (every program
     alike), store the state, then run this program's chunk of the next pass, or its part of the draw."""
     split = tl.program_id(1)
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                   mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W,
-                   stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
+                   mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
+                   state_f_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS,
+                   HAS_FILTERS, PROBS, PACKED, T_BLOCK)
     sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
     walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
                                 HAS_DRAFT, HAS_FILTERS, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS,
@@ -1700,20 +1744,22 @@ def _draw_if_due(req, walk, res, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constex
 
 @triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf"])
 def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                 mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_i_ptr, state_f_ptr,
-                 part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr,
-                 sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, read_buf,
-                 HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
-                 BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
-                 PREFETCH: tl.constexpr, TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
-                 SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+                 mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
+                 state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr,
+                 sel_count_ptr, sel_mass_ptr, sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt,
+                 offset_lo, offset_hi, read_buf, HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                 HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr,
+                 TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
+                 BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+                 TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr,
+                 PAIR_BLOCK: tl.constexpr):
     """The last launch, grid (B,): merge the last split launch's partials, decide, and finish the walk, each
     pass over the whole row in this one program (a SELECT pass's partials through buffer `read_buf`, which
     it no longer needs: barriers order the program's own stores and loads)."""
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                   mask_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W,
-                   stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS, HAS_FILTERS, T_BLOCK)
+                   mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
+                   state_f_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS,
+                   HAS_FILTERS, PROBS, PACKED, T_BLOCK)
     sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
     walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
                                 HAS_DRAFT, HAS_FILTERS, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS,
@@ -1794,13 +1840,15 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     (see "filters" above): no sort, no processed copy of any row. method "block" (with draft logits; chains,
     checked by specdec.ops.accept): block verification, `_block_step`; method "traversal" (with draft logits;
     any tree): traversal verification, `_traversal_step` (its node records after the walk state in state_f).
-    Greedy requests take the greedy walk whatever the method. Keyword tunables override `_config`
+    Greedy requests take the greedy walk whatever the method. probs=True (PROBS): target_logits /
+    draft_logits hold probabilities, read as their logs entry by entry. row_offsets (B,) int (PACKED): the rows
+    are packed, (N, V) and token_bitmask (N, W), request b's node i at row row_offsets[b] + i (tokens, parents,
+    num_nodes (B, T) padded by specdec.ops.accept); read in place. Keyword tunables override `_config`
     (tests use them to compare schedules, and a small `cap` / `num_pivots` to exercise the long searches).
     """
-    if probs or row_offsets is not None:
-        raise NotImplementedError("accept (triton): probabilities and the packed form are not in this kernel yet; "
-                                  "the torch and cpp backends have them")
-    B, T, V = target_logits.shape
+    packed = row_offsets is not None
+    B, T = tokens.shape  # (packed: B = len(row_offsets), T = max_nodes; the launch depends on shapes only)
+    V = target_logits.shape[-1]
     dev = target_logits.device
     has_filters = any(f is not None for f in (top_k, top_p, min_p))
     elem_bytes = max(target_logits.element_size(), 0 if draft_logits is None else draft_logits.element_size())
@@ -1837,6 +1885,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     part_i = torch.empty((2, B, S, PART_INTS.value), dtype=torch.int32, device=dev)
     has_offsets = offsets is not None
     offsets = offsets.contiguous() if has_offsets else seeds  # absent: any int tensor stands in, never read
+    row_offsets = row_offsets.contiguous() if packed else seeds  # (padded: never read)
     W = 0 if token_bitmask is None else token_bitmask.shape[-1]
     masks = num_nodes if token_bitmask is None else token_bitmask.contiguous()  # (W = 0: never read)
     NP, cap = cfg["num_pivots"], cfg["cap"]
@@ -1852,12 +1901,14 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
         top_k = top_p = min_p = num_nodes
         search = [state_i, state_f, state_f]
         select = [state_i, state_f, state_f]
+    # (request stride, node row stride) of a row tensor: packed rows (N, V) have no request stride
+    strides = (lambda x: (0, x.stride(0))) if packed else (lambda x: (x.stride(0), x.stride(1)))
     args = (target, d, tokens.contiguous(), parents.contiguous(), temperature.contiguous(), seeds.contiguous(),
-            num_nodes.contiguous(), offsets, masks, top_k, top_p, min_p, accepted, num_accepted, next_tokens,
-            state_i, state_f, part_f, part_i, *search, *select, T, V, W, target.stride(0), target.stride(1),
-            d.stride(0), d.stride(1), offset & 0x7FFFFFFF, offset >> 31)
-    meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, HAS_FILTERS=has_filters,
-                BLOCK=method == "block" and draft is not None, TRAVERSAL=traversal, NUM_SPLITS=S,
+            num_nodes.contiguous(), offsets, masks, row_offsets, top_k, top_p, min_p, accepted, num_accepted,
+            next_tokens, state_i, state_f, part_f, part_i, *search, *select, T, V, W, *strides(target), *strides(d),
+            offset & 0x7FFFFFFF, offset >> 31)
+    meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, HAS_FILTERS=has_filters, PROBS=bool(probs),
+                PACKED=packed, BLOCK=method == "block" and draft is not None, TRAVERSAL=traversal, NUM_SPLITS=S,
                 SPLIT_V=split_v, BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T),
                 S_BLOCK=triton.next_power_of_2(S), PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=NP,
                 CAP=cap, SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], num_warps=cfg["num_warps"])

@@ -341,7 +341,8 @@ def test_triton_reads_only_the_walked_rows(monkeypatch, schedule):
 # rejects (e.g. a name bound only under a constexpr branch) and says nothing of registers
 # ----------------------------------------------------------------------------------------------
 def hopper_compile_report() -> None:
-    """Prints (JSON) the spilled bytes of every launch variant at the benchmark shape (bf16, T 8, V 128256).
+    """Prints (JSON) the spilled bytes of every launch variant at the benchmark shape (bf16, T 8, V 128256), and
+    of the probabilities (PROBS) and packed-row (PACKED) switches on the token-wise draft-logits launches.
     Runs in a fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
     import json
 
@@ -353,24 +354,32 @@ def hopper_compile_report() -> None:
     S = cfg["num_splits"]
     types = {"target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "parents_ptr": "*i32",
              "temp_ptr": "*fp32", "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "offsets_ptr": "*i64",
-             "mask_ptr": "*i32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "acc_ptr": "*i32",
-             "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32", "state_f_ptr": "*fp32",
-             "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "search_i_ptr": "*i32", "search_f_ptr": "*fp32",
-             "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32"}
+             "mask_ptr": "*i32", "row_offsets_ptr": "*i64", "top_k_ptr": "*i32", "top_p_ptr": "*fp32",
+             "min_p_ptr": "*fp32", "acc_ptr": "*i32", "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32",
+             "state_f_ptr": "*fp32", "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "search_i_ptr": "*i32",
+             "search_f_ptr": "*fp32", "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64",
+             "sel_value_ptr": "*fp32"}
+    # (filters, block, draft, probs, packed, launches (first, walk)): every combination of the first three, the
+    # two input-form switches on the split launch that streams both rows and the walker
+    launches = ((True, False), (False, False), (False, True))
+    variants = [(has_filters, block, has_draft, False, False, launch)
+                for has_filters, block in ((False, False), (True, False), (False, True))
+                for has_draft in ((True, False) if not block else (True,)) for launch in launches]
+    variants += [(False, False, True, True, False, launch) for launch in launches[1:]]
+    variants += [(False, False, True, False, True, launches[1])]
     report = {}
-    for has_filters, block in ((False, False), (True, False), (False, True)):
-        for has_draft in (True, False) if not block else (True,):
-            for first, walk in ((True, False), (False, False), (False, True)):
-                constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters, BLOCK=block, TRAVERSAL=False,
-                                  IS_FIRST=first,
-                                  NUM_SPLITS=S, SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
-                                  BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
-                                  PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
-                                  CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
-                kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
-                                            cfg["num_warps"])
-                report[f"filters={has_filters},block={block},draft={has_draft},first={first},walk={walk}"] = \
-                    spilled_bytes(kernel)
+    for has_filters, block, has_draft, probs, packed, (first, walk) in variants:
+        constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters, PROBS=probs, PACKED=packed,
+                          BLOCK=block, TRAVERSAL=False, IS_FIRST=first, NUM_SPLITS=S,
+                          SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
+                          BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
+                          PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
+                          CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
+        kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
+                                    cfg["num_warps"])
+        name = f"filters={has_filters},block={block},draft={has_draft},first={first},walk={walk}"
+        name += ",probs=True" if probs else ",packed=True" if packed else ""
+        report[name] = spilled_bytes(kernel)
     print(json.dumps(report))
 
 

@@ -4,8 +4,12 @@ The packed form of a batch must give exactly the padded form's results on the sa
 seeds: the kernels only address rows differently), for greedy and sampled requests, with draft logits or given
 proposals, filters and a bitmask, every method, logits and probabilities; and its own bad inputs are errors.
 The padded form itself is tested against the reference elsewhere; here the reference runs the packed form too.
+The Triton kernel (PACKED: request b's rows start at row row_offsets[b]) on smaller batches, in the walker and in
+split launches, its greedy requests also equal to the reference's.
 """
 from __future__ import annotations
+
+import zlib
 
 import pytest
 import torch
@@ -13,7 +17,12 @@ import torch
 import specdec
 from tests.helpers import DEVICE, accept_on, random_trees
 
+# the interpreted kernel computes log(0) = -inf on purpose (probabilities 0); numpy warns
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
 CPU_BACKENDS = ["torch"] + (["cpp"] if specdec.ops.HAS_CPP else [])
+ALL_BACKENDS = CPU_BACKENDS + ["triton"]
+CASES = ["draft", "given", "filters", "mask", "traversal", "block", "probs"]
 
 
 def _batch(gen, B=7, T=6, V=29, chains=False):
@@ -23,6 +32,9 @@ def _batch(gen, B=7, T=6, V=29, chains=False):
         num_nodes = torch.randint(1, T + 1, (B,), generator=gen).int()
     else:
         parents, num_nodes = random_trees(B, T, gen)
+        parents[0, T - 1] = -1  # (a padding node's)
+    # request 0 (a chain either way) one node short: every later request's rows start off the padded form's b * T
+    num_nodes[0] = T - 1
     target = torch.randn(B, T, V, generator=gen) * 2
     draft = target + torch.randn(B, T, V, generator=gen)
     tokens = torch.randint(0, V, (B, T), generator=gen)
@@ -45,41 +57,70 @@ def _same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(a, b)), (a, b)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("case", ["draft", "given", "filters", "mask", "traversal", "block", "probs"])
-def test_packed_equals_padded(backend, case):
-    gen = torch.Generator().manual_seed(hash(case) % 1000)
-    padded, packed = _batch(gen, chains=case == "block")
+def _forms(case, B=7, T=6):
+    """(padded, packed, extra accept arguments) of a case of test_packed_equals_padded."""
+    gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))  # (hash(str) varies between processes)
+    padded, packed = _batch(gen, B=B, T=T, chains=case == "block")
     extra = {}
     if case == "given":
         padded["draft_logits"] = packed["draft_logits"] = None
     if case != "mask":
         padded.pop("token_bitmask"), packed.pop("token_bitmask")
     if case == "filters":
-        extra = dict(top_k=torch.tensor([3, 0, 5, 2, 0, 4, 1]), top_p=0.9, min_p=torch.full((7,), 0.05))
+        extra = dict(top_k=torch.tensor([3, 0, 5, 2, 0, 4, 1])[:B], top_p=0.9, min_p=torch.full((B,), 0.05))
     if case in ("traversal", "block"):
         extra = dict(method=case)
     if case == "probs":
         for form in (padded, packed):
             form["target_probs"] = torch.softmax(form.pop("target_logits"), -1) * 3.0
             form["draft_probs"] = torch.softmax(form.pop("draft_logits"), -1)
+    return padded, packed, extra
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_packed_equals_padded(backend, case):
+    # (the interpreter: 4 requests of up to 5 nodes, one of them greedy)
+    padded, packed, extra = _forms(case, **(dict(B=4, T=5) if backend == "triton" and DEVICE.type == "cpu" else {}))
     a = accept_on(backend, **padded, **extra)
     b = accept_on(backend, **packed, **extra)
     _same(a, b)
     assert int(a.num_accepted.max()) >= 1
+    if backend == "triton":  # both forms wrote real results: the greedy requests' are the reference's
+        ref = accept_on("torch", **packed, **extra)
+        greedy = padded["temperature"] == 0
+        _same([x[greedy] for x in b], [x[greedy] for x in ref])
 
 
-def test_packed_reference_equals_cpp_on_greedy_requests():
-    """The two backends agree exactly where no randomness is involved (greedy), packed."""
-    if not specdec.ops.HAS_CPP:
+@pytest.mark.parametrize("case", ["mask", "probs", "traversal"])
+def test_triton_packed_equals_padded_in_split_launches(monkeypatch, case):
+    """The split launches address the packed rows as the walker does (each launch's `_request`)."""
+    from specdec.kernels import accept as kernel
+    config = kernel._config
+    split = dict(block_v=16, num_splits=2, split_steps=5)  # (2 chunks at V 29)
+    monkeypatch.setattr(kernel, "_config", lambda *a, **k: {**config(*a, **k), **split})
+    padded, packed, extra = _forms(case, B=4, T=5)
+    if case == "mask":  # with filters too: the threshold searches' passes over packed rows
+        extra = dict(top_k=torch.tensor([3, 0, 5, 2]), top_p=0.9)
+    a = accept_on("triton", **padded, **extra)
+    _same(a, accept_on("triton", **packed, **extra))
+    assert int(a.num_accepted.max()) >= 1
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_packed_reference_equals_the_kernels_on_greedy_requests(backend):
+    """The backends agree exactly where no randomness is involved (greedy), packed."""
+    if backend == "cpp" and not specdec.ops.HAS_CPP:
         pytest.skip("no C++ extension")
     gen = torch.Generator().manual_seed(3)
     _, packed = _batch(gen)
     packed["temperature"] = 0.0
-    _same(accept_on("torch", **packed), accept_on("cpp", **packed))
+    res = accept_on(backend, **packed)
+    _same(accept_on("torch", **packed), res)
+    assert int(res.num_accepted.max()) >= 2
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_bad_packed_inputs(backend):
     gen = torch.Generator().manual_seed(4)
     _, packed = _batch(gen, B=3)

@@ -317,7 +317,8 @@ def hopper_compile_report() -> None:
              "mask_ptr": "*i32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "acc_ptr": "*i32",
              "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32", "state_f_ptr": "*fp32",
              "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "search_i_ptr": "*i32", "search_f_ptr": "*fp32",
-             "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32"}
+             "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32",
+             "row_offsets_ptr": "*i64"}
     report = {}
     for method in ("token", "block", "traversal"):
         cfg = ka._config(T, Vb, 2, torch.device("cuda"), False, method == "block", method == "traversal")
@@ -327,7 +328,7 @@ def hopper_compile_report() -> None:
             for has_draft in (True, False) if method == "token" else (True,):
                 for first, walk in ((True, False), (False, False), (False, True)):
                     constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters,
-                                      BLOCK=method == "block", TRAVERSAL=method == "traversal", IS_FIRST=first,
+                                      PROBS=False, PACKED=False, BLOCK=method == "block", TRAVERSAL=method == "traversal", IS_FIRST=first,
                                       NUM_SPLITS=S, SPLIT_V=split_v,
                                       BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                                       PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
