@@ -418,6 +418,16 @@ def check_packed_bounds(row_offsets, num_nodes, num_rows):
              f"request b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, {num_rows})")
 
 
+def accept_nodes(cu_num_nodes, max_nodes, num_nodes, tokens, parents, num_rows):
+    """accept's nodes in the op's padded form, (tokens, parents, num_nodes, row_offsets): as given (row_offsets
+    None), or from the packed form (cu_num_nodes with max_nodes; packed_nodes)."""
+    if cu_num_nodes is None:
+        return tokens, parents, num_nodes, None
+    if num_nodes is not None:
+        raise TypeError("num_nodes: with cu_num_nodes the counts are its differences; give one of them")
+    return packed_nodes(cu_num_nodes, max_nodes, tokens, parents, num_rows)
+
+
 def check_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k=None,
                  top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None,
                  values=True):

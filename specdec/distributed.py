@@ -299,12 +299,8 @@ def _checked_args(target, tokens, parents, vocab_start, vocab_size, draft, targe
     if vocab_start + width > vocab_size:
         raise ValueError(f"vocab_start: the shard's columns [{vocab_start}, {vocab_start + width}) pass vocab_size "
                          f"{vocab_size}")
-    row_offsets = None
-    if cu_num_nodes is not None:
-        if num_nodes is not None:
-            raise TypeError("num_nodes: with cu_num_nodes the counts are its differences; give one of them")
-        tokens, parents, num_nodes, row_offsets = val.packed_nodes(cu_num_nodes, max_nodes, tokens, parents,
-                                                                   target.shape[0])
+    tokens, parents, num_nodes, row_offsets = val.accept_nodes(cu_num_nodes, max_nodes, num_nodes, tokens, parents,
+                                                               target.shape[0])
     # the full vocabulary's checks on a zero-copy (.., vocab_size) view (never read: values=False)
     def wide(x):
         return None if x is None else x[..., :1].expand(*x.shape[:-1], vocab_size)

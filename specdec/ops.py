@@ -330,13 +330,9 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     if tokens is None or parents is None:
         raise TypeError(f"{'tokens' if tokens is None else 'parents'}: required")
     values = _python_value_checks(backend, target_logits)
-    row_offsets = None
-    if cu_num_nodes is not None:
-        if num_nodes is not None:
-            raise TypeError("num_nodes: with cu_num_nodes the counts are its differences; give one of them")
-        # (the offsets' checks run on every backend: the op sees only the rows they give)
-        tokens, parents, num_nodes, row_offsets = val.packed_nodes(cu_num_nodes, max_nodes, tokens, parents,
-                                                                   target_logits.shape[0])
+    # (the packed offsets' checks run on every backend: the op sees only the rows they give)
+    tokens, parents, num_nodes, row_offsets = val.accept_nodes(cu_num_nodes, max_nodes, num_nodes, tokens, parents,
+                                                               target_logits.shape[0])
     num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = OPS["accept"].check(
         target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k, top_p, min_p,
         token_bitmask, method, probs, row_offsets, values)
