@@ -248,8 +248,8 @@ def accept(target_logits_shard: Optional[torch.Tensor] = None, tokens: Optional[
     of the drafter's (or target_probs_shard / draft_probs_shard: probabilities, unnormalized). The shards of
     the group tile [0, vocab_size) in any order, any widths (uneven is fine). tokens, parents, num_nodes,
     temperature, seeds, offset, top_k, top_p, min_p, token_bitmask ((B, T, ceil(vocab_size / 32)), the full
-    vocabulary's words) and method ("token", "block" or "traversal") mean what they mean in specdec.accept and must be the
-    same on every rank (checked, with the value checks on). seeds None: rank 0's fresh seeds, sent to all.
+    vocabulary's words) and method ("token", "block" or "traversal") mean what they mean in specdec.accept and
+    must be the same on every rank (checked, with the value checks on). seeds None: rank 0's fresh seeds, sent to all.
     Greedy results equal specdec.accept on the gathered logits; sampled results follow its law (see the
     module's docstring for the random stream).
     stats: a dict, or None; if given it receives {"rounds": collectives, "bytes": bytes this rank sent into
@@ -634,7 +634,7 @@ def _block_walk(ex, laws, p_at, num_nodes, stream):
     ratio = torch.where(small > 0, big / small.clamp(min=1e-300), torch.where(big > 0, math.inf, 0.0))
     w = torch.ones(B, T, dtype=torch.float64, device=dev)
     for i in range(1, T):
-        w[:, i] = torch.where(w[:, i - 1] == 0, 0.0, torch.minimum(w[:, i - 1] * ratio[:, i], torch.ones_like(big[:, i])))
+        w[:, i] = torch.where(w[:, i - 1] == 0, 0.0, (w[:, i - 1] * ratio[:, i]).clamp(max=1.0))
     P, Q = laws.rows(0), laws.rows(1)
     S = ex.gather((w.float().unsqueeze(-1) * P - Q).clamp(min=0).sum(-1).double()).sum(0)
     gamma = (num_nodes - 1).view(B, 1)
