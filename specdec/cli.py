@@ -9,6 +9,7 @@ import sys
 import torch
 
 import specdec
+from ._validation import METHODS
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_TREE = "chain:4"
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0 = off, default)")
-    g.add_argument("--method", choices=("token", "block", "traversal"), default="token",
+    g.add_argument("--method", choices=METHODS, default="token",
                    help="verifier of sampled drafts: token-wise (default), block verification (chains) or "
                         "traversal verification (static trees and chains)")
     g.add_argument("--tp", type=int, default=1,

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validation as val
-from .ops import AcceptResult
+from .ops import AcceptResult, _accept_laws
 
 __all__ = ["VocabShard", "accept", "shard_lm_head", "shard_range"]
 
@@ -282,7 +282,6 @@ def _checked_args(target, tokens, parents, vocab_start, vocab_size, draft, targe
                   seeds, num_nodes, offset, top_k, top_p, min_p, token_bitmask, method, cu_num_nodes, max_nodes,
                   checked):
     """This rank's checks (they raise before any collective) and the normalized arguments of _accept."""
-    from .ops import _accept_laws
     target, draft, probs = _accept_laws(target, draft, target_probs, draft_probs)
     names = ("target_probs_shard", "draft_probs_shard") if probs else ("target_logits_shard", "draft_logits_shard")
     for name, v in (("vocab_size", vocab_size), ("vocab_start", vocab_start)):

@@ -10,8 +10,9 @@ None of them imports its peer. Each maps the peer's layout onto `specdec.accept`
 output law); where the peer takes its randomness from outside (uniform samples, a torch.Generator), the entry
 point derives specdec's per-request seeds from it, on the device, and says so in its docstring. vLLM's packed
 rows are gathered into accept's padded (B, T, V) layout (one gather per call), and FlashInfer's chains get one
-row appended: accept's packed form (cu_num_nodes) would read them in place, but its Triton kernel does not take
-that form (nor probabilities) yet.
+row appended. Every backend now reads accept's packed form (cu_num_nodes) and probabilities in place; the copy stays
+for now: vLLM's and FlashInfer's draft_probs have no row for a chain's last node (and vLLM's filters are
+applied to a copy of the target's rows).
 """
 from __future__ import annotations
 
