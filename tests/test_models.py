@@ -221,6 +221,23 @@ def test_prefill_then_decode_matches_causal_forward(block_size, window):
             cache.commit(torch.ones(B, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_prefill_returns_the_causal_forwards_hidden_states(chunk):
+    """prefill(return_hidden=True): every prompt token's hidden state (before the final norm) equals the
+    causal forward's, across chunk boundaries and for ragged prompts; without it, nothing is returned."""
+    model = tiny(seed=2)
+    B, n = 3, 11
+    x = torch.randint(0, 40, (B, n))
+    lens = torch.tensor([11, 5, 8], dtype=torch.int32)
+    with torch.no_grad():
+        _, full = model(x, return_hidden=True)
+        assert model.prefill(model.new_cache(B, 32), x, lens, chunk=chunk) is None
+        hidden = model.prefill(model.new_cache(B, 32), x, lens, chunk=chunk, return_hidden=True)
+    assert hidden.shape == (B, n, model.cfg.dim)
+    for b in range(B):
+        torch.testing.assert_close(hidden[b, :lens[b]], full[b, :lens[b]], atol=1e-5, rtol=1e-5)
+
+
 def test_float8_cache_with_scales_tracks_the_causal_forward(monkeypatch):
     """A float8 cache with per-tensor scales (K stored as K / 0.05, V as V / 0.2): the cached forward stays
     within float8 precision of the full-precision causal forward. A runner that passed the scales to

@@ -330,18 +330,28 @@ class Llama(nn.Module):
         return (self.head(x), x) if return_hidden else self.head(x)
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int = 256) -> None:
-        """Run tokens[b, :lengths[b]] into `cache` and commit them, in chain-shaped chunks of <= chunk."""
+    def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int = 256, *,
+                return_hidden: bool = False) -> Optional[torch.Tensor]:
+        """Run tokens[b, :lengths[b]] into `cache` and commit them, in chain-shaped chunks of <= chunk. With
+        return_hidden, the hidden states (B, max(lengths), dim) of those tokens (the last layer's output before
+        the final norm, as forward_cached returns them; rows past lengths[b] are padding), what a drafter that
+        conditions on the target's features (MTP, EAGLE) prefills its own cache from."""
         B = tokens.shape[0]
         n_max = int(lengths.max())
         windows = [w for w in map(self.cfg.window, range(self.cfg.n_layers)) if w is not None]
         chunk = min([chunk] + windows)  # a chunk's last token must still see its first
+        hidden = []
         for c0 in range(0, n_max, chunk):
             T = min(chunk, n_max - c0)
             n = (lengths.to(torch.int32) - c0).clamp(0, T)
             tree = chain_tree(B, T, n.clamp(min=1), device=tokens.device)  # a request with no tokens left pads
-            self._run_layers(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes)
+            x = self._run_layers(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes)
+            if return_hidden:
+                hidden.append(x)
             cache.commit(n)
+        if return_hidden:
+            return torch.cat(hidden, dim=1) if hidden else tokens.new_zeros(B, 0, self.cfg.dim, dtype=self.dtype)
+        return None
 
     def _run_layers(self, tokens, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0) -> torch.Tensor:
         """The decoder layers over new tree tokens (see forward_cached); returns hidden states (B, F, dim)."""
