@@ -101,8 +101,10 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
-        self.target.prefill(cache, tokens, seq_lens - 1)  # the last prompt token is the first root
-        self.drafter.start(tokens, seq_lens, L, temp, seeds, params)
+        # the last prompt token is the first root; a drafter on the target's features gets its hidden states
+        features = getattr(self.drafter, "uses_target_hidden", False)
+        hidden = self.target.prefill(cache, tokens, seq_lens - 1, return_hidden=features)
+        self.drafter.start(tokens, seq_lens, L, temp, seeds, params, **({"target_hidden": hidden} if features else {}))
 
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         steps = torch.zeros(B, dtype=torch.long, device=dev)
@@ -116,13 +118,16 @@ class SpeculativeDecoder:
         while True:
             prop = self.drafter.propose(tokens, seq_lens, temp)
             tree = specdec.build_tree(prop.parents, prop.num_nodes)
-            logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes)
+            logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes,
+                                                return_hidden=features)
+            if features:
+                logits, hidden = logits
             res = self._accept(logits, prop, temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes,
                                offset=steps, method=method, **params.accept_kwargs(prop.tokens.shape[1]))
             live = ~done
             num_acc = torch.where(live, res.num_accepted, 0)
             cache.rollback(res.accepted_nodes, num_acc)
-            self.drafter.commit(prop, res.accepted_nodes, num_acc)
+            self.drafter.commit(prop, res.accepted_nodes, num_acc, **({"target_hidden": hidden} if features else {}))
 
             # append the path's draft tokens and the next token (finished requests: the next token only)
             Tp = prop.tokens.shape[1]

@@ -145,6 +145,12 @@ class DraftModelDrafter(Drafter):
             return self._propose_static(root, root_logits)
         return self._propose_dynamic(root, root_logits)
 
+    def _expand(self, tokens, parent, depth, mask, start):
+        """Run the new nodes tokens (B, F) of the tree (nodes start .. start + F - 1) through the draft; their
+        logits (B, F, V). parent (B, F): each node's parent among the previous call's nodes (the root's for
+        the first level), for drafters that condition on their own hidden states (MTPDrafter)."""
+        return self.model.forward_cached(tokens, self.cache, depth, mask, start=start)
+
     def _propose_static(self, root, root_logits):
         B, T, V = root.shape[0], self.max_nodes, root_logits.shape[-1]
         out = root.new_zeros(B, T)
@@ -159,9 +165,9 @@ class DraftModelDrafter(Drafter):
                               self.params)
             out[:, s:e] = children[:, self.local_parent[s:e], self.rank[s:e]]
             if d + 1 < len(self.levels):  # expand this level: its children come next
-                level_logits = self.model.forward_cached(out[:, s:e], self.cache, self.depth[:, s:e].expand(B, -1),
-                                                         self.mask[:, :e].expand(B, -1, -1)[..., :(e + 31) // 32],
-                                                         start=s)
+                level_logits = self._expand(out[:, s:e], self.local_parent[s:e].expand(B, -1),
+                                            self.depth[:, s:e].expand(B, -1),
+                                            self.mask[:, :e].expand(B, -1, -1)[..., :(e + 31) // 32], start=s)
         num_nodes = torch.full((B,), T, dtype=torch.int32, device=root.device)
         return Proposal(out, self.parents.expand(B, T), num_nodes, draft_logits, self.cache_slots.expand(B, T))
 
@@ -200,8 +206,7 @@ class DraftModelDrafter(Drafter):
                 e = next_slot + k
                 info = specdec.build_tree(fed_parents[:, :e])
                 toks = cand_tok[-1].gather(1, best)
-                logits = self.model.forward_cached(toks, self.cache, info.depth[:, next_slot:e], info.mask,
-                                                   start=next_slot)
+                logits = self._expand(toks, best // k, info.depth[:, next_slot:e], info.mask, start=next_slot)
                 frontier_ids, frontier_slots = ids.gather(1, best), new_slots
                 frontier_score = score.gather(1, best)
                 next_slot = e

@@ -353,12 +353,16 @@ class Llama(nn.Module):
             return torch.cat(hidden, dim=1) if hidden else tokens.new_zeros(B, 0, self.cfg.dim, dtype=self.dtype)
         return None
 
+    def cached_step(self, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0) -> CachedStep:
+        """What every layer of a cached forward over new tree nodes needs (see forward_cached); also used by
+        modules that run on their own cache with this model's rotary (MTP)."""
+        cos, sin = self.rope(cache.lens.unsqueeze(1).long() + depth.long())
+        return CachedStep(cos, sin, tree_start=cache.lens, write_start=cache.lens + start, first_new=start,
+                          tree_mask=tree_mask, num_nodes=num_nodes, block_table=cache.block_table, scales=cache.scales)
+
     def _run_layers(self, tokens, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0) -> torch.Tensor:
         """The decoder layers over new tree tokens (see forward_cached); returns hidden states (B, F, dim)."""
-        cos, sin = self.rope(cache.lens.unsqueeze(1).long() + depth.long())
-        step = CachedStep(cos, sin, tree_start=cache.lens, write_start=cache.lens + start,
-                          first_new=start, tree_mask=tree_mask, num_nodes=num_nodes, block_table=cache.block_table,
-                          scales=cache.scales)
+        step = self.cached_step(cache, depth, tree_mask, num_nodes, start)
         x = self.model.embed_tokens(tokens)
         for layer, k_cache, v_cache in zip(self.model.layers, cache.k, cache.v):
             x = layer.forward_cached(x, k_cache, v_cache, step)
