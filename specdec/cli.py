@@ -24,10 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     g.add_argument("--target", default=os.path.join(ASSETS, "target"), help="target checkpoint folder (HF format)")
-    g.add_argument("--drafter", choices=("model", "ngram"), default="model")
+    g.add_argument("--drafter", choices=("model", "mtp", "ngram"), default="model",
+                   help="a separate draft model (--draft), the target's own MTP module (--mtp), or prompt lookup")
     g.add_argument("--draft", default=os.path.join(ASSETS, "draft"), help="draft checkpoint folder (HF format)")
+    g.add_argument("--mtp", help="MTP module folder (DeepSeek-V3 or Qwen3-Next names; default: the --target folder "
+                                 "when it holds MTP layers, else the shipped specdec/assets/mtp)")
     g.add_argument("--tree", default=DEFAULT_TREE,
-                   help="draft tree: chain:K, tree:b1,b2,..., parents:-1,0,0,..., dynamic:N,D,k (drafter model); "
+                   help="draft tree: chain:K, tree:b1,b2,..., parents:-1,0,0,..., dynamic:N,D,k (drafters model and mtp); "
                         "chain:K for ngram (default %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -59,13 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_drafter(args, target):
-    from .drafters import DraftModelDrafter, NgramDrafter, parse_tree
+    from .drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, parse_tree
     from .models.hf import load_model
+    from .models.mtp import load_mtp, mtp_folder
     tree = parse_tree(args.tree)
     if args.drafter == "ngram":
         if tree.parents is None or list(tree.parents) != list(range(-1, len(tree.parents) - 1)):
             raise ValueError(f"--tree {args.tree}: the ngram drafter proposes chains (chain:K)")
         return NgramDrafter(num_tokens=len(tree.parents) - 1)
+    if args.drafter == "mtp":
+        folder = args.mtp or (args.target if mtp_folder(args.target) else os.path.join(ASSETS, "mtp"))
+        mtp = load_mtp(folder, target.cfg, dtype=DTYPES[args.dtype], device=args.device)
+        return MTPDrafter(target, mtp, tree, kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     draft = load_model(args.draft, dtype=DTYPES[args.dtype], device=args.device)
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"vocab mismatch: draft {args.draft} has {draft.cfg.vocab_size} tokens, target "
@@ -77,6 +85,8 @@ def generate(args, vocab_group=None) -> dict:
     """One generate run; with args.tp > 1, in args.tp processes (each calls this with its vocab_group)."""
     if args.tp < 1:
         raise ValueError("--tp must be >= 1")
+    if args.tp > 1 and args.drafter == "mtp":  # its draft logits come from the LM head that --tp shards
+        raise ValueError("--drafter mtp with --tp: the MTP module's logits need the whole LM head; use --tp 1")
     if args.tp > 1 and vocab_group is None:
         if args.device != "cpu":
             raise ValueError("--tp: the processes talk over gloo, on the CPU: use --device cpu")

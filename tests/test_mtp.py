@@ -83,6 +83,24 @@ def test_mtp_cache_after_rejections_equals_a_fresh_run(target_and_mtp, tree):
         torch.testing.assert_close(drafter.cache.v[:, b, :m], fresh.cache.v[:, 0, :m], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tree, filters", [("chain:3", {}), ("tree:2,2,1", {}), ("dynamic:6,3,2", {}),
+                                           ("chain:3", dict(top_k=5, min_p=0.05))])
+def test_mtp_sampling_is_lossless(target_and_mtp, tree, filters):
+    """Many seeds in one batch at T=1: the first two tokens follow the target's exact (processed) law
+    (chi-square), with drafts that do get accepted (chain and tree: the module's sampled children with its
+    logits; dynamic: given proposals)."""
+    from test_loop import chi_square_two_tokens, exact_filtered_two_token_law
+    target, mtp = target_and_mtp
+    prompt, n = [3, 9, 4, 1], 800
+    out = SpeculativeDecoder(target, MTPDrafter(target, mtp, tree)).generate(
+        [prompt] * n, 2, 1.0, seed=list(range(100, 100 + n)), **filters)
+    law = exact_filtered_two_token_law(target, prompt, 1.0, **filters)
+    stat, threshold, cells = chi_square_two_tokens(out.tokens, law, n)
+    assert len(cells) >= 5 and all(tuple(t[:2]) in law for t in out.tokens)
+    assert stat < threshold, stat
+    assert out.summary["acceptance_by_depth"][0] > 0.2  # the drafts took part
+
+
 def test_long_prompt_prefills_in_chunks(target_and_mtp, monkeypatch):
     target, mtp = target_and_mtp
     import specdec.drafters.mtp as mod
@@ -95,3 +113,138 @@ def test_more_than_one_module_is_refused(target_and_mtp):
     target, _ = target_and_mtp
     with pytest.raises(ValueError, match="mtp"):
         MTPDrafter(target, MTP(target.cfg, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints: DeepSeek-V3 and Qwen3-Next names, against a forward written from the raw tensors
+# ----------------------------------------------------------------------------------------------
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _reference_layer(w, p, x, cfg, norm):
+    """A Llama/Qwen3 decoder layer straight from Hugging Face tensors named p + '...' (rotate_half RoPE,
+    GQA by repeating the KV heads, an explicit causal softmax)."""
+    T, hd = x.shape[1], cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd)
+    ang = torch.arange(T).float()[:, None] * inv
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+
+    def rope(t):
+        t1, t2 = t.chunk(2, -1)
+        return t * cos + torch.cat((-t2, t1), -1) * sin
+
+    h = norm(x, w[p + "input_layernorm.weight"])
+    q = (h @ w[p + "self_attn.q_proj.weight"].T).view(1, T, cfg.n_heads, hd)
+    k = (h @ w[p + "self_attn.k_proj.weight"].T).view(1, T, cfg.n_kv_heads, hd)
+    v = (h @ w[p + "self_attn.v_proj.weight"].T).view(1, T, cfg.n_kv_heads, hd)
+    if cfg.qk_norm:
+        q, k = norm(q, w[p + "self_attn.q_norm.weight"]), norm(k, w[p + "self_attn.k_norm.weight"])
+    q, k = rope(q.transpose(1, 2)), rope(k.transpose(1, 2))
+    rep = cfg.n_heads // cfg.n_kv_heads
+    k, v = k.repeat_interleave(rep, 1), v.transpose(1, 2).repeat_interleave(rep, 1)
+    scores = (q @ k.transpose(-1, -2)) / hd ** 0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, T, -1)
+    x = x + att @ w[p + "self_attn.o_proj.weight"].T
+    h = norm(x, w[p + "post_attention_layernorm.weight"])
+    gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+    return x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+
+
+def _random_mtp_tensors(cfg, layout, gen):
+    """One MTP layer's tensors in `layout` (dense Llama/Qwen3 block), with non-trivial norms."""
+    d, hd, f = cfg.dim, cfg.head_dim, cfg.intermediate_size
+    shapes = {"self_attn.q_proj.weight": (cfg.n_heads * hd, d), "self_attn.k_proj.weight": (cfg.n_kv_heads * hd, d),
+              "self_attn.v_proj.weight": (cfg.n_kv_heads * hd, d), "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
+              "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
+              "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    if cfg.qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    layer, own = ((f"model.layers.{cfg.n_layers}.", {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+                                                      "norm": "shared_head.norm"})
+                  if layout == "deepseek" else
+                  ("mtp.layers.0.", {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+                                     "norm": "norm"}))
+    own_prefix = f"model.layers.{cfg.n_layers}." if layout == "deepseek" else "mtp."
+    w = {layer + k: torch.randn(s, generator=gen) * (0.3 if len(s) == 1 else 0.2) for k, s in shapes.items()}
+    for role, name in own.items():
+        shape = (d, 2 * d) if role == "eh_proj" else (d,)
+        w[f"{own_prefix}{name}.weight"] = torch.randn(shape, generator=gen) * (0.3 if len(shape) == 1 else 0.1)
+    if layout == "deepseek":
+        w[layer + "embed_tokens.weight"] = torch.zeros(cfg.vocab_size, d)  # copies of the target's: not read
+        w[layer + "shared_head.head.weight"] = torch.zeros(cfg.vocab_size, d)
+    else:
+        for name in list(w):
+            if name.endswith("norm.weight") and not name.startswith("model."):
+                w[name] = w[name] - 1  # Qwen3-Next stores zero-centred norms (scale 1 + w); these ones centre on 0
+    return w, layer, own_prefix, own
+
+
+@pytest.mark.parametrize("layout", ["deepseek", "qwen3_next"])
+def test_hf_mtp_layer_loads_and_matches_a_forward_from_its_tensors(tmp_path, layout):
+    """A target folder that also holds an MTP layer: load_model reads the target and skips the layer,
+    load_mtp reads the layer; MTP.forward equals a forward written here from the raw tensors."""
+    from test_models import tiny as tiny_target
+    from specdec.models.hf import load_model, save_model
+    from specdec.models.mtp import load_mtp, mtp_folder
+    from safetensors.torch import save_file
+    import json
+    target = tiny_target(0, qk_norm=layout == "qwen3_next")
+    save_model(target, str(tmp_path), dtype=torch.float32)
+    w, layer, own_prefix, own = _random_mtp_tensors(target.cfg, layout, torch.Generator().manual_seed(1))
+    save_file(w, str(tmp_path / "model-mtp.safetensors"))
+    cfg_json = json.loads((tmp_path / "config.json").read_text())
+    key = "num_nextn_predict_layers" if layout == "deepseek" else "mtp_num_hidden_layers"
+    (tmp_path / "config.json").write_text(json.dumps({**cfg_json, key: 1}))
+    assert mtp_folder(str(tmp_path)) and not mtp_folder(str(tmp_path / "absent"))
+
+    loaded = load_model(str(tmp_path))
+    x = torch.randint(0, target.cfg.vocab_size, (1, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, hidden = target(x, return_hidden=True)
+        assert torch.equal(loaded(x), logits)
+        ours = load_mtp(str(tmp_path), target.cfg)(target, hidden, x)[0]
+
+    eps = target.cfg.norm_eps
+    shift = 1.0 if layout == "qwen3_next" else 0.0
+    norm = lambda t, wt: _rms(t, wt + shift, eps)  # noqa: E731
+    name = {role: f"{own_prefix}{n}.weight" for role, n in own.items()}
+    h = _rms(hidden, target.model.norm.weight, eps)[:, :-1]
+    e = target.model.embed_tokens.weight[x[:, 1:]]
+    fused = torch.cat((norm(e, w[name["enorm"]]), norm(h, w[name["hnorm"]])), -1) @ w[name["eh_proj"]].T
+    out = _reference_layer(w, layer, fused, target.cfg, norm)
+    expected = norm(out, w[name["norm"]]) @ target.lm_head.weight.T
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_mtp_folders(tmp_path):
+    from test_models import tiny as tiny_target
+    from specdec.models.hf import CheckpointError, save_model
+    from specdec.models.mtp import load_mtp, save_mtp
+    from safetensors.torch import load_file, save_file
+    target = tiny_target(0)
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_mtp(str(tmp_path), target.cfg)
+    save_model(target, str(tmp_path))  # a target without MTP layers
+    with pytest.raises(CheckpointError, match="no MTP layers"):
+        load_mtp(str(tmp_path), target.cfg)
+    heads = tmp_path / "heads"
+    save_mtp(MTP(target.cfg, 1), str(heads))
+    other = tiny_target(0, dim=48)
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        load_mtp(str(heads), other.cfg)
+    state = load_file(str(heads / "model.safetensors"))
+    state.pop(f"model.layers.{target.cfg.n_layers}.hnorm.weight")
+    save_file(state, str(heads / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing weights.*hnorm"):
+        load_mtp(str(heads), target.cfg)
+
+
+def test_saved_heads_load_back_exactly(tmp_path, target_and_mtp):
+    from specdec.models.mtp import load_mtp, save_mtp
+    target, mtp = target_and_mtp
+    save_mtp(mtp, str(tmp_path), dtype=torch.float32)
+    back = load_mtp(str(tmp_path), target.cfg)
+    assert back.state_dict().keys() == mtp.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), mtp.state_dict().values()))

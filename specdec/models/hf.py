@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from typing import Optional
 
 import torch
@@ -109,11 +110,16 @@ def from_hf_state(state: dict, cfg: LlamaConfig) -> dict:
 
 def to_hf_state(model: Llama) -> dict:
     """Our state dict with Hugging Face parameter names (fused projections split)."""
-    cfg, out = model.cfg, {}
+    return to_hf_state_names(model.state_dict(), model.cfg)
+
+
+def to_hf_state_names(state: dict, cfg: LlamaConfig) -> dict:
+    """A state dict of ours (a model's or a decoder layer's) with the fused projections split (HF names)."""
+    out = {}
     sizes = {"qkv_proj": [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim],
              "gate_up_proj": [cfg.intermediate_size] * 2}
     parts = {fused: names for fused, (_, names) in FUSED.items()}
-    for name, value in model.state_dict().items():
+    for name, value in state.items():
         group, module, kind = ("." + name).rsplit(".", 2)  # "lm_head.weight" -> ("", "lm_head", "weight")
         if module in parts:
             for part, piece in zip(parts[module], value.split(sizes[module])):
@@ -121,6 +127,12 @@ def to_hf_state(model: Llama) -> dict:
         else:
             out[name] = value
     return out
+
+
+def is_mtp_weight(name: str, n_layers: int) -> bool:
+    """Whether a checkpoint tensor belongs to MTP layers (not to the target) in either layout."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return name.startswith("mtp.") or (m is not None and int(m.group(1)) >= n_layers)
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, device="cpu") -> Llama:
@@ -139,8 +151,8 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device="cpu") -
     except (json.JSONDecodeError, KeyError) as exc:
         raise CheckpointError(f"{config_path}: invalid config ({exc})") from exc
     state = {}
-    for name in files:
-        state.update(load_file(name))
+    for name in files:  # MTP layers stored with the target (DeepSeek-V3, Qwen3-Next) are load_mtp's
+        state.update({k: v for k, v in load_file(name).items() if not is_mtp_weight(k, cfg.n_layers)})
     state = from_hf_state(state, cfg)
     with torch.device("meta"):
         model = Llama(cfg)
