@@ -4,15 +4,17 @@
 
 Side by side on the same checkpoints and prompts (held-out Python standard library files, never seen
 in training), one request at a time (transformers' assisted generation is single-request), greedy:
-  ours:          AR, speculative with the draft model (chain, static tree, EAGLE-2 dynamic tree),
-                 prompt lookup (n-gram)
+  ours:          AR, speculative with the draft model (chain, static tree, EAGLE-2 dynamic tree), with the
+                 target's MTP module (--mtp; chain and dynamic tree), prompt lookup (n-gram)
   transformers:  LlamaForCausalLM.generate plain, with assistant_model= (the draft), and with
                  prompt_lookup_num_tokens= (skipped when transformers is not installed)
 More rows run our AR and chain speculation on all prompts as one batch, and sampled (--sample-temperature), also
 with top-k 50 and top-p 0.9:
 greedy outputs of a small model often repeat themselves, which flatters tau; sampled text does not.
 Reports new tokens/s (best of --repeats passes: other work on the machine only ever slows a pass), tokens per target step
-(tau, ours), and whether each greedy output is identical to our AR output. Writes e2e.json and e2e.md under bench/results/ (machine, versions, commit, date).
+(tau, ours), acceptance by depth (the fraction of steps accepting at least d draft tokens), and whether each greedy
+output is identical to our AR output. Writes e2e.json and e2e.md under bench/results/ (machine, versions, commit,
+date), and e2e-acceptance.png (acceptance against depth, one line per drafter; needs matplotlib).
 """
 from __future__ import annotations
 
@@ -28,18 +30,25 @@ import torch
 
 import specdec
 from specdec.decoding import SpeculativeDecoder
-from specdec.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter
 from specdec.models.hf import load_model
+from specdec.models.mtp import load_mtp
 from specdec.models.tokenizer import ByteTokenizer
 
 from .timing import machine_info
 
 ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-OURS = [("ours AR", lambda draft: NoDrafter())] + [
-    (f"ours spec {tree}", lambda draft, tree=tree: DraftModelDrafter(draft, tree))
+# (row name, drafter factory over the loaded models m: target, draft, mtp)
+OURS = [("ours AR", lambda m: NoDrafter())] + [
+    (f"ours spec {tree}", lambda m, tree=tree: DraftModelDrafter(m["draft"], tree))
     for tree in ("chain:3", "chain:4", "chain:6", "tree:2,1,1", "dynamic:8,4,2", "dynamic:12,5,2")] + [
-    (f"ours prompt lookup chain:{k}", lambda draft, k=k: NgramDrafter(num_tokens=k)) for k in (4, 8)]
+    (f"ours prompt lookup chain:{k}", lambda m, k=k: NgramDrafter(num_tokens=k)) for k in (4, 8)]
+MTP_ROWS = [(f"ours mtp {tree}", lambda m, tree=tree: MTPDrafter(m["target"], m["mtp"], tree))
+            for tree in ("chain:2", "chain:3", "chain:4", "chain:6", "dynamic:8,4,2")]
+SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain:6", "ours mtp chain:2",
+           "ours mtp chain:3", "ours mtp chain:4"]
+PLOTTED = ["ours spec chain:6", "ours mtp chain:6", "ours prompt lookup chain:8"]  # and their sampled rows
 
 
 FILTERS = dict(top_k=50, top_p=0.9)  # the sampled rows with filters
@@ -64,19 +73,23 @@ def held_out_prompts(n: int, n_bytes: int) -> list[str]:
 
 
 def run_ours(target, drafter, prompts, max_new, temperature=0.0, **filters):
-    tokens, wall, emitted, steps = [], 0.0, 0, 0
+    """(tokens, wall s, tau, acceptance by depth) over the prompts one at a time (steps-weighted means)."""
+    tokens, wall, emitted, steps, accepted = [], 0.0, 0, 0, None
     for i, p in enumerate(prompts):
         out = SpeculativeDecoder(target, drafter).generate([p], max_new, temperature, seed=i, **filters)
         tokens.append(out.tokens[0])
         wall += out.summary["wall_s"]
-        emitted += out.summary["tokens_per_step"] * out.summary["steps"]
-        steps += out.summary["steps"]
-    return tokens, wall, emitted / steps
+        n = out.summary["steps"]
+        emitted += out.summary["tokens_per_step"] * n
+        steps += n
+        by_depth = [a * n for a in out.summary["acceptance_by_depth"]]
+        accepted = by_depth if accepted is None else [a + b for a, b in zip(accepted, by_depth)]
+    return tokens, wall, emitted / steps, [round(a / steps, 4) for a in accepted]
 
 
 def run_ours_batch(target, drafter, prompts, max_new):
     out = SpeculativeDecoder(target, drafter).generate(prompts, max_new)
-    return out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"]
+    return out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"], out.summary["acceptance_by_depth"]
 
 
 def run_hf(model, prompts, max_new, eos, **kwargs):
@@ -105,7 +118,9 @@ def machine() -> dict:
 
 def markdown(res: dict) -> str:
     m, cfg = res["machine"], res["config"]
-    lines = [f"# End-to-end decoding: {cfg['target_params'] / 1e6:.1f}M target, {cfg['draft_params'] / 1e6:.2f}M draft",
+    mtp = f", {cfg['mtp_params'] / 1e6:.2f}M MTP module" if cfg.get("mtp_params") else ""
+    lines = [f"# End-to-end decoding: {cfg['target_params'] / 1e6:.1f}M target, {cfg['draft_params'] / 1e6:.2f}M draft"
+             f"{mtp}",
              "", f"{m['date']}, commit {m['git_commit'][:7]}, {m['cpu']} ({m['cpu_count']} cores, torch threads "
              f"{m['torch_threads']}), Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
              f"specdec CPU backend: {m['specdec_cpu_backend']}, value checks {cfg['value_checks']}.", "",
@@ -114,22 +129,52 @@ def markdown(res: dict) -> str:
              "one batch, speedup against our batched AR; rows marked [T=..]: sampled at that temperature, speedup "
              "against our sampled AR), fp32 weights; each method's best of "
              f"{cfg['repeats']} passes (warm-up before each).", "",
-             "| method | new tokens/s | speedup vs ours AR | tokens/step (tau) | identical to ours AR |",
-             "|---|---:|---:|---:|---|"]
+             "Acceptance by depth d: the fraction of steps that accepted at least d draft tokens.", "",
+             "| method | new tokens/s | speedup vs ours AR | tokens/step (tau) | acceptance by depth | identical to ours AR |",
+             "|---|---:|---:|---:|---|---|"]
     for r in res["rows"]:
         if r.get("skipped"):
-            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | |")
+            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | |")
             continue
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        depth = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth") or []) or "-"
         same = "n/a (sampled)" if r["identical"] is None else "yes" if r["identical"] else "NO"
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {tau} | {same} |")
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {tau} | {depth} | "
+                     f"{same} |")
     return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(rows, path) -> bool:
+    """Acceptance against depth, one line per drafter (solid greedy, dashed sampled); False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, name in enumerate(PLOTTED):
+        for r in rows:
+            if r.get("acceptance_by_depth") and r["method"].split(" [")[0] == name and "batch" not in r["method"]:
+                acc = r["acceptance_by_depth"]
+                ax.plot(range(1, len(acc) + 1), acc, marker="o", color=f"C{i}",
+                        linestyle="--" if "[T=" in r["method"] else "-", label=r["method"].replace("ours ", ""))
+    ax.set_xlabel("depth d (draft tokens)")
+    ax.set_ylabel("fraction of steps accepting >= d")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
     ap.add_argument("--draft", default=os.path.join(ASSETS, "draft"))
+    ap.add_argument("--mtp", default=os.path.join(ASSETS, "mtp"), help="the target's MTP module folder")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-bytes", type=int, default=300)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -144,25 +189,31 @@ def main(argv=None):
     specdec.set_value_checks(args.value_checks)
 
     target, draft = load_model(args.target), load_model(args.draft)
+    models = {"target": target, "draft": draft,
+              "mtp": load_mtp(args.mtp, target.cfg) if os.path.isdir(args.mtp) else None}
+    ours = OURS + (MTP_ROWS if models["mtp"] is not None else [])
     tok = ByteTokenizer()
     prompts = [tok.encode(p) for p in held_out_prompts(args.prompts, args.prompt_bytes)]
     eos = target.cfg.eos_token_id
-    methods = [(name, lambda make=make: run_ours(target, make(draft), prompts, args.max_new_tokens),
-                lambda make=make: SpeculativeDecoder(target, make(draft)).generate([prompts[0]], 8))
-               for name, make in OURS]
+
+    def warm_up(make, batch=1):
+        return lambda: SpeculativeDecoder(target, make(models)).generate(prompts[:batch], 8)
+
+    methods = [(name, lambda make=make: run_ours(target, make(models), prompts, args.max_new_tokens), warm_up(make))
+               for name, make in ours]
     methods += [(f"{name} [batch of {len(prompts)}]",
-                 lambda make=make: run_ours_batch(target, make(draft), prompts, args.max_new_tokens),
-                 lambda make=make: SpeculativeDecoder(target, make(draft)).generate(prompts, 8))
+                 lambda make=make: run_ours_batch(target, make(models), prompts, args.max_new_tokens),
+                 warm_up(make, len(prompts)))
                 for name, make in OURS[:3]]
     methods += [(f"{name} [T={args.sample_temperature}]",
-                 lambda make=make: run_ours(target, make(draft), prompts, args.max_new_tokens, args.sample_temperature),
-                 lambda make=make: SpeculativeDecoder(target, make(draft)).generate([prompts[0]], 8))
-                for name, make in OURS[:4]]
+                 lambda make=make: run_ours(target, make(models), prompts, args.max_new_tokens, args.sample_temperature),
+                 warm_up(make))
+                for name, make in ours if name in SAMPLED]
     # what accept's filters cost end to end (the drafter samples from the same filtered law)
     methods += [(f"{name} [T={args.sample_temperature} top_k={FILTERS['top_k']} top_p={FILTERS['top_p']}]",
-                 lambda make=make: run_ours(target, make(draft), prompts, args.max_new_tokens, args.sample_temperature,
+                 lambda make=make: run_ours(target, make(models), prompts, args.max_new_tokens, args.sample_temperature,
                                             **FILTERS),
-                 lambda make=make: SpeculativeDecoder(target, make(draft)).generate([prompts[0]], 8))
+                 warm_up(make))
                 for name, make in (OURS[0], OURS[2])]
     hf_methods = [("transformers AR", {}), ("transformers assisted (assistant_model)", {"assistant": True}),
                   ("transformers prompt lookup (8 tokens)", {"prompt_lookup_num_tokens": 8})]
@@ -179,20 +230,20 @@ def main(argv=None):
         for name, kw in hf_methods:
             if kw.pop("assistant", False):
                 kw["assistant_model"] = hf_draft
-            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None),
+            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None),
                             lambda kw=kw: run_hf(hf_target, [prompts[0]], 8, eos, **kw)))
     best = {}
     for rep in range(args.repeats):  # other work on the machine only slows a pass: keep each method's best
         for name, run, warm_up in methods:
             warm_up()
-            tokens, wall, tau = run()
+            tokens, wall, tau, by_depth = run()
             if name not in best or wall < best[name][1]:
-                best[name] = (tokens, wall, tau)
+                best[name] = (tokens, wall, tau, by_depth)
             print(f"pass {rep + 1}: {name:40s} {sum(map(len, tokens)) / wall:8.1f} tok/s", flush=True)
     reference = best[OURS[0][0]][0]
     rows = [{"method": name, "tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tau": tau,
-             "identical": tokens == reference, "new_tokens": sum(map(len, tokens))}
-            for name, (tokens, wall, tau) in best.items()] + skipped
+             "acceptance_by_depth": by_depth, "identical": tokens == reference, "new_tokens": sum(map(len, tokens))}
+            for name, (tokens, wall, tau, by_depth) in best.items()] + skipped
     def mode(method):  # "[batch of 4]", "[T=0.8]" or "" (one greedy request at a time)
         return method[method.find("["):] if "[" in method else ""
 
@@ -204,13 +255,17 @@ def main(argv=None):
                 r["identical"] = None  # sampled: AR and speculative draw different (equally distributed) texts
     res = {"machine": machine(), "rows": rows,
            "config": {"target": args.target, "draft": args.draft, "target_params": target.num_params(),
-                      "draft_params": draft.num_params(), "prompts": len(prompts), "prompt_bytes": args.prompt_bytes,
+                      "draft_params": draft.num_params(), "mtp": args.mtp if models["mtp"] is not None else None,
+                      "mtp_params": sum(p.numel() for p in models["mtp"].parameters()) if models["mtp"] else 0,
+                      "prompts": len(prompts), "prompt_bytes": args.prompt_bytes,
                       "max_new_tokens": args.max_new_tokens, "value_checks": args.value_checks,
                       "repeats": args.repeats, "sample_temperature": args.sample_temperature}}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
         json.dump(res, f, indent=2)
     md = markdown(res)
+    if plot_acceptance(rows, os.path.join(args.out, "e2e-acceptance.png")):
+        md += "\n![acceptance against depth](e2e-acceptance.png)\n"
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write(md)
     print(md)

@@ -117,12 +117,15 @@ class DraftModelDrafter(Drafter):
     # -------------------------------------------------------------------------------------------
     def start(self, tokens, seq_lens, max_len, temperature, seeds, params=SamplingParams()):
         B = tokens.shape[0]
-        self.generators, self.temperature, self.params = request_generators(seeds, tokens.device), temperature, params
-        self.all_greedy = bool((temperature == 0).all())
+        self._start_sampling(temperature, seeds, params, tokens.device)
         self.cache = self.model.new_cache(B, max_len + self.num_fed + 2, kv_dtype=self.kv_dtype)
         self.model.prefill(self.cache, tokens, seq_lens - 1)
-        dev = tokens.device
-        self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=dev).expand(B, 2))
+        self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=tokens.device).expand(B, 2))
+
+    def _start_sampling(self, temperature, seeds, params, dev):
+        """The per-request generators and sampling law, and the static tree's tensors on the batch's device."""
+        self.generators, self.temperature, self.params = request_generators(seeds, dev), temperature, params
+        self.all_greedy = bool((temperature == 0).all())
         if self.tree.parents is not None:
             for name in ("parents", "local_parent", "rank", "cache_slots", "depth", "mask"):
                 setattr(self, name, getattr(self, name).to(dev))

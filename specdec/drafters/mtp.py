@@ -20,7 +20,6 @@ import torch
 from ..models.llama import KVCache, Llama, chain_tree
 from ..models.mtp import MTP
 from ..sampling import SamplingParams
-from .base import request_generators
 from .draft_model import DraftModelDrafter, TreeSpec
 
 PREFILL_CHUNK = 256  # prompt positions per chain-shaped chunk of the heads' prefill
@@ -39,21 +38,14 @@ class MTPDrafter(DraftModelDrafter):
 
     def start(self, tokens, seq_lens, max_len, temperature, seeds, params=SamplingParams(), *, target_hidden):
         B, dev = tokens.shape[0], tokens.device
-        self.generators, self.temperature, self.params = request_generators(seeds, dev), temperature, params
-        self.all_greedy = bool((temperature == 0).all())
+        self._start_sampling(temperature, seeds, params, dev)
         cfg = dataclasses.replace(self.model.cfg, n_layers=1)
         self.cache = KVCache(cfg, B, max_len + max(self.num_fed, self.max_pending) + 2,
                              dtype=self.kv_dtype or self.model.dtype, device=dev)
         self.pending_tree = chain_tree(B, self.max_pending, device=dev)
-        if self.tree.parents is not None:
-            for name in ("parents", "local_parent", "rank", "cache_slots", "depth", "mask"):
-                setattr(self, name, getattr(self, name).to(dev))
         h = self.model.model.norm(target_hidden)  # (B, n_max - 1, dim): positions 0 .. seq_lens - 2
         lengths = (seq_lens - 2).clamp(min=0).to(torch.int32)  # positions 0 .. n-3 are committed now
-        for c0 in range(0, int(lengths.max()), PREFILL_CHUNK):
-            T = min(PREFILL_CHUNK, int(lengths.max()) - c0)
-            n = (lengths - c0).clamp(0, T)
-            tree = chain_tree(B, T, n.clamp(min=1), device=dev)
+        for c0, T, n, tree in self.model.prefill_chunks(lengths, PREFILL_CHUNK):
             self._run(tokens[:, c0 + 1:c0 + 1 + T], h[:, c0:c0 + T], tree.depth, tree.mask, tree.num_nodes)
             self.cache.commit(n)
         self.pending = h.new_zeros(B, self.max_pending, h.shape[-1])

@@ -286,17 +286,20 @@ class Llama(nn.Module):
         sin = angles.sin()
         return torch.cat((angles, angles), dim=-1).cos().to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's weight (V, dim): the embedding's when tied (also what MTP modules share)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def shard_lm_head(self, start: int, end: int) -> None:
         """Keep only the LM head's rows [start, end) (tensor parallelism over the vocabulary): the logits become
         those columns of the full ones. cfg.vocab_size stays the full vocabulary's size."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.output_weight
         self.lm_head = nn.Linear(self.cfg.dim, end - start, bias=False, device=weight.device, dtype=weight.dtype)
         self.lm_head.weight = nn.Parameter(weight[start:end].detach().clone(), requires_grad=False)
 
     def head(self, x):
-        x = self.model.norm(x)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)
+        return F.linear(self.model.norm(x), self.output_weight)
 
     def forward(self, tokens: torch.Tensor, *, return_hidden: bool = False):
         """Logits (B, T, V) of a causal forward over whole sequences tokens (B, T) from position 0; with
@@ -337,14 +340,8 @@ class Llama(nn.Module):
         the final norm, as forward_cached returns them; rows past lengths[b] are padding), what a drafter that
         conditions on the target's features (MTP, EAGLE) prefills its own cache from."""
         B = tokens.shape[0]
-        n_max = int(lengths.max())
-        windows = [w for w in map(self.cfg.window, range(self.cfg.n_layers)) if w is not None]
-        chunk = min([chunk] + windows)  # a chunk's last token must still see its first
         hidden = []
-        for c0 in range(0, n_max, chunk):
-            T = min(chunk, n_max - c0)
-            n = (lengths.to(torch.int32) - c0).clamp(0, T)
-            tree = chain_tree(B, T, n.clamp(min=1), device=tokens.device)  # a request with no tokens left pads
+        for c0, T, n, tree in self.prefill_chunks(lengths, chunk):
             x = self._run_layers(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes)
             if return_hidden:
                 hidden.append(x)
@@ -352,6 +349,17 @@ class Llama(nn.Module):
         if return_hidden:
             return torch.cat(hidden, dim=1) if hidden else tokens.new_zeros(B, 0, self.cfg.dim, dtype=self.dtype)
         return None
+
+    def prefill_chunks(self, lengths: torch.Tensor, chunk: int):
+        """The chain-shaped chunks of a prefill of lengths (B,) tokens: (first position c0, width T, tokens of
+        each request in it n (B,), its tree); a chunk's last token must still see its first (windows)."""
+        windows = [w for w in map(self.cfg.window, range(self.cfg.n_layers)) if w is not None]
+        chunk = min([chunk] + windows)
+        n_max = int(lengths.max())
+        for c0 in range(0, n_max, chunk):
+            T = min(chunk, n_max - c0)
+            n = (lengths.to(torch.int32) - c0).clamp(0, T)
+            yield c0, T, n, chain_tree(lengths.shape[0], T, n.clamp(min=1), device=lengths.device)  # empty: pads
 
     def cached_step(self, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0) -> CachedStep:
         """What every layer of a cached forward over new tree nodes needs (see forward_cached); also used by

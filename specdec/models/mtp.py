@@ -69,8 +69,7 @@ class MTP(nn.Module):
 
     def logits(self, target: Llama, k: int, out: torch.Tensor) -> torch.Tensor:
         """Module k's output (..., dim) -> its logits (..., V) through the target's LM head."""
-        weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-        return F.linear(self.layers[k].shared_head.norm(out), weight)
+        return F.linear(self.layers[k].shared_head.norm(out), target.output_weight)
 
     def forward(self, target: Llama, target_hidden: torch.Tensor, tokens: torch.Tensor,
                 depth: Optional[int] = None) -> list[torch.Tensor]:
