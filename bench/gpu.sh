@@ -8,7 +8,7 @@
 # Steps, each in its own process with its own timeout and log (a failure or a hang costs only its step):
 #   env             GPU, driver, versions, the imports
 #   tests-cuda      tests/test_cuda.py: the compiled Triton kernels on CUDA vs the reference
-#   loop            the shipped model pair on CUDA: speculative vs autoregressive, fp32 (greedy outputs must be
+#   loop            the shipped model pair and the target's MTP module on CUDA: speculative vs autoregressive, fp32 (greedy outputs must be
 #                   identical) and bf16
 #   copy            the copy-bandwidth ceiling (device-to-device copy_, 256 MiB .. 16 GiB)
 #   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
@@ -114,16 +114,19 @@ PYTEST_ARGS=(-q -rfE --tb=short -p no:cacheprovider)
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
 step tests-cuda 130 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/test_cuda.py
 loop_on_device() {
-  local dtype
-  for dtype in fp32 bf16; do
-    echo "### $dtype"
-    "$PY" -m specdec generate --device "$DEVICE" --dtype "$dtype" --no-progress --max-new-tokens 96 --compare-ar \
-      --prompt "$(printf 'import unittest\n\n\nclass TestStack(unittest.TestCase):\n')" --prompt "def parse(" || return 1
+  local dtype drafter
+  for drafter in model mtp; do
+    for dtype in fp32 bf16; do
+      echo "### $dtype, --drafter $drafter"
+      "$PY" -m specdec generate --device "$DEVICE" --dtype "$dtype" --drafter "$drafter" --no-progress \
+        --max-new-tokens 96 --compare-ar \
+        --prompt "$(printf 'import unittest\n\n\nclass TestStack(unittest.TestCase):\n')" --prompt "def parse(" || return 1
+    done
   done
 }
 export -f loop_on_device
 export DEVICE
-step loop 60 bash -c loop_on_device
+step loop 90 bash -c loop_on_device
 step copy 40 "$PY" -m bench --device "$DEVICE" --ceiling-only --out "$STEPS/parts" --name 0-copy
 
 # grid OP N TIMEOUT_S: one process per op (a crashed CUDA context or a hang loses one op, not the grid);

@@ -411,6 +411,9 @@ def test_cli_json(capsys, byte_pair):
     (["--min-p", "1"], "--min-p"),
     (["--top-k", "-2"], "--top-k"),
     (["--device", "tpu"], "expected cpu or cuda"),
+    (["--drafter", "mtp", "--tp", "2"], "--drafter mtp with --tp"),
+    (["--drafter", "mtp", "--mtp", "{root}/target"], "no MTP layers"),
+    (["--drafter", "mtp"], "differ from the target"),  # the shipped module, for another target
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA device")]))
 def test_cli_bad_inputs(capsys, byte_pair, args, message):
     args = [a.format(root=byte_pair) for a in args]

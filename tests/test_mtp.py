@@ -248,3 +248,52 @@ def test_saved_heads_load_back_exactly(tmp_path, target_and_mtp):
     back = load_mtp(str(tmp_path), target.cfg)
     assert back.state_dict().keys() == mtp.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), mtp.state_dict().values()))
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI and the shipped module
+# ----------------------------------------------------------------------------------------------
+from test_loop import byte_pair, run_cli  # noqa: E402,F401  (the CLI tests' tiny checkpoints)
+
+
+def test_cli_mtp_drafter(capsys, byte_pair, tmp_path):  # noqa: F811
+    """--drafter mtp with --mtp DIR, and by default from a target folder that holds its MTP layer (DeepSeek-V3
+    style): greedy output identical to AR, chain and dynamic tree."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from specdec.cli import main as cli_main  # noqa: F401
+    from specdec.models.hf import load_model
+    from specdec.models.mtp import save_mtp
+    target = load_model(str(byte_pair / "target"))
+    torch.manual_seed(0)
+    save_mtp(MTP(target.cfg, 1), str(tmp_path / "heads"))
+    base = ["--prompt", "def f(x):", "--prompt", "import", "--target", str(byte_pair / "target"), "--drafter", "mtp",
+            "--max-new-tokens", "8", "--compare-ar", "--json"]
+    for tree in ("chain:3", "dynamic:6,3,2"):
+        rc, out, _ = run_cli(capsys, *base, "--mtp", str(tmp_path / "heads"), "--tree", tree)
+        r = json.loads(out)
+        assert rc == 0 and r["drafter"] == "mtp" and r["identical"] and len(r["tokens"][0]) == 8
+    both = tmp_path / "target_with_mtp"
+    shutil.copytree(byte_pair / "target", both)
+    save_file(load_file(str(tmp_path / "heads" / "model.safetensors")), str(both / "model-mtp.safetensors"))
+    cfg = json.loads((both / "config.json").read_text())
+    (both / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    rc, out, _ = run_cli(capsys, *base[:5], str(both), *base[6:])
+    assert rc == 0 and json.loads(out)["identical"]
+
+
+def test_shipped_mtp_module_drafts_the_shipped_target():
+    """specdec/assets/mtp: loads for the shipped target, and its drafts are accepted on a held-out prompt
+    (greedy output equal to AR)."""
+    import os
+    from specdec.cli import ASSETS
+    from specdec.models.hf import load_model
+    from specdec.models.mtp import load_mtp
+    from specdec.models.tokenizer import ByteTokenizer
+    target = load_model(os.path.join(ASSETS, "target"))
+    mtp = load_mtp(os.path.join(ASSETS, "mtp"), target.cfg)
+    prompt = [ByteTokenizer().encode("import os\n\n\ndef main(argv):\n    parser = ")]
+    out = SpeculativeDecoder(target, MTPDrafter(target, mtp, "chain:3")).generate(prompt, 32)
+    assert out.tokens == generate_ar(target, prompt, 32).tokens
+    assert out.summary["acceptance_by_depth"][0] > 0.6
