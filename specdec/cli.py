@@ -13,6 +13,7 @@ from ._validation import METHODS
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_TREE = "chain:4"
+AUTO_TREE = "chain:8"  # --tree auto: the deepest chain the adaptive policy may choose (it picks 0..8 per step)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}  # vLLM's names
@@ -31,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  "when it holds MTP layers, else the shipped specdec/assets/mtp)")
     g.add_argument("--tree", default=DEFAULT_TREE,
                    help="draft tree: chain:K, tree:b1,b2,..., parents:-1,0,0,..., dynamic:N,D,k (drafters model and mtp); "
+                        "auto (= chain:8 --adaptive); "
                         "chain:K for ngram (default %(default)s)")
+    g.add_argument("--adaptive", action="store_true",
+                   help="choose each step's draft depth (0 = plain decoding) from the target's cost measured at "
+                        "start-up and the running acceptance by depth (specdec.adaptive)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
@@ -65,7 +70,7 @@ def make_drafter(args, target):
     from .drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, parse_tree
     from .models.hf import load_model
     from .models.mtp import load_mtp, mtp_folder
-    tree = parse_tree(args.tree)
+    tree = parse_tree(AUTO_TREE if args.tree == "auto" else args.tree)
     if args.drafter == "ngram":
         if tree.parents is None or list(tree.parents) != list(range(-1, len(tree.parents) - 1)):
             raise ValueError(f"--tree {args.tree}: the ngram drafter proposes chains (chain:K)")
@@ -115,7 +120,9 @@ def generate(args, vocab_group=None) -> dict:
     prompts = [tok.encode(p) for p in args.prompt]
     kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
     shard = None if vocab_group is None else specdec.distributed.shard_lm_head(target, vocab_group)
-    decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method, vocab_shard=shard),
+    adaptive = args.adaptive or args.tree == "auto"
+    decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method, vocab_shard=shard,
+                                   adaptive=adaptive),
                 SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard))
     for decoder in decoders[:1 + args.compare_ar]:
         decoder.generate(prompts[:1], 4)  # warm-up, so that the timings compare steady states
@@ -128,7 +135,8 @@ def generate(args, vocab_group=None) -> dict:
               "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
               "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree, "method": args.method,
               "temperature": args.temperature, **filters, "device": str(device), "dtype": args.dtype,
-              "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "requests": spec.stats}
+              "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "adaptive": adaptive,
+              "depth_chosen": spec.summary.get("depth_chosen"), "requests": spec.stats}
     if args.compare_ar:
         ar = decoders[1].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress,
                                   **filters)

@@ -25,6 +25,7 @@ import torch
 
 import specdec
 from . import distributed
+from .adaptive import AdaptiveDepth, measure_target_costs
 from .drafters.base import Drafter, NoDrafter
 from .models.llama import Llama
 from ._validation import check_method_name
@@ -43,14 +44,17 @@ class GenerationOutput:
 class SpeculativeDecoder:
     def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
                  block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token",
-                 vocab_shard=None):
+                 vocab_shard=None, adaptive=False):
         """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
         kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
         method: accept's verifier for sampling requests: "token", "block" (chains) or "traversal" (any
         static tree); the last two need a drafter that samples its children (the draft model's static trees).
         vocab_shard: tensor parallelism over the vocabulary, a specdec.distributed.VocabShard (from
         shard_lm_head(target, group)): the target's logits are this rank's columns, verified by
-        specdec.distributed.accept; every rank of the group runs the same generate call."""
+        specdec.distributed.accept; every rank of the group runs the same generate call.
+        adaptive: choose each step's draft depth, 0 (plain decoding) included, from the target's measured
+        cost per verified token count and the requests' running acceptance (specdec.adaptive); True, or a
+        factory (batch_size, max_depth, device) -> policy with the methods of adaptive.AdaptiveDepth."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -66,6 +70,13 @@ class SpeculativeDecoder:
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != V:
             raise ValueError(f"vocab mismatch: the drafter has {self.drafter.vocab_size} tokens, the target {V}")
         self.eos = target.cfg.eos_token_id if eos_token_id is None else eos_token_id
+        if adaptive and vocab_shard is not None:
+            raise ValueError("adaptive: not with vocab_shard (every rank would have to choose the same depths)")
+        self.adaptive = self._default_policy if adaptive is True else adaptive or None
+
+    def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
+        costs = measure_target_costs(self.target, batch_size, max_depth + 1)
+        return AdaptiveDepth(batch_size, max_depth, costs)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
@@ -114,20 +125,32 @@ class SpeculativeDecoder:
         step_times = []
         cols = torch.arange(T, device=dev)
         bar = _progress(max_new_tokens) if progress else None
+        policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
+        live_host = [True] * B
         step = 0
         while True:
-            prop = self.drafter.propose(tokens, seq_lens, temp)
+            k = None if policy is None else policy.choose(live_host)
+            if k == 0:  # plain decoding this step: the root alone, and the drafter is told it was skipped
+                prop = NoDrafter().propose(tokens, seq_lens, temp)
+            else:
+                t_draft = time.perf_counter()
+                prop = self.drafter.propose(tokens, seq_lens, temp, *(() if k is None else (k,)))
+                if policy is not None:
+                    policy.drafted(k, time.perf_counter() - t_draft)
             tree = specdec.build_tree(prop.parents, prop.num_nodes)
             logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes,
                                                 return_hidden=features)
             if features:
                 logits, hidden = logits
             res = self._accept(logits, prop, temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes,
-                               offset=steps, method=method, **params.accept_kwargs(prop.tokens.shape[1]))
+                               offset=steps, method="token" if k == 0 else method, **params.accept_kwargs(prop.tokens.shape[1]))
             live = ~done
             num_acc = torch.where(live, res.num_accepted, 0)
             cache.rollback(res.accepted_nodes, num_acc)
-            self.drafter.commit(prop, res.accepted_nodes, num_acc, **({"target_hidden": hidden} if features else {}))
+            if k == 0:
+                self.drafter.skip(**({"target_hidden": hidden} if features else {}))
+            else:
+                self.drafter.commit(prop, res.accepted_nodes, num_acc, **({"target_hidden": hidden} if features else {}))
 
             # append the path's draft tokens and the next token (finished requests: the next token only)
             Tp = prop.tokens.shape[1]
@@ -149,13 +172,22 @@ class SpeculativeDecoder:
             step_times.append(time.perf_counter() - t0)
             if bar is not None:
                 bar.update(int((seq_lens - prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
-            if bool(done.all()):  # the one host read per step: the stopping rule
+            if policy is not None:  # the one host read per step: the stopping rule, and what the policy learns
+                flags = torch.cat((num_acc.long(), done.long())).tolist()
+                policy.update(flags[:B], k, live_host)
+                live_host = [not f for f in flags[B:]]
+                if not any(live_host):
+                    break
+            elif bool(done.all()):  # the one host read per step: the stopping rule
                 break
         if bar is not None:
             bar.close()
         wall = time.perf_counter() - t0
-        return self._collect(tokens, prompt_lens, seq_lens, max_new_tokens, steps, emitted_live, accepted_hist,
-                             finish_step, step_times, wall)
+        out = self._collect(tokens, prompt_lens, seq_lens, max_new_tokens, steps, emitted_live, accepted_hist,
+                            finish_step, step_times, wall)
+        if policy is not None:
+            out.summary["depth_chosen"] = list(policy.chosen)  # steps per draft depth, 0 = plain decoding
+        return out
 
     def _accept(self, logits, prop, **kwargs) -> specdec.AcceptResult:
         if self.vocab_shard is None:

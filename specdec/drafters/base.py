@@ -8,6 +8,10 @@ request b's committed sequence; the last one is the root (node 0) of the next dr
     ... the target verifies, specdec.accept picks the path ...
     drafter.commit(proposal, accepted_nodes, num_accepted)     # keep own state in sync (rollback)
 
+With adaptive speculation (specdec.adaptive) the loop may ask for a shallower tree, propose(..., depth=k),
+or for none at all: it then verifies the root alone and calls drafter.skip() instead of commit (the
+committed sequences grew by one token each).
+
 What commit needs to know about a proposal travels in the proposal itself (`cache_slots`), so a drafter
 keeps no per-step state between the two calls.
 """
@@ -53,17 +57,22 @@ class Drafter:
         the batch. A drafter that passes draft_logits samples from the law `params.process` gives them (accept
         processes them the same way); given proposals may be anything."""
 
-    def propose(self, tokens: torch.Tensor, seq_lens: torch.Tensor, temperature: torch.Tensor) -> Proposal:
+    def propose(self, tokens: torch.Tensor, seq_lens: torch.Tensor, temperature: torch.Tensor,
+                depth: Optional[int] = None) -> Proposal:
+        """A tree per request; depth (1 .. max_depth, None = max_depth): at most this many levels."""
         raise NotImplementedError
 
     def commit(self, proposal: Proposal, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """The target accepted path accepted_nodes[b, :num_accepted[b] + 1] of `proposal` (the last one)."""
 
+    def skip(self) -> None:
+        """A step without a proposal: every sequence grew by one token (its root's successor)."""
+
 
 class NoDrafter(Drafter):
     """Plain autoregressive decoding: the tree is the root alone."""
 
-    def propose(self, tokens, seq_lens, temperature):
+    def propose(self, tokens, seq_lens, temperature, depth=None):
         B = tokens.shape[0]
         root = tokens.gather(1, (seq_lens.long() - 1).unsqueeze(1))
         return Proposal(root, torch.full((B, 1), -1, dtype=torch.int32, device=tokens.device),

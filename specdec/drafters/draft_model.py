@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 import specdec
-from ..models.llama import Llama
+from ..models.llama import Llama, chain_tree
 from ..sampling import SamplingParams
 from .base import Drafter, Proposal, request_generators, sample
 
@@ -110,7 +110,10 @@ class DraftModelDrafter(Drafter):
         level_start = [s for s, e in self.levels for _ in range(s, e)]
         self.local_parent = torch.tensor([p - level_start[p] if p >= 0 else 0 for p in parents])  # within its level
         self.rank = torch.tensor(rank)
-        self.cache_slots = torch.arange(T).clamp(max=self.num_fed).unsqueeze(0)  # (1, T): the deepest level unfed
+        # (1, T_d) per depth limit d (a prefix of the tree): the slots of nodes run through the draft, num_fed for
+        # those of the last level kept (never run)
+        self.cache_slots = [torch.where(torch.arange(e) >= s, self.num_fed, torch.arange(e)).unsqueeze(0)
+                            for s, e in self.levels]
         info = specdec.build_tree(self.parents.unsqueeze(0))
         self.depth, self.mask = info.depth, info.mask  # (1, T), (1, T, W)
 
@@ -127,26 +130,37 @@ class DraftModelDrafter(Drafter):
         self.generators, self.temperature, self.params = request_generators(seeds, dev), temperature, params
         self.all_greedy = bool((temperature == 0).all())
         if self.tree.parents is not None:
-            for name in ("parents", "local_parent", "rank", "cache_slots", "depth", "mask"):
+            for name in ("parents", "local_parent", "rank", "depth", "mask"):
                 setattr(self, name, getattr(self, name).to(dev))
+            self.cache_slots = [slots.to(dev) for slots in self.cache_slots]
+        self.skipped = 0  # steps without a proposal since the last one (skip)
 
     def _root_logits(self, tokens, seq_lens):
-        """Run the pending tokens (the previous path's unexpanded last node, if any, then the root);
-        commit all but the root, which stays at slot cache.lens + 0. Returns the root's logits (B, V)."""
-        cache = self.cache
-        n_pend = (seq_lens - cache.lens).to(torch.int32)  # 1 or 2
-        idx = cache.lens.long().unsqueeze(1) + torch.arange(2, device=tokens.device)
+        """Run the pending tokens (the previous path's unexpanded last node, if any, the tokens of skipped steps,
+        then the root); commit all but the root, which stays at slot cache.lens + 0. Returns the root's logits
+        (B, V)."""
+        cache, W = self.cache, 2 + self.skipped
+        n_pend = (seq_lens - cache.lens).to(torch.int32)  # 1 .. W
+        idx = cache.lens.long().unsqueeze(1) + torch.arange(W, device=tokens.device)
         pend = tokens.gather(1, idx.clamp(max=tokens.shape[1] - 1))
-        logits = self.model.forward_cached(pend, cache, self.chain2.depth, self.chain2.mask, n_pend, at=n_pend - 1)
+        chain = self.chain2 if W == 2 else chain_tree(tokens.shape[0], W, device=tokens.device)
+        logits = self.model.forward_cached(pend, cache, chain.depth, chain.mask, n_pend, at=n_pend - 1)
         cache.commit(n_pend - 1)
+        self.skipped = 0
         return logits
 
-    def propose(self, tokens, seq_lens, temperature):
+    def skip(self):
+        self.skipped += 1  # its token is run with the next proposal's pending ones
+
+    def propose(self, tokens, seq_lens, temperature, depth=None):
+        depth = self.max_depth if depth is None else depth
+        if not 1 <= depth <= self.max_depth:
+            raise ValueError(f"depth: {depth} outside 1 .. {self.max_depth} (the drafter's tree)")
         root_logits = self._root_logits(tokens, seq_lens)
         root = tokens.gather(1, (seq_lens.long() - 1).unsqueeze(1))
         if self.tree.parents is not None:
-            return self._propose_static(root, root_logits)
-        return self._propose_dynamic(root, root_logits)
+            return self._propose_static(root, root_logits, depth)
+        return self._propose_dynamic(root, root_logits, depth)
 
     def _expand(self, tokens, parent, depth, mask, start):
         """Run the new nodes tokens (B, F) of the tree (nodes start .. start + F - 1) through the draft; their
@@ -154,30 +168,34 @@ class DraftModelDrafter(Drafter):
         the first level), for drafters that condition on their own hidden states (MTPDrafter)."""
         return self.model.forward_cached(tokens, self.cache, depth, mask, start=start)
 
-    def _propose_static(self, root, root_logits):
-        B, T, V = root.shape[0], self.max_nodes, root_logits.shape[-1]
+    def _propose_static(self, root, root_logits, depth):
+        """The tree's first depth + 1 levels (a prefix in BFS order)."""
+        levels = self.levels[:depth + 1]
+        B, T, V = root.shape[0], levels[-1][1], root_logits.shape[-1]
         out = root.new_zeros(B, T)
         out[:, 0] = root[:, 0]
         draft_logits = None if self.all_greedy else root_logits.new_zeros(B, T, V)
         level_logits = root_logits.unsqueeze(1)
-        for d in range(1, len(self.levels)):
-            (ps, pe), (s, e) = self.levels[d - 1], self.levels[d]
+        for d in range(1, len(levels)):
+            (ps, pe), (s, e) = levels[d - 1], levels[d]
             if draft_logits is not None:
                 draft_logits[:, ps:pe] = level_logits
             children = sample(level_logits, self.temperature, self.branching[d - 1], self.generators, self.all_greedy,
                               self.params)
             out[:, s:e] = children[:, self.local_parent[s:e], self.rank[s:e]]
-            if d + 1 < len(self.levels):  # expand this level: its children come next
+            if d + 1 < len(levels):  # expand this level: its children come next
                 level_logits = self._expand(out[:, s:e], self.local_parent[s:e].expand(B, -1),
                                             self.depth[:, s:e].expand(B, -1),
                                             self.mask[:, :e].expand(B, -1, -1)[..., :(e + 31) // 32], start=s)
         num_nodes = torch.full((B,), T, dtype=torch.int32, device=root.device)
-        return Proposal(out, self.parents.expand(B, T), num_nodes, draft_logits, self.cache_slots.expand(B, T))
+        return Proposal(out, self.parents[:T].expand(B, T), num_nodes, draft_logits,
+                        self.cache_slots[depth].expand(B, T))
 
-    def _propose_dynamic(self, root, root_logits):
-        """EAGLE-2 style growth (given proposals: no draft_logits)."""
+    def _propose_dynamic(self, root, root_logits, D):
+        """EAGLE-2 style growth over D levels (given proposals: no draft_logits)."""
         B, dev = root.shape[0], root.device
-        N, D, k = self.tree.nodes, self.tree.depth, self.tree.topk
+        k = self.tree.topk
+        N = min(self.tree.nodes, 2 + (D - 1) * k * k + k - 1)  # no more nodes than D levels have candidates
         # candidates, in creation order (a parent is always created before its children)
         cand_tok = [root]  # (B, n) per level
         cand_score = [torch.zeros(B, 1, device=dev)]

@@ -62,10 +62,11 @@ class MTPDrafter(DraftModelDrafter):
 
     def _root_logits(self, tokens, seq_lens):
         """Run the pending entries (positions cache.lens .. n-2, tokens x_{j+1}), commit all but the root's."""
-        B, P, c = tokens.shape[0], self.max_pending, self.num_pending
+        B, P, c = tokens.shape[0], self.pending.shape[1], self.num_pending  # (wider after skipped steps)
         idx = (self.cache.lens.long().unsqueeze(1) + 1 + torch.arange(P, device=tokens.device))
         pend = tokens.gather(1, idx.clamp(max=tokens.shape[1] - 1))
-        out = self._run(pend, self.pending, self.pending_tree.depth, self.pending_tree.mask, c.clamp(min=1))
+        chain = self.pending_tree if P == self.max_pending else chain_tree(B, P, device=tokens.device)
+        out = self._run(pend, self.pending, chain.depth, chain.mask, c.clamp(min=1))
         at = (c.long() - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, out.shape[-1])
         root_out = out.gather(1, at)
         self.cache.commit((c - 1).clamp(min=0))
@@ -79,8 +80,8 @@ class MTPDrafter(DraftModelDrafter):
         self.level_hidden = self.layer.shared_head.norm(out)
         return self.mtp.logits(self.model, 0, out)
 
-    def propose(self, tokens, seq_lens, temperature):
-        prop = super().propose(tokens, seq_lens, temperature)
+    def propose(self, tokens, seq_lens, temperature, depth=None):
+        prop = super().propose(tokens, seq_lens, temperature, depth)
         # a request without a root entry yet (a one-token prompt) proposes its root alone
         return prop._replace(num_nodes=torch.where(self.has_root, prop.num_nodes, 1))
 
@@ -90,3 +91,12 @@ class MTPDrafter(DraftModelDrafter):
         path = target_hidden.gather(1, nodes.unsqueeze(-1).expand(-1, -1, target_hidden.shape[-1]))
         self.pending = self.model.model.norm(path)
         self.num_pending = (num_accepted + 1).to(torch.int32)
+
+    def skip(self, *, target_hidden):
+        """A step that verified the root alone: its entry (the root's hidden state, the token emitted) is
+        pending too."""
+        B, dim = self.pending.shape[0], self.pending.shape[-1]
+        self.pending = torch.cat((self.pending, self.pending.new_zeros(B, 1, dim)), dim=1)
+        at = self.num_pending.long().view(B, 1, 1).expand(B, 1, dim)
+        self.pending.scatter_(1, at, self.model.model.norm(target_hidden[:, :1]))
+        self.num_pending = self.num_pending + 1

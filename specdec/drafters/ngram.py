@@ -27,16 +27,18 @@ class NgramDrafter(Drafter):
                 return seq[start:start + self.num_tokens]
         return seq[:0]
 
-    def propose(self, tokens, seq_lens, temperature):
-        B, T = tokens.shape[0], self.max_nodes
-        out = torch.zeros(B, T, dtype=torch.long)
+    def propose(self, tokens, seq_lens, temperature, depth=None):
+        B, k = tokens.shape[0], self.num_tokens if depth is None else min(depth, self.num_tokens)
+        out = torch.zeros(B, k + 1, dtype=torch.long)
         num_nodes = torch.ones(B, dtype=torch.int32)
         for b, n_seq in enumerate(seq_lens.tolist()):
             seq = tokens[b, :n_seq].cpu()
-            cont = self.lookup(seq)
+            cont = self.lookup(seq)[:k]
             out[b, 0] = seq[-1]
             out[b, 1:1 + cont.shape[0]] = cont
             num_nodes[b] = 1 + cont.shape[0]
+        # only as wide as the longest continuation: a step without matches costs what a plain decoding step does
+        T = int(num_nodes.max())
         parents = torch.arange(-1, T - 1, dtype=torch.int32).expand(B, T)
         dev = tokens.device
-        return Proposal(out.to(dev), parents.to(dev), num_nodes.to(dev))
+        return Proposal(out[:, :T].to(dev), parents.to(dev), num_nodes.to(dev))

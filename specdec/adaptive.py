@@ -1,0 +1,115 @@
+"""Adaptive speculation: each step's draft depth, 0 (plain decoding) included, from what a step costs on this
+device and how deep each request's drafts have been accepted lately.
+
+A step that drafts k levels costs `target_s[k]` (the target's forward over k + 1 tokens per request, measured
+at start-up for this batch size, `measure_target_costs`) plus k draft levels (measured as the loop runs:
+`AdaptiveDepth.drafted`), and is expected to emit, per live request b, 1 + sum_{d <= k} prod_{i <= d} alpha[b, i]
+tokens, alpha[b, d] being the running rate at which request b's depth-d draft was accepted when its depth-(d-1)
+draft was (`AcceptanceStats`). The policy picks the k with the most tokens per second. When that is 0 for
+`probe_every` steps in a row it drafts once anyway (the best k > 0), so that text which starts repeating itself
+(prompt lookup) is noticed. Any k is lossless: a greedy output never depends on the choices.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from .models.llama import Llama, chain_tree
+
+
+class AcceptanceStats:
+    """alpha (B, K): per request, the exponentially weighted rate of accepting the depth-d draft given the
+    depth-(d-1) one was (d = 1..K), starting at `prior`."""
+
+    def __init__(self, batch_size: int, max_depth: int, prior: float = 0.6, decay: float = 0.9):
+        self.alpha = torch.full((batch_size, max_depth), prior, dtype=torch.float64)
+        self.decay = decay
+
+    def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool]) -> None:
+        """A step that drafted `depth` levels accepted num_accepted[b] draft tokens of live request b."""
+        if depth == 0:
+            return
+        n = torch.tensor(num_accepted, dtype=torch.long).unsqueeze(1)
+        d = torch.arange(1, depth + 1)
+        reached = (n >= d - 1) & torch.tensor(live).unsqueeze(1)  # the depth-d draft was judged
+        a = self.alpha[:, :depth]
+        a.copy_(torch.where(reached, self.decay * a + (1 - self.decay) * (n >= d).double(), a))
+
+    def expected_tokens(self, live: Sequence[bool]) -> torch.Tensor:
+        """(K + 1,): the live requests' expected emitted tokens of a step drafting k = 0..K levels."""
+        reach = self.alpha[torch.tensor(live)].cumprod(dim=1).sum(0)  # sum over requests of P(accept >= d)
+        return int(sum(live)) + torch.cat((reach.new_zeros(1), reach.cumsum(0)))
+
+
+class AdaptiveDepth:
+    """The loop's per-step choice of draft depth (see the module doc). target_s (K + 1,): seconds of the
+    target's forward over 1..K+1 tokens per request at this batch size."""
+
+    def __init__(self, batch_size: int, max_depth: int, target_s: Sequence[float], probe_every: int = 16):
+        if len(target_s) != max_depth + 1:
+            raise ValueError(f"target_s: {len(target_s)} costs for depths 0..{max_depth}")
+        self.stats = AcceptanceStats(batch_size, max_depth)
+        self.target_s = torch.tensor(target_s, dtype=torch.float64)
+        self.draft_level_s: Optional[float] = None  # unknown until the first drafted step
+        self.probe_every, self.idle = probe_every, 0
+        self.chosen = [0] * (max_depth + 1)  # steps per depth (the summary's "depth_chosen")
+
+    def step_s(self) -> torch.Tensor:
+        """(K + 1,): the expected seconds of a step drafting k levels."""
+        k = torch.arange(len(self.target_s), dtype=torch.float64)
+        return self.target_s + k * (self.draft_level_s or 0.0)
+
+    def choose(self, live: Sequence[bool]) -> int:
+        rate = self.stats.expected_tokens(live) / self.step_s()
+        k = int(rate.argmax())
+        self.idle = self.idle + 1 if k == 0 else 0
+        if self.idle >= self.probe_every:
+            k, self.idle = int(rate[1:].argmax()) + 1, 0
+        self.chosen[k] += 1
+        return k
+
+    def drafted(self, depth: int, seconds: float) -> None:
+        """A proposal of `depth` levels took `seconds` (the drafter's part of the step)."""
+        per_level = seconds / depth
+        self.draft_level_s = per_level if self.draft_level_s is None else 0.8 * self.draft_level_s + 0.2 * per_level
+
+    def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool]) -> None:
+        self.stats.update(num_accepted, depth, live)
+
+
+_TARGET_COSTS: dict = {}  # (model, batch size, tokens, dtype, device) -> seconds per forward
+
+
+def measure_target_costs(target: Llama, batch_size: int, max_tokens: int, context: int = 256,
+                         repeats: int = 3) -> list[float]:
+    """Seconds of the target's cached forward over t = 1..max_tokens new tokens per request (chains) after
+    `context` cached ones, at this batch size: the best of `repeats` timed runs after a warm-up. Cached per
+    model, shape and device for the process (the cache holds garbage K/V: only the time is used)."""
+    key = (id(target), batch_size, max_tokens, context, target.dtype, str(target.device))
+    if key not in _TARGET_COSTS:
+        dev = target.device
+        cache = target.new_cache(batch_size, context + max_tokens + 1)
+        cache.lens.fill_(context)
+        costs = []
+        with torch.inference_mode():
+            for t in range(1, max_tokens + 1):
+                tokens = torch.zeros(batch_size, t, dtype=torch.long, device=dev)
+                tree = chain_tree(batch_size, t, device=dev)
+                best = float("inf")
+                for rep in range(repeats + 1):
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    target.forward_cached(tokens, cache, tree.depth, tree.mask)
+                    _sync(dev)
+                    if rep:  # the first run warms up
+                        best = min(best, time.perf_counter() - t0)
+                costs.append(max([best] + costs))  # never cheaper for more tokens (timing noise)
+        _TARGET_COSTS[key] = costs
+    return _TARGET_COSTS[key]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,210 @@
+"""Adaptive speculation (specdec.adaptive): the policy's arithmetic and choices, the drafters' depth limits and
+skipped steps (a scripted policy makes every kind of step happen), and that no choice changes an output."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec.adaptive import AcceptanceStats, AdaptiveDepth, measure_target_costs
+from specdec.decoding import SpeculativeDecoder, generate_ar
+from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter
+
+from test_loop import PROMPTS, byte_pair, chi_square_two_tokens, exact_filtered_two_token_law, pair, run_cli, tiny  # noqa: F401
+from test_mtp import target_and_mtp  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Scripted:
+    """A policy that cycles through fixed depths (capped at the drafter's): skips, shallow and full drafts."""
+
+    def __init__(self, batch_size, max_depth, device, script=(0, 2, 0, 0, 9, 1, 0, 3)):
+        self.script, self.max_depth, self.i = script, max_depth, 0
+        self.chosen = [0] * (max_depth + 1)
+
+    def choose(self, live):
+        k = min(self.script[self.i % len(self.script)], self.max_depth)
+        self.i += 1
+        self.chosen[k] += 1
+        return k
+
+    def drafted(self, depth, seconds):
+        assert 1 <= depth <= self.max_depth and seconds >= 0
+
+    def update(self, num_accepted, depth, live):
+        assert all(n <= depth for n, alive in zip(num_accepted, live) if alive)
+
+
+def scripted(script):
+    return lambda B, K, dev: Scripted(B, K, dev, script)
+
+
+PROMPTS4 = PROMPTS + [[5]]  # with a one-token prompt
+
+
+# ----------------------------------------------------------------------------------------------
+# the policy
+# ----------------------------------------------------------------------------------------------
+def test_acceptance_stats_update_only_the_judged_depths():
+    stats = AcceptanceStats(3, 4, prior=0.5, decay=0.5)
+    stats.update([0, 2, 4], depth=3, live=[True, True, False])
+    # request 0: depth 1 judged and rejected; request 1: depths 1, 2 accepted, 3 rejected; request 2 finished
+    expected = torch.tensor([[0.25, 0.5, 0.5, 0.5], [0.75, 0.75, 0.25, 0.5], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    torch.testing.assert_close(stats.alpha, expected)
+    stats.update([1, 1, 1], depth=0, live=[True] * 3)  # a step without drafts teaches nothing
+    torch.testing.assert_close(stats.alpha, expected)
+    # expected tokens per step of depth k over the live requests: 1 + sum_d prod_{i <= d} alpha
+    e = stats.expected_tokens([True, True, False])
+    r0 = [0.25, 0.25 * 0.5, 0.25 * 0.25, 0.25 * 0.125]
+    r1 = [0.75, 0.75 * 0.75, 0.75 * 0.75 * 0.25, 0.75 * 0.75 * 0.25 * 0.5]
+    want = [2 + sum(r0[:k]) + sum(r1[:k]) for k in range(5)]
+    torch.testing.assert_close(e, torch.tensor(want, dtype=torch.float64))
+
+
+def test_policy_drafts_deep_when_drafts_are_accepted_and_verification_is_cheap():
+    policy = AdaptiveDepth(1, 6, [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3])
+    policy.drafted(2, 0.1)  # 0.05 s per draft level
+    for _ in range(20):
+        k = policy.choose([True])
+        policy.update([k], k, [True])  # every draft accepted
+    assert k == 6
+
+
+def test_policy_stops_drafting_when_nothing_is_accepted_and_probes_now_and_then():
+    policy = AdaptiveDepth(1, 4, [1.0, 1.1, 1.2, 1.3, 1.4], probe_every=8)
+    policy.drafted(1, 0.05)
+    ks = []
+    for _ in range(64):
+        k = policy.choose([True])
+        policy.update([0], k, [True])  # every draft rejected (prompt lookup on text without repeats)
+        ks.append(k)
+    assert ks[-40:].count(0) >= 35 and 0 < sum(k > 0 for k in ks[-40:]) <= 5
+
+
+def test_policy_stops_drafting_at_a_batch_that_saturates_compute():
+    """Verification cost proportional to the tokens verified (compute-bound), drafts accepted at 0.7:
+    speculation does not pay, whatever the depth."""
+    B = 16
+    policy = AdaptiveDepth(B, 4, [1.0 * (k + 1) for k in range(5)])
+    policy.drafted(1, 0.1)
+    for _ in range(10):
+        k = policy.choose([True] * B)
+        policy.update([int(torch.rand(()) < 0.7) for _ in range(B)], k, [True] * B)
+    assert k == 0
+
+
+def test_target_costs_are_measured_once_and_grow_with_tokens(pair):
+    target, _ = pair
+    costs = measure_target_costs(target, 2, 4, context=16, repeats=1)
+    assert len(costs) == 4 and all(c > 0 for c in costs) and costs == sorted(costs)
+    assert measure_target_costs(target, 2, 4, context=16, repeats=1) is costs
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop with every kind of step: outputs, caches, laws
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tree", ["chain:4", "tree:2,2,1", "dynamic:7,3,2"])
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_greedy_with_skipped_and_shallow_steps_equals_ar(pair, tree, block_size):
+    target, draft = pair
+    ar = generate_ar(target, PROMPTS4, 20)
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree), block_size=block_size,
+                             adaptive=scripted((0, 2, 0, 0, 9, 1, 0, 3))).generate(PROMPTS4, 20)
+    assert out.tokens == ar.tokens
+    chosen = out.summary["depth_chosen"]
+    assert chosen[0] > 0 and chosen[1] > 0 and chosen[-1] > 0
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "tree:2,2,1", "dynamic:7,3,2"])
+def test_greedy_mtp_with_skipped_steps_equals_ar(target_and_mtp, tree):
+    target, mtp = target_and_mtp
+    ar = generate_ar(target, PROMPTS4, 20)
+    out = SpeculativeDecoder(target, MTPDrafter(target, mtp, tree),
+                             adaptive=scripted((0, 0, 0, 2, 0, 9, 1))).generate(PROMPTS4, 20)
+    assert out.tokens == ar.tokens
+
+
+def test_greedy_ngram_adaptive_equals_ar(pair):
+    target, _ = pair
+    ar = generate_ar(target, PROMPTS4, 24)
+    for adaptive in (scripted((0, 3, 0, 8, 1)), True):
+        assert SpeculativeDecoder(target, NgramDrafter(8), adaptive=adaptive).generate(PROMPTS4, 24).tokens == ar.tokens
+
+
+def test_draft_cache_after_skipped_steps_equals_a_fresh_prefill(pair):
+    """Skipped steps' tokens reach the draft's cache with the next proposal: after a run whose last steps
+    were skipped and drafted in turn, the draft's committed K/V equal a prefill of the committed tokens."""
+    target, draft = pair
+    drafter = DraftModelDrafter(draft, "chain:3")
+    out = SpeculativeDecoder(target, drafter, adaptive=scripted((0, 0, 3, 0, 1))).generate(PROMPTS, 17)
+    for b, prompt in enumerate(PROMPTS):
+        n = int(drafter.cache.lens[b])
+        seq = torch.tensor([(prompt + out.tokens[b])[:n]])
+        fresh = draft.new_cache(1, n + 1)
+        draft.prefill(fresh, seq, torch.tensor([n], dtype=torch.int32))
+        assert n >= len(prompt)
+        torch.testing.assert_close(drafter.cache.k[:, b, :n], fresh.k[:, 0, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_mtp_cache_after_skipped_steps_equals_a_fresh_run(target_and_mtp):
+    target, mtp = target_and_mtp
+    drafter = MTPDrafter(target, mtp, "chain:3")
+    out = SpeculativeDecoder(target, drafter, adaptive=scripted((0, 0, 3, 0, 1, 0, 0, 0, 2))).generate(PROMPTS, 20)
+    for b, prompt in enumerate(PROMPTS):
+        seq = prompt + out.tokens[b]
+        n = int(drafter.cache.lens[b])
+        fresh = MTPDrafter(target, mtp, "chain:3")
+        x = torch.tensor([seq + [0] * 8])
+        lens = torch.tensor([n + 2], dtype=torch.int32)
+        with torch.no_grad():
+            hidden = target.prefill(target.new_cache(1, 96), x, lens - 1, return_hidden=True)
+            fresh.start(x, lens, 96, torch.zeros(1), [0], target_hidden=hidden)
+        m = min(n, len(seq) - 1)
+        assert m > len(prompt)
+        torch.testing.assert_close(drafter.cache.k[:, b, :m], fresh.cache.k[:, 0, :m], atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_with_skipped_and_shallow_steps_is_lossless(target_and_mtp):
+    """The first two tokens at T=1 follow the target's law when steps draft 2, 0, 1, ... levels."""
+    target, mtp = target_and_mtp
+    prompt, n = [3, 9, 4, 1], 800
+    out = SpeculativeDecoder(target, MTPDrafter(target, mtp, "chain:3"), adaptive=scripted((2, 0, 1))).generate(
+        [prompt] * n, 3, 1.0, seed=list(range(300, 300 + n)))
+    law = exact_filtered_two_token_law(target, prompt, 1.0)
+    stat, threshold, cells = chi_square_two_tokens(out.tokens, law, n)
+    assert len(cells) >= 5 and stat < threshold, stat
+
+
+def test_ngram_proposals_are_as_wide_as_their_longest_match():
+    drafter = NgramDrafter(num_tokens=6)
+    lens = torch.tensor([8, 6], dtype=torch.int32)
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 0], [1, 2, 3, 9, 1, 2, 0, 0, 0]])
+    prop = drafter.propose(tokens[:1], lens[:1], torch.zeros(1))
+    assert prop.tokens.tolist() == [[8]] and prop.num_nodes.tolist() == [1]  # no match: the root alone
+    prop = drafter.propose(tokens, lens, torch.zeros(2))  # request 1's "1 2" was followed by 3 9 1 2
+    assert prop.tokens.tolist() == [[8, 0, 0, 0, 0], [2, 3, 9, 1, 2]] and prop.num_nodes.tolist() == [1, 5]
+    prop = drafter.propose(tokens, lens, torch.zeros(2), depth=1)
+    assert prop.tokens.tolist() == [[8, 0], [2, 3]] and prop.parents.shape == (2, 2)
+
+
+def test_adaptive_prompt_lookup_on_text_without_repeats_decodes_plainly():
+    """A sampled random model seldom repeats itself: prompt lookup's drafts are rarely accepted and, with
+    verification costing 30% more per drafted token (a memory-bound model's, not this tiny one's, whose forward
+    is all overhead), the policy spends most steps decoding plainly."""
+    target = tiny(2, vocab=250)  # nearly uniform over 250 tokens
+    prompts = [[int(x) for x in torch.randint(0, target.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(b))]
+               for b in range(2)]
+    costs = lambda B, K, dev: AdaptiveDepth(B, K, [1.0 + 0.3 * k for k in range(K + 1)])  # noqa: E731
+    out = SpeculativeDecoder(target, NgramDrafter(8), adaptive=costs).generate(prompts, 60, 1.0, seed=1)
+    chosen = out.summary["depth_chosen"]
+    assert chosen[0] >= 0.6 * sum(chosen), chosen
+
+
+def test_cli_tree_auto(capsys, byte_pair):  # noqa: F811
+    rc, out, _ = run_cli(capsys, "--prompt", "def f(x):", "--target", str(byte_pair / "target"), "--draft",
+                         str(byte_pair / "draft"), "--tree", "auto", "--max-new-tokens", "8", "--compare-ar", "--json")
+    r = json.loads(out)
+    assert rc == 0 and r["adaptive"] and r["identical"] and sum(r["depth_chosen"]) >= 1
+    assert len(r["depth_chosen"]) == 9  # auto: chain:8
