@@ -2,8 +2,8 @@
 device and how deep each request's drafts have been accepted lately.
 
 A step that drafts k levels costs `target_s[k]` (the target's forward over k + 1 tokens per request, measured
-at start-up for this batch size, `measure_target_costs`) plus k draft levels (measured as the loop runs:
-`AdaptiveDepth.drafted`), and is expected to emit, per live request b, 1 + sum_{d <= k} prod_{i <= d} alpha[b, i]
+at start-up for this batch size, `measure_target_costs`), plus k draft levels (measured as the loop runs:
+`AdaptiveDepth.drafted`), plus the rest of the step (measured as what the step took beyond those), and is expected to emit, per live request b, 1 + sum_{d <= k} prod_{i <= d} alpha[b, i]
 tokens, alpha[b, d] being the running rate at which request b's depth-d draft was accepted when its depth-(d-1)
 draft was (`AcceptanceStats`). The policy picks the k with the most tokens per second. When that is 0 for
 `probe_every` steps in a row it drafts once anyway (the best k > 0), so that text which starts repeating itself
@@ -20,11 +20,16 @@ from .models.llama import Llama, chain_tree
 
 
 class AcceptanceStats:
-    """alpha (B, K): per request, the exponentially weighted rate of accepting the depth-d draft given the
-    depth-(d-1) one was (d = 1..K), starting at `prior`."""
+    """Per request: alpha (B, K), the exponentially weighted rate of accepting the depth-d draft given that the
+    depth-(d-1) one was (d = 1..K), with weight (B, K), the weighted count of such judgments; and pooled (B,),
+    the same rate over every depth. A depth judged seldom (one the policy stopped drafting to) is predicted by
+    the pooled rate, blended in by its weight, so a policy that drafts shallow can still learn that deeper
+    drafts would pay."""
 
     def __init__(self, batch_size: int, max_depth: int, prior: float = 0.6, decay: float = 0.9):
         self.alpha = torch.full((batch_size, max_depth), prior, dtype=torch.float64)
+        self.weight = torch.zeros(batch_size, max_depth, dtype=torch.float64)
+        self.pooled = torch.full((batch_size,), prior, dtype=torch.float64)
         self.decay = decay
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool]) -> None:
@@ -34,12 +39,22 @@ class AcceptanceStats:
         n = torch.tensor(num_accepted, dtype=torch.long).unsqueeze(1)
         d = torch.arange(1, depth + 1)
         reached = (n >= d - 1) & torch.tensor(live).unsqueeze(1)  # the depth-d draft was judged
-        a = self.alpha[:, :depth]
-        a.copy_(torch.where(reached, self.decay * a + (1 - self.decay) * (n >= d).double(), a))
+        hit = (n >= d).double()
+        a, w = self.alpha[:, :depth], self.weight[:, :depth]
+        a.copy_(torch.where(reached, self.decay * a + (1 - self.decay) * hit, a))
+        w.copy_(torch.where(reached, self.decay * w + 1, w))
+        judged = reached.sum(1)
+        rate = (hit * reached).sum(1) / judged.clamp(min=1)
+        self.pooled = torch.where(judged > 0, self.decay * self.pooled + (1 - self.decay) * rate, self.pooled)
+
+    def predicted(self) -> torch.Tensor:
+        """(B, K): the acceptance rates used for prediction (per depth, the pooled rate where judged seldom)."""
+        trust = self.weight / (self.weight + 2)
+        return trust * self.alpha + (1 - trust) * self.pooled.unsqueeze(1)
 
     def expected_tokens(self, live: Sequence[bool]) -> torch.Tensor:
         """(K + 1,): the live requests' expected emitted tokens of a step drafting k = 0..K levels."""
-        reach = self.alpha[torch.tensor(live)].cumprod(dim=1).sum(0)  # sum over requests of P(accept >= d)
+        reach = self.predicted()[torch.tensor(live)].cumprod(dim=1).sum(0)  # sum over requests of P(accept >= d)
         return int(sum(live)) + torch.cat((reach.new_zeros(1), reach.cumsum(0)))
 
 
@@ -53,13 +68,14 @@ class AdaptiveDepth:
         self.stats = AcceptanceStats(batch_size, max_depth)
         self.target_s = torch.tensor(target_s, dtype=torch.float64)
         self.draft_level_s: Optional[float] = None  # unknown until the first drafted step
+        self.overhead_s = 0.0  # the rest of a step (bookkeeping, accept, rollbacks): measured residual
         self.probe_every, self.idle = probe_every, 0
         self.chosen = [0] * (max_depth + 1)  # steps per depth (the summary's "depth_chosen")
 
     def step_s(self) -> torch.Tensor:
         """(K + 1,): the expected seconds of a step drafting k levels."""
         k = torch.arange(len(self.target_s), dtype=torch.float64)
-        return self.target_s + k * (self.draft_level_s or 0.0)
+        return self.target_s + k * (self.draft_level_s or 0.0) + self.overhead_s
 
     def choose(self, live: Sequence[bool]) -> int:
         rate = self.stats.expected_tokens(live) / self.step_s()
@@ -75,8 +91,11 @@ class AdaptiveDepth:
         per_level = seconds / depth
         self.draft_level_s = per_level if self.draft_level_s is None else 0.8 * self.draft_level_s + 0.2 * per_level
 
-    def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool]) -> None:
+    def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool], seconds: float) -> None:
+        """The step of `depth` levels took `seconds` in all and accepted num_accepted[b] drafts of request b."""
         self.stats.update(num_accepted, depth, live)
+        modelled = float(self.target_s[depth]) + depth * (self.draft_level_s or 0.0)
+        self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(seconds - modelled, 0.0)
 
 
 _TARGET_COSTS: dict = {}  # (model, batch size, tokens, dtype, device) -> seconds per forward

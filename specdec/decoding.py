@@ -129,6 +129,7 @@ class SpeculativeDecoder:
         live_host = [True] * B
         step = 0
         while True:
+            t_step = time.perf_counter()
             k = None if policy is None else policy.choose(live_host)
             if k == 0:  # plain decoding this step: the root alone, and the drafter is told it was skipped
                 prop = NoDrafter().propose(tokens, seq_lens, temp)
@@ -174,7 +175,7 @@ class SpeculativeDecoder:
                 bar.update(int((seq_lens - prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
             if policy is not None:  # the one host read per step: the stopping rule, and what the policy learns
                 flags = torch.cat((num_acc.long(), done.long())).tolist()
-                policy.update(flags[:B], k, live_host)
+                policy.update(flags[:B], k, live_host, time.perf_counter() - t_step)
                 live_host = [not f for f in flags[B:]]
                 if not any(live_host):
                     break

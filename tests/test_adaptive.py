@@ -33,7 +33,7 @@ class Scripted:
     def drafted(self, depth, seconds):
         assert 1 <= depth <= self.max_depth and seconds >= 0
 
-    def update(self, num_accepted, depth, live):
+    def update(self, num_accepted, depth, live, seconds):
         assert all(n <= depth for n, alive in zip(num_accepted, live) if alive)
 
 
@@ -51,16 +51,39 @@ def test_acceptance_stats_update_only_the_judged_depths():
     stats = AcceptanceStats(3, 4, prior=0.5, decay=0.5)
     stats.update([0, 2, 4], depth=3, live=[True, True, False])
     # request 0: depth 1 judged and rejected; request 1: depths 1, 2 accepted, 3 rejected; request 2 finished
-    expected = torch.tensor([[0.25, 0.5, 0.5, 0.5], [0.75, 0.75, 0.25, 0.5], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
-    torch.testing.assert_close(stats.alpha, expected)
+    alpha = torch.tensor([[0.25, 0.5, 0.5, 0.5], [0.75, 0.75, 0.25, 0.5], [0.5] * 4], dtype=torch.float64)
+    weight = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0], [0] * 4], dtype=torch.float64)
+    pooled = torch.tensor([0.25, 0.5 * 0.5 + 0.5 * 2 / 3, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(stats.alpha, alpha)
+    torch.testing.assert_close(stats.weight, weight)
+    torch.testing.assert_close(stats.pooled, pooled)
     stats.update([1, 1, 1], depth=0, live=[True] * 3)  # a step without drafts teaches nothing
-    torch.testing.assert_close(stats.alpha, expected)
+    torch.testing.assert_close(stats.alpha, alpha)
+    # prediction: a depth judged w times trusts its own rate by w / (w + 2), the pooled rate for the rest
+    pred = [[(w / (w + 2)) * a + (1 - w / (w + 2)) * float(pooled[b]) for a, w in zip(alpha[b].tolist(), weight[b].tolist())]
+            for b in range(3)]
+    torch.testing.assert_close(stats.predicted(), torch.tensor(pred, dtype=torch.float64))
     # expected tokens per step of depth k over the live requests: 1 + sum_d prod_{i <= d} alpha
     e = stats.expected_tokens([True, True, False])
-    r0 = [0.25, 0.25 * 0.5, 0.25 * 0.25, 0.25 * 0.125]
-    r1 = [0.75, 0.75 * 0.75, 0.75 * 0.75 * 0.25, 0.75 * 0.75 * 0.25 * 0.5]
-    want = [2 + sum(r0[:k]) + sum(r1[:k]) for k in range(5)]
+    want = []
+    for k in range(5):
+        total = 0.0
+        for b in (0, 1):
+            prod, row = 1.0, 1.0
+            for d in range(k):
+                prod *= pred[b][d]
+                row += prod
+            total += row
+        want.append(total)
     torch.testing.assert_close(e, torch.tensor(want, dtype=torch.float64))
+
+
+def test_shallow_drafting_learns_that_deeper_drafts_would_pay():
+    """Drafting 2 levels that are always accepted raises the prediction for the depths never drafted."""
+    stats = AcceptanceStats(1, 6, prior=0.3)
+    for _ in range(30):
+        stats.update([2], depth=2, live=[True])
+    assert stats.predicted()[0, 5] > 0.9
 
 
 def test_policy_drafts_deep_when_drafts_are_accepted_and_verification_is_cheap():
@@ -68,7 +91,7 @@ def test_policy_drafts_deep_when_drafts_are_accepted_and_verification_is_cheap()
     policy.drafted(2, 0.1)  # 0.05 s per draft level
     for _ in range(20):
         k = policy.choose([True])
-        policy.update([k], k, [True])  # every draft accepted
+        policy.update([k], k, [True], 1.0 + 0.05 * k)  # every draft accepted
     assert k == 6
 
 
@@ -78,7 +101,7 @@ def test_policy_stops_drafting_when_nothing_is_accepted_and_probes_now_and_then(
     ks = []
     for _ in range(64):
         k = policy.choose([True])
-        policy.update([0], k, [True])  # every draft rejected (prompt lookup on text without repeats)
+        policy.update([0], k, [True], 1.0 + 0.1 * k)  # every draft rejected (prompt lookup on text without repeats)
         ks.append(k)
     assert ks[-40:].count(0) >= 35 and 0 < sum(k > 0 for k in ks[-40:]) <= 5
 
@@ -91,7 +114,7 @@ def test_policy_stops_drafting_at_a_batch_that_saturates_compute():
     policy.drafted(1, 0.1)
     for _ in range(10):
         k = policy.choose([True] * B)
-        policy.update([int(torch.rand(()) < 0.7) for _ in range(B)], k, [True] * B)
+        policy.update([int(torch.rand(()) < 0.7) for _ in range(B)], k, [True] * B, 1.0 * (k + 1))
     assert k == 0
 
 
