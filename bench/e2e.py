@@ -39,15 +39,24 @@ from .timing import machine_info
 
 ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-# (row name, drafter factory over the loaded models m: target, draft, mtp)
-OURS = [("ours AR", lambda m: NoDrafter())] + [
-    (f"ours spec {tree}", lambda m, tree=tree: DraftModelDrafter(m["draft"], tree))
+# (row name, decoder factory over the loaded models m: target, draft, mtp); "auto": adaptive speculation
+def _decoder(drafter, adaptive=False):
+    return lambda m: SpeculativeDecoder(m["target"], drafter(m), adaptive=adaptive)
+
+
+OURS = [("ours AR", _decoder(lambda m: NoDrafter()))] + [
+    (f"ours spec {tree}", _decoder(lambda m, tree=tree: DraftModelDrafter(m["draft"], tree)))
     for tree in ("chain:3", "chain:4", "chain:6", "tree:2,1,1", "dynamic:8,4,2", "dynamic:12,5,2")] + [
-    (f"ours prompt lookup chain:{k}", lambda m, k=k: NgramDrafter(num_tokens=k)) for k in (4, 8)]
-MTP_ROWS = [(f"ours mtp {tree}", lambda m, tree=tree: MTPDrafter(m["target"], m["mtp"], tree))
-            for tree in ("chain:2", "chain:3", "chain:4", "chain:6", "dynamic:8,4,2")]
-SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain:6", "ours mtp chain:2",
-           "ours mtp chain:3", "ours mtp chain:4"]
+    ("ours spec auto (chain:8, adaptive)", _decoder(lambda m: DraftModelDrafter(m["draft"], "chain:8"), True))] + [
+    (f"ours prompt lookup chain:{k}", _decoder(lambda m, k=k: NgramDrafter(num_tokens=k))) for k in (4, 8)] + [
+    ("ours prompt lookup auto (chain:8, adaptive)", _decoder(lambda m: NgramDrafter(num_tokens=8), True))]
+MTP_ROWS = [(f"ours mtp {tree}", _decoder(lambda m, tree=tree: MTPDrafter(m["target"], m["mtp"], tree)))
+            for tree in ("chain:2", "chain:3", "chain:4", "chain:6", "dynamic:8,4,2")] + [
+    ("ours mtp auto (chain:8, adaptive)", _decoder(lambda m: MTPDrafter(m["target"], m["mtp"], "chain:8"), True))]
+BATCHED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec auto (chain:8, adaptive)"]
+SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain:6", "ours spec auto (chain:8, adaptive)",
+           "ours mtp chain:2", "ours mtp chain:3", "ours mtp chain:4", "ours mtp auto (chain:8, adaptive)"]
+FILTERED = ["ours AR", "ours spec chain:4"]
 PLOTTED = ["ours spec chain:6", "ours mtp chain:6", "ours prompt lookup chain:8"]  # and their sampled rows
 
 
@@ -72,11 +81,11 @@ def held_out_prompts(n: int, n_bytes: int) -> list[str]:
     return prompts
 
 
-def run_ours(target, drafter, prompts, max_new, temperature=0.0, **filters):
+def run_ours(decoder, prompts, max_new, temperature=0.0, **filters):
     """(tokens, wall s, tau, acceptance by depth) over the prompts one at a time (steps-weighted means)."""
     tokens, wall, emitted, steps, accepted = [], 0.0, 0, 0, None
     for i, p in enumerate(prompts):
-        out = SpeculativeDecoder(target, drafter).generate([p], max_new, temperature, seed=i, **filters)
+        out = decoder.generate([p], max_new, temperature, seed=i, **filters)
         tokens.append(out.tokens[0])
         wall += out.summary["wall_s"]
         n = out.summary["steps"]
@@ -87,8 +96,8 @@ def run_ours(target, drafter, prompts, max_new, temperature=0.0, **filters):
     return tokens, wall, emitted / steps, [round(a / steps, 4) for a in accepted]
 
 
-def run_ours_batch(target, drafter, prompts, max_new):
-    out = SpeculativeDecoder(target, drafter).generate(prompts, max_new)
+def run_ours_batch(decoder, prompts, max_new):
+    out = decoder.generate(prompts, max_new)
     return out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"], out.summary["acceptance_by_depth"]
 
 
@@ -197,24 +206,24 @@ def main(argv=None):
     eos = target.cfg.eos_token_id
 
     def warm_up(make, batch=1):
-        return lambda: SpeculativeDecoder(target, make(models)).generate(prompts[:batch], 8)
+        return lambda: make(models).generate(prompts[:batch], 8)
 
-    methods = [(name, lambda make=make: run_ours(target, make(models), prompts, args.max_new_tokens), warm_up(make))
+    methods = [(name, lambda make=make: run_ours(make(models), prompts, args.max_new_tokens), warm_up(make))
                for name, make in ours]
     methods += [(f"{name} [batch of {len(prompts)}]",
-                 lambda make=make: run_ours_batch(target, make(models), prompts, args.max_new_tokens),
+                 lambda make=make: run_ours_batch(make(models), prompts, args.max_new_tokens),
                  warm_up(make, len(prompts)))
-                for name, make in OURS[:3]]
+                for name, make in ours if name in BATCHED]
     methods += [(f"{name} [T={args.sample_temperature}]",
-                 lambda make=make: run_ours(target, make(models), prompts, args.max_new_tokens, args.sample_temperature),
+                 lambda make=make: run_ours(make(models), prompts, args.max_new_tokens, args.sample_temperature),
                  warm_up(make))
                 for name, make in ours if name in SAMPLED]
     # what accept's filters cost end to end (the drafter samples from the same filtered law)
     methods += [(f"{name} [T={args.sample_temperature} top_k={FILTERS['top_k']} top_p={FILTERS['top_p']}]",
-                 lambda make=make: run_ours(target, make(models), prompts, args.max_new_tokens, args.sample_temperature,
+                 lambda make=make: run_ours(make(models), prompts, args.max_new_tokens, args.sample_temperature,
                                             **FILTERS),
                  warm_up(make))
-                for name, make in (OURS[0], OURS[2])]
+                for name, make in ours if name in FILTERED]
     hf_methods = [("transformers AR", {}), ("transformers assisted (assistant_model)", {"assistant": True}),
                   ("transformers prompt lookup (8 tokens)", {"prompt_lookup_num_tokens": 8})]
     skipped = []

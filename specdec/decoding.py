@@ -4,7 +4,8 @@
     out = decoder.generate(prompts, max_new_tokens=128, temperature=0.0, seed=0)
 
 One step for the whole batch:
-  1. the drafter proposes a tree per request (node 0 = the last emitted token, the root);
+  1. the drafter proposes a tree per request (node 0 = the last emitted token, the root); with adaptive
+     speculation (specdec.adaptive) of the depth the policy chose for this step, or none (the root alone);
   2. the target runs the tree against its cache (`kv_append` + `tree_attention`, positions lens + depth);
   3. `specdec.accept` picks the longest accepted path plus one next token (greedy, or lossless sampling
      with per-request temperature, seed and step counter as the random-stream offset);
@@ -13,7 +14,7 @@ One step for the whole batch:
   5. the path's tokens and the next token are appended to each sequence.
 Requests finish independently (EOS or max_new_tokens); a finished request keeps riding along with
 one token per step (its output is cut), so shapes stay static. The only host read per step is the
-stopping rule.
+stopping rule (with adaptive speculation it also brings back the accepted counts).
 """
 from __future__ import annotations
 
@@ -135,23 +136,27 @@ class SpeculativeDecoder:
                 prop = NoDrafter().propose(tokens, seq_lens, temp)
             else:
                 t_draft = time.perf_counter()
-                prop = self.drafter.propose(tokens, seq_lens, temp, *(() if k is None else (k,)))
-                if policy is not None:
+                if policy is None:
+                    prop = self.drafter.propose(tokens, seq_lens, temp)
+                else:
+                    prop = self.drafter.propose(tokens, seq_lens, temp, depth=k)
                     policy.drafted(k, time.perf_counter() - t_draft)
             tree = specdec.build_tree(prop.parents, prop.num_nodes)
             logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes,
                                                 return_hidden=features)
+            hidden_kw = {}
             if features:
                 logits, hidden = logits
-            res = self._accept(logits, prop, temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes,
-                               offset=steps, method="token" if k == 0 else method, **params.accept_kwargs(prop.tokens.shape[1]))
+                hidden_kw = {"target_hidden": hidden}
+            res = self._accept(logits, prop, temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes, offset=steps,
+                               method="token" if k == 0 else method, **params.accept_kwargs(prop.tokens.shape[1]))
             live = ~done
             num_acc = torch.where(live, res.num_accepted, 0)
             cache.rollback(res.accepted_nodes, num_acc)
             if k == 0:
-                self.drafter.skip(**({"target_hidden": hidden} if features else {}))
+                self.drafter.skip(**hidden_kw)
             else:
-                self.drafter.commit(prop, res.accepted_nodes, num_acc, **({"target_hidden": hidden} if features else {}))
+                self.drafter.commit(prop, res.accepted_nodes, num_acc, **hidden_kw)
 
             # append the path's draft tokens and the next token (finished requests: the next token only)
             Tp = prop.tokens.shape[1]
