@@ -101,6 +101,30 @@ def test_mtp_sampling_is_lossless(target_and_mtp, tree, filters):
     assert out.summary["acceptance_by_depth"][0] > 0.2  # the drafts took part
 
 
+@pytest.mark.parametrize("tree", ["chain:4", "tree:2,2,1", "dynamic:7,3,2"])
+def test_mtp_root_logits_after_rejections_equal_the_causal_forward(target_and_mtp, tree):
+    """At every step, after whatever the previous step accepted and rejected, the module's logits for the root
+    (from its cache plus the pending entries) equal its causal forward over the committed sequence."""
+    target, mtp = target_and_mtp
+    drafter = MTPDrafter(target, mtp, tree)
+    run_root, compared = drafter._root_logits, []
+
+    def checked(tokens, seq_lens):
+        logits = run_root(tokens, seq_lens)
+        for b, n in enumerate(seq_lens.tolist()):
+            if n >= 2:
+                seq = tokens[b:b + 1, :n]
+                _, hidden = target(seq, return_hidden=True)
+                torch.testing.assert_close(logits[b], mtp(target, hidden, seq)[0][0, n - 2], atol=1e-4, rtol=1e-4)
+                compared.append(n)
+        return logits
+
+    drafter._root_logits = checked
+    out = SpeculativeDecoder(target, drafter).generate(PROMPTS, 20)
+    hist = out.summary["acceptance_by_depth"]
+    assert 0.0 < hist[-1] < 1.0 and len(compared) > 3 * len(PROMPTS)  # paths were cut, at many steps
+
+
 def test_long_prompt_prefills_in_chunks(target_and_mtp, monkeypatch):
     target, mtp = target_and_mtp
     import specdec.drafters.mtp as mod
