@@ -62,13 +62,19 @@ class AdaptiveDepth:
     """The loop's per-step choice of draft depth (see the module doc). target_s (K + 1,): seconds of the
     target's forward over 1..K+1 tokens per request at this batch size."""
 
-    def __init__(self, batch_size: int, max_depth: int, target_s: Sequence[float], probe_every: int = 16):
+    def __init__(self, batch_size: int, max_depth: int, target_s: Sequence[float], probe_every: int = 16,
+                 previous: Optional["AdaptiveDepth"] = None):
+        """previous: a policy of an earlier batch of the same drafter, whose measured costs carry over and
+        whose requests' mean pooled acceptance is the new requests' prior."""
         if len(target_s) != max_depth + 1:
             raise ValueError(f"target_s: {len(target_s)} costs for depths 0..{max_depth}")
-        self.stats = AcceptanceStats(batch_size, max_depth)
+        prior = 0.6 if previous is None else float(previous.stats.pooled.mean())
+        self.stats = AcceptanceStats(batch_size, max_depth, prior=prior)
         self.target_s = torch.tensor(target_s, dtype=torch.float64)
-        self.draft_level_s: Optional[float] = None  # unknown until the first drafted step
-        self.overhead_s = 0.0  # the rest of a step (bookkeeping, accept, rollbacks): measured residual
+        # unknown until the first drafted step; the rest of a step (bookkeeping, accept, rollbacks) is the
+        # measured residual
+        self.draft_level_s: Optional[float] = None if previous is None else previous.draft_level_s
+        self.overhead_s = 0.0 if previous is None else previous.overhead_s
         self.probe_every, self.idle = probe_every, 0
         self.chosen = [0] * (max_depth + 1)  # steps per depth (the summary's "depth_chosen")
 

@@ -76,8 +76,11 @@ class SpeculativeDecoder:
         self.adaptive = self._default_policy if adaptive is True else adaptive or None
 
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
+        """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
+        and step costs, and its requests' mean acceptance as the new requests' prior)."""
         costs = measure_target_costs(self.target, batch_size, max_depth + 1)
-        return AdaptiveDepth(batch_size, max_depth, costs)
+        self._policy = AdaptiveDepth(batch_size, max_depth, costs, previous=getattr(self, "_policy", None))
+        return self._policy
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,

@@ -231,3 +231,14 @@ def test_cli_tree_auto(capsys, byte_pair):  # noqa: F811
     r = json.loads(out)
     assert rc == 0 and r["adaptive"] and r["identical"] and sum(r["depth_chosen"]) >= 1
     assert len(r["depth_chosen"]) == 9  # auto: chain:8
+
+
+def test_a_policy_starts_from_what_the_previous_batch_learned():
+    first = AdaptiveDepth(2, 3, [1.0, 1.1, 1.2, 1.3])
+    first.drafted(2, 0.4)
+    for _ in range(20):
+        first.update([3, 0], 3, [True, True], 2.0)
+    second = AdaptiveDepth(1, 3, [1.0, 1.1, 1.2, 1.3], previous=first)
+    assert second.draft_level_s == first.draft_level_s and second.overhead_s == first.overhead_s > 0
+    torch.testing.assert_close(second.stats.predicted(), torch.full((1, 3), float(first.stats.pooled.mean()),
+                                                                     dtype=torch.float64))
