@@ -18,6 +18,7 @@ echo "check-install: pip install --no-build-isolation ."
 cd "$tmp"  # away from the checkout: the installed package, not the source folder, is imported
 "$py" -c "import specdec, specdec._C; assert specdec.ops.HAS_CPP; print('specdec._C:', specdec._C.__file__)"
 "$py" -m specdec generate --prompt 'def f(x):' --max-new-tokens 16 --threads 1
+"$py" -m specdec generate --prompt 'def f(x):' --max-new-tokens 16 --threads 1 --drafter mtp --tree auto
 
 echo "check-install: pip wheel --no-build-isolation ."
 "$py" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w "$tmp/dist" "$root"
@@ -25,7 +26,8 @@ echo "check-install: pip wheel --no-build-isolation ."
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 need = {"the C++ ops": "specdec/_C", "the Triton kernels": "specdec/kernels/accept.py",
-        "the shipped pair": "specdec/assets/target/config.json"}
+        "the shipped pair": "specdec/assets/target/config.json",
+        "the shipped MTP module": "specdec/assets/mtp/model.safetensors"}
 missing = [what for what, prefix in need.items() if not any(n.startswith(prefix) for n in names)]
 assert not missing, f"the wheel lacks {missing}"
 print("wheel:", sys.argv[1].rsplit("/", 1)[-1], "has", ", ".join(need))
