@@ -376,6 +376,53 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
           k_scale, v_scale)
 
 
+class LayerCalls:
+    """kv_append and tree_attention for every layer of one cached forward (a model runner's hot path): the
+    first call of each op checks its arguments in full (value checks too, when on) and keeps the normalized
+    ones; a later call whose arguments have the same shapes, dtypes and devices (every later layer's) only
+    dispatches. The arguments the layers share are the plan's, so they are the same tensors at every call:
+
+        calls = specdec.ops.LayerCalls(cache_lens, tree_mask, write_start=..., block_table=..., num_nodes=...)
+        for layer: calls.kv_append(k_cache, v_cache, k, v); out = calls.tree_attention(q, k_cache, v_cache)
+
+    cache_lens: tree_attention's (node 0's slot); write_start: kv_append's cache_lens (default cache_lens).
+    Other arguments as the ops'; backend is resolved once."""
+
+    def __init__(self, cache_lens: torch.Tensor, tree_mask: torch.Tensor, *, write_start: Optional[torch.Tensor] = None,
+                 block_table: Optional[torch.Tensor] = None, num_nodes: Optional[torch.Tensor] = None,
+                 k_scale: Optional[float] = None, v_scale: Optional[float] = None, backend: Optional[str] = None):
+        self.cache_lens, self.tree_mask, self.block_table, self.num_nodes = cache_lens, tree_mask, block_table, num_nodes
+        self.write_start = cache_lens if write_start is None else write_start
+        self.k_scale, self.v_scale, self.backend = k_scale, v_scale, backend
+        self._append = self._attend = None  # (signature, normalized arguments) of the last checked call
+
+    @staticmethod
+    def _signature(*tensors, extra=()):
+        return tuple((t.shape, t.dtype, t.device) for t in tensors) + tuple(extra)
+
+    def kv_append(self, k_cache, v_cache, k_new, v_new) -> None:
+        sig = self._signature(k_cache, v_cache, k_new, v_new)
+        if self._append is None or self._append[0] != sig:
+            k_scale, v_scale = OPS["kv_append"].check(k_cache, v_cache, k_new, v_new, self.write_start,
+                                                      self.block_table, self.k_scale, self.v_scale,
+                                                      _python_value_checks(self.backend, k_new))
+            self._append = (sig, (k_scale, v_scale), resolve_backend(self.backend, k_cache.device))
+        _, scales, chosen = self._append
+        _dispatch("kv_append", chosen, k_cache, v_cache, k_new, v_new, self.write_start, self.block_table, *scales)
+
+    def tree_attention(self, q, k_cache, v_cache, window_left: int = -1) -> torch.Tensor:
+        sig = self._signature(q, k_cache, v_cache, extra=(window_left,))
+        if self._attend is None or self._attend[0] != sig:
+            normalized = OPS["tree_attention"].check(
+                q, k_cache, v_cache, self.cache_lens, self.tree_mask, self.block_table, self.num_nodes, None,
+                self.k_scale, self.v_scale, window_left, 0.0, None, 0, _python_value_checks(self.backend, q))
+            self._attend = (sig, normalized, resolve_backend(self.backend, q.device))
+        _, (num_nodes, scale, k_scale, v_scale, window, cap), chosen = self._attend
+        out, _ = _dispatch("tree_attention", chosen, q, k_cache, v_cache, self.cache_lens, self.tree_mask,
+                           self.block_table, num_nodes, scale, k_scale, v_scale, window, cap)
+        return out
+
+
 CacheArg = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 

@@ -254,9 +254,13 @@ def test_float8_cache_with_scales_tracks_the_causal_forward(monkeypatch):
             return float((model.forward_cached(x, cache, tree.depth, tree.mask) - model(x)).abs().max())
 
     assert error() < 0.1
-    attention = specdec.tree_attention
-    monkeypatch.setattr(specdec, "tree_attention",
-                        lambda *a, k_scale=None, v_scale=None, **kw: attention(*a, **kw))  # scales dropped
+    attention = specdec.ops.LayerCalls.tree_attention
+
+    def without_scales(calls, *args):  # the mutant: tree_attention called without the cache's scales
+        calls.k_scale = calls.v_scale = calls._attend = None
+        return attention(calls, *args)
+
+    monkeypatch.setattr(specdec.ops.LayerCalls, "tree_attention", without_scales)
     assert error() > 0.5
 
 

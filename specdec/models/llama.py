@@ -144,19 +144,16 @@ class KVCache:
 
 @dataclass(frozen=True)
 class CachedStep:
-    """What every layer needs for one cached forward, built once per forward (`Llama._run_layers`).
+    """What every layer needs for one cached forward, built once per forward (`Llama.cached_step`).
 
-    The tree has T = first_new + F nodes; node i's K/V lives at slot tree_start + i. The F new tokens are
+    The tree has T = first_new + F nodes; node i's K/V lives at slot cache.lens + i. The F new tokens are
     nodes first_new .. T-1 (nodes before are cached already: a drafter growing its tree level by level)."""
     cos: torch.Tensor  # (B, F, head_dim) rotary of the new tokens' positions (Llama.rope)
     sin: torch.Tensor  # (B, F, head_dim) signed sin
-    tree_start: torch.Tensor  # (B,) int32: node 0's slot, tree_attention's cache_lens
-    write_start: torch.Tensor  # (B,) int32: the first new token's slot (tree_start + first_new), kv_append's
     first_new: int
-    tree_mask: torch.Tensor  # (B, T, ceil(T/32)) int32 ancestor bits of all T nodes
-    num_nodes: Optional[torch.Tensor]  # (B,) int32: nodes >= num_nodes[b] are padding; None: none are
-    block_table: Optional[torch.Tensor]  # the cache's (None: contiguous)
-    scales: dict  # the cache's k_scale / v_scale keywords (float8), else empty
+    # kv_append at cache.lens + first_new and tree_attention over the tree (its mask, num_nodes), on the cache's
+    # block table and scales: checked at the first layer, dispatched at the others
+    calls: specdec.ops.LayerCalls
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,12 +211,10 @@ class Attention(nn.Module):
         """The new tokens x (B, F, dim) against this layer's cache (see CachedStep)."""
         B, F_new, _ = x.shape
         q, k, v = self.qkv(x, step.cos, step.sin)
-        specdec.kv_append(k_cache, v_cache, k, v, step.write_start, block_table=step.block_table, **step.scales)
+        step.calls.kv_append(k_cache, v_cache, k, v)
         if step.first_new:  # the cached nodes' queries are not needed: zero rows stand in for them
             q = torch.cat((q.new_zeros(B, step.first_new, *q.shape[2:]), q), dim=1)
-        out = specdec.tree_attention(q, k_cache, v_cache, step.tree_start, step.tree_mask,
-                                     block_table=step.block_table, num_nodes=step.num_nodes,
-                                     window_left=-1 if self.window is None else self.window - 1, **step.scales)
+        out = step.calls.tree_attention(q, k_cache, v_cache, -1 if self.window is None else self.window - 1)
         return self.o_proj(out[:, step.first_new:].reshape(B, F_new, -1))
 
 
@@ -365,8 +360,9 @@ class Llama(nn.Module):
         """What every layer of a cached forward over new tree nodes needs (see forward_cached); also used by
         modules that run on their own cache with this model's rotary (MTP)."""
         cos, sin = self.rope(cache.lens.unsqueeze(1).long() + depth.long())
-        return CachedStep(cos, sin, tree_start=cache.lens, write_start=cache.lens + start, first_new=start,
-                          tree_mask=tree_mask, num_nodes=num_nodes, block_table=cache.block_table, scales=cache.scales)
+        calls = specdec.ops.LayerCalls(cache.lens, tree_mask, write_start=cache.lens + start, num_nodes=num_nodes,
+                                       block_table=cache.block_table, **cache.scales)
+        return CachedStep(cos, sin, first_new=start, calls=calls)
 
     def _run_layers(self, tokens, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0) -> torch.Tensor:
         """The decoder layers over new tree tokens (see forward_cached); returns hidden states (B, F, dim)."""
