@@ -22,6 +22,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sysconfig
 import time
 import zlib
@@ -41,7 +42,7 @@ ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 # (row name, decoder factory over the loaded models m: target, draft, mtp); "auto": adaptive speculation
 def _decoder(drafter, adaptive=False):
-    return lambda m: SpeculativeDecoder(m["target"], drafter(m), adaptive=adaptive)
+    return lambda m: SpeculativeDecoder(m["target"], drafter(m), adaptive=adaptive, compile=m["compile"])
 
 
 OURS = [("ours AR", _decoder(lambda m: NoDrafter()))] + [
@@ -137,7 +138,9 @@ def markdown(res: dict) -> str:
              f"{cfg['max_new_tokens']} new tokens max, one request at a time (rows marked [batch]: all prompts in "
              "one batch, speedup against our batched AR; rows marked [T=..]: sampled at that temperature, speedup "
              "against our sampled AR), fp32 weights; each method's best of "
-             f"{cfg['repeats']} passes (warm-up before each).", "",
+             f"{cfg['repeats']} passes (warm-up before each)"
+             + (", our decoders compiled (torch.compile of the cached forwards; graphs compiled in the first pass)"
+                if cfg.get("compile") else "") + ".", "",
              "Acceptance by depth d: the fraction of steps that accepted at least d draft tokens.", "",
              "| method | new tokens/s | speedup vs ours AR | tokens/step (tau) | acceptance by depth | identical to ours AR |",
              "|---|---:|---:|---:|---|---|"]
@@ -192,13 +195,16 @@ def main(argv=None):
     ap.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled rows")
     ap.add_argument("--value-checks", action="store_true", help="keep specdec's host-side value checks on")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--methods", help="only the rows whose name matches this regular expression")
+    ap.add_argument("--compile", action="store_true",
+                    help="our decoders with compile=True (the first pass compiles; best of --repeats keeps a warm one)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     specdec.set_value_checks(args.value_checks)
 
     target, draft = load_model(args.target), load_model(args.draft)
-    models = {"target": target, "draft": draft,
+    models = {"target": target, "draft": draft, "compile": args.compile,
               "mtp": load_mtp(args.mtp, target.cfg) if os.path.isdir(args.mtp) else None}
     ours = OURS + (MTP_ROWS if models["mtp"] is not None else [])
     tok = ByteTokenizer()
@@ -241,6 +247,9 @@ def main(argv=None):
                 kw["assistant_model"] = hf_draft
             methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None),
                             lambda kw=kw: run_hf(hf_target, [prompts[0]], 8, eos, **kw)))
+    if args.methods:
+        methods = [m for m in methods if re.search(args.methods, m[0])]
+        skipped = [r for r in skipped if re.search(args.methods, r["method"])]
     best = {}
     for rep in range(args.repeats):  # other work on the machine only slows a pass: keep each method's best
         for name, run, warm_up in methods:
@@ -268,14 +277,15 @@ def main(argv=None):
                       "mtp_params": sum(p.numel() for p in models["mtp"].parameters()) if models["mtp"] else 0,
                       "prompts": len(prompts), "prompt_bytes": args.prompt_bytes,
                       "max_new_tokens": args.max_new_tokens, "value_checks": args.value_checks,
-                      "repeats": args.repeats, "sample_temperature": args.sample_temperature}}
+                      "repeats": args.repeats, "sample_temperature": args.sample_temperature, "compile": args.compile}}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "e2e.json"), "w") as f:
+    name = "e2e-compile" if args.compile else "e2e"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=2)
     md = markdown(res)
-    if plot_acceptance(rows, os.path.join(args.out, "e2e-acceptance.png")):
-        md += "\n![acceptance against depth](e2e-acceptance.png)\n"
-    with open(os.path.join(args.out, "e2e.md"), "w") as f:
+    if plot_acceptance(rows, os.path.join(args.out, f"{name}-acceptance.png")):
+        md += f"\n![acceptance against depth]({name}-acceptance.png)\n"
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(md)
     print(md)
 

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adaptive", action="store_true",
                    help="choose each step's draft depth (0 = plain decoding) from the target's cost measured at "
                         "start-up and the running acceptance by depth (specdec.adaptive)")
+    g.add_argument("--compile", action="store_true",
+                   help="the target's and the draft model's cached forwards through torch.compile (one graph per "
+                        "shape; a first run compiles them, later runs reuse Inductor's disk cache); the warm-up is "
+                        "then a whole run, reported as compile_s, and the AR baseline is compiled too")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
@@ -122,10 +127,15 @@ def generate(args, vocab_group=None) -> dict:
     shard = None if vocab_group is None else specdec.distributed.shard_lm_head(target, vocab_group)
     adaptive = args.adaptive or args.tree == "auto"
     decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method, vocab_shard=shard,
-                                   adaptive=adaptive),
-                SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard))
-    for decoder in decoders[:1 + args.compare_ar]:
-        decoder.generate(prompts[:1], 4)  # warm-up, so that the timings compare steady states
+                                   adaptive=adaptive, compile=args.compile),
+                SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard, compile=args.compile))
+    t0 = time.perf_counter()
+    for decoder in decoders[:1 + args.compare_ar]:  # warm-up, so that the timings compare steady states
+        if args.compile:  # every graph of the timed run: the same batch, length and tree
+            decoder.generate(prompts, args.max_new_tokens, args.temperature, args.seed)
+        else:
+            decoder.generate(prompts[:1], 4)
+    compile_s = time.perf_counter() - t0 if args.compile else None
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
     filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     spec = decoders[0].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress, **filters)
@@ -135,7 +145,7 @@ def generate(args, vocab_group=None) -> dict:
               "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
               "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree, "method": args.method,
               "temperature": args.temperature, **filters, "device": str(device), "dtype": args.dtype,
-              "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "adaptive": adaptive,
+              "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "adaptive": adaptive, "compile_s": compile_s,
               "depth_chosen": spec.summary.get("depth_chosen"), "requests": spec.stats}
     if args.compare_ar:
         ar = decoders[1].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress,
@@ -185,6 +195,9 @@ def print_text(r: dict) -> None:
     print(f"speculative ({r['drafter']}, {r['tree']}): {r['spec_tokens_per_s']:.1f} tokens/s, "
           f"{r['tokens_per_step']:.2f} tokens/step over {r['steps']} steps")
     print(f"acceptance by depth: {depth}")
+    if r.get("compile_s") is not None:
+        print(f"torch.compile: the warm-up run (compiling each graph, or loading it from the cache) took "
+              f"{r['compile_s']:.1f} s, not counted above")
     if "ar_tokens_per_s" in r:
         same = "identical" if r["identical"] else "different" + (" (expected when sampling)" if r["temperature"] else "")
         print(f"autoregressive: {r['ar_tokens_per_s']:.1f} tokens/s -> speedup {r['speedup']:.2f}x, outputs {same}")

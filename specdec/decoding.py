@@ -32,6 +32,9 @@ from .models.llama import Llama
 from ._validation import check_method_name
 from .sampling import SamplingParams
 
+CACHE_BUCKET = 256  # with compile=True, cache lengths are rounded up to a multiple of this
+
+
 @dataclass
 class GenerationOutput:
     """tokens[b]: request b's new tokens (cut at EOS, excluded, and max_new_tokens); stats[b]: its steps,
@@ -45,7 +48,7 @@ class GenerationOutput:
 class SpeculativeDecoder:
     def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
                  block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token",
-                 vocab_shard=None, adaptive=False):
+                 vocab_shard=None, adaptive=False, compile: bool = False):
         """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
         kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
         method: accept's verifier for sampling requests: "token", "block" (chains) or "traversal" (any
@@ -55,7 +58,10 @@ class SpeculativeDecoder:
         specdec.distributed.accept; every rank of the group runs the same generate call.
         adaptive: choose each step's draft depth, 0 (plain decoding) included, from the target's measured
         cost per verified token count and the requests' running acceptance (specdec.adaptive); True, or a
-        factory (batch_size, max_depth, device) -> policy with the methods of adaptive.AdaptiveDepth."""
+        factory (batch_size, max_depth, device) -> policy with the methods of adaptive.AdaptiveDepth.
+        compile: the target's and the draft model's cached forwards through torch.compile (Llama.compile_cached;
+        one graph per shape, compiled at first use: run a warm-up generate of the same batch size and tree first),
+        with caches sized in buckets of 256 positions so that later batches reuse the graphs."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -74,6 +80,12 @@ class SpeculativeDecoder:
         if adaptive and vocab_shard is not None:
             raise ValueError("adaptive: not with vocab_shard (every rank would have to choose the same depths)")
         self.adaptive = self._default_policy if adaptive is True else adaptive or None
+        self.compile = compile
+        if compile:
+            target.compile_cached()
+            draft_model = getattr(self.drafter, "model", None)
+            if isinstance(draft_model, Llama):
+                draft_model.compile_cached()
 
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
@@ -109,6 +121,8 @@ class SpeculativeDecoder:
         prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
         # room for: prompt + max_new for live requests (+ a last tree) and one token per step once finished
         L = int(prompt_lens.max()) + 2 * max_new_tokens + 2 * T + 2
+        if self.compile:  # cache shapes in buckets: compiled graphs are specialized to them
+            L = -(-L // CACHE_BUCKET) * CACHE_BUCKET
         tokens = torch.zeros(B, L, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = torch.tensor(list(p), dtype=torch.long)

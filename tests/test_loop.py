@@ -459,3 +459,36 @@ def test_cli_shipped_pair_text(capsys):
     rc, out, _ = run_cli(capsys, "--prompt", "import os\n", "--max-new-tokens", "24", "--compare-ar")
     assert rc == 0
     assert "tokens/step" in out and "outputs identical" in out
+
+
+def test_compiled_loop_equals_eager_and_ar():
+    """compile=True: the target's and the draft's cached forwards through torch.compile (fresh models: compiling
+    is a property of the model); greedy output equals AR; graphs were compiled and are reused by a later batch
+    of another prompt length (cache lengths in buckets)."""
+    from torch._dynamo.utils import counters
+    target, draft = tiny(0), tiny(1, dim=16, layers=1)
+    ar = generate_ar(target, PROMPTS, 8).tokens
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:2"), compile=True)
+    try:
+        counters.clear()
+        assert decoder.generate(PROMPTS, 8).tokens == ar
+        compiled = counters["stats"]["unique_graphs"]
+        assert compiled >= 3  # the target's verification, the draft's root and its second level
+        longer = [p + [7] for p in PROMPTS]
+        assert decoder.generate(longer, 8).tokens == generate_ar(tiny(0), longer, 8).tokens
+        assert counters["stats"]["unique_graphs"] == compiled  # no new graph
+    finally:
+        target.compile_cached(False)
+        draft.compile_cached(False)
+
+
+def test_cli_compile(capsys, tmp_path):
+    """--compile: a warm-up run that compiles (reported as compile_s) and the same output as eager."""
+    save_model(tiny(5, vocab=VOCAB_SIZE, eos=257), str(tmp_path / "target"))  # fresh models: compiling sticks
+    save_model(tiny(6, vocab=VOCAB_SIZE, dim=16, layers=1), str(tmp_path / "draft"))
+    base = ["--prompt", "def f(x):", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+            "--tree", "chain:1", "--max-new-tokens", "4", "--json"]
+    _, eager, _ = run_cli(capsys, *base)
+    rc, out, _ = run_cli(capsys, *base, "--compile")
+    r = json.loads(out)
+    assert rc == 0 and r["compile_s"] > 0 and r["tokens"] == json.loads(eager)["tokens"]

@@ -263,6 +263,7 @@ class Llama(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._compiled = None  # forward_cached through torch.compile (see compile_cached)
 
     @property
     def device(self):
@@ -322,10 +323,32 @@ class Llama(nn.Module):
         of all T nodes (specdec.build_tree(...).mask); num_nodes (B,): nodes >= num_nodes[b] are padding.
         cache.lens is not changed (see KVCache.commit and KVCache.rollback).
         """
+        if self._compiled is not None:
+            with specdec.value_checks(False):  # (host reads would break the graph; the loop builds its inputs)
+                return self._compiled(tokens, cache, depth, tree_mask, num_nodes, start, at, return_hidden)
+        return self._forward_cached(tokens, cache, depth, tree_mask, num_nodes, start, at, return_hidden)
+
+    def _forward_cached(self, tokens, cache, depth, tree_mask, num_nodes, start, at, return_hidden):
         x = self._run_layers(tokens, cache, depth, tree_mask, num_nodes, start)
         if at is not None:
             x = x.gather(1, at.long().view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
         return (self.head(x), x) if return_hidden else self.head(x)
+
+    def compile_cached(self, enabled: bool = True) -> "Llama":
+        """forward_cached through torch.compile (fullgraph, static shapes: one graph per shape, e.g. per tree
+        level of a drafter; specdec's ops are opaque custom ops inside it), or back to eager. Graphs compiled
+        by Inductor are cached on disk and reused by later processes. Value checks are off inside."""
+        if enabled and self._compiled is None:
+            # every model instance and shape adds graphs for the one code object (target and draft share it): a
+            # decoder has a few per batch size and tree level, and adaptive depths or dynamic trees add more;
+            # past the limit a fullgraph compile fails instead of running eagerly
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 1024)
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, 4096)
+            self._compiled = torch.compile(self._forward_cached, fullgraph=True, dynamic=False)
+        elif not enabled:
+            self._compiled = None
+        return self
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int = 256, *,
