@@ -59,7 +59,7 @@ class SpeculativeDecoder:
         adaptive: choose each step's draft depth, 0 (plain decoding) included, from the target's measured
         cost per verified token count and the requests' running acceptance (specdec.adaptive); True, or a
         factory (batch_size, max_depth, device) -> policy with the methods of adaptive.AdaptiveDepth.
-        compile: the target's and the draft model's cached forwards through torch.compile (Llama.compile_cached;
+        compile: the target's and the drafter's cached forwards through torch.compile (Llama.compile_cached;
         one graph per shape, compiled at first use: run a warm-up generate of the same batch size and tree first),
         with caches sized in buckets of 256 positions so that later batches reuse the graphs."""
         self.target = target
@@ -83,9 +83,7 @@ class SpeculativeDecoder:
         self.compile = compile
         if compile:
             target.compile_cached()
-            draft_model = getattr(self.drafter, "model", None)
-            if isinstance(draft_model, Llama):
-                draft_model.compile_cached()
+            self.drafter.compile_cached()
 
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft

@@ -321,3 +321,16 @@ def test_shipped_mtp_module_drafts_the_shipped_target():
     out = SpeculativeDecoder(target, MTPDrafter(target, mtp, "chain:3")).generate(prompt, 32)
     assert out.tokens == generate_ar(target, prompt, 32).tokens
     assert out.summary["acceptance_by_depth"][0] > 0.6
+
+
+def test_compiled_mtp_drafter_equals_ar(target_and_mtp):
+    """compile=True compiles the module's cached forward too (and the target's, undone after)."""
+    from torch._dynamo.utils import counters
+    target, mtp = target_and_mtp
+    ar = generate_ar(target, PROMPTS, 10).tokens
+    try:
+        counters.clear()
+        out = SpeculativeDecoder(target, MTPDrafter(target, mtp, "chain:2"), compile=True).generate(PROMPTS, 10)
+        assert out.tokens == ar and counters["stats"]["unique_graphs"] >= 4  # target, pending, 2 levels
+    finally:
+        target.compile_cached(False)

@@ -68,6 +68,10 @@ class Drafter:
     def skip(self) -> None:
         """A step without a proposal: every sequence grew by one token (its root's successor)."""
 
+    def compile_cached(self) -> None:
+        """Run the drafter's own forwards through torch.compile (SpeculativeDecoder(compile=True)); a drafter
+        without a model has nothing to compile."""
+
 
 class NoDrafter(Drafter):
     """Plain autoregressive decoding: the tree is the root alone."""

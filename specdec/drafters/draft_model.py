@@ -125,6 +125,9 @@ class DraftModelDrafter(Drafter):
         self.model.prefill(self.cache, tokens, seq_lens - 1)
         self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=tokens.device).expand(B, 2))
 
+    def compile_cached(self):
+        self.model.compile_cached()
+
     def _start_sampling(self, temperature, seeds, params, dev):
         """The per-request generators and sampling law, and the static tree's tensors on the batch's device."""
         self.generators, self.temperature, self.params = request_generators(seeds, dev), temperature, params
