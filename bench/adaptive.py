@@ -85,8 +85,8 @@ def main(argv=None):
              "| batch | prompts | config | tokens/s | speedup vs AR | identical to AR | depth chosen |",
              "|---:|---|---|---:|---:|---|---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['prompts']} | {r['config']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-                     f"{'yes' if r['identical'] else 'NO'} | {r['depth_chosen'] or '-'} |")
+        lines.append(f"| {r['batch']} | {r['prompts']} | {r['config']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} | {r['depth_chosen'] or '-'} |")
     with open(os.path.join(args.out, "adaptive.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

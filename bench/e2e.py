@@ -55,8 +55,9 @@ MTP_ROWS = [(f"ours mtp {tree}", _decoder(lambda m, tree=tree: MTPDrafter(m["tar
             for tree in ("chain:2", "chain:3", "chain:4", "chain:6", "dynamic:8,4,2")] + [
     ("ours mtp auto (chain:8, adaptive)", _decoder(lambda m: MTPDrafter(m["target"], m["mtp"], "chain:8"), True))]
 BATCHED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec auto (chain:8, adaptive)"]
-SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain:6", "ours spec auto (chain:8, adaptive)",
-           "ours mtp chain:2", "ours mtp chain:3", "ours mtp chain:4", "ours mtp chain:6", "ours mtp auto (chain:8, adaptive)"]
+SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain:6",
+           "ours spec auto (chain:8, adaptive)", "ours mtp chain:2", "ours mtp chain:3", "ours mtp chain:4",
+           "ours mtp chain:6", "ours mtp auto (chain:8, adaptive)"]
 FILTERED = ["ours AR", "ours spec chain:4"]
 PLOTTED = ["ours spec chain:6", "ours mtp chain:6", "ours prompt lookup chain:8"]  # and their sampled rows
 

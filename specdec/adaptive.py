@@ -3,11 +3,12 @@ device and how deep each request's drafts have been accepted lately.
 
 A step that drafts k levels costs `target_s[k]` (the target's forward over k + 1 tokens per request, measured
 at start-up for this batch size, `measure_target_costs`), plus k draft levels (measured as the loop runs:
-`AdaptiveDepth.drafted`), plus the rest of the step (measured as what the step took beyond those), and is expected to emit, per live request b, 1 + sum_{d <= k} prod_{i <= d} alpha[b, i]
-tokens, alpha[b, d] being the running rate at which request b's depth-d draft was accepted when its depth-(d-1)
-draft was (`AcceptanceStats`). The policy picks the k with the most tokens per second. When that is 0 for
-`probe_every` steps in a row it drafts once anyway (the best k > 0), so that text which starts repeating itself
-(prompt lookup) is noticed. Any k is lossless: a greedy output never depends on the choices.
+`AdaptiveDepth.drafted`), plus the rest of the step (measured as what the step took beyond those), and is
+expected to emit, per live request b, 1 + sum_{d <= k} prod_{i <= d} alpha[b, i] tokens, alpha[b, d] being the
+running rate at which request b's depth-d draft was accepted when its depth-(d-1) draft was (`AcceptanceStats`).
+The policy picks the k with the most tokens per second. When that is 0 for `probe_every` steps in a row it
+drafts once anyway (the best k > 0), so that text which starts repeating itself (prompt lookup) is noticed.
+Any k is lossless: a greedy output never depends on the choices.
 """
 from __future__ import annotations
 

@@ -391,7 +391,8 @@ class LayerCalls:
     def __init__(self, cache_lens: torch.Tensor, tree_mask: torch.Tensor, *, write_start: Optional[torch.Tensor] = None,
                  block_table: Optional[torch.Tensor] = None, num_nodes: Optional[torch.Tensor] = None,
                  k_scale: Optional[float] = None, v_scale: Optional[float] = None, backend: Optional[str] = None):
-        self.cache_lens, self.tree_mask, self.block_table, self.num_nodes = cache_lens, tree_mask, block_table, num_nodes
+        self.cache_lens, self.tree_mask = cache_lens, tree_mask
+        self.block_table, self.num_nodes = block_table, num_nodes
         self.write_start = cache_lens if write_start is None else write_start
         self.k_scale, self.v_scale, self.backend = k_scale, v_scale, backend
         self._append = self._attend = None  # (signature, normalized arguments) of the last checked call
