@@ -83,6 +83,35 @@ def held_out_prompts(n: int, n_bytes: int) -> list[str]:
     return prompts
 
 
+TARGET_TIME = {"prefill": 0.0, "forward_cached": 0.0}  # seconds inside the target's calls (timed_target)
+
+
+def timed_target(target):
+    """Wrap the target's prefill and forward_cached (this instance only) to add their time to TARGET_TIME."""
+    for name in TARGET_TIME:
+        call = getattr(target, name)
+
+        def timed(*args, _call=call, _name=name, **kwargs):
+            t0 = time.perf_counter()
+            out = _call(*args, **kwargs)
+            TARGET_TIME[_name] += time.perf_counter() - t0
+            return out
+
+        setattr(target, name, timed)
+
+
+def _outside_target(run):
+    """run() -> (..., outside): the share of the decoding steps' time (after the prefill) spent outside the
+    target's forward."""
+    def measured():
+        start = dict(TARGET_TIME)
+        out = run()
+        wall = out[1]
+        prefill, forward = (TARGET_TIME[k] - start[k] for k in ("prefill", "forward_cached"))
+        return (*out, (wall - prefill - forward) / max(wall - prefill, 1e-9))
+    return measured
+
+
 def run_ours(decoder, prompts, max_new, temperature=0.0, **filters):
     """(tokens, wall s, tau, acceptance by depth) over the prompts one at a time (steps-weighted means)."""
     tokens, wall, emitted, steps, accepted = [], 0.0, 0, 0, None
@@ -142,18 +171,24 @@ def markdown(res: dict) -> str:
              f"{cfg['repeats']} passes (warm-up before each)"
              + (", our decoders compiled (torch.compile of the cached forwards; graphs compiled in the first pass)"
                 if cfg.get("compile") else "") + ".", "",
-             "Acceptance by depth d: the fraction of steps that accepted at least d draft tokens.", "",
-             "| method | new tokens/s | speedup vs ours AR | tokens/step (tau) | acceptance by depth | identical to ours AR |",
-             "|---|---:|---:|---:|---|---|"]
+             "Acceptance by depth d: the fraction of steps that accepted at least d draft tokens. Outside target: the "
+             "share of the decoding steps' time (after the prefill) spent outside the target's forward (drafting, "
+             "accept, rollbacks, bookkeeping). Speedup / tau: the loop's efficiency (1 = a step costs one AR step).",
+             "",
+             "| method | new tokens/s | speedup vs ours AR | tokens/step (tau) | speedup / tau | outside target | "
+             "acceptance by depth | identical to ours AR |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
     for r in res["rows"]:
         if r.get("skipped"):
-            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | | |")
             continue
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        efficiency = "-" if r["tau"] is None else f"{r['speedup_vs_ours_ar'] / r['tau']:.2f}"
+        outside = "-" if r.get("outside_target") is None else f"{100 * r['outside_target']:.0f}%"
         depth = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth") or []) or "-"
         same = "n/a (sampled)" if r["identical"] is None else "yes" if r["identical"] else "NO"
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {tau} | {depth} | "
-                     f"{same} |")
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {tau} | "
+                     f"{efficiency} | {outside} | {depth} | {same} |")
     return "\n".join(lines) + "\n"
 
 
@@ -205,6 +240,7 @@ def main(argv=None):
     specdec.set_value_checks(args.value_checks)
 
     target, draft = load_model(args.target), load_model(args.draft)
+    timed_target(target)
     models = {"target": target, "draft": draft, "compile": args.compile,
               "mtp": load_mtp(args.mtp, target.cfg) if os.path.isdir(args.mtp) else None}
     ours = OURS + (MTP_ROWS if models["mtp"] is not None else [])
@@ -231,6 +267,7 @@ def main(argv=None):
                                             **FILTERS),
                  warm_up(make))
                 for name, make in ours if name in FILTERED]
+    methods = [(name, _outside_target(run), warm) for name, run, warm in methods]
     hf_methods = [("transformers AR", {}), ("transformers assisted (assistant_model)", {"assistant": True}),
                   ("transformers prompt lookup (8 tokens)", {"prompt_lookup_num_tokens": 8})]
     skipped = []
@@ -246,7 +283,7 @@ def main(argv=None):
         for name, kw in hf_methods:
             if kw.pop("assistant", False):
                 kw["assistant_model"] = hf_draft
-            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None),
+            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None, None),
                             lambda kw=kw: run_hf(hf_target, [prompts[0]], 8, eos, **kw)))
     if args.methods:
         methods = [m for m in methods if re.search(args.methods, m[0])]
@@ -255,14 +292,15 @@ def main(argv=None):
     for rep in range(args.repeats):  # other work on the machine only slows a pass: keep each method's best
         for name, run, warm_up in methods:
             warm_up()
-            tokens, wall, tau, by_depth = run()
+            tokens, wall, tau, by_depth, outside = run()
             if name not in best or wall < best[name][1]:
-                best[name] = (tokens, wall, tau, by_depth)
+                best[name] = (tokens, wall, tau, by_depth, outside)
             print(f"pass {rep + 1}: {name:40s} {sum(map(len, tokens)) / wall:8.1f} tok/s", flush=True)
     reference = best[OURS[0][0]][0]
     rows = [{"method": name, "tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tau": tau,
-             "acceptance_by_depth": by_depth, "identical": tokens == reference, "new_tokens": sum(map(len, tokens))}
-            for name, (tokens, wall, tau, by_depth) in best.items()] + skipped
+             "acceptance_by_depth": by_depth, "outside_target": outside, "identical": tokens == reference,
+             "new_tokens": sum(map(len, tokens))}
+            for name, (tokens, wall, tau, by_depth, outside) in best.items()] + skipped
     def mode(method):  # "[batch of 4]", "[T=0.8]" or "" (one greedy request at a time)
         return method[method.find("["):] if "[" in method else ""
 
