@@ -12,7 +12,7 @@ from specdec.decoding import SpeculativeDecoder, generate_ar
 from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter
 
 from test_loop import PROMPTS, byte_pair, chi_square_two_tokens, exact_filtered_two_token_law, pair, run_cli, tiny  # noqa: F401
-from test_mtp import target_and_mtp  # noqa: F401
+from test_mtp import assert_heads_cache_matches_a_fresh_run, target_and_mtp  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,18 +175,7 @@ def test_mtp_cache_after_skipped_steps_equals_a_fresh_run(target_and_mtp):
     target, mtp = target_and_mtp
     drafter = MTPDrafter(target, mtp, "chain:3")
     out = SpeculativeDecoder(target, drafter, adaptive=scripted((0, 0, 3, 0, 1, 0, 0, 0, 2))).generate(PROMPTS, 20)
-    for b, prompt in enumerate(PROMPTS):
-        seq = prompt + out.tokens[b]
-        n = int(drafter.cache.lens[b])
-        fresh = MTPDrafter(target, mtp, "chain:3")
-        x = torch.tensor([seq + [0] * 8])
-        lens = torch.tensor([n + 2], dtype=torch.int32)
-        with torch.no_grad():
-            hidden = target.prefill(target.new_cache(1, 96), x, lens - 1, return_hidden=True)
-            fresh.start(x, lens, 96, torch.zeros(1), [0], target_hidden=hidden)
-        m = min(n, len(seq) - 1)
-        assert m > len(prompt)
-        torch.testing.assert_close(drafter.cache.k[:, b, :m], fresh.cache.k[:, 0, :m], atol=1e-5, rtol=1e-5)
+    assert_heads_cache_matches_a_fresh_run(target, mtp, drafter, "chain:3", PROMPTS, out.tokens)
 
 
 def test_sampling_with_skipped_and_shallow_steps_is_lossless(target_and_mtp):

@@ -66,8 +66,14 @@ def test_mtp_cache_after_rejections_equals_a_fresh_run(target_and_mtp, tree):
     out = SpeculativeDecoder(target, drafter).generate(PROMPTS, 24)
     hist = out.summary["acceptance_by_depth"]
     assert 0.0 < hist[-1] < 1.0 and hist[0] > 0.0  # both full-depth and rejected drafts happened
-    for b, prompt in enumerate(PROMPTS):
-        seq = prompt + out.tokens[b]
+    assert_heads_cache_matches_a_fresh_run(target, mtp, drafter, tree, PROMPTS, out.tokens)
+
+
+def assert_heads_cache_matches_a_fresh_run(target, mtp, drafter, tree, prompts, outputs):
+    """The heads' committed K/V of each request equal those of a drafter started from scratch on its
+    committed tokens."""
+    for b, prompt in enumerate(prompts):
+        seq = prompt + outputs[b]
         n = int(drafter.cache.lens[b])
         assert n >= len(prompt) - 1
         fresh = MTPDrafter(target, mtp, tree)

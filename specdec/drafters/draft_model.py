@@ -198,7 +198,7 @@ class DraftModelDrafter(Drafter):
         """EAGLE-2 style growth over D levels (given proposals: no draft_logits)."""
         B, dev = root.shape[0], root.device
         k = self.tree.topk
-        N = min(self.tree.nodes, 2 + (D - 1) * k * k + k - 1)  # no more nodes than D levels have candidates
+        N = min(self.tree.nodes, 1 + k + (D - 1) * k * k)  # the root and at most the candidates of D levels
         # candidates, in creation order (a parent is always created before its children)
         cand_tok = [root]  # (B, n) per level
         cand_score = [torch.zeros(B, 1, device=dev)]

@@ -17,8 +17,7 @@ from typing import Optional
 
 import torch
 
-import specdec
-from ..models.llama import KVCache, Llama, chain_tree
+from ..models.llama import KVCache, Llama, chain_tree, compile_static
 from ..models.mtp import MTP
 from ..sampling import SamplingParams
 from .draft_model import DraftModelDrafter, TreeSpec
@@ -57,16 +56,14 @@ class MTPDrafter(DraftModelDrafter):
         self.num_pending = (seq_lens >= 2).to(torch.int32)
 
     def compile_cached(self):
-        """The module's cached forward through torch.compile (fullgraph, static shapes), as Llama.compile_cached."""
+        """The module's cached forward through torch.compile (compile_static), as Llama.compile_cached."""
         self.model.compile_cached()  # (the target: the decoder's already)
-        self._compiled_run = torch.compile(self._run_module, fullgraph=True, dynamic=False)
+        self._compiled_run = compile_static(self._run_module)
 
     def _run(self, tokens, hidden, depth, mask, num_nodes=None, start=0):
         """The module over new tree nodes tokens (B, F) conditioned on hidden (B, F, dim) (post-norm)."""
-        if self._compiled_run is not None:
-            with specdec.value_checks(False):
-                return self._compiled_run(tokens, hidden, self.cache, depth, mask, num_nodes, start)
-        return self._run_module(tokens, hidden, self.cache, depth, mask, num_nodes, start)
+        run = self._compiled_run or self._run_module
+        return run(tokens, hidden, self.cache, depth, mask, num_nodes, start)
 
     def _run_module(self, tokens, hidden, cache, depth, mask, num_nodes, start):
         step = self.model.cached_step(cache, depth, mask, num_nodes, start)

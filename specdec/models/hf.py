@@ -97,10 +97,16 @@ FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_pro
 
 def from_hf_state(state: dict, cfg: LlamaConfig) -> dict:
     """Hugging Face parameter names -> ours: q/k/v and gate/up projections joined (fused matmuls)."""
+    return join_fused(state, [f"model.layers.{i}" for i in range(cfg.n_layers)])
+
+
+def join_fused(state: dict, layers) -> dict:
+    """A copy of state with each decoder layer's (named by its prefix in `layers`) Hugging Face q/k/v and gate/up
+    projections joined into our fused ones."""
     state = dict(state)
-    for i in range(cfg.n_layers):
+    for layer in layers:
         for fused, (module, parts) in FUSED.items():
-            group = f"model.layers.{i}.{module}"
+            group = f"{layer}.{module}"
             for kind in ("weight", "bias"):
                 names = [f"{group}.{p}.{kind}" for p in parts]
                 if all(n in state for n in names):

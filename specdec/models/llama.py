@@ -323,10 +323,8 @@ class Llama(nn.Module):
         of all T nodes (specdec.build_tree(...).mask); num_nodes (B,): nodes >= num_nodes[b] are padding.
         cache.lens is not changed (see KVCache.commit and KVCache.rollback).
         """
-        if self._compiled is not None:
-            with specdec.value_checks(False):  # (host reads would break the graph; the loop builds its inputs)
-                return self._compiled(tokens, cache, depth, tree_mask, num_nodes, start, at, return_hidden)
-        return self._forward_cached(tokens, cache, depth, tree_mask, num_nodes, start, at, return_hidden)
+        run = self._compiled or self._forward_cached
+        return run(tokens, cache, depth, tree_mask, num_nodes, start, at, return_hidden)
 
     def _forward_cached(self, tokens, cache, depth, tree_mask, num_nodes, start, at, return_hidden):
         x = self._run_layers(tokens, cache, depth, tree_mask, num_nodes, start)
@@ -335,17 +333,10 @@ class Llama(nn.Module):
         return (self.head(x), x) if return_hidden else self.head(x)
 
     def compile_cached(self, enabled: bool = True) -> "Llama":
-        """forward_cached through torch.compile (fullgraph, static shapes: one graph per shape, e.g. per tree
-        level of a drafter; specdec's ops are opaque custom ops inside it), or back to eager. Graphs compiled
-        by Inductor are cached on disk and reused by later processes. Value checks are off inside."""
+        """forward_cached through torch.compile (compile_static: one graph per shape, e.g. per tree level of a
+        drafter), or back to eager."""
         if enabled and self._compiled is None:
-            # every model instance and shape adds graphs for the one code object (target and draft share it): a
-            # decoder has a few per batch size and tree level, and adaptive depths or dynamic trees add more;
-            # past the limit a fullgraph compile fails instead of running eagerly
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 1024)
-            torch._dynamo.config.accumulated_cache_size_limit = max(
-                torch._dynamo.config.accumulated_cache_size_limit, 4096)
-            self._compiled = torch.compile(self._forward_cached, fullgraph=True, dynamic=False)
+            self._compiled = compile_static(self._forward_cached)
         elif not enabled:
             self._compiled = None
         return self
@@ -402,6 +393,23 @@ class Llama(nn.Module):
             raise ValueError(f"kv_dtype: {kv_dtype} is neither the model's dtype ({self.dtype}) nor a float8 dtype")
         return KVCache(self.cfg, batch_size, max_len, dtype=kv_dtype or self.dtype, device=self.device,
                        block_size=block_size)
+
+
+def compile_static(fn):
+    """fn through torch.compile (fullgraph, static shapes: one graph per shape; specdec's ops are opaque custom ops
+    inside; Inductor caches the graphs on disk for later processes), called with the value checks off (their host
+    reads would break the graph; the callers build the op inputs themselves)."""
+    # every shape adds a graph for fn's code object, shared by all model instances (target and draft): a decoder
+    # has a few per batch size and tree level, adaptive depths and dynamic trees add more, and past the limit a
+    # fullgraph compile fails instead of running eagerly
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 1024)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def run(*args):
+        with specdec.value_checks(False):
+            return compiled(*args)
+    return run
 
 
 def chain_tree(B: int, T: int, num_nodes: Optional[torch.Tensor] = None, device="cpu") -> specdec.TreeInfo:

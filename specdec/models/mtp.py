@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .hf import FUSED, CheckpointError, config_to_hf, is_mtp_weight, to_hf_state_names
+from .hf import CheckpointError, config_to_hf, is_mtp_weight, join_fused, to_hf_state_names
 from .llama import CachedStep, DecoderLayer, Llama, LlamaConfig, RMSNorm
 
 
@@ -108,6 +108,7 @@ _NUM_MODULES_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 def mtp_from_hf_state(state: dict, cfg: LlamaConfig) -> dict:
     """MTP tensors of a checkpoint (either layout) -> `MTP` parameter names (fused q/k/v and gate/up)."""
     out, n = {}, cfg.n_layers
+    qwen3_next_modules = 1 + max([int(k.split(".")[2]) for k in state if k.startswith("mtp.layers.")], default=0)
     for name, value in state.items():
         if name.startswith("mtp."):
             rest = name[len("mtp."):]
@@ -120,7 +121,7 @@ def mtp_from_hf_state(state: dict, cfg: LlamaConfig) -> dict:
                 key = f"layers.{{k}}.{_QWEN3_NEXT.get(part, 'shared_head.norm' if part == 'norm' else part)}.{kind}"
             if key.endswith("norm.weight"):
                 value = value.float() + 1  # zero-centred RMSNorm
-            keys = [key.format(k=k) for k in range(_qwen3_next_modules(state))] if "{k}" in key else [key]
+            keys = [key.format(k=k) for k in range(qwen3_next_modules)] if "{k}" in key else [key]
         else:
             m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
             if m is None or int(m.group(1)) < n:
@@ -131,17 +132,7 @@ def mtp_from_hf_state(state: dict, cfg: LlamaConfig) -> dict:
             keys = [f"layers.{k}.{tail}" if tail.startswith(_DEEPSEEK_OWN) else f"layers.{k}.block.{tail}"]
         for key in keys:
             out[key] = value
-    for fused, (module, parts) in FUSED.items():
-        for group in sorted({k.rsplit(".", 3)[0] for k in out if f".{module}." in k}):
-            for kind in ("weight", "bias"):
-                names = [f"{group}.{module}.{p}.{kind}" for p in parts]
-                if all(x in out for x in names):
-                    out[f"{group}.{module}.{fused}.{kind}"] = torch.cat([out.pop(x) for x in names])
-    return out
-
-
-def _qwen3_next_modules(state: dict) -> int:
-    return 1 + max([int(k.split(".")[2]) for k in state if k.startswith("mtp.layers.")], default=0)
+    return join_fused(out, sorted({".".join(k.split(".")[:3]) for k in out if ".block." in k}))
 
 
 def mtp_folder(path: str) -> bool:
