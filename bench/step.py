@@ -43,14 +43,21 @@ def median_ms(fn, n: int) -> float:
     return sorted(times)[n // 2] * 1e3
 
 
+def forward_ms(target, cache, t: int, n: int) -> float:
+    """Median ms of the target's cached forward over a t-token chain."""
+    info = chain_tree(1, t)
+    toks = torch.zeros(1, t, dtype=torch.long)
+    return median_ms(lambda: target.forward_cached(toks, cache, info.depth, info.mask), n)
+
+
 def make_step(target, draft, tree: str, context: int, steps: int):
     """A fresh decoding state (random prompt of `context` tokens) and its step function."""
-    L = context + (steps + 8) * 16
+    drafter = DraftModelDrafter(draft, tree)
+    L = context + (steps + 5) * drafter.max_nodes  # the warm-up and timed steps, each <= max_nodes tokens
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (1, L), generator=gen)
     seq_lens = torch.full((1,), context, dtype=torch.int32)
     temp = torch.zeros(1)
-    drafter = DraftModelDrafter(draft, tree)
     cache = target.new_cache(1, L)
     target.prefill(cache, tokens, seq_lens - 1)
     drafter.start(tokens, seq_lens, L, temp, [0], SamplingParams())
@@ -87,20 +94,14 @@ def main(argv=None):
         cache = target.new_cache(1, args.context + 64)
         cache.lens.fill_(args.context)
         for t in (1, T):
-            info = chain_tree(1, t)
-            toks = torch.zeros(1, t, dtype=torch.long)
-            rows[f"target forward, {t} token(s), eager"] = median_ms(
-                lambda: target.forward_cached(toks, cache, info.depth, info.mask), args.steps)
+            rows[f"target forward, {t} token(s), eager"] = forward_ms(target, cache, t, args.steps)
         rows["step, eager"] = median_ms(make_step(target, draft, args.tree, args.context, args.steps), args.steps)
         target.compile_cached()
         draft.compile_cached()
         rows["step, each cached forward compiled"] = median_ms(
             make_step(target, draft, args.tree, args.context, args.steps), args.steps)
         for t in (1, T):
-            info = chain_tree(1, t)
-            toks = torch.zeros(1, t, dtype=torch.long)
-            rows[f"target forward, {t} token(s), compiled"] = median_ms(
-                lambda: target.forward_cached(toks, cache, info.depth, info.mask), args.steps)
+            rows[f"target forward, {t} token(s), compiled"] = forward_ms(target, cache, t, args.steps)
         target.compile_cached(False)
         draft.compile_cached(False)
         whole = compile_static(make_step(target, draft, args.tree, args.context, args.steps))
