@@ -13,8 +13,11 @@ One step for the whole batch:
      the proposal back with the accepted path);
   5. the path's tokens and the next token are appended to each sequence.
 Requests finish independently (EOS or max_new_tokens); a finished request keeps riding along with
-one token per step (its output is cut), so shapes stay static. The only host read per step is the
-stopping rule (with adaptive speculation it also brings back the accepted counts).
+one token per step (its output is cut), so shapes stay static. A step (`_step`) works in place on the
+batch's buffers (`_Batch`) and reads nothing back; the host decides the depth k before it (the policy, and
+`Drafter.advance`, the drafter's host bookkeeping) and reads one small tensor after it (`_Batch.flags`: the
+stopping rule, and the accepted counts the adaptive policy learns from). So the step compiles as one graph
+(compile=True).
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ import torch
 import specdec
 from . import distributed
 from .adaptive import AdaptiveDepth, measure_target_costs
-from .drafters.base import Drafter, NoDrafter
-from .models.llama import Llama
+from .drafters.base import Drafter, NoDrafter, Proposal
+from .models.llama import Llama, compile_static
 from ._validation import check_method_name
 from .sampling import SamplingParams
 
@@ -59,9 +62,11 @@ class SpeculativeDecoder:
         adaptive: choose each step's draft depth, 0 (plain decoding) included, from the target's measured
         cost per verified token count and the requests' running acceptance (specdec.adaptive); True, or a
         factory (batch_size, max_depth, device) -> policy with the methods of adaptive.AdaptiveDepth.
-        compile: the target's and the drafter's cached forwards through torch.compile (Llama.compile_cached;
-        one graph per shape, compiled at first use: run a warm-up generate of the same batch size and tree first),
-        with caches sized in buckets of 256 positions so that later batches reuse the graphs."""
+        compile: each step through torch.compile as one graph (`compile_static`: the drafting, the target's
+        forward, accept, both rollbacks and the bookkeeping; fullgraph, so no host sync inside), one graph per
+        batch size, draft depth and drafter state (`Drafter.advance`), compiled at first use: run a warm-up
+        generate of the same batch size and tree first. Caches are sized in buckets of 256 positions so that later
+        batches reuse the graphs."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -80,10 +85,21 @@ class SpeculativeDecoder:
         if adaptive and vocab_shard is not None:
             raise ValueError("adaptive: not with vocab_shard (every rank would have to choose the same depths)")
         self.adaptive = self._default_policy if adaptive is True else adaptive or None
+        self.features = getattr(self.drafter, "uses_target_hidden", False)  # the drafter reads the target's hiddens
         self.compile = compile
+        if compile and vocab_shard is not None:
+            raise ValueError("compile: not with vocab_shard (the shards' collectives run eagerly)")
         if compile:
-            target.compile_cached()
-            self.drafter.compile_cached()
+            self._whole_step = compile_static(self._step)
+            self._verify_step = compile_static(self._verify)
+
+    def _compiled_step(self, s: "_Batch", k: Optional[int]) -> None:
+        """One compiled graph per step: the whole step, or for a drafter that proposes on the host (prompt
+        lookup) its proposal eagerly and the verification compiled."""
+        if self.drafter.proposes_on_host:
+            self._verify_step(s, self._propose(s, k), k)
+        else:
+            self._whole_step(s, k)
 
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
@@ -113,7 +129,6 @@ class SpeculativeDecoder:
             raise ValueError("temperature/seed: give one value or one per prompt")
         temp = torch.tensor(temps, dtype=torch.float32, device=dev)
         params = SamplingParams.for_batch(B, self.target.cfg.vocab_size, dev, top_k, top_p, min_p, allowed_token_ids)
-        seeds_t = torch.tensor(seeds, dtype=torch.int64, device=dev)
         method = self.method if any(t > 0 for t in temps) else "token"  # (greedy requests: any method is token-wise)
 
         prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
@@ -124,91 +139,97 @@ class SpeculativeDecoder:
         tokens = torch.zeros(B, L, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = torch.tensor(list(p), dtype=torch.long)
-        seq_lens = prompt_lens.clone()
 
         t0 = time.perf_counter()
         cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
+        s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T)
         # the last prompt token is the first root; a drafter on the target's features gets its hidden states
-        features = getattr(self.drafter, "uses_target_hidden", False)
-        hidden = self.target.prefill(cache, tokens, seq_lens - 1, return_hidden=features)
-        self.drafter.start(tokens, seq_lens, L, temp, seeds, params, **({"target_hidden": hidden} if features else {}))
+        hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
+        self.drafter.start(tokens, s.seq_lens, L, temp, seeds, params,
+                           **({"target_hidden": hidden} if self.features else {}))
 
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        steps = torch.zeros(B, dtype=torch.long, device=dev)
-        emitted_live = torch.zeros(B, dtype=torch.long, device=dev)  # tokens emitted while unfinished
-        accepted_hist = torch.zeros(B, depth + 1, dtype=torch.long, device=dev)  # steps that accepted n draft tokens
-        finish_step = torch.zeros(B, dtype=torch.long, device=dev)
         step_times = []
-        cols = torch.arange(T, device=dev)
         bar = _progress(max_new_tokens) if progress else None
         policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
         live_host = [True] * B
-        step = 0
         while True:
             t_step = time.perf_counter()
-            k = None if policy is None else policy.choose(live_host)
-            if k == 0:  # plain decoding this step: the root alone, and the drafter is told it was skipped
-                prop = NoDrafter().propose(tokens, seq_lens, temp)
+            k = None if policy is None else policy.choose(live_host)  # None: the drafter's whole tree
+            self.drafter.advance(k)
+            if self.compile:
+                self._compiled_step(s, k)
             else:
-                t_draft = time.perf_counter()
-                if policy is None:
-                    prop = self.drafter.propose(tokens, seq_lens, temp)
-                else:
-                    prop = self.drafter.propose(tokens, seq_lens, temp, depth=k)
-                    policy.drafted(k, time.perf_counter() - t_draft)
-            tree = specdec.build_tree(prop.parents, prop.num_nodes)
-            logits = self.target.forward_cached(prop.tokens, cache, tree.depth, tree.mask, prop.num_nodes,
-                                                return_hidden=features)
-            hidden_kw = {}
-            if features:
-                logits, hidden = logits
-                hidden_kw = {"target_hidden": hidden}
-            res = self._accept(logits, prop, temperature=temp, seeds=seeds_t, num_nodes=prop.num_nodes, offset=steps,
-                               method="token" if k == 0 else method, **params.accept_kwargs(prop.tokens.shape[1]))
-            live = ~done
-            num_acc = torch.where(live, res.num_accepted, 0)
-            cache.rollback(res.accepted_nodes, num_acc)
-            if k == 0:
-                self.drafter.skip(**hidden_kw)
-            else:
-                self.drafter.commit(prop, res.accepted_nodes, num_acc, **hidden_kw)
-
-            # append the path's draft tokens and the next token (finished requests: the next token only)
-            Tp = prop.tokens.shape[1]
-            new = res._replace(num_accepted=num_acc).emitted_tokens(prop.tokens)
-            n_new = num_acc.long() + 1
-            where = (seq_lens.long().unsqueeze(1) + cols[:Tp]).clamp(max=L - 1)
-            keep = cols[:Tp] < n_new.unsqueeze(1)
-            tokens.scatter_(1, where, torch.where(keep, new, tokens.gather(1, where)))
-            seq_lens += n_new.to(torch.int32)
-
-            steps += live
-            emitted_live += torch.where(live, n_new, 0)
-            accepted_hist[torch.arange(B, device=dev), num_acc.long()] += live
-            hit_eos = ((new == self.eos) & keep).any(1) if self.eos is not None else torch.zeros_like(done)
-            finished_now = live & (hit_eos | (seq_lens - prompt_lens >= max_new_tokens))
-            finish_step = torch.where(finished_now, step, finish_step)
-            done |= finished_now
-            step += 1
+                prop = self._propose(s, k)
+                if policy is not None and k:
+                    policy.drafted(k, time.perf_counter() - t_step)
+                self._verify(s, prop, k)
+            flags = s.flags.tolist()  # the one host read per step: the stopping rule, and what the policy learns
             step_times.append(time.perf_counter() - t0)
+            if policy is not None:
+                policy.update(flags[:B], k, live_host, time.perf_counter() - t_step, drafting_timed=not self.compile)
+            live_host = [not f for f in flags[B:]]
             if bar is not None:
-                bar.update(int((seq_lens - prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
-            if policy is not None:  # the one host read per step: the stopping rule, and what the policy learns
-                flags = torch.cat((num_acc.long(), done.long())).tolist()
-                policy.update(flags[:B], k, live_host, time.perf_counter() - t_step)
-                live_host = [not f for f in flags[B:]]
-                if not any(live_host):
-                    break
-            elif bool(done.all()):  # the one host read per step: the stopping rule
+                bar.update(int((s.seq_lens - prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
+            if not any(live_host):
                 break
         if bar is not None:
             bar.close()
         wall = time.perf_counter() - t0
-        out = self._collect(tokens, prompt_lens, seq_lens, max_new_tokens, steps, emitted_live, accepted_hist,
-                            finish_step, step_times, wall)
+        out = self._collect(s, step_times, wall)
         if policy is not None:
             out.summary["depth_chosen"] = list(policy.chosen)  # steps per draft depth, 0 = plain decoding
         return out
+
+    # one step, on the batch's buffers in place: _propose then _verify (with compile=True one graph per depth k,
+    # or, for a drafter that proposes on the host, the verification alone)
+    def _step(self, s: "_Batch", k: Optional[int]) -> None:
+        self._verify(s, self._propose(s, k), k)
+
+    def _propose(self, s: "_Batch", k: Optional[int]) -> Proposal:
+        """k: the depth to draft (None: the drafter's whole tree; 0: the root alone, plain decoding)."""
+        if k == 0:
+            return NoDrafter().propose(s.tokens, s.seq_lens, s.temp)
+        return self.drafter.propose(s.tokens, s.seq_lens, s.temp, depth=k)
+
+    def _verify(self, s: "_Batch", prop: Proposal, k: Optional[int]) -> None:
+        """The target's forward over the proposal, accept, both rollbacks and the token bookkeeping."""
+        tree = prop.tree if prop.tree is not None else specdec.build_tree(prop.parents, prop.num_nodes)
+        logits = self.target.forward_cached(prop.tokens, s.cache, tree.depth, tree.mask, prop.num_nodes,
+                                            return_hidden=self.features)
+        hidden_kw = {}
+        if self.features:
+            logits, hidden = logits
+            hidden_kw = {"target_hidden": hidden}
+        Tp = prop.tokens.shape[1]
+        res = self._accept(logits, prop, temperature=s.temp, seeds=s.seeds, num_nodes=prop.num_nodes, offset=s.steps,
+                           method="token" if k == 0 else s.method, **s.params.accept_kwargs(Tp))
+        live = ~s.done
+        num_acc = torch.where(live, res.num_accepted, 0)
+        s.cache.rollback(res.accepted_nodes, num_acc)
+        if k == 0:
+            self.drafter.skip(**hidden_kw)
+        else:
+            self.drafter.commit(prop, res.accepted_nodes, num_acc, **hidden_kw)
+
+        # append the path's draft tokens and the next token (finished requests: the next token only)
+        new = res._replace(num_accepted=num_acc).emitted_tokens(prop.tokens)
+        n_new = num_acc.long() + 1
+        cols = s.cols[:Tp]
+        where = (s.seq_lens.long().unsqueeze(1) + cols).clamp(max=s.tokens.shape[1] - 1)
+        keep = cols < n_new.unsqueeze(1)
+        s.tokens.scatter_(1, where, torch.where(keep, new, s.tokens.gather(1, where)))
+        s.seq_lens += n_new.to(torch.int32)
+
+        s.steps += live
+        s.emitted_live += torch.where(live, n_new, 0)
+        s.accepted_hist[s.rows, num_acc.long()] += live
+        hit_eos = ((new == self.eos) & keep).any(1) if self.eos is not None else torch.zeros_like(s.done)
+        finished_now = live & (hit_eos | (s.seq_lens - s.prompt_lens >= s.max_new))
+        s.finish_step.copy_(torch.where(finished_now, s.step, s.finish_step))
+        s.done |= finished_now
+        s.step += 1
+        s.flags[:len(live)] = num_acc
+        s.flags[len(live):] = s.done
 
     def _accept(self, logits, prop, **kwargs) -> specdec.AcceptResult:
         if self.vocab_shard is None:
@@ -218,29 +239,61 @@ class SpeculativeDecoder:
         return distributed.accept(logits, prop.tokens, prop.parents, draft_logits_shard=draft, vocab_start=start,
                                   vocab_size=size, group=group, **kwargs)
 
-    def _collect(self, tokens, prompt_lens, seq_lens, max_new, steps, emitted_live, accepted_hist, finish_step,
-                 step_times, wall) -> GenerationOutput:
+    def _collect(self, s: "_Batch", step_times, wall) -> GenerationOutput:
         outs, stats = [], []
-        tokens, hist = tokens.cpu(), accepted_hist.cpu()
+        tokens, hist = s.tokens.cpu(), s.accepted_hist.cpu()
         for b in range(tokens.shape[0]):
-            seq = tokens[b, int(prompt_lens[b]):int(seq_lens[b])].tolist()[:max_new]
+            seq = tokens[b, int(s.prompt_lens[b]):int(s.seq_lens[b])].tolist()[:s.max_new]
             if self.eos is not None and self.eos in seq:
                 seq = seq[:seq.index(self.eos)]
             outs.append(seq)
-            n_steps = int(steps[b])
+            n_steps = int(s.steps[b])
             at_least = hist[b].flip(0).cumsum(0).flip(0)  # steps accepting >= d draft tokens
-            t_b = step_times[int(finish_step[b])]
+            t_b = step_times[int(s.finish_step[b])]
             stats.append({"new_tokens": len(seq), "steps": n_steps,
-                          "tokens_per_step": int(emitted_live[b]) / max(n_steps, 1),
+                          "tokens_per_step": int(s.emitted_live[b]) / max(n_steps, 1),
                           "acceptance_by_depth": [round(float(x) / max(n_steps, 1), 4) for x in at_least[1:]],
                           "wall_s": t_b, "tokens_per_s": len(seq) / t_b})
-        total_steps = int(steps.sum())
+        total_steps = int(s.steps.sum())
         at_least = hist.sum(0).flip(0).cumsum(0).flip(0)
         summary = {"requests": len(outs), "new_tokens": sum(len(o) for o in outs), "steps": int(len(step_times)),
-                   "tokens_per_step": int(emitted_live.sum()) / max(total_steps, 1),
+                   "tokens_per_step": int(s.emitted_live.sum()) / max(total_steps, 1),
                    "acceptance_by_depth": [round(float(x) / max(total_steps, 1), 4) for x in at_least[1:]],
                    "wall_s": wall, "tokens_per_s": sum(len(o) for o in outs) / wall}
         return GenerationOutput(outs, stats, summary)
+
+
+@dataclass
+class _Batch:
+    """One generate call's decoding state. Every tensor is a buffer that a step updates in place and none is ever
+    replaced, so that a compiled or captured step reads and writes the same memory each time."""
+    tokens: torch.Tensor  # (B, L) int64: prompt then emitted tokens; seq_lens[b] of them are committed
+    seq_lens: torch.Tensor  # (B,) int32
+    prompt_lens: torch.Tensor  # (B,) int32
+    max_new: int
+    temp: torch.Tensor  # (B,) float32
+    seeds: torch.Tensor  # (B,) int64
+    params: SamplingParams
+    method: str
+    cache: object  # the target's KVCache
+    done: torch.Tensor  # (B,) bool: finished (EOS or max_new tokens)
+    steps: torch.Tensor  # (B,) int64: steps taken while unfinished (also accept's random-stream offset)
+    emitted_live: torch.Tensor  # (B,) int64: tokens emitted while unfinished
+    accepted_hist: torch.Tensor  # (B, depth + 1) int64: steps that accepted n draft tokens
+    finish_step: torch.Tensor  # (B,) int64: the step at which the request finished
+    step: torch.Tensor  # () int64: steps taken by the batch
+    flags: torch.Tensor  # (2B,) int64: this step's accepted counts, then done: the one host read per step
+    rows: torch.Tensor  # arange(B)
+    cols: torch.Tensor  # arange(max_nodes)
+
+    @classmethod
+    def new(cls, tokens, prompt_lens, max_new, temp, seeds, params, method, cache, depth, max_nodes) -> "_Batch":
+        B, dev = tokens.shape[0], tokens.device
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+        return cls(tokens, prompt_lens.clone(), prompt_lens, max_new, temp,
+                   torch.tensor(seeds, dtype=torch.int64, device=dev), params, method, cache,
+                   zeros(B, dtype=torch.bool), zeros(B), zeros(B), zeros(B, depth + 1), zeros(B), zeros(), zeros(2 * B),
+                   torch.arange(B, device=dev), torch.arange(max_nodes, device=dev))
 
 
 def generate_ar(target: Llama, prompts, max_new_tokens: int = 128, temperature=0.0, seed=0,

@@ -33,7 +33,7 @@ class Scripted:
     def drafted(self, depth, seconds):
         assert 1 <= depth <= self.max_depth and seconds >= 0
 
-    def update(self, num_accepted, depth, live, seconds):
+    def update(self, num_accepted, depth, live, seconds, drafting_timed=True):
         assert all(n <= depth for n, alive in zip(num_accepted, live) if alive)
 
 
@@ -154,6 +154,21 @@ def test_greedy_ngram_adaptive_equals_ar(pair):
     ar = generate_ar(target, PROMPTS4, 24)
     for adaptive in (scripted((0, 3, 0, 8, 1)), True):
         assert SpeculativeDecoder(target, NgramDrafter(8), adaptive=adaptive).generate(PROMPTS4, 24).tokens == ar.tokens
+
+
+@pytest.mark.parametrize("kind", ["draft", "mtp", "ngram"])
+def test_compiled_steps_of_every_depth_equal_ar(pair, target_and_mtp, kind):
+    """compile=True with skipped and shallow steps: one graph per depth and drafter state (the draft model's
+    pending width after skips, MTP's pending entries; prompt lookup's verification alone), greedy == AR."""
+    from torch._dynamo.utils import counters
+    target = pair[0] if kind != "mtp" else target_and_mtp[0]
+    drafter = {"draft": lambda: DraftModelDrafter(pair[1], "chain:3"), "ngram": lambda: NgramDrafter(3),
+               "mtp": lambda: MTPDrafter(target, target_and_mtp[1], "chain:3")}[kind]()
+    counters.clear()
+    out = SpeculativeDecoder(target, drafter, compile=True, adaptive=scripted((0, 2, 0, 0, 1))).generate(PROMPTS4, 12)
+    assert out.tokens == generate_ar(target, PROMPTS4, 12).tokens
+    assert min(out.summary["depth_chosen"][:3]) > 0
+    assert counters["stats"]["unique_graphs"] >= 3
 
 
 def test_draft_cache_after_skipped_steps_equals_a_fresh_prefill(pair):

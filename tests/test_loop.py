@@ -183,16 +183,16 @@ def test_mixed_temperatures_keep_greedy_requests_exact(pair):
 
 def test_sampled_request_does_not_depend_on_its_batch(pair, monkeypatch):
     """A sampled request's drafts and output depend on its own seed only: alone or beside other requests
-    (sampling or greedy), the same tokens. Negative control: one generator shared by the batch (the drafts
-    of request 1 then depend on request 0's draws) changes them."""
+    (sampling or greedy), the same tokens. Negative control: streams keyed by the position in the batch instead
+    of the seed change them."""
     import specdec.drafters.draft_model as dm
     target, draft = pair
     decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,2,1"))
     alone = decoder.generate([PROMPTS[1]], 16, temperature=1.0, seed=[6]).tokens[0]
     for temps in ([1.0, 1.0, 1.0], [0.0, 1.0, 0.7]):
         assert decoder.generate(PROMPTS, 16, temperature=temps, seed=[5, 6, 7]).tokens[1] == alone
-    own = dm.request_generators
-    monkeypatch.setattr(dm, "request_generators", lambda seeds, device: own(seeds[1:2], device) * len(seeds))
+    own = dm.DraftRandom
+    monkeypatch.setattr(dm, "DraftRandom", lambda seeds, device: own(list(range(len(seeds))), device))
     assert decoder.generate(PROMPTS, 16, temperature=1.0, seed=[5, 6, 7]).tokens[1] != alone
 
 
@@ -462,24 +462,24 @@ def test_cli_shipped_pair_text(capsys):
 
 
 def test_compiled_loop_equals_eager_and_ar():
-    """compile=True: the target's and the draft's cached forwards through torch.compile (fresh models: compiling
-    is a property of the model); greedy output equals AR; graphs were compiled and are reused by a later batch
-    of another prompt length (cache lengths in buckets)."""
+    """compile=True: each step is one graph (drafting, verification, accept, rollbacks, bookkeeping), so greedy
+    output equals AR and a sampled run draws exactly what the eager loop draws (counter-based draft streams);
+    the graphs are reused by a later batch of another prompt length (cache lengths in buckets)."""
     from torch._dynamo.utils import counters
     target, draft = tiny(0), tiny(1, dim=16, layers=1)
     ar = generate_ar(target, PROMPTS, 8).tokens
-    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:2"), compile=True)
-    try:
-        counters.clear()
-        assert decoder.generate(PROMPTS, 8).tokens == ar
-        compiled = counters["stats"]["unique_graphs"]
-        assert compiled >= 3  # the target's verification, the draft's root and its second level
-        longer = [p + [7] for p in PROMPTS]
-        assert decoder.generate(longer, 8).tokens == generate_ar(tiny(0), longer, 8).tokens
-        assert counters["stats"]["unique_graphs"] == compiled  # no new graph
-    finally:
-        target.compile_cached(False)
-        draft.compile_cached(False)
+    drafter = DraftModelDrafter(draft, "chain:2")
+    decoder = SpeculativeDecoder(target, drafter, compile=True)
+    counters.clear()
+    assert decoder.generate(PROMPTS, 8).tokens == ar
+    assert counters["stats"]["unique_graphs"] == 1  # the whole step, for this batch and tree
+    longer = [p + [7] for p in PROMPTS]
+    assert decoder.generate(longer, 8).tokens == generate_ar(target, longer, 8).tokens
+    assert counters["stats"]["unique_graphs"] == 1  # no new graph
+    sampled = dict(temperature=[1.0, 0.7, 1.0], seed=[3, 4, 5])
+    eager = SpeculativeDecoder(target, drafter).generate(PROMPTS, 8, **sampled).tokens
+    assert decoder.generate(PROMPTS, 8, **sampled).tokens == eager
+    assert counters["stats"]["unique_graphs"] == 2  # the sampling step (draft logits, draws) is another graph
 
 
 def test_cli_compile(capsys, tmp_path):

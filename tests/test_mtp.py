@@ -330,13 +330,11 @@ def test_shipped_mtp_module_drafts_the_shipped_target():
 
 
 def test_compiled_mtp_drafter_equals_ar(target_and_mtp):
-    """compile=True compiles the module's cached forward too (and the target's, undone after)."""
+    """compile=True: the MTP step (pending entries, the levels, the target's forward, accept, commit) is one
+    graph (with adaptive depths: test_adaptive)."""
     from torch._dynamo.utils import counters
     target, mtp = target_and_mtp
     ar = generate_ar(target, PROMPTS, 10).tokens
-    try:
-        counters.clear()
-        out = SpeculativeDecoder(target, MTPDrafter(target, mtp, "chain:2"), compile=True).generate(PROMPTS, 10)
-        assert out.tokens == ar and counters["stats"]["unique_graphs"] >= 4  # target, pending, 2 levels
-    finally:
-        target.compile_cached(False)
+    counters.clear()
+    out = SpeculativeDecoder(target, MTPDrafter(target, mtp, "chain:2"), compile=True).generate(PROMPTS, 10)
+    assert out.tokens == ar and counters["stats"]["unique_graphs"] == 1

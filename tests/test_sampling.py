@@ -163,7 +163,7 @@ def test_drafter_samples_from_the_processed_law():
     top tokens. Negative control: the unfiltered sampler fails the same test."""
     from scipy.stats import chi2
 
-    from specdec.drafters.base import request_generators, sample
+    from specdec.drafters.base import DraftRandom, sample
     gen = torch.Generator().manual_seed(3)
     V, t, n = 24, 0.9, 6000
     logits = torch.randn(1, 1, V, generator=gen) * 2
@@ -176,7 +176,7 @@ def test_drafter_samples_from_the_processed_law():
     threshold = chi2.ppf(0.999, int(support.sum()) - 1)
 
     def draw(params, temperature, k, rows=1):  # k children of each of `rows` copies of the row
-        return sample(logits.expand(1, rows, V), torch.tensor([temperature]), k, request_generators([5], "cpu"),
+        return sample(logits.expand(1, rows, V), torch.tensor([temperature]), k, DraftRandom([5], "cpu"),
                       False, params)[0]
 
     def statistic(params):

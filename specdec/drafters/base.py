@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from ..ops import TreeInfo
 from ..sampling import SamplingParams
 
 
@@ -30,12 +31,15 @@ class Proposal(NamedTuple):
     from softmax(draft_logits[:, i] / temperature) (sampling requests); None means given proposals.
     cache_slots (B, T) int64 or None: the drafter's own bookkeeping, handed back to its commit (the loop
     never reads it): the slot, after the committed tokens, of node i's K/V in the drafter's own cache
-    (DraftModelDrafter); None for drafters without a cache."""
+    (DraftModelDrafter); None for drafters without a cache. tree: the tree's depths and ancestor masks (padding
+    nodes' rows may differ from build_tree's: they are never read), so that a static tree is built once, not
+    per step."""
     tokens: torch.Tensor
     parents: torch.Tensor
     num_nodes: torch.Tensor
     draft_logits: Optional[torch.Tensor] = None
     cache_slots: Optional[torch.Tensor] = None
+    tree: Optional[TreeInfo] = None  # build_tree of parents when the drafter has it already (static trees)
 
 
 class Drafter:
@@ -48,12 +52,14 @@ class Drafter:
     # whether sampling requests' proposals carry draft_logits (children drawn i.i.d. from them), as the
     # verifiers "block" and "traversal" need; else they are given proposals
     samples_children: bool = False
+    # proposes with host code (prompt lookup): the loop compiles or captures its verification only
+    proposes_on_host: bool = False
 
     def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
               seeds: Sequence[int], params: SamplingParams = SamplingParams()) -> None:
         """A new batch: `tokens`/`seq_lens` hold the prompts; sequences will not exceed max_len tokens;
         temperature (B,) and the sampling filters `params` are fixed for the batch; request b's own sampling
-        (if any) is driven by seeds[b] alone (`request_generators`), so its drafts never depend on the rest of
+        (if any) is driven by seeds[b] alone (`DraftRandom`), so its drafts never depend on the rest of
         the batch. A drafter that passes draft_logits samples from the law `params.process` gives them (accept
         processes them the same way); given proposals may be anything."""
 
@@ -68,9 +74,15 @@ class Drafter:
     def skip(self) -> None:
         """A step without a proposal: every sequence grew by one token (its root's successor)."""
 
-    def compile_cached(self) -> None:
-        """Run the drafter's own forwards through torch.compile (SpeculativeDecoder(compile=True)); a drafter
-        without a model has nothing to compile."""
+    def advance(self, depth: Optional[int]) -> None:
+        """Host bookkeeping before each step, outside any compiled or captured graph: the step will call
+        propose(depth=depth) then commit, or skip when depth is 0. A drafter whose step depends on host state
+        (Python numbers) updates it here, never inside propose / commit / skip, so that those stay graph-safe;
+        that state is then part of the step's graph key (graph_key)."""
+
+    def graph_key(self) -> tuple:
+        """The host state the next step's graph depends on (see advance)."""
+        return ()
 
 
 class NoDrafter(Drafter):
@@ -83,23 +95,59 @@ class NoDrafter(Drafter):
                         torch.ones(B, dtype=torch.int32, device=tokens.device))
 
 
-# request b's drafter stream is seeded with a mix of seeds[b], never seeds[b] itself: the acceptance kernels
-# key their Philox streams by seeds[b], and a draw must not be correlated with the test that judges it
+# request b's drafter stream is keyed by a mix of seeds[b], never seeds[b] itself: the acceptance kernels key
+# their Philox streams by seeds[b], and a draw must not be correlated with the test that judges it
 _DRAFT_SEED_MIX = 0x9E3779B97F4A7C15
+_MASK32 = 0xFFFFFFFF
 
 
-def request_generators(seeds: Sequence[int], device: torch.device) -> list[torch.Generator]:
-    """One torch.Generator per request, from its seed only."""
-    return [torch.Generator(device=device).manual_seed((int(s) * _DRAFT_SEED_MIX + 1) % 2**63) for s in seeds]
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x (int64 in [0, 2**32)) and a 32-bit constant c, in 16-bit halves of c so that no
+    product leaves int64 (signed overflow is undefined in the C++ and CUDA that Inductor generates)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, generators: Sequence[torch.Generator],
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash with good avalanche (Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+class DraftRandom:
+    """Counter-based random numbers for the drafters' draws, one stream per request: uniform u (B, n) of a draw
+    is a hash of (request b's key, its draw counter, the element index), and the counter advances by one per
+    draw in place. No generator object and no host state: the draws are graph-safe (torch.compile fullgraph,
+    CUDA-graph replay) and request b's stream depends on seeds[b] alone, never on the batch."""
+
+    def __init__(self, seeds: Sequence[int], device: torch.device):
+        mixed = [(int(s) * _DRAFT_SEED_MIX + 1) % 2**64 for s in seeds]
+        key = torch.tensor([m & _MASK32 for m in mixed], dtype=torch.int64, device=device)
+        hi = torch.tensor([m >> 32 for m in mixed], dtype=torch.int64, device=device)
+        self.key = _mix32(key ^ _mix32(hi))  # (B,)
+        self.counter = torch.zeros(len(seeds), dtype=torch.int64, device=device)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """(B, n) float32 in (0, 1), 24 random bits each; advances the counters."""
+        stream = _mix32((self.key + _mix32(self.counter & _MASK32)) & _MASK32).unsqueeze(1)
+        idx = torch.arange(n, device=self.key.device)
+        bits = _mix32((_mix32(idx ^ stream) + stream) & _MASK32)
+        self.counter += 1
+        return ((bits >> 8).float() + 0.5) * 2.0 ** -24
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, rng: Optional[DraftRandom],
            all_greedy: bool, params: SamplingParams = SamplingParams()) -> torch.Tensor:
     """k children per row of logits (B, N, V), from the rows processed by `params` (masked, top-k/top-p/min-p
     filtered): the top-k tokens for greedy requests (temperature 0), k i.i.d. draws from
-    softmax(processed / temperature) for the others, request b's from generators[b] (every request draws the
-    same count per call, so its stream never depends on the batch). Returns (B, N, k) int64. all_greedy (known
-    when the batch starts) skips the softmax and the draws."""
+    softmax(processed / temperature) for the others, request b's from its stream of `rng` (every request draws
+    the same count per call, so its stream never depends on the batch). Returns (B, N, k) int64. all_greedy
+    (known when the batch starts) skips the softmax and the draws (rng may then be None).
+
+    A draw is the exponential race argmax_v p_v / E_v with E_v = -log u_v i.i.d. Exp(1): token v wins with
+    probability p_v exactly (vLLM's sampler draws the same way)."""
     B, N, V = logits.shape
     logits = params.process(logits, temperature)
     top = logits.topk(k, dim=-1).indices
@@ -108,5 +156,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, generators: 
     greedy = (temperature == 0).view(B, 1, 1)
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(B, 1, 1)
     probs = torch.softmax(logits.float() / t, dim=-1)
-    drawn = torch.stack([torch.multinomial(probs[b], k, replacement=True, generator=generators[b]) for b in range(B)])
+    race = -rng.uniform(N * k * V).log().view(B, N, k, V)
+    drawn = (probs.unsqueeze(2) / race).argmax(-1)
     return torch.where(greedy, top, drawn)

@@ -25,7 +25,7 @@ import torch
 import specdec
 from ..models.llama import Llama, chain_tree
 from ..sampling import SamplingParams
-from .base import Drafter, Proposal, request_generators, sample
+from .base import DraftRandom, Drafter, Proposal, sample
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,7 @@ class DraftModelDrafter(Drafter):
         # those of the last level kept (never run)
         self.cache_slots = [torch.where(torch.arange(e) >= s, self.num_fed, torch.arange(e)).unsqueeze(0)
                             for s, e in self.levels]
-        info = specdec.build_tree(self.parents.unsqueeze(0))
-        self.depth, self.mask = info.depth, info.mask  # (1, T), (1, T, W)
+        self.tree_info = specdec.build_tree(self.parents.unsqueeze(0))  # depth (1, T), mask (1, T, W)
 
     # -------------------------------------------------------------------------------------------
     def start(self, tokens, seq_lens, max_len, temperature, seeds, params=SamplingParams()):
@@ -125,35 +124,48 @@ class DraftModelDrafter(Drafter):
         self.model.prefill(self.cache, tokens, seq_lens - 1)
         self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=tokens.device).expand(B, 2))
 
-    def compile_cached(self):
-        self.model.compile_cached()
-
     def _start_sampling(self, temperature, seeds, params, dev):
-        """The per-request generators and sampling law, and the static tree's tensors on the batch's device."""
-        self.generators, self.temperature, self.params = request_generators(seeds, dev), temperature, params
+        """The per-request random streams and sampling law, and the static tree's tensors on the batch's device:
+        the tree of each depth limit d (a BFS prefix of the whole tree), built once."""
+        self.rng, self.temperature, self.params = DraftRandom(seeds, dev), temperature, params
         self.all_greedy = bool((temperature == 0).all())
         if self.tree.parents is not None:
-            for name in ("parents", "local_parent", "rank", "depth", "mask"):
+            for name in ("parents", "local_parent", "rank"):
                 setattr(self, name, getattr(self, name).to(dev))
             self.cache_slots = [slots.to(dev) for slots in self.cache_slots]
-        self.skipped = 0  # steps without a proposal since the last one (skip)
+            full = self.tree_info
+            self.depth, self.mask = full.depth.to(dev), full.mask.to(dev)
+            B = temperature.shape[0]
+            self.prefix_trees = [specdec.TreeInfo(self.parents[:e].expand(B, e), self.depth[:, :e].expand(B, e),
+                                                  self.mask[:, :e, :(e + 31) // 32].expand(B, e, -1),
+                                                  torch.full((B,), e, dtype=torch.int32, device=dev))
+                                 for _, e in self.levels]
+        self.skipped = 0  # steps without a proposal since the last one (advance)
+        self.pending_width = 2  # the tokens the next proposal runs first (_root_logits)
+
+    def advance(self, depth):
+        """A step of depth 0 leaves its token to the next proposal, which runs it with the previous path's last
+        node and the root (pending_width tokens, part of the graph key)."""
+        if depth == 0:
+            self.skipped += 1
+        else:
+            self.pending_width, self.skipped = 2 + self.skipped, 0
+
+    def graph_key(self):
+        return (self.pending_width,)
 
     def _root_logits(self, tokens, seq_lens):
         """Run the pending tokens (the previous path's unexpanded last node, if any, the tokens of skipped steps,
         then the root); commit all but the root, which stays at slot cache.lens + 0. Returns the root's logits
         (B, V)."""
-        cache, W = self.cache, 2 + self.skipped
+        cache, W = self.cache, self.pending_width
         n_pend = (seq_lens - cache.lens).to(torch.int32)  # 1 .. W
         idx = cache.lens.long().unsqueeze(1) + torch.arange(W, device=tokens.device)
         pend = tokens.gather(1, idx.clamp(max=tokens.shape[1] - 1))
         chain = self.chain2 if W == 2 else chain_tree(tokens.shape[0], W, device=tokens.device)
         logits = self.model.forward_cached(pend, cache, chain.depth, chain.mask, n_pend, at=n_pend - 1)
         cache.commit(n_pend - 1)
-        self.skipped = 0
         return logits
-
-    def skip(self):
-        self.skipped += 1  # its token is run with the next proposal's pending ones
 
     def propose(self, tokens, seq_lens, temperature, depth=None):
         depth = self.max_depth if depth is None else depth
@@ -183,16 +195,15 @@ class DraftModelDrafter(Drafter):
             (ps, pe), (s, e) = levels[d - 1], levels[d]
             if draft_logits is not None:
                 draft_logits[:, ps:pe] = level_logits
-            children = sample(level_logits, self.temperature, self.branching[d - 1], self.generators, self.all_greedy,
+            children = sample(level_logits, self.temperature, self.branching[d - 1], self.rng, self.all_greedy,
                               self.params)
             out[:, s:e] = children[:, self.local_parent[s:e], self.rank[s:e]]
             if d + 1 < len(levels):  # expand this level: its children come next
                 level_logits = self._expand(out[:, s:e], self.local_parent[s:e].expand(B, -1),
                                             self.depth[:, s:e].expand(B, -1),
                                             self.mask[:, :e].expand(B, -1, -1)[..., :(e + 31) // 32], start=s)
-        num_nodes = torch.full((B,), T, dtype=torch.int32, device=root.device)
-        return Proposal(out, self.parents[:T].expand(B, T), num_nodes, draft_logits,
-                        self.cache_slots[depth].expand(B, T))
+        tree = self.prefix_trees[depth]
+        return Proposal(out, tree.parents, tree.num_nodes, draft_logits, self.cache_slots[depth].expand(B, T), tree)
 
     def _propose_dynamic(self, root, root_logits, D):
         """EAGLE-2 style growth over D levels (given proposals: no draft_logits)."""

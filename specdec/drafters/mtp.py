@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..models.llama import KVCache, Llama, chain_tree, compile_static
+from ..models.llama import KVCache, Llama, chain_tree
 from ..models.mtp import MTP
 from ..sampling import SamplingParams
 from .draft_model import DraftModelDrafter, TreeSpec
@@ -35,7 +35,6 @@ class MTPDrafter(DraftModelDrafter):
         super().__init__(target, tree, kv_dtype=kv_dtype)
         self.mtp, self.layer = mtp, mtp.layers[0]
         self.max_pending = self.max_depth + 1  # the accepted path's entries, recomputed at the next proposal
-        self._compiled_run = None  # _run_module through torch.compile (compile_cached)
 
     def start(self, tokens, seq_lens, max_len, temperature, seeds, params=SamplingParams(), *, target_hidden):
         B, dev = tokens.shape[0], tokens.device
@@ -55,19 +54,11 @@ class MTPDrafter(DraftModelDrafter):
             self.pending[:, :1] = h.gather(1, last)
         self.num_pending = (seq_lens >= 2).to(torch.int32)
 
-    def compile_cached(self):
-        """The module's cached forward through torch.compile (compile_static), as Llama.compile_cached."""
-        self.model.compile_cached()  # (the target: the decoder's already)
-        self._compiled_run = compile_static(self._run_module)
-
     def _run(self, tokens, hidden, depth, mask, num_nodes=None, start=0):
         """The module over new tree nodes tokens (B, F) conditioned on hidden (B, F, dim) (post-norm)."""
-        run = self._compiled_run or self._run_module
-        return run(tokens, hidden, self.cache, depth, mask, num_nodes, start)
-
-    def _run_module(self, tokens, hidden, cache, depth, mask, num_nodes, start):
-        step = self.model.cached_step(cache, depth, mask, num_nodes, start)
-        return self.layer.forward_cached(self.model.model.embed_tokens(tokens), hidden, cache.k[0], cache.v[0], step)
+        step = self.model.cached_step(self.cache, depth, mask, num_nodes, start)
+        return self.layer.forward_cached(self.model.model.embed_tokens(tokens), hidden, self.cache.k[0],
+                                         self.cache.v[0], step)
 
     def _root_logits(self, tokens, seq_lens):
         """Run the pending entries (positions cache.lens .. n-2, tokens x_{j+1}), commit all but the root's."""

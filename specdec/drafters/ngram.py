@@ -9,6 +9,7 @@ from .base import Drafter, Proposal
 
 
 class NgramDrafter(Drafter):
+    proposes_on_host = True
     def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram or num_tokens < 1:
             raise ValueError("NgramDrafter: need num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
