@@ -86,9 +86,9 @@ def held_out_prompts(n: int, n_bytes: int) -> list[str]:
 TARGET_TIME = {"prefill": 0.0, "forward_cached": 0.0}  # seconds inside the target's calls (timed_target)
 
 
-def timed_target(target):
+def timed_target(target, names=tuple(TARGET_TIME)):
     """Wrap the target's prefill and forward_cached (this instance only) to add their time to TARGET_TIME."""
-    for name in TARGET_TIME:
+    for name in names:
         call = getattr(target, name)
 
         def timed(*args, _call=call, _name=name, **kwargs):
@@ -100,23 +100,62 @@ def timed_target(target):
         setattr(target, name, timed)
 
 
-def _outside_target(run):
-    """run() -> (..., outside): the share of the decoding steps' time (after the prefill) spent outside the
-    target's forward."""
+def _outside_target(run, forward_s=None):
+    """run() -> (..., widths, outside): the share of the decoding steps' time (after the prefill) spent outside
+    the target's forward. forward_s(batch, t): with compile=True the target's forward is inside the step's
+    graph, where it cannot be timed: it is then the steps' count per verified width times the compiled
+    forward's time at that width (None when the widths vary per step: prompt lookup)."""
     def measured():
         start = dict(TARGET_TIME)
-        out = run()
+        *out, widths = run()
         wall = out[1]
         prefill, forward = (TARGET_TIME[k] - start[k] for k in ("prefill", "forward_cached"))
-        return (*out, (wall - prefill - forward) / max(wall - prefill, 1e-9))
+        if forward_s is not None:
+            forward = None if widths is None else sum(n * forward_s(batch, t) for (batch, t), n in widths.items())
+        return (*out, None if forward is None else (wall - prefill - forward) / max(wall - prefill, 1e-9))
     return measured
 
 
+def step_widths(decoder, out, widths):
+    """Add a generate output's steps per (batch size, verified tree width) to widths (None: not known)."""
+    if widths is None or decoder.drafter.proposes_on_host:
+        return None
+    B = out.summary["requests"]
+    chosen = out.summary.get("depth_chosen") or {decoder.drafter.max_depth: out.summary["steps"]}
+    chosen = dict(enumerate(chosen)) if isinstance(chosen, list) else chosen
+    for k, n in chosen.items():  # (adaptive chains: depth k verifies k + 1 tokens)
+        t = decoder.drafter.max_nodes if k == decoder.drafter.max_depth else k + 1
+        widths[(B, t)] = widths.get((B, t), 0) + n
+    return widths
+
+
+def compiled_forward_s(target, context: int):
+    """forward_s(batch, t): the median seconds of the target's cached forward over a t-token chain after
+    `context` cached tokens, compiled (memoized)."""
+    from .step import forward_ms
+    memo = {}
+
+    def forward_s(batch, t):
+        if (batch, t) not in memo:
+            cache = target.new_cache(batch, context + 64)
+            cache.lens.fill_(context)
+            target.compile_cached()
+            try:
+                with torch.inference_mode(), specdec.value_checks(False):
+                    memo[(batch, t)] = forward_ms(target, cache, t, 20, batch) / 1e3
+            finally:
+                target.compile_cached(False)
+        return memo[(batch, t)]
+    return forward_s
+
+
 def run_ours(decoder, prompts, max_new, temperature=0.0, **filters):
-    """(tokens, wall s, tau, acceptance by depth) over the prompts one at a time (steps-weighted means)."""
-    tokens, wall, emitted, steps, accepted = [], 0.0, 0, 0, None
+    """(tokens, wall s, tau, acceptance by depth, step widths) over the prompts one at a time (steps-weighted
+    means)."""
+    tokens, wall, emitted, steps, accepted, widths = [], 0.0, 0, 0, None, {}
     for i, p in enumerate(prompts):
         out = decoder.generate([p], max_new, temperature, seed=i, **filters)
+        widths = step_widths(decoder, out, widths)
         tokens.append(out.tokens[0])
         wall += out.summary["wall_s"]
         n = out.summary["steps"]
@@ -124,12 +163,13 @@ def run_ours(decoder, prompts, max_new, temperature=0.0, **filters):
         steps += n
         by_depth = [a * n for a in out.summary["acceptance_by_depth"]]
         accepted = by_depth if accepted is None else [a + b for a, b in zip(accepted, by_depth)]
-    return tokens, wall, emitted / steps, [round(a / steps, 4) for a in accepted]
+    return tokens, wall, emitted / steps, [round(a / steps, 4) for a in accepted], widths
 
 
 def run_ours_batch(decoder, prompts, max_new):
     out = decoder.generate(prompts, max_new)
-    return out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"], out.summary["acceptance_by_depth"]
+    return (out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"], out.summary["acceptance_by_depth"],
+            step_widths(decoder, out, {}))
 
 
 def run_hf(model, prompts, max_new, eos, **kwargs):
@@ -169,7 +209,8 @@ def markdown(res: dict) -> str:
              "one batch, speedup against our batched AR; rows marked [T=..]: sampled at that temperature, speedup "
              "against our sampled AR), fp32 weights; each method's best of "
              f"{cfg['repeats']} passes (warm-up before each)"
-             + (", our decoders compiled (torch.compile of the cached forwards; graphs compiled in the first pass)"
+             + (", our decoders compiled (each step one torch.compile graph; graphs compiled in the first pass; the "
+                "target's time inside a compiled step is the steps' count per width times a compiled forward's)"
                 if cfg.get("compile") else "") + ".", "",
              "Acceptance by depth d: the fraction of steps that accepted at least d draft tokens. Outside target: the "
              "share of the decoding steps' time (after the prefill) spent outside the target's forward (drafting, "
@@ -240,7 +281,7 @@ def main(argv=None):
     specdec.set_value_checks(args.value_checks)
 
     target, draft = load_model(args.target), load_model(args.draft)
-    timed_target(target)
+    timed_target(target, ["prefill"] if args.compile else list(TARGET_TIME))  # (compiled: see _outside_target)
     models = {"target": target, "draft": draft, "compile": args.compile,
               "mtp": load_mtp(args.mtp, target.cfg) if os.path.isdir(args.mtp) else None}
     ours = OURS + (MTP_ROWS if models["mtp"] is not None else [])
@@ -267,7 +308,8 @@ def main(argv=None):
                                             **FILTERS),
                  warm_up(make))
                 for name, make in ours if name in FILTERED]
-    methods = [(name, _outside_target(run), warm) for name, run, warm in methods]
+    forward_s = compiled_forward_s(target, args.prompt_bytes) if args.compile else None
+    methods = [(name, _outside_target(run, forward_s), warm) for name, run, warm in methods]
     hf_methods = [("transformers AR", {}), ("transformers assisted (assistant_model)", {"assistant": True}),
                   ("transformers prompt lookup (8 tokens)", {"prompt_lookup_num_tokens": 8})]
     skipped = []
@@ -283,7 +325,8 @@ def main(argv=None):
         for name, kw in hf_methods:
             if kw.pop("assistant", False):
                 kw["assistant_model"] = hf_draft
-            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None, None),
+            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None,
+                                                 None, None),
                             lambda kw=kw: run_hf(hf_target, [prompts[0]], 8, eos, **kw)))
     if args.methods:
         methods = [m for m in methods if re.search(args.methods, m[0])]

@@ -8,7 +8,8 @@
 # Steps, each in its own process with its own timeout and log (a failure or a hang costs only its step):
 #   env             GPU, driver, versions, the imports
 #   tests-cuda      tests/test_cuda.py: the compiled Triton kernels on CUDA vs the reference
-#   loop            the shipped model pair and the target's MTP module on CUDA: speculative vs autoregressive, fp32 (greedy outputs must be
+#   loop            the shipped model pair and the target's MTP module on CUDA (steps replayed as CUDA graphs, and one
+#                   eager run): speculative vs autoregressive, fp32 (greedy outputs must be
 #                   identical) and bf16
 #   copy            the copy-bandwidth ceiling (device-to-device copy_, 256 MiB .. 16 GiB)
 #   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
@@ -123,10 +124,14 @@ loop_on_device() {
         --prompt "$(printf 'import unittest\n\n\nclass TestStack(unittest.TestCase):\n')" --prompt "def parse(" || return 1
     done
   done
+  echo "### fp32, --drafter model, --no-cuda-graphs (eager steps; the runs above replay CUDA graphs)"
+  "$PY" -m specdec generate --device "$DEVICE" --drafter model --no-progress --max-new-tokens 96 --compare-ar \
+    --no-cuda-graphs --prompt "$(printf 'import unittest\n\n\nclass TestStack(unittest.TestCase):\n')" \
+    --prompt "def parse(" || return 1
 }
 export -f loop_on_device
 export DEVICE
-step loop 90 bash -c loop_on_device
+step loop 150 bash -c loop_on_device
 step copy 40 "$PY" -m bench --device "$DEVICE" --ceiling-only --out "$STEPS/parts" --name 0-copy
 
 # grid OP N TIMEOUT_S: one process per op (a crashed CUDA context or a hang loses one op, not the grid);

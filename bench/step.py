@@ -3,12 +3,11 @@
     python -m bench.step [--tree chain:4] [--context 300] [--steps 40] [--out DIR]
 
 On the shipped pair, one request, one thread, greedy, value checks off: the median time of
-  * the target's cached forward over 1 token (an AR step's model work) and over the tree's T tokens;
-  * one whole step (propose, build_tree, the target's forward, accept, both rollbacks, the token append), run
-    eager, with each cached forward compiled (what SpeculativeDecoder(compile=True) does today), and compiled
-    as ONE torch.compile(fullgraph=True) graph: that it compiles at all shows the step has no host sync
-    (a host read breaks a fullgraph trace), the precondition of the static / CUDA-graph step of issue 17.
-The step here is the loop's step body (specdec/decoding.py) without the stopping rule and statistics.
+  * the target's cached forward over 1 token (an AR step's model work) and over the tree's T tokens, eager and
+    compiled;
+  * one step of the loop (SpeculativeDecoder._step: propose, the target's forward, accept, both rollbacks, the
+    token bookkeeping), eager and compiled as ONE torch.compile(fullgraph=True) graph (compile=True): that it
+    compiles at all shows the step has no host sync (a host read breaks a fullgraph trace).
 Writes step.json / step.md under --out (bench/results by default).
 """
 from __future__ import annotations
@@ -21,10 +20,10 @@ import time
 import torch
 
 import specdec
+from specdec.decoding import SpeculativeDecoder
 from specdec.drafters import DraftModelDrafter
 from specdec.models.hf import load_model
-from specdec.models.llama import chain_tree, compile_static
-from specdec.sampling import SamplingParams
+from specdec.models.llama import chain_tree
 
 from .timing import machine_info
 
@@ -43,38 +42,25 @@ def median_ms(fn, n: int) -> float:
     return sorted(times)[n // 2] * 1e3
 
 
-def forward_ms(target, cache, t: int, n: int) -> float:
-    """Median ms of the target's cached forward over a t-token chain."""
-    info = chain_tree(1, t)
-    toks = torch.zeros(1, t, dtype=torch.long)
+def forward_ms(target, cache, t: int, n: int, batch: int = 1) -> float:
+    """Median ms of the target's cached forward over a t-token chain per request."""
+    info = chain_tree(batch, t)
+    toks = torch.zeros(batch, t, dtype=torch.long)
     return median_ms(lambda: target.forward_cached(toks, cache, info.depth, info.mask), n)
 
 
-def make_step(target, draft, tree: str, context: int, steps: int):
-    """A fresh decoding state (random prompt of `context` tokens) and its step function."""
-    drafter = DraftModelDrafter(draft, tree)
-    L = context + (steps + 5) * drafter.max_nodes  # the warm-up and timed steps, each <= max_nodes tokens
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (1, L), generator=gen)
-    seq_lens = torch.full((1,), context, dtype=torch.int32)
-    temp = torch.zeros(1)
-    cache = target.new_cache(1, L)
-    target.prefill(cache, tokens, seq_lens - 1)
-    drafter.start(tokens, seq_lens, L, temp, [0], SamplingParams())
-    cols = torch.arange(drafter.max_nodes)
+def make_step(target, draft, tree: str, context: int, steps: int, compiled: bool):
+    """A fresh decoding state (random prompt of `context` tokens) and a function running one step of the loop
+    (SpeculativeDecoder._step, or with compiled its one-graph form)."""
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, tree), compile=compiled)
+    prompt = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    s = decoder._start([prompt], (steps + 5) * decoder.drafter.max_nodes, 0.0, 0, top_k=0, top_p=1.0, min_p=0.0,
+                       allowed_token_ids=None)
+    run = decoder._whole_step if compiled else decoder._step
 
     def step():
-        prop = drafter.propose(tokens, seq_lens, temp)
-        info = specdec.build_tree(prop.parents, prop.num_nodes)
-        logits = target.forward_cached(prop.tokens, cache, info.depth, info.mask, prop.num_nodes)
-        res = specdec.accept(logits, prop.tokens, prop.parents, num_nodes=prop.num_nodes, temperature=temp)
-        cache.rollback(res.accepted_nodes, res.num_accepted)
-        drafter.commit(prop, res.accepted_nodes, res.num_accepted)
-        new = res.emitted_tokens(prop.tokens)
-        where = seq_lens.long().unsqueeze(1) + cols
-        keep = cols < (res.num_accepted.long() + 1).unsqueeze(1)
-        tokens.scatter_(1, where, torch.where(keep, new, tokens.gather(1, where)))
-        seq_lens.add_((res.num_accepted + 1).to(torch.int32))
+        decoder.drafter.advance(None)
+        run(s, None)
     return step
 
 
@@ -95,20 +81,16 @@ def main(argv=None):
         cache.lens.fill_(args.context)
         for t in (1, T):
             rows[f"target forward, {t} token(s), eager"] = forward_ms(target, cache, t, args.steps)
-        rows["step, eager"] = median_ms(make_step(target, draft, args.tree, args.context, args.steps), args.steps)
+        rows["step, eager"] = median_ms(make_step(target, draft, args.tree, args.context, args.steps, False), args.steps)
         target.compile_cached()
-        draft.compile_cached()
-        rows["step, each cached forward compiled"] = median_ms(
-            make_step(target, draft, args.tree, args.context, args.steps), args.steps)
         for t in (1, T):
             rows[f"target forward, {t} token(s), compiled"] = forward_ms(target, cache, t, args.steps)
         target.compile_cached(False)
-        draft.compile_cached(False)
-        whole = compile_static(make_step(target, draft, args.tree, args.context, args.steps))
+        whole = make_step(target, draft, args.tree, args.context, args.steps, True)
         t0 = time.perf_counter()
         whole()
         compile_s = time.perf_counter() - t0
-        rows["step, compiled as one graph"] = median_ms(whole, args.steps)
+        rows["step, compiled as one graph (compile=True)"] = median_ms(whole, args.steps)
     info = machine_info(torch.device("cpu"))
     result = {"machine": info, "tree": args.tree, "context": args.context, "whole_step_compile_s": compile_s,
               "median_ms": {k: round(v, 3) for k, v in rows.items()}}

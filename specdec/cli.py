@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's and the draft model's cached forwards through torch.compile (one graph per "
                         "shape; a first run compiles them, later runs reuse Inductor's disk cache); the warm-up is "
                         "then a whole run, reported as compile_s, and the AR baseline is compiled too")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each step as a CUDA graph, captured per draft depth at its second step (default: on "
+                        "with --device cuda, unless --compile)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
@@ -126,9 +129,10 @@ def generate(args, vocab_group=None) -> dict:
     kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
     shard = None if vocab_group is None else specdec.distributed.shard_lm_head(target, vocab_group)
     adaptive = args.adaptive or args.tree == "auto"
+    graphs = dict(compile=args.compile, cuda_graphs=args.cuda_graphs)
     decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method, vocab_shard=shard,
-                                   adaptive=adaptive, compile=args.compile),
-                SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard, compile=args.compile))
+                                   adaptive=adaptive, **graphs),
+                SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard, **graphs))
     t0 = time.perf_counter()
     for decoder in decoders[:1 + args.compare_ar]:  # warm-up, so that the timings compare steady states
         if args.compile:  # every graph of the timed run: the same batch, length and tree

@@ -30,7 +30,7 @@ import torch
 import specdec
 from . import distributed
 from .adaptive import AdaptiveDepth, measure_target_costs
-from .drafters.base import Drafter, NoDrafter, Proposal
+from .drafters.base import MAX_SKIPS, Drafter, NoDrafter, Proposal
 from .models.llama import Llama, compile_static
 from ._validation import check_method_name
 from .sampling import SamplingParams
@@ -51,7 +51,7 @@ class GenerationOutput:
 class SpeculativeDecoder:
     def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
                  block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token",
-                 vocab_shard=None, adaptive=False, compile: bool = False):
+                 vocab_shard=None, adaptive=False, compile: bool = False, cuda_graphs=None):
         """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
         kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
         method: accept's verifier for sampling requests: "token", "block" (chains) or "traversal" (any
@@ -66,7 +66,12 @@ class SpeculativeDecoder:
         forward, accept, both rollbacks and the bookkeeping; fullgraph, so no host sync inside), one graph per
         batch size, draft depth and drafter state (`Drafter.advance`), compiled at first use: run a warm-up
         generate of the same batch size and tree first. Caches are sized in buckets of 256 positions so that later
-        batches reuse the graphs."""
+        batches reuse the graphs.
+        cuda_graphs: replay each step as a CUDA graph (None: on for a CUDA target without compile): one graph per
+        draft depth and drafter state (`Drafter.graph_key`; for prompt lookup the verification alone, per tree
+        width) for the batch, captured at that key's second step (the first runs eagerly: kernels compile and
+        tune there) and replayed from its third. Or a class with CudaStepGraph's interface (the tests emulate
+        CUDA graphs on the CPU with one)."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -92,6 +97,15 @@ class SpeculativeDecoder:
         if compile:
             self._whole_step = compile_static(self._step)
             self._verify_step = compile_static(self._verify)
+        if cuda_graphs is None:
+            cuda_graphs = target.device.type == "cuda" and not compile
+        if cuda_graphs is True:
+            if target.device.type != "cuda":
+                raise ValueError(f"cuda_graphs: the target is on {target.device}, not on a CUDA device")
+            cuda_graphs = CudaStepGraph
+        if cuda_graphs and (compile or vocab_shard is not None):
+            raise ValueError("cuda_graphs: not with compile or vocab_shard")
+        self.graph_class = cuda_graphs or None
 
     def _compiled_step(self, s: "_Batch", k: Optional[int]) -> None:
         """One compiled graph per step: the whole step, or for a drafter that proposes on the host (prompt
@@ -118,6 +132,53 @@ class SpeculativeDecoder:
         per request (0 = greedy); request b samples with seed[b] (or seed + b). top_k/top_p/min_p: one for all
         or one per request (off: 0, 1, 0), the filters of `specdec.accept`; allowed_token_ids: the only tokens
         any request may emit (None: all). The drafter samples from the same processed law."""
+        t0 = time.perf_counter()
+        s = self._start(prompts, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p,
+                        allowed_token_ids=allowed_token_ids)
+        B, dev, depth = s.tokens.shape[0], s.tokens.device, self.drafter.max_depth
+        step_times = []
+        bar = _progress(max_new_tokens) if progress else None
+        policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
+        graphs = None if self.graph_class is None else _StepGraphs(self.graph_class, dev)
+        live_host = [True] * B
+        skips = 0  # plain-decoding steps in a row
+        while True:
+            t_step = time.perf_counter()
+            k = None if policy is None else policy.choose(live_host)  # None: the drafter's whole tree
+            skips = skips + 1 if k == 0 else 0
+            if skips > MAX_SKIPS:  # (the drafters' buffers for skipped entries hold this many)
+                k, skips = 1, 0
+            self.drafter.advance(k)
+            if graphs is not None:
+                self._graphed_step(graphs, s, k)
+            elif self.compile:
+                self._compiled_step(s, k)
+            else:
+                prop = self._propose(s, k)
+                if policy is not None and k:
+                    policy.drafted(k, time.perf_counter() - t_step)
+                self._verify(s, prop, k)
+            flags = s.flags.tolist()  # the one host read per step: the stopping rule, and what the policy learns
+            step_times.append(time.perf_counter() - t0)
+            if policy is not None:
+                policy.update(flags[:B], k, live_host, time.perf_counter() - t_step,
+                              drafting_timed=not (self.compile or graphs))
+            live_host = [not f for f in flags[B:]]
+            if bar is not None:
+                bar.update(int((s.seq_lens - s.prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
+            if not any(live_host):
+                break
+        if bar is not None:
+            bar.close()
+        wall = time.perf_counter() - t0
+        out = self._collect(s, step_times, wall)
+        if policy is not None:
+            out.summary["depth_chosen"] = list(policy.chosen)  # steps per draft depth, 0 = plain decoding
+        return out
+
+    def _start(self, prompts, max_new_tokens, temperature, seed, *, top_k, top_p, min_p,
+               allowed_token_ids) -> "_Batch":
+        """generate's arguments checked, the batch's buffers, the prompts through the target and the drafter."""
         B, dev, T, depth = len(prompts), self.target.device, self.drafter.max_nodes, self.drafter.max_depth
         if B == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one request, each with at least one token (e.g. BOS)")
@@ -140,45 +201,30 @@ class SpeculativeDecoder:
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = torch.tensor(list(p), dtype=torch.long)
 
-        t0 = time.perf_counter()
         cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
         s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T)
         # the last prompt token is the first root; a drafter on the target's features gets its hidden states
         hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
         self.drafter.start(tokens, s.seq_lens, L, temp, seeds, params,
                            **({"target_hidden": hidden} if self.features else {}))
+        return s
 
-        step_times = []
-        bar = _progress(max_new_tokens) if progress else None
-        policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
-        live_host = [True] * B
-        while True:
-            t_step = time.perf_counter()
-            k = None if policy is None else policy.choose(live_host)  # None: the drafter's whole tree
-            self.drafter.advance(k)
-            if self.compile:
-                self._compiled_step(s, k)
-            else:
-                prop = self._propose(s, k)
-                if policy is not None and k:
-                    policy.drafted(k, time.perf_counter() - t_step)
-                self._verify(s, prop, k)
-            flags = s.flags.tolist()  # the one host read per step: the stopping rule, and what the policy learns
-            step_times.append(time.perf_counter() - t0)
-            if policy is not None:
-                policy.update(flags[:B], k, live_host, time.perf_counter() - t_step, drafting_timed=not self.compile)
-            live_host = [not f for f in flags[B:]]
-            if bar is not None:
-                bar.update(int((s.seq_lens - prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
-            if not any(live_host):
-                break
-        if bar is not None:
-            bar.close()
-        wall = time.perf_counter() - t0
-        out = self._collect(s, step_times, wall)
-        if policy is not None:
-            out.summary["depth_chosen"] = list(policy.chosen)  # steps per draft depth, 0 = plain decoding
-        return out
+    def _graphed_step(self, graphs: "_StepGraphs", s: "_Batch", k: Optional[int]) -> None:
+        """The step through the batch's graphs (cuda_graphs). A host drafter's proposal is copied into static
+        buffers of its width, which the graph of its verification reads."""
+        if not self.drafter.proposes_on_host:
+            graphs.run((k,) + self.drafter.graph_key(), lambda: self._step(s, k))
+            return
+        prop = self._propose(s, k)
+        key = (k, prop.tokens.shape[1])
+        static = graphs.inputs.get(key)
+        if static is None:
+            static = graphs.inputs[key] = Proposal(*(x if x is None else x.clone() for x in prop))
+        else:
+            for buf, x in zip(static, prop):
+                if buf is not None:
+                    buf.copy_(x)
+        graphs.run(key, lambda: self._verify(s, static, k))
 
     # one step, on the batch's buffers in place: _propose then _verify (with compile=True one graph per depth k,
     # or, for a drafter that proposes on the host, the verification alone)
@@ -294,6 +340,43 @@ class _Batch:
                    torch.tensor(seeds, dtype=torch.int64, device=dev), params, method, cache,
                    zeros(B, dtype=torch.bool), zeros(B), zeros(B), zeros(B, depth + 1), zeros(B), zeros(), zeros(2 * B),
                    torch.arange(B, device=dev), torch.arange(max_nodes, device=dev))
+
+
+class CudaStepGraph:
+    """A step captured as a CUDA graph (`torch.cuda.graph`, in the batch's memory pool) with specdec's value checks
+    off; constructing it captures fn, then replays it once (so it runs the step, as an eager call would)."""
+
+    def __init__(self, fn, pool):
+        self.graph = torch.cuda.CUDAGraph()
+        with specdec.value_checks(False), torch.cuda.graph(self.graph, pool=pool):
+            fn()
+        self.graph.replay()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    @staticmethod
+    def new_pool(device):
+        return torch.cuda.graph_pool_handle()
+
+
+class _StepGraphs:
+    """One generate call's step graphs by key: a key's first step runs eagerly, its second is captured (and
+    run), later ones replay. inputs: static proposal buffers of host drafters, by key."""
+
+    def __init__(self, graph_class, device):
+        self.graph_class, self.pool = graph_class, graph_class.new_pool(device)
+        self.graphs, self.warm, self.inputs = {}, set(), {}
+
+    def run(self, key, step) -> None:
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        elif key in self.warm:
+            self.graphs[key] = self.graph_class(step, self.pool)
+        else:
+            self.warm.add(key)
+            step()
 
 
 def generate_ar(target: Llama, prompts, max_new_tokens: int = 128, temperature=0.0, seed=0,

@@ -212,3 +212,56 @@ def element_addresses(t: torch.Tensor) -> torch.Tensor:
     index = torch.as_strided(torch.arange(t.untyped_storage().nbytes() // t.element_size()), t.shape, t.stride(),
                              t.storage_offset())
     return t.untyped_storage().data_ptr() + index * t.element_size()
+
+
+class ReplayGraph:
+    """CUDA-graph semantics on the CPU, with decoding.CudaStepGraph's interface: constructing it runs fn once,
+    recording every dispatched op with its tensor arguments and results; replay() runs the recorded ops again
+    on those same tensors, writing each fresh result into the recorded one, with no Python in between. So a
+    step that keeps state in Python (a number, or a tensor attribute replaced instead of written into) goes
+    stale on replay as it would under a CUDA graph, and a host read inside fn (.item(), .tolist(), bool())
+    raises, as a sync inside a capture does."""
+
+    HOST_READS = {torch.ops.aten._local_scalar_dense.default}
+
+    def __init__(self, fn, pool=None):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        ops = self.ops = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in ReplayGraph.HOST_READS:
+                    raise RuntimeError(f"host read inside a captured step ({func})")
+                out = func(*args, **(kwargs or {}))
+                ops.append((func, args, kwargs or {}, out))
+                return out
+
+        with Record():
+            fn()
+
+    def replay(self) -> None:
+        for func, args, kwargs, out in self.ops:
+            returns = func._schema.returns
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            fresh_outs = [r.alias_info is None or (not r.alias_info.is_write and not _aliases_an_input(o, args))
+                          for r, o in zip(returns, outs)]  # (reshape may alias its input, or copy it)
+            writes = any(r.alias_info is not None and r.alias_info.is_write for r in returns)
+            if returns and not writes and not any(fresh_outs):
+                continue  # views: the recorded ones still alias the recorded (refreshed) tensors
+            fresh = func(*args, **kwargs)
+            news = fresh if isinstance(out, (tuple, list)) else (fresh,)
+            for is_fresh, o, n in zip(fresh_outs, outs, news):
+                if is_fresh and isinstance(o, torch.Tensor):
+                    o.copy_(n)
+
+    @staticmethod
+    def new_pool(device):
+        return None
+
+
+def _aliases_an_input(t, args) -> bool:
+    if not isinstance(t, torch.Tensor):
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    flat = [a for arg in args for a in (arg if isinstance(arg, (tuple, list)) else (arg,))]
+    return any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr for a in flat)

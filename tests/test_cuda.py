@@ -208,6 +208,41 @@ def test_cuda_graph_capture_of_a_verification_step():
         assert torch.equal(lens.cpu(), torch.full((B,), 500, dtype=torch.int32) + res.num_accepted.cpu() + 1)
 
 
+def test_loop_with_cuda_graphs_equals_eager_and_has_no_host_sync(monkeypatch):
+    """SpeculativeDecoder(cuda_graphs=True) (the default on CUDA): the greedy output and acceptance of replayed
+    steps equal the eager loop's and AR's; every step (eager warm-up, capture, replay) runs with
+    torch.cuda.set_sync_debug_mode("error") and the value checks off: no host sync inside a step."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    from specdec.decoding import SpeculativeDecoder, _StepGraphs, generate_ar
+    from specdec.drafters import DraftModelDrafter
+    from specdec.models.llama import Llama, LlamaConfig
+    torch.manual_seed(0)
+    target = Llama(LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                               intermediate_size=256)).cuda().eval()
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7], [3, 9, 1, 2, 9, 1, 2, 9, 1]]
+    run = _StepGraphs.run
+
+    def no_sync(self, key, step):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run(self, key, step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    with specdec.value_checks(False):
+        eager = SpeculativeDecoder(target, DraftModelDrafter(target, "tree:2,2,1"), cuda_graphs=False).generate(prompts, 32)
+        monkeypatch.setattr(_StepGraphs, "run", no_sync)
+        graphed = SpeculativeDecoder(target, DraftModelDrafter(target, "tree:2,2,1")).generate(prompts, 32)
+        sampled = dict(temperature=0.8, seed=[1, 2, 3])
+        eager_sampled = SpeculativeDecoder(target, DraftModelDrafter(target, "chain:3"), cuda_graphs=False).generate(
+            prompts, 32, **sampled)
+        graphed_sampled = SpeculativeDecoder(target, DraftModelDrafter(target, "chain:3")).generate(prompts, 32, **sampled)
+    assert graphed.tokens == eager.tokens == generate_ar(target, prompts, 32).tokens
+    assert graphed.summary["acceptance_by_depth"] == eager.summary["acceptance_by_depth"]
+    assert graphed_sampled.tokens == eager_sampled.tokens
+
+
 def test_cuda_graph_accept_draws_fresh_numbers_from_a_device_offset():
     """accept captured with `offset` a device tensor: updating it in place between replays gives what eager
     calls with those offsets give (an int offset would be frozen into the graph)."""

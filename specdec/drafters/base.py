@@ -42,6 +42,11 @@ class Proposal(NamedTuple):
     tree: Optional[TreeInfo] = None  # build_tree of parents when the drafter has it already (static trees)
 
 
+# the longest run of steps without a proposal a drafter takes (its buffers for the skipped entries are sized
+# by it); the loop drafts one level after that many (adaptive.AdaptiveDepth probes sooner)
+MAX_SKIPS = 16
+
+
 class Drafter:
     """Base class. `max_nodes` bounds T of every proposal (the decoder sizes caches with it), `max_depth`
     the depth of its trees (the longest path the target can accept)."""

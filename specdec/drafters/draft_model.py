@@ -25,7 +25,7 @@ import torch
 import specdec
 from ..models.llama import Llama, chain_tree
 from ..sampling import SamplingParams
-from .base import DraftRandom, Drafter, Proposal, sample
+from .base import MAX_SKIPS, DraftRandom, Drafter, Proposal, sample
 
 
 @dataclass(frozen=True)
@@ -141,15 +141,20 @@ class DraftModelDrafter(Drafter):
                                                   torch.full((B,), e, dtype=torch.int32, device=dev))
                                  for _, e in self.levels]
         self.skipped = 0  # steps without a proposal since the last one (advance)
-        self.pending_width = 2  # the tokens the next proposal runs first (_root_logits)
+        self.pending_width = self.min_pending  # the entries the next proposal runs first (_root_logits)
+
+    # the pending entries of a proposal after a drafted step: the previous path's unexpanded last node and the root
+    min_pending = 2
 
     def advance(self, depth):
-        """A step of depth 0 leaves its token to the next proposal, which runs it with the previous path's last
-        node and the root (pending_width tokens, part of the graph key)."""
+        """A step of depth 0 leaves its entry to the next proposal, which runs it with the others (pending_width
+        entries, part of the graph key)."""
         if depth == 0:
+            if self.skipped == MAX_SKIPS:
+                raise ValueError(f"depth: more than {MAX_SKIPS} steps in a row without a proposal")
             self.skipped += 1
         else:
-            self.pending_width, self.skipped = 2 + self.skipped, 0
+            self.pending_width, self.skipped = self.min_pending + self.skipped, 0
 
     def graph_key(self):
         return (self.pending_width,)

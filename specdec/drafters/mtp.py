@@ -20,6 +20,7 @@ import torch
 from ..models.llama import KVCache, Llama, chain_tree
 from ..models.mtp import MTP
 from ..sampling import SamplingParams
+from .base import MAX_SKIPS
 from .draft_model import DraftModelDrafter, TreeSpec
 
 PREFILL_CHUNK = 256  # prompt positions per chain-shaped chunk of the heads' prefill
@@ -48,11 +49,15 @@ class MTPDrafter(DraftModelDrafter):
         for c0, T, n, tree in self.model.prefill_chunks(lengths, PREFILL_CHUNK):
             self._run(tokens[:, c0 + 1:c0 + 1 + T], h[:, c0:c0 + T], tree.depth, tree.mask, tree.num_nodes)
             self.cache.commit(n)
-        self.pending = h.new_zeros(B, self.max_pending, h.shape[-1])
+        self.pending = h.new_zeros(B, self.max_pending + MAX_SKIPS, h.shape[-1])  # and those of skipped steps
         last = (seq_lens.long() - 2).clamp(min=0).view(B, 1, 1).expand(B, 1, h.shape[-1])
         if h.shape[1]:
             self.pending[:, :1] = h.gather(1, last)
         self.num_pending = (seq_lens >= 2).to(torch.int32)
+
+    @property
+    def min_pending(self):
+        return self.max_pending
 
     def _run(self, tokens, hidden, depth, mask, num_nodes=None, start=0):
         """The module over new tree nodes tokens (B, F) conditioned on hidden (B, F, dim) (post-norm)."""
@@ -62,11 +67,11 @@ class MTPDrafter(DraftModelDrafter):
 
     def _root_logits(self, tokens, seq_lens):
         """Run the pending entries (positions cache.lens .. n-2, tokens x_{j+1}), commit all but the root's."""
-        B, P, c = tokens.shape[0], self.pending.shape[1], self.num_pending  # (wider after skipped steps)
+        B, P, c = tokens.shape[0], self.pending_width, self.num_pending  # (wider after skipped steps)
         idx = (self.cache.lens.long().unsqueeze(1) + 1 + torch.arange(P, device=tokens.device))
         pend = tokens.gather(1, idx.clamp(max=tokens.shape[1] - 1))
         chain = self.pending_tree if P == self.max_pending else chain_tree(B, P, device=tokens.device)
-        out = self._run(pend, self.pending, chain.depth, chain.mask, c.clamp(min=1))
+        out = self._run(pend, self.pending[:, :P], chain.depth, chain.mask, c.clamp(min=1))
         at = (c.long() - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, out.shape[-1])
         root_out = out.gather(1, at)
         self.cache.commit((c - 1).clamp(min=0))
@@ -89,14 +94,14 @@ class MTPDrafter(DraftModelDrafter):
         self.cache.lens += self.has_root.to(torch.int32)  # the root's entry is exact: keep it
         nodes = accepted_nodes[:, :self.max_pending].long().clamp(min=0)
         path = target_hidden.gather(1, nodes.unsqueeze(-1).expand(-1, -1, target_hidden.shape[-1]))
-        self.pending = self.model.model.norm(path)
-        self.num_pending = (num_accepted + 1).to(torch.int32)
+        # in place (state across steps); a shallow proposal's path is narrower: entries past num_pending are padding
+        self.pending[:, :path.shape[1]].copy_(self.model.model.norm(path))
+        self.num_pending.copy_(num_accepted + 1)
 
     def skip(self, *, target_hidden):
         """A step that verified the root alone: its entry (the root's hidden state, the token emitted) is
         pending too."""
         B, dim = self.pending.shape[0], self.pending.shape[-1]
-        self.pending = torch.cat((self.pending, self.pending.new_zeros(B, 1, dim)), dim=1)
         at = self.num_pending.long().view(B, 1, 1).expand(B, 1, dim)
         self.pending.scatter_(1, at, self.model.model.norm(target_hidden[:, :1]))
-        self.num_pending = self.num_pending + 1
+        self.num_pending += 1

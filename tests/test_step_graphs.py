@@ -1,0 +1,104 @@
+"""The loop's step as a replayed graph (SpeculativeDecoder(cuda_graphs=...)), emulated on the CPU by
+helpers.ReplayGraph (CUDA-graph semantics: one recording, replays with no Python): the step has no host read, and
+every state it carries across steps lives in buffers written in place, for every drafter and kind of step. On a GPU,
+bench/gpu.sh runs tests/test_cuda.py's real CUDA-graph test."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.decoding import SpeculativeDecoder, generate_ar
+from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter
+
+from helpers import ReplayGraph
+from test_adaptive import PROMPTS4, scripted
+from test_loop import PROMPTS, pair, tiny  # noqa: F401
+from test_mtp import target_and_mtp  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class CountingGraph(ReplayGraph):
+    made = replays = 0
+
+    def __init__(self, fn, pool=None):
+        CountingGraph.made += 1
+        super().__init__(fn, pool)
+
+    def replay(self):
+        CountingGraph.replays += 1
+        super().replay()
+
+
+def drafter_of(kind, pair, target_and_mtp):
+    """The draft model is the target itself: a perfect draft, so any stale drafter state shows as rejections."""
+    target = target_and_mtp[0] if kind.startswith("mtp") else pair[0]
+    name, _, tree = kind.partition(" ")
+    if name == "ngram":
+        return target, NgramDrafter(4)
+    if name == "mtp":
+        return target, MTPDrafter(target, target_and_mtp[1], tree)
+    return target, DraftModelDrafter(target, tree)
+
+
+@pytest.mark.parametrize("kind", ["draft chain:3", "draft tree:2,2,1", "draft dynamic:7,3,2", "mtp chain:3", "ngram"])
+def test_replayed_steps_equal_eager_steps_with_every_kind_of_step(pair, target_and_mtp, kind):
+    """Replayed steps (skipped, shallow and full ones, a one-token prompt) give AR's greedy output and, what a
+    stale drafter state would change, the eager loop's steps and acceptance; each key's first step ran eagerly,
+    its second was recorded, later ones replayed."""
+    target, drafter = drafter_of(kind, pair, target_and_mtp)
+    script = (0, 2, 0, 0, 9, 1, 0, 3)
+    eager = SpeculativeDecoder(target, drafter, adaptive=scripted(script)).generate(PROMPTS4, 24)
+    CountingGraph.made = CountingGraph.replays = 0
+    out = SpeculativeDecoder(target, drafter, cuda_graphs=CountingGraph, adaptive=scripted(script)).generate(PROMPTS4, 24)
+    assert out.tokens == eager.tokens == generate_ar(target, PROMPTS4, 24).tokens
+    assert [s["acceptance_by_depth"] for s in out.stats] == [s["acceptance_by_depth"] for s in eager.stats]
+    assert out.summary["steps"] == eager.summary["steps"]
+    assert CountingGraph.made >= 2 and CountingGraph.replays >= 3
+
+
+def test_replayed_sampling_draws_what_eager_sampling_draws(pair):
+    """The draft streams and accept's are keyed by tensors (seeds, counters): a replayed sampled run, paged,
+    equals the eager one token for token."""
+    target, draft = pair
+    kw = dict(temperature=[1.0, 0.0, 0.8], seed=[1, 2, 3], top_k=8)
+    eager = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,1"), block_size=4).generate(PROMPTS, 16, **kw)
+    replayed = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,1"), block_size=4,
+                                  cuda_graphs=ReplayGraph).generate(PROMPTS, 16, **kw)
+    assert replayed.tokens == eager.tokens
+
+
+def test_replay_catches_state_replaced_instead_of_written(target_and_mtp, monkeypatch):
+    """Negative control of the emulation: an MTP commit that replaces its pending entries (a new tensor) instead
+    of writing them into the buffer is right eagerly, but replayed steps read stale entries: the drafts, and so
+    the acceptance, change (greedy output never depends on the drafts)."""
+    target, mtp = target_and_mtp
+    drafter = MTPDrafter(target, mtp, "chain:3")
+    good = SpeculativeDecoder(target, drafter, cuda_graphs=ReplayGraph).generate(PROMPTS, 24).summary
+    original = MTPDrafter.commit
+
+    def replacing_commit(self, proposal, accepted_nodes, num_accepted, *, target_hidden):
+        self.pending = self.pending.clone()
+        original(self, proposal, accepted_nodes, num_accepted, target_hidden=target_hidden)
+
+    monkeypatch.setattr(MTPDrafter, "commit", replacing_commit)
+    assert SpeculativeDecoder(target, drafter).generate(PROMPTS, 24).summary["acceptance_by_depth"] == \
+        good["acceptance_by_depth"]
+    bad = SpeculativeDecoder(target, drafter, cuda_graphs=ReplayGraph).generate(PROMPTS, 24).summary
+    assert bad["acceptance_by_depth"] != good["acceptance_by_depth"]
+
+
+def test_a_host_read_inside_a_captured_step_raises():
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError, match="host read"):
+        ReplayGraph(lambda: x.sum().item())
+    graph = ReplayGraph(lambda: x.mul_(2))
+    graph.replay()
+    assert x.tolist() == [4.0, 4.0, 4.0]
+
+
+def test_cuda_graphs_need_a_cuda_target(pair):
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        SpeculativeDecoder(pair[0], cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        SpeculativeDecoder(pair[0], cuda_graphs=ReplayGraph, compile=True)
