@@ -21,6 +21,9 @@
 // v_scale into the final normalization (out = O * v_scale / sum). Matrices are kept with the
 // query rows on the vector lanes (transposed: Q^T, S^T, O^T), so both products are broadcast-FMA
 // register tiles and the softmax statistics of a whole vector of query rows update at once.
+// With few query rows (T x G <= kFewRows: decode, and a drafter's first levels) most lanes of that layout
+// would idle, so the rows are kept as rows instead, with D on the lanes: each key's dot product with every
+// row is reduced across the lanes, and O += p V adds a scaled V row to each output row.
 // A sliding window starts the key blocks at the item's smallest window start (the keys before it are
 // never read) and masks, per query row, the keys between that and the row's own start; the soft cap is
 // applied to each block's scores (vectorized tanh) before the masks.
@@ -37,6 +40,7 @@ namespace {
 constexpr int64_t kRows = 4;                                  // rows of a register tile
 constexpr int64_t kMaxVecs = SPECDEC_VEC_REGISTERS >= 32 ? 4 : 2;  // vectors of query rows per tile
 constexpr int64_t kKeys = 64;                                 // keys per block (a multiple of kRows)
+constexpr int64_t kFewRows = 8;  // at most this many query rows per item: the row layout (bench: T=1..4, G=2..3)
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -109,14 +113,17 @@ struct TreeAttention {
   scalar_t* out;  // contiguous (B, T, Hq, D)
   float* lse;     // contiguous (B, T, Hq)
 
-  // Per-thread scratch, sized for the largest item: Dp = D rounded to kRows, Mp = T * G rounded to VS.
+  // Per-thread scratch, sized for the largest item: Dp = D rounded to kRows (Dv: to VS, the row layout's),
+  // Mp = T * G rounded to VS. kb, vb: a block's K and V rows, zero past D.
   struct Scratch {
-    int64_t Dp, Mp;
+    int64_t Dp, Dv, Mp;
     std::vector<acc_t> qt, ot, s, kb, vb, row_max, row_sum, alpha;
     std::vector<int64_t> start;  // per node: its first visible committed position (with a window)
     Scratch(int64_t D, int64_t T, int64_t G)
-        : Dp(round_up(D, kRows)), Mp(round_up(T * G, VS)), qt(Dp * Mp), ot(Dp * Mp), s(kKeys * Mp),
-          kb(kKeys * Dp, 0), vb(kKeys * Dp, 0), row_max(Mp), row_sum(Mp), alpha(Mp), start(T) {}
+        : Dp(round_up(D, kRows)), Dv(round_up(D, VS)), Mp(round_up(T * G, VS)),
+          qt(std::max(Dp * Mp, kFewRows * Dv)), ot(std::max(Dp * Mp, kFewRows * Dv)),
+          s(std::max(kKeys * Mp, kFewRows * kKeys), 0), kb(kKeys * std::max(Dp, Dv), 0),
+          vb(kKeys * std::max(Dp, Dv), 0), row_max(Mp), row_sum(Mp), alpha(Mp), start(T) {}
   };
 
   bool visible(int64_t b, int64_t node, int64_t j) const {
@@ -135,75 +142,179 @@ struct TreeAttention {
   }
 
   void run(int64_t b, int64_t kv_head, Scratch& w) const {
-    const int64_t G = Hq / Hkv, n = num_nodes[b], L = cache_lens[b], M = n * G, Mp = round_up(M, VS);
-    const int64_t Dp = w.Dp;
-    acc_t *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *kb = w.kb.data(), *vb = w.vb.data();
-    // Q^T (Dp x Mp), query row m = node * G + g, pre-scaled by q_scale; padding lanes and dims are 0
-    std::fill(qt, qt + Dp * Mp, acc_t(0));
-    std::fill(ot, ot + Dp * Mp, acc_t(0));
-    std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<acc_t>::infinity());
-    std::fill(w.row_sum.begin(), w.row_sum.end(), acc_t(0));
-    for (int64_t m = 0; m < M; ++m) {
-      const scalar_t* src = q + ((row_offsets[b] + m / G) * Hq + kv_head * G + m % G) * D;
-      for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = static_cast<acc_t>(src[d]) * q_scale;
-    }
+    const int64_t n = num_nodes[b], L = cache_lens[b], M = n * (Hq / Hkv);
     // keys: the committed prefix and the real nodes' tree positions (padding nodes' rows are never seen);
     // with a window, node i sees the prefix from start[i] on, and the blocks begin at the smallest start
-    const int64_t keys = L + n;
     int64_t first = 0;
-    int64_t* start = w.start.data();
     if (window_left >= 0) {
       first = L;
       for (int64_t node = 0; node < n; ++node) {
-        start[node] = std::max<int64_t>(0, L + depth(b, node) - window_left);
-        first = std::min(first, start[node]);
+        w.start[node] = std::max<int64_t>(0, L + depth(b, node) - window_left);
+        first = std::min(first, w.start[node]);
       }
     }
-    for (int64_t p0 = first; p0 < keys; p0 += kKeys) {
-      const int64_t count = std::min(kKeys, keys - p0), rows = round_up(count, kRows);
-      for (int64_t j = 0; j < count; ++j) {
-        load_row(k(b, p0 + j) + kv_head * k.head_stride, kb + j * Dp, D);
-        load_row(v(b, p0 + j) + kv_head * v.head_stride, vb + j * Dp, D);
-      }
-      std::fill(kb + count * Dp, kb + rows * Dp, acc_t(0));
-      std::fill(vb + count * Dp, vb + rows * Dp, acc_t(0));
-      // S^T = K Q^T (rows x Mp): scores of every key in the block against every query row
-      gemm<acc_t, false>(rows, Mp, kb, Dp, 1, qt, Dp, s);
-      if (soft_cap > 0) {  // s <- c * tanh(s / c); count * Mp is a whole number of vectors
-        const Vec cap(soft_cap);
-        for (int64_t i = 0; i < count * Mp; i += VS) (cap * (Vec::loadu(s + i) / cap).tanh()).store(s + i);
-      }
-      constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-      if (window_left >= 0 && p0 < L) {  // committed keys before a row's window start
-        const int64_t prefix = std::min(count, L - p0);
-        for (int64_t m = 0; m < M; ++m) {
-          const int64_t hidden = std::min(prefix, start[m / G] - p0);
-          for (int64_t j = 0; j < hidden; ++j) s[j * Mp + m] = kNegInf;
-        }
-      }
-      for (int64_t j = std::max<int64_t>(0, L - p0); j < count; ++j) {  // tree keys: ancestors-or-self only
-        for (int64_t m = 0; m < M; ++m) {
-          if (!visible(b, m / G, p0 + j - L)) s[j * Mp + m] = kNegInf;
-        }
-      }
-      std::fill(s + count * Mp, s + rows * Mp, kNegInf);
-      update_softmax(s, rows, Mp, w);
-      // O^T = O^T * alpha + V^T P^T  (Dp x Mp)
-      gemm<acc_t, true>(Dp, Mp, vb, 1, Dp, s, rows, ot, w.alpha.data());
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t row = (row_offsets[b] + m / G) * Hq + kv_head * G + m % G;
-      const acc_t inv = v_scale / w.row_sum[m];
-      for (int64_t d = 0; d < D; ++d) out[row * D + d] = static_cast<scalar_t>(ot[d * Mp + m] * inv);
-      lse[row] = static_cast<float>(w.row_max[m] + std::log(w.row_sum[m]));
+    std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<acc_t>::infinity());
+    std::fill(w.row_sum.begin(), w.row_sum.end(), acc_t(0));
+    if (M <= kFewRows) {
+      run_rows(b, kv_head, first, w);
+    } else {
+      run_tiles(b, kv_head, first, w);
     }
     for (int64_t node = n; node < (packed ? n : T); ++node) {  // a padded request's padding rows
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t row = (row_offsets[b] + node) * Hq + kv_head * G + g;
+      for (int64_t g = 0; g < Hq / Hkv; ++g) {
+        const int64_t row = (row_offsets[b] + node) * Hq + kv_head * (Hq / Hkv) + g;
         std::fill(out + row * D, out + (row + 1) * D, scalar_t(0));
         lse[row] = -std::numeric_limits<float>::infinity();
       }
     }
+  }
+
+  // query row m = node * G + g of item (b, kv_head): its rows of q, out and lse
+  int64_t query_row(int64_t b, int64_t kv_head, int64_t m) const {
+    const int64_t G = Hq / Hkv;
+    return (row_offsets[b] + m / G) * Hq + kv_head * G + m % G;
+  }
+
+  // a block's keys p0 .. p0 + count - 1 into kb, vb (stride `stride`, converted to acc_t)
+  void load_block(int64_t b, int64_t kv_head, int64_t p0, int64_t count, int64_t stride, Scratch& w) const {
+    for (int64_t j = 0; j < count; ++j) {
+      load_row(k(b, p0 + j) + kv_head * k.head_stride, w.kb.data() + j * stride, D);
+      load_row(v(b, p0 + j) + kv_head * v.head_stride, w.vb.data() + j * stride, D);
+    }
+  }
+
+  // soft cap, then -inf for what query row m may not see among the block's keys: committed keys before its
+  // window start, tree keys that are not its ancestors-or-self. Score (key j, row m) is s[j * sj + m * sm];
+  // `values` entries of s from s[0] on are whole vectors to cap.
+  void mask_block(int64_t b, int64_t L, int64_t p0, int64_t count, int64_t M, acc_t* s, int64_t sj, int64_t sm,
+                  int64_t values, const Scratch& w) const {
+    if (soft_cap > 0) {  // s <- c * tanh(s / c)
+      const Vec cap(soft_cap);
+      for (int64_t i = 0; i < values; i += VS) (cap * (Vec::loadu(s + i) / cap).tanh()).store(s + i);
+    }
+    constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+    const int64_t G = Hq / Hkv;
+    if (window_left >= 0 && p0 < L) {
+      const int64_t prefix = std::min(count, L - p0);
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t hidden = std::min(prefix, w.start[m / G] - p0);
+        for (int64_t j = 0; j < hidden; ++j) s[j * sj + m * sm] = kNegInf;
+      }
+    }
+    for (int64_t j = std::max<int64_t>(0, L - p0); j < count; ++j) {
+      for (int64_t m = 0; m < M; ++m) {
+        if (!visible(b, m / G, p0 + j - L)) s[j * sj + m * sm] = kNegInf;
+      }
+    }
+  }
+
+  // out and lse of the item's M rows from O (row m, dim d at o[m * om + d * od]) and the softmax statistics
+  void write_rows(int64_t b, int64_t kv_head, int64_t M, const acc_t* o, int64_t om, int64_t od,
+                  const Scratch& w) const {
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t row = query_row(b, kv_head, m);
+      const acc_t inv = v_scale / w.row_sum[m];
+      for (int64_t d = 0; d < D; ++d) out[row * D + d] = static_cast<scalar_t>(o[m * om + d * od] * inv);
+      lse[row] = static_cast<float>(w.row_max[m] + std::log(w.row_sum[m]));
+    }
+  }
+
+  // The tile layout: query rows on the lanes (Q^T, S^T, O^T).
+  void run_tiles(int64_t b, int64_t kv_head, int64_t first, Scratch& w) const {
+    const int64_t L = cache_lens[b], keys = L + num_nodes[b], M = num_nodes[b] * (Hq / Hkv), Mp = round_up(M, VS);
+    const int64_t Dp = w.Dp;
+    acc_t *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *kb = w.kb.data(), *vb = w.vb.data();
+    // Q^T (Dp x Mp), pre-scaled by q_scale; padding lanes and dims are 0
+    std::fill(qt, qt + Dp * Mp, acc_t(0));
+    std::fill(ot, ot + Dp * Mp, acc_t(0));
+    for (int64_t m = 0; m < M; ++m) {
+      const scalar_t* src = q + query_row(b, kv_head, m) * D;
+      for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = static_cast<acc_t>(src[d]) * q_scale;
+    }
+    for (int64_t p0 = first; p0 < keys; p0 += kKeys) {
+      const int64_t count = std::min(kKeys, keys - p0), rows = round_up(count, kRows);
+      load_block(b, kv_head, p0, count, Dp, w);
+      std::fill(kb + count * Dp, kb + rows * Dp, acc_t(0));
+      std::fill(vb + count * Dp, vb + rows * Dp, acc_t(0));
+      // S^T = K Q^T (rows x Mp): scores of every key in the block against every query row
+      gemm<acc_t, false>(rows, Mp, kb, Dp, 1, qt, Dp, s);
+      mask_block(b, L, p0, count, M, s, Mp, 1, count * Mp, w);
+      std::fill(s + count * Mp, s + rows * Mp, -std::numeric_limits<acc_t>::infinity());
+      update_softmax(s, rows, Mp, w);
+      // O^T = O^T * alpha + V^T P^T  (Dp x Mp)
+      gemm<acc_t, true>(Dp, Mp, vb, 1, Dp, s, rows, ot, w.alpha.data());
+    }
+    write_rows(b, kv_head, M, ot, 1, Mp, w);
+  }
+
+  // The row layout (M <= kFewRows): q, O (M x Dv) and the block's scores S (M x kKeys) row by row.
+  void run_rows(int64_t b, int64_t kv_head, int64_t first, Scratch& w) const {
+    const int64_t L = cache_lens[b], keys = L + num_nodes[b], M = num_nodes[b] * (Hq / Hkv), Dv = w.Dv;
+    acc_t *qr = w.qt.data(), *orow = w.ot.data(), *s = w.s.data(), *kb = w.kb.data(), *vb = w.vb.data();
+    std::fill(qr, qr + M * Dv, acc_t(0));
+    std::fill(orow, orow + M * Dv, acc_t(0));
+    for (int64_t m = 0; m < M; ++m) {
+      const scalar_t* src = q + query_row(b, kv_head, m) * D;
+      for (int64_t d = 0; d < D; ++d) qr[m * Dv + d] = static_cast<acc_t>(src[d]) * q_scale;
+    }
+    constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+    const auto plus = [](const Vec& x, const Vec& y) { return x + y; };
+    const auto max = [](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); };
+    // K and V rows are read in place when they need no conversion and no padding, else from kb, vb
+    constexpr bool kInPlace = std::is_same_v<cache_t, acc_t>;
+    const bool in_place = kInPlace && Dv == D;
+    const acc_t* krow[kKeys];
+    const acc_t* vrow[kKeys];
+    for (int64_t p0 = first; p0 < keys; p0 += kKeys) {
+      const int64_t count = std::min(kKeys, keys - p0);
+      if (in_place) {
+        if constexpr (kInPlace) {
+          for (int64_t j = 0; j < count; ++j) {
+            krow[j] = k(b, p0 + j) + kv_head * k.head_stride;
+            vrow[j] = v(b, p0 + j) + kv_head * v.head_stride;
+          }
+        }
+      } else {
+        load_block(b, kv_head, p0, count, Dv, w);
+        for (int64_t j = 0; j < count; ++j) {
+          std::fill(kb + j * Dv + D, kb + (j + 1) * Dv, acc_t(0));  // (the tile layout may have left values there)
+          std::fill(vb + j * Dv + D, vb + (j + 1) * Dv, acc_t(0));
+          krow[j] = kb + j * Dv;
+          vrow[j] = vb + j * Dv;
+        }
+      }
+      for (int64_t j = 0; j < count; ++j) {  // S[m, j] = q_m . k_j
+        for (int64_t m = 0; m < M; ++m) {
+          Vec acc(acc_t(0));
+          for (int64_t d = 0; d < Dv; d += VS) acc = at::vec::fmadd(Vec::loadu(qr + m * Dv + d), Vec::loadu(krow[j] + d), acc);
+          s[m * kKeys + j] = at::vec::vec_reduce_all<acc_t>(plus, acc);
+        }
+      }
+      mask_block(b, L, p0, count, M, s, 1, kKeys, M * kKeys, w);
+      for (int64_t m = 0; m < M; ++m) {  // online softmax of row m over the block, then O_m = O_m alpha + P V
+        acc_t* sm = s + m * kKeys;
+        std::fill(sm + count, sm + kKeys, kNegInf);
+        Vec block_max(kNegInf);
+        for (int64_t j = 0; j < kKeys; j += VS) block_max = at::vec::maximum(block_max, Vec::loadu(sm + j));
+        const acc_t new_max = std::max(w.row_max[m], at::vec::vec_reduce_all<acc_t>(max, block_max));
+        const acc_t shift = new_max == kNegInf ? acc_t(0) : new_max;  // nothing seen yet: exp(-inf) = 0
+        Vec sum(acc_t(0));
+        for (int64_t j = 0; j < kKeys; j += VS) {
+          const Vec p = fast_exp(Vec::loadu(sm + j) - Vec(shift));
+          p.store(sm + j);
+          sum = sum + p;
+        }
+        const acc_t alpha = std::exp(w.row_max[m] - shift);
+        w.row_max[m] = new_max;
+        w.row_sum[m] = w.row_sum[m] * alpha + at::vec::vec_reduce_all<acc_t>(plus, sum);
+        for (int64_t d = 0; d < Dv; d += VS) {  // one output vector accumulated in a register over the block
+          Vec acc = Vec::loadu(orow + m * Dv + d) * Vec(alpha);
+          for (int64_t j = 0; j < count; ++j) acc = at::vec::fmadd(Vec(sm[j]), Vec::loadu(vrow[j] + d), acc);
+          acc.store(orow + m * Dv + d);
+        }
+      }
+    }
+    write_rows(b, kv_head, M, orow, Dv, 1, w);
   }
 
   // Online softmax over one block of scores S^T (rows x Mp), a vector of query rows at a time:

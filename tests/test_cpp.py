@@ -78,10 +78,11 @@ def page_like(logical, table, num_blocks):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.float64], ids=str)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("D,group,T", [(128, 4, 16), (40, 3, 5), (66, 1, 9)])
+@pytest.mark.parametrize("D,group,T", [(128, 4, 16), (40, 3, 5), (66, 1, 9), (64, 2, 3), (32, 8, 1)])
 def test_tree_attention_direct(dtype, paged, D, group, T):
     """M = T * group query rows of 64 (full register tiles), 15 and 9 (tails); D = 66 is padded to the
-    tile's rows; prefixes of several 64-key blocks."""
+    tile's rows; prefixes of several 64-key blocks. Requests with M <= 8 rows (ragged trees: some in every case;
+    all of them with D = 64 and 32) take the row layout, fp32 K/V read in place when D fills whole vectors."""
     gen = torch.Generator().manual_seed(D + group)
     args = attention_case(gen, B=3, T=T, Hkv=2, group=group, D=D, lens=(0, 150, 61), dtype=dtype, paged=paged)
     out, lse = ops.tree_attention(*args, D ** -0.5)
