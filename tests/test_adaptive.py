@@ -172,11 +172,12 @@ def test_compiled_steps_of_every_depth_equal_ar(pair, target_and_mtp, kind):
 
 
 def test_draft_cache_after_skipped_steps_equals_a_fresh_prefill(pair):
-    """Skipped steps' tokens reach the draft's cache with the next proposal: after a run whose last steps
-    were skipped and drafted in turn, the draft's committed K/V equal a prefill of the committed tokens."""
+    """Skipped steps' tokens reach the draft's cache with the next proposal (3 skips: 6 pending entries for 5, one
+    of them padding): after a run whose last steps were skipped and drafted in turn, the draft's committed K/V equal
+    a prefill of the committed tokens."""
     target, draft = pair
     drafter = DraftModelDrafter(draft, "chain:3")
-    out = SpeculativeDecoder(target, drafter, adaptive=scripted((0, 0, 3, 0, 1))).generate(PROMPTS, 17)
+    out = SpeculativeDecoder(target, drafter, adaptive=scripted((0, 0, 3, 0, 0, 0, 1))).generate(PROMPTS, 17)
     for b, prompt in enumerate(PROMPTS):
         n = int(drafter.cache.lens[b])
         seq = torch.tensor([(prompt + out.tokens[b])[:n]])

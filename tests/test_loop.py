@@ -461,6 +461,22 @@ def test_cli_shipped_pair_text(capsys):
     assert "tokens/step" in out and "outputs identical" in out
 
 
+def test_static_trees_are_built_once_per_batch_not_per_step(pair, monkeypatch):
+    """A static tree's depths and masks come with the proposal (built at start, per depth limit): the number
+    of build_tree calls does not grow with the steps (only the prefill's chunks and the start use it)."""
+    import specdec
+    target, draft = pair
+    calls = []
+    build = specdec.build_tree
+    monkeypatch.setattr(specdec, "build_tree", lambda *a, **kw: calls.append(1) or build(*a, **kw))
+    counts = []
+    for n in (4, 24):
+        calls.clear()
+        out = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,1")).generate(PROMPTS, n)
+        counts.append((len(calls), out.summary["steps"]))
+    assert counts[0][0] == counts[1][0] and counts[1][1] > counts[0][1]
+
+
 def test_compiled_loop_equals_eager_and_ar():
     """compile=True: each step is one graph (drafting, verification, accept, rollbacks, bookkeeping), so greedy
     output equals AR and a sampled run draws exactly what the eager loop draws (counter-based draft streams);

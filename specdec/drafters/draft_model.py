@@ -120,7 +120,8 @@ class DraftModelDrafter(Drafter):
     def start(self, tokens, seq_lens, max_len, temperature, seeds, params=SamplingParams()):
         B = tokens.shape[0]
         self._start_sampling(temperature, seeds, params, tokens.device)
-        self.cache = self.model.new_cache(B, max_len + self.num_fed + 2, kv_dtype=self.kv_dtype)
+        # (+ MAX_SKIPS: the padding of the pending entries after skipped steps)
+        self.cache = self.model.new_cache(B, max_len + self.num_fed + 2 + MAX_SKIPS, kv_dtype=self.kv_dtype)
         self.model.prefill(self.cache, tokens, seq_lens - 1)
         self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=tokens.device).expand(B, 2))
 
@@ -147,14 +148,16 @@ class DraftModelDrafter(Drafter):
     min_pending = 2
 
     def advance(self, depth):
-        """A step of depth 0 leaves its entry to the next proposal, which runs it with the others (pending_width
-        entries, part of the graph key)."""
+        """A step of depth 0 leaves its entry to the next proposal, which runs it with the others: pending_width
+        entries, part of the graph key, rounded up (the extra ones are padding) so that runs of 1, 2, 3-4, 5-8
+        and 9-16 skipped steps share a graph."""
         if depth == 0:
             if self.skipped == MAX_SKIPS:
                 raise ValueError(f"depth: more than {MAX_SKIPS} steps in a row without a proposal")
             self.skipped += 1
         else:
-            self.pending_width, self.skipped = self.min_pending + self.skipped, 0
+            rounded = 1 << (self.skipped - 1).bit_length() if self.skipped else 0
+            self.pending_width, self.skipped = self.min_pending + rounded, 0
 
     def graph_key(self):
         return (self.pending_width,)

@@ -41,7 +41,7 @@ class MTPDrafter(DraftModelDrafter):
         B, dev = tokens.shape[0], tokens.device
         self._start_sampling(temperature, seeds, params, dev)
         cfg = dataclasses.replace(self.model.cfg, n_layers=1)
-        self.cache = KVCache(cfg, B, max_len + max(self.num_fed, self.max_pending) + 2,
+        self.cache = KVCache(cfg, B, max_len + max(self.num_fed, self.max_pending) + 2 + MAX_SKIPS,
                              dtype=self.kv_dtype or self.model.dtype, device=dev)
         self.pending_tree = chain_tree(B, self.max_pending, device=dev)
         h = self.model.model.norm(target_hidden)  # (B, n_max - 1, dim): positions 0 .. seq_lens - 2
