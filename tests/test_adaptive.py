@@ -106,6 +106,16 @@ def test_policy_stops_drafting_when_nothing_is_accepted_and_probes_now_and_then(
     assert ks[-40:].count(0) >= 35 and 0 < sum(k > 0 for k in ks[-40:]) <= 5
 
 
+def test_policy_learns_the_drafting_cost_from_steps_run_as_one_graph():
+    """A compiled step cannot time its drafting apart: plain-decoding steps teach the overhead (their time beyond
+    the target's forward), drafted steps the drafting (their time beyond that and the overhead, per level)."""
+    policy = AdaptiveDepth(1, 4, [1.0, 1.1, 1.2, 1.3, 1.4])
+    for _ in range(60):
+        policy.update([1], 0, [True], 1.0 + 0.2, drafting_timed=False)  # overhead 0.2
+        policy.update([3], 3, [True], 1.3 + 0.2 + 3 * 0.05, drafting_timed=False)  # 0.05 per level
+    assert abs(policy.overhead_s - 0.2) < 1e-6 and abs(policy.draft_level_s - 0.05) < 1e-3
+
+
 def test_policy_stops_drafting_at_a_batch_that_saturates_compute():
     """Verification cost proportional to the tokens verified (compute-bound), drafts accepted at 0.7:
     speculation does not pay, whatever the depth."""
