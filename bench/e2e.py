@@ -325,8 +325,7 @@ def main(argv=None):
         for name, kw in hf_methods:
             if kw.pop("assistant", False):
                 kw["assistant_model"] = hf_draft
-            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None,
-                                                 None, None),
+            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None, None),
                             lambda kw=kw: run_hf(hf_target, [prompts[0]], 8, eos, **kw)))
     if args.methods:
         methods = [m for m in methods if re.search(args.methods, m[0])]
