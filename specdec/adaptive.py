@@ -98,13 +98,15 @@ class AdaptiveDepth:
         per_level = seconds / depth
         self.draft_level_s = per_level if self.draft_level_s is None else 0.8 * self.draft_level_s + 0.2 * per_level
 
-    def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool], seconds: float,
+    def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool], seconds: Optional[float],
                drafting_timed: bool = True) -> None:
         """The step of `depth` levels took `seconds` in all and accepted num_accepted[b] drafts of request b.
         drafting_timed: its drafting was timed apart (`drafted`), and the rest of the step is the overhead; a
         step run as one graph (compile=True) cannot be, and then a drafted step's residual over the target's
         cost and the overhead (learnt from plain-decoding steps) is its drafting."""
         self.stats.update(num_accepted, depth, live)
+        if seconds is None:  # a step that compiled or captured its graph: its time says nothing of the next ones
+            return
         residual = seconds - float(self.target_s[depth])
         if drafting_timed or depth == 0:
             self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(residual - depth * (self.draft_level_s or 0.0), 0.0)

@@ -107,13 +107,17 @@ class SpeculativeDecoder:
             raise ValueError("cuda_graphs: not with compile or vocab_shard")
         self.graph_class = cuda_graphs or None
 
-    def _compiled_step(self, s: "_Batch", k: Optional[int]) -> None:
+    def _compiled_step(self, s: "_Batch", k: Optional[int]) -> bool:
         """One compiled graph per step: the whole step, or for a drafter that proposes on the host (prompt
-        lookup) its proposal eagerly and the verification compiled."""
+        lookup) its proposal eagerly and the verification compiled. Returns whether no graph was compiled for it
+        (its time is then a steady state's, which the adaptive policy may learn from)."""
+        from torch._dynamo.utils import counters
+        compiled = counters["stats"]["unique_graphs"]
         if self.drafter.proposes_on_host:
             self._verify_step(s, self._propose(s, k), k)
         else:
             self._whole_step(s, k)
+        return counters["stats"]["unique_graphs"] == compiled
 
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
@@ -149,10 +153,11 @@ class SpeculativeDecoder:
             if skips > MAX_SKIPS:  # (the drafters' buffers for skipped entries hold this many)
                 k, skips = 1, 0
             self.drafter.advance(k)
+            steady = True  # (a step that compiled, warmed up or captured its graph is not timed)
             if graphs is not None:
-                self._graphed_step(graphs, s, k)
+                steady = self._graphed_step(graphs, s, k)
             elif self.compile:
-                self._compiled_step(s, k)
+                steady = self._compiled_step(s, k)
             else:
                 prop = self._propose(s, k)
                 if policy is not None and k:
@@ -161,7 +166,7 @@ class SpeculativeDecoder:
             flags = s.flags.tolist()  # the one host read per step: the stopping rule, and what the policy learns
             step_times.append(time.perf_counter() - t0)
             if policy is not None:
-                policy.update(flags[:B], k, live_host, time.perf_counter() - t_step,
+                policy.update(flags[:B], k, live_host, time.perf_counter() - t_step if steady else None,
                               drafting_timed=not (self.compile or graphs))
             live_host = [not f for f in flags[B:]]
             if bar is not None:
@@ -209,12 +214,11 @@ class SpeculativeDecoder:
                            **({"target_hidden": hidden} if self.features else {}))
         return s
 
-    def _graphed_step(self, graphs: "_StepGraphs", s: "_Batch", k: Optional[int]) -> None:
-        """The step through the batch's graphs (cuda_graphs). A host drafter's proposal is copied into static
-        buffers of its width, which the graph of its verification reads."""
+    def _graphed_step(self, graphs: "_StepGraphs", s: "_Batch", k: Optional[int]) -> bool:
+        """The step through the batch's graphs (cuda_graphs); whether it was a replay. A host drafter's proposal
+        is copied into static buffers of its width, which the graph of its verification reads."""
         if not self.drafter.proposes_on_host:
-            graphs.run((k,) + self.drafter.graph_key(), lambda: self._step(s, k))
-            return
+            return graphs.run((k,) + self.drafter.graph_key(), lambda: self._step(s, k))
         prop = self._propose(s, k)
         key = (k, prop.tokens.shape[1])
         static = graphs.inputs.get(key)
@@ -224,7 +228,7 @@ class SpeculativeDecoder:
             for buf, x in zip(static, prop):
                 if buf is not None:
                     buf.copy_(x)
-        graphs.run(key, lambda: self._verify(s, static, k))
+        return graphs.run(key, lambda: self._verify(s, static, k))
 
     # one step, on the batch's buffers in place: _propose then _verify (with compile=True one graph per depth k,
     # or, for a drafter that proposes on the host, the verification alone)
@@ -368,7 +372,8 @@ class _StepGraphs:
         self.graph_class, self.pool = graph_class, graph_class.new_pool(device)
         self.graphs, self.warm, self.inputs = {}, set(), {}
 
-    def run(self, key, step) -> None:
+    def run(self, key, step) -> bool:
+        """The step; whether it was a replay."""
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -377,6 +382,7 @@ class _StepGraphs:
         else:
             self.warm.add(key)
             step()
+        return graph is not None
 
 
 def generate_ar(target: Llama, prompts, max_new_tokens: int = 128, temperature=0.0, seed=0,

@@ -181,6 +181,24 @@ def test_compiled_steps_of_every_depth_equal_ar(pair, target_and_mtp, kind):
     assert counters["stats"]["unique_graphs"] >= 3
 
 
+def test_steps_that_compile_or_capture_are_not_timed(pair):
+    """The policy learns no cost from a step that compiled its graph (or warmed up / captured a CUDA graph):
+    compile time would poison the cost model. Later steps of the same depth are timed."""
+    from helpers import ReplayGraph
+    for kw in ({"compile": True}, {"cuda_graphs": ReplayGraph}):
+        seen = []
+
+        class Recording(Scripted):
+            def update(self, num_accepted, depth, live, seconds, drafting_timed=True):
+                seen.append(seconds)
+
+        # (a batch size and tree no other test compiles: the graphs are shared by every decoder in the process)
+        SpeculativeDecoder(pair[0], DraftModelDrafter(pair[1], "parents:-1,0,1,1"), **kw,
+                           adaptive=lambda B, K, dev: Recording(B, K, dev, (2,))).generate(PROMPTS + [[4, 4], [9]], 10)
+        untimed = 1 if "compile" in kw else 2  # (graphs: the eager warm-up and the capture)
+        assert seen[:untimed] == [None] * untimed and all(s is not None for s in seen[untimed:]) and len(seen) > 3
+
+
 def test_draft_cache_after_skipped_steps_equals_a_fresh_prefill(pair):
     """Skipped steps' tokens reach the draft's cache with the next proposal (3 skips: 6 pending entries for 5, one
     of them padding): after a run whose last steps were skipped and drafted in turn, the draft's committed K/V equal
