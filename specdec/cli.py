@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose each step's draft depth (0 = plain decoding) from the target's cost measured at "
                         "start-up and the running acceptance by depth (specdec.adaptive)")
     g.add_argument("--compile", action="store_true",
-                   help="the target's and the draft model's cached forwards through torch.compile (one graph per "
-                        "shape; a first run compiles them, later runs reuse Inductor's disk cache); the warm-up is "
+                   help="each decoding step through torch.compile as one graph (one per batch size, depth and drafter "
+                        "state; a first run compiles them, later runs reuse Inductor's disk cache); the warm-up is "
                         "then a whole run, reported as compile_s, and the AR baseline is compiled too")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each step as a CUDA graph, captured per draft depth at its second step (default: on "
