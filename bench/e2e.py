@@ -83,36 +83,38 @@ def held_out_prompts(n: int, n_bytes: int) -> list[str]:
     return prompts
 
 
-TARGET_TIME = {"prefill": 0.0, "forward_cached": 0.0}  # seconds inside the target's calls (timed_target)
+TARGET_TIME = {"forward_cached": 0.0}  # seconds inside the target's cached forwards (timed_target)
 
 
-def timed_target(target, names=tuple(TARGET_TIME)):
-    """Wrap the target's prefill and forward_cached (this instance only) to add their time to TARGET_TIME."""
-    for name in names:
-        call = getattr(target, name)
+def timed_target(target):
+    """Wrap the target's forward_cached (this instance only) to add its time to TARGET_TIME."""
+    call = target.forward_cached
 
-        def timed(*args, _call=call, _name=name, **kwargs):
-            t0 = time.perf_counter()
-            out = _call(*args, **kwargs)
-            TARGET_TIME[_name] += time.perf_counter() - t0
-            return out
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = call(*args, **kwargs)
+        TARGET_TIME["forward_cached"] += time.perf_counter() - t0
+        return out
 
-        setattr(target, name, timed)
+    target.forward_cached = timed
 
 
 def _outside_target(run, forward_s=None):
-    """run() -> (..., widths, outside): the share of the decoding steps' time (after the prefill) spent outside
-    the target's forward. forward_s(batch, t): with compile=True the target's forward is inside the step's
-    graph, where it cannot be timed: it is then the steps' count per verified width times the compiled
-    forward's time at that width (None when the widths vary per step: prompt lookup)."""
+    """run() -> (tokens, wall, tau, by_depth, prompt s, widths) becomes (..., prompt s, outside): the share of the
+    decoding steps' time (after the prompts) spent outside the target's forward. forward_s(batch, t): with
+    compile=True the target's forward is inside the step's graph, where it cannot be timed: it is then the steps'
+    count per verified width times the compiled forward's time at that width (None when the widths vary per step:
+    prompt lookup)."""
     def measured():
-        start = dict(TARGET_TIME)
+        start = TARGET_TIME["forward_cached"]
         *out, widths = run()
-        wall = out[1]
-        prefill, forward = (TARGET_TIME[k] - start[k] for k in ("prefill", "forward_cached"))
+        wall, prompt_s = out[1], out[4]
+        forward = TARGET_TIME["forward_cached"] - start
         if forward_s is not None:
             forward = None if widths is None else sum(n * forward_s(batch, t) for (batch, t), n in widths.items())
-        return (*out, None if forward is None else (wall - prefill - forward) / max(wall - prefill, 1e-9))
+        if forward is None or prompt_s is None:
+            return (*out, None)
+        return (*out, (wall - prompt_s - forward) / max(wall - prompt_s, 1e-9))
     return measured
 
 
@@ -150,26 +152,27 @@ def compiled_forward_s(target, context: int):
 
 
 def run_ours(decoder, prompts, max_new, temperature=0.0, **filters):
-    """(tokens, wall s, tau, acceptance by depth, step widths) over the prompts one at a time (steps-weighted
-    means)."""
-    tokens, wall, emitted, steps, accepted, widths = [], 0.0, 0, 0, None, {}
+    """(tokens, wall s, tau, acceptance by depth, prompt s, step widths) over the prompts one at a time
+    (steps-weighted means; prompt s: the wall time before the first steps)."""
+    tokens, wall, prompt_s, emitted, steps, accepted, widths = [], 0.0, 0.0, 0, 0, None, {}
     for i, p in enumerate(prompts):
         out = decoder.generate([p], max_new, temperature, seed=i, **filters)
         widths = step_widths(decoder, out, widths)
         tokens.append(out.tokens[0])
         wall += out.summary["wall_s"]
+        prompt_s += out.summary["prompt_s"]
         n = out.summary["steps"]
         emitted += out.summary["tokens_per_step"] * n
         steps += n
         by_depth = [a * n for a in out.summary["acceptance_by_depth"]]
         accepted = by_depth if accepted is None else [a + b for a, b in zip(accepted, by_depth)]
-    return tokens, wall, emitted / steps, [round(a / steps, 4) for a in accepted], widths
+    return tokens, wall, emitted / steps, [round(a / steps, 4) for a in accepted], prompt_s, widths
 
 
 def run_ours_batch(decoder, prompts, max_new):
     out = decoder.generate(prompts, max_new)
     return (out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"], out.summary["acceptance_by_depth"],
-            step_widths(decoder, out, {}))
+            out.summary["prompt_s"], step_widths(decoder, out, {}))
 
 
 def run_hf(model, prompts, max_new, eos, **kwargs):
@@ -213,23 +216,26 @@ def markdown(res: dict) -> str:
                 "target's time inside a compiled step is the steps' count per width times a compiled forward's)"
                 if cfg.get("compile") else "") + ".", "",
              "Acceptance by depth d: the fraction of steps that accepted at least d draft tokens. Outside target: the "
-             "share of the decoding steps' time (after the prefill) spent outside the target's forward (drafting, "
-             "accept, rollbacks, bookkeeping). Speedup / tau: the loop's efficiency (1 = a step costs one AR step).",
+             "share of the decoding steps' time (after the prompts) spent outside the target's forward (drafting, "
+             "accept, rollbacks, bookkeeping). Speedup / tau: the loop's efficiency (1 = a step costs one AR step). "
+             "Decoding speedup: the same ratio over the steps alone, without the prompts' time (the target's and "
+             "the drafter's prefill, the same work in every row: it caps the end-to-end speedup).",
              "",
-             "| method | new tokens/s | speedup vs ours AR | tokens/step (tau) | speedup / tau | outside target | "
-             "acceptance by depth | identical to ours AR |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
+             "| method | new tokens/s | speedup vs ours AR | decoding speedup | tokens/step (tau) | speedup / tau | "
+             "outside target | acceptance by depth | identical to ours AR |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in res["rows"]:
         if r.get("skipped"):
-            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | | | |")
             continue
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
         efficiency = "-" if r["tau"] is None else f"{r['speedup_vs_ours_ar'] / r['tau']:.2f}"
         outside = "-" if r.get("outside_target") is None else f"{100 * r['outside_target']:.0f}%"
         depth = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth") or []) or "-"
         same = "n/a (sampled)" if r["identical"] is None else "yes" if r["identical"] else "NO"
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {tau} | "
-                     f"{efficiency} | {outside} | {depth} | {same} |")
+        decoding = "-" if r.get("decoding_speedup_vs_ours_ar") is None else f"{r['decoding_speedup_vs_ours_ar']:.2f}x"
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {decoding} | "
+                     f"{tau} | {efficiency} | {outside} | {depth} | {same} |")
     return "\n".join(lines) + "\n"
 
 
@@ -281,7 +287,8 @@ def main(argv=None):
     specdec.set_value_checks(args.value_checks)
 
     target, draft = load_model(args.target), load_model(args.draft)
-    timed_target(target, ["prefill"] if args.compile else list(TARGET_TIME))  # (compiled: see _outside_target)
+    if not args.compile:  # (compiled, the forward runs inside each step's graph: see _outside_target)
+        timed_target(target)
     models = {"target": target, "draft": draft, "compile": args.compile,
               "mtp": load_mtp(args.mtp, target.cfg) if os.path.isdir(args.mtp) else None}
     ours = OURS + (MTP_ROWS if models["mtp"] is not None else [])
@@ -325,7 +332,7 @@ def main(argv=None):
         for name, kw in hf_methods:
             if kw.pop("assistant", False):
                 kw["assistant_model"] = hf_draft
-            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None, None),
+            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None, None, None),
                             lambda kw=kw: run_hf(hf_target, [prompts[0]], 8, eos, **kw)))
     if args.methods:
         methods = [m for m in methods if re.search(args.methods, m[0])]
@@ -334,22 +341,26 @@ def main(argv=None):
     for rep in range(args.repeats):  # other work on the machine only slows a pass: keep each method's best
         for name, run, warm_up in methods:
             warm_up()
-            tokens, wall, tau, by_depth, outside = run()
+            tokens, wall, tau, by_depth, prompt_s, outside = run()
             if name not in best or wall < best[name][1]:
-                best[name] = (tokens, wall, tau, by_depth, outside)
+                best[name] = (tokens, wall, tau, by_depth, prompt_s, outside)
             print(f"pass {rep + 1}: {name:40s} {sum(map(len, tokens)) / wall:8.1f} tok/s", flush=True)
     reference = best[OURS[0][0]][0]
     rows = [{"method": name, "tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tau": tau,
              "acceptance_by_depth": by_depth, "outside_target": outside, "identical": tokens == reference,
-             "new_tokens": sum(map(len, tokens))}
-            for name, (tokens, wall, tau, by_depth, outside) in best.items()] + skipped
+             "new_tokens": sum(map(len, tokens)), "prompt_s": prompt_s,
+             "decoding_tokens_per_s": None if prompt_s is None else sum(map(len, tokens)) / (wall - prompt_s)}
+            for name, (tokens, wall, tau, by_depth, prompt_s, outside) in best.items()] + skipped
     def mode(method):  # "[batch of 4]", "[T=0.8]" or "" (one greedy request at a time)
         return method[method.find("["):] if "[" in method else ""
 
-    ar = {mode(r["method"]): r["tokens_per_s"] for r in rows if r["method"].startswith(OURS[0][0])}
+    ar = {mode(r["method"]): r for r in rows if r["method"].startswith(OURS[0][0])}
     for r in rows:
         if not r.get("skipped"):  # each row against our AR run the same way
-            r["speedup_vs_ours_ar"] = r["tokens_per_s"] / ar[mode(r["method"]) if "ours" in r["method"] else ""]
+            base = ar[mode(r["method"]) if "ours" in r["method"] else ""]
+            r["speedup_vs_ours_ar"] = r["tokens_per_s"] / base["tokens_per_s"]
+            if r["decoding_tokens_per_s"] is not None:
+                r["decoding_speedup_vs_ours_ar"] = r["decoding_tokens_per_s"] / base["decoding_tokens_per_s"]
             if "[T=" in r["method"]:
                 r["identical"] = None  # sampled: AR and speculative draw different (equally distributed) texts
     res = {"machine": machine(), "rows": rows,

@@ -42,7 +42,8 @@ CACHE_BUCKET = 256  # with compile=True, cache lengths are rounded up to a multi
 class GenerationOutput:
     """tokens[b]: request b's new tokens (cut at EOS, excluded, and max_new_tokens); stats[b]: its steps,
     tokens_per_step (tau), acceptance_by_depth (fraction of steps accepting >= d draft tokens, d = 1..),
-    wall_s, tokens_per_s; summary: the same over the batch."""
+    wall_s, tokens_per_s; summary: the same over the batch, and prompt_s: the part of wall_s before the first
+    step (the checks, the buffers, the prompts through the target and the drafter)."""
     tokens: list
     stats: list
     summary: dict = field(default_factory=dict)
@@ -95,8 +96,8 @@ class SpeculativeDecoder:
         if compile and vocab_shard is not None:
             raise ValueError("compile: not with vocab_shard (the shards' collectives run eagerly)")
         if compile:
-            self._whole_step = compile_static(self._step)
-            self._verify_step = compile_static(self._verify)
+            self._whole_step = compile_static(self._step, target.device)
+            self._verify_step = compile_static(self._verify, target.device)
         if cuda_graphs is None:
             cuda_graphs = target.device.type == "cuda" and not compile
         if cuda_graphs is True:
@@ -139,6 +140,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         s = self._start(prompts, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p,
                         allowed_token_ids=allowed_token_ids)
+        prompt_s = time.perf_counter() - t0
         B, dev, depth = s.tokens.shape[0], s.tokens.device, self.drafter.max_depth
         step_times = []
         bar = _progress(max_new_tokens) if progress else None
@@ -177,6 +179,7 @@ class SpeculativeDecoder:
             bar.close()
         wall = time.perf_counter() - t0
         out = self._collect(s, step_times, wall)
+        out.summary["prompt_s"] = prompt_s
         if policy is not None:
             out.summary["depth_chosen"] = list(policy.chosen)  # steps per draft depth, 0 = plain decoding
         return out

@@ -336,7 +336,7 @@ class Llama(nn.Module):
         """forward_cached through torch.compile (compile_static: one graph per shape, e.g. per tree level of a
         drafter), or back to eager."""
         if enabled and self._compiled is None:
-            self._compiled = compile_static(self._forward_cached)
+            self._compiled = compile_static(self._forward_cached, self.device)
         elif not enabled:
             self._compiled = None
         return self
@@ -395,16 +395,19 @@ class Llama(nn.Module):
                        block_size=block_size)
 
 
-def compile_static(fn):
+def compile_static(fn, device: torch.device):
     """fn through torch.compile (fullgraph, static shapes: one graph per shape; specdec's ops are opaque custom ops
     inside; Inductor caches the graphs on disk for later processes), called with the value checks off (their host
-    reads would break the graph; the callers build the op inputs themselves)."""
+    reads would break the graph; the callers build the op inputs themselves). On the CPU the graph's wrapper is
+    C++ (Inductor's cpp_wrapper): a step launches a few hundred small kernels, and the Python wrapper's overhead
+    per kernel was about 13% of a compiled chain:6 step (15.1 vs 17.4 ms, bench/step.py's step, six runs each),
+    for a first compile of about 100 s instead of 56 s."""
     # every shape adds a graph for fn's code object, shared by all model instances (target and draft): a decoder
     # has a few per batch size and tree level, adaptive depths and dynamic trees add more, and past the limit a
     # fullgraph compile fails instead of running eagerly
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 1024)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": device.type == "cpu"})
 
     def run(*args):
         with specdec.value_checks(False):
