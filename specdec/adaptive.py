@@ -6,8 +6,10 @@ at start-up for this batch size, `measure_target_costs`), plus k draft levels (m
 `AdaptiveDepth.drafted`), plus the rest of the step (measured as what the step took beyond those), and is
 expected to emit, per live request b, 1 + sum_{d <= k} prod_{i <= d} alpha[b, i] tokens, alpha[b, d] being the
 running rate at which request b's depth-d draft was accepted when its depth-(d-1) draft was (`AcceptanceStats`).
-The policy picks the k with the most tokens per second. When that is 0 for `probe_every` steps in a row it
-drafts once anyway (the best k > 0), so that text which starts repeating itself (prompt lookup) is noticed.
+The policy picks the k with the most tokens per second, among the depths it may choose (all of 0..K by default;
+a compiled loop compiles a graph per depth, so it offers a ladder, `compiled_depths`). When that is 0 for
+`probe_every` steps in a row it drafts once anyway (the best k > 0), so that text which starts repeating itself
+(prompt lookup) is noticed.
 Any k is lossless: a greedy output never depends on the choices.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .models.llama import Llama, chain_tree
+from .models.llama import Llama, chain_tree, compile_static
 
 
 class AcceptanceStats:
@@ -61,14 +63,20 @@ class AcceptanceStats:
 
 class AdaptiveDepth:
     """The loop's per-step choice of draft depth (see the module doc). target_s (K + 1,): seconds of the
-    target's forward over 1..K+1 tokens per request at this batch size."""
+    target's forward over 1..K+1 tokens per request at this batch size (only those of `depths` are used)."""
 
     def __init__(self, batch_size: int, max_depth: int, target_s: Sequence[float], probe_every: int = 16,
-                 previous: Optional["AdaptiveDepth"] = None):
+                 previous: Optional["AdaptiveDepth"] = None, depths: Optional[Sequence[int]] = None):
         """previous: a policy of an earlier batch of the same drafter, whose measured costs carry over and
-        whose requests' mean pooled acceptance is the new requests' prior."""
+        whose requests' mean pooled acceptance is the new requests' prior. depths: the depths it may choose
+        (None: 0..max_depth); 0 and at least one other among them."""
         if len(target_s) != max_depth + 1:
             raise ValueError(f"target_s: {len(target_s)} costs for depths 0..{max_depth}")
+        depths = range(max_depth + 1) if depths is None else sorted(set(depths))
+        if 0 not in depths or len(depths) < 2 or not all(0 <= k <= max_depth for k in depths):
+            raise ValueError(f"depths: {list(depths)} must hold 0 and another depth in 1..{max_depth}")
+        self.allowed = torch.zeros(max_depth + 1, dtype=torch.bool)
+        self.allowed[list(depths)] = True
         prior = 0.6 if previous is None else float(previous.stats.pooled.mean())
         self.stats = AcceptanceStats(batch_size, max_depth, prior=prior)
         self.target_s = torch.tensor(target_s, dtype=torch.float64)
@@ -85,7 +93,7 @@ class AdaptiveDepth:
         return self.target_s + k * (self.draft_level_s or 0.0) + self.overhead_s
 
     def choose(self, live: Sequence[bool]) -> int:
-        rate = self.stats.expected_tokens(live) / self.step_s()
+        rate = (self.stats.expected_tokens(live) / self.step_s()).masked_fill(~self.allowed, -1.0)
         k = int(rate.argmax())
         self.idle = self.idle + 1 if k == 0 else 0
         if self.idle >= self.probe_every:
@@ -117,31 +125,45 @@ class AdaptiveDepth:
 _TARGET_COSTS: dict = {}  # (model, batch size, tokens, dtype, device) -> seconds per forward
 
 
+def compiled_depths(max_depth: int) -> list[int]:
+    """The depths an adaptive compiled loop may choose: 0, the powers of two below max_depth, and max_depth (each
+    depth and drafter state is a graph to compile: a ladder keeps them few; chain:8 -> 0, 1, 2, 4, 8)."""
+    return [0] + [1 << i for i in range(max_depth.bit_length()) if 1 << i < max_depth] + [max_depth]
+
+
 def measure_target_costs(target: Llama, batch_size: int, max_tokens: int, context: int = 256,
-                         repeats: int = 3) -> list[float]:
+                         repeats: int = 3, compiled: bool = False,
+                         tokens: Optional[Sequence[int]] = None) -> list[float]:
     """Seconds of the target's cached forward over t = 1..max_tokens new tokens per request (chains) after
     `context` cached ones, at this batch size: the best of `repeats` timed runs after a warm-up. Cached per
-    model, shape and device for the process (the cache holds garbage K/V: only the time is used)."""
-    key = (id(target), batch_size, max_tokens, context, target.dtype, str(target.device))
+    model, shape and device for the process (the cache holds garbage K/V: only the time is used).
+    compiled: time it through torch.compile (`compile_static`), as a compiled loop runs it. tokens: time only these
+    counts (and max_tokens); another count gets the time of the next one timed (the policy never chooses it)."""
+    timed = sorted(set(range(1, max_tokens + 1) if tokens is None else tokens) | {max_tokens})
+    key = (id(target), batch_size, tuple(timed), context, target.dtype, str(target.device), compiled)
     if key not in _TARGET_COSTS:
         dev = target.device
         cache = target.new_cache(batch_size, context + max_tokens + 1)
         cache.lens.fill_(context)
-        costs = []
+        forward = compile_static(target._forward_cached, dev) if compiled else target.forward_cached
+        measured = []
         with torch.inference_mode():
-            for t in range(1, max_tokens + 1):
-                tokens = torch.zeros(batch_size, t, dtype=torch.long, device=dev)
+            for t in timed:
+                toks = torch.zeros(batch_size, t, dtype=torch.long, device=dev)
                 tree = chain_tree(batch_size, t, device=dev)
                 best = float("inf")
                 for rep in range(repeats + 1):
                     _sync(dev)
                     t0 = time.perf_counter()
-                    target.forward_cached(tokens, cache, tree.depth, tree.mask)
+                    if compiled:
+                        forward(toks, cache, tree.depth, tree.mask, None, 0, None, False)
+                    else:
+                        forward(toks, cache, tree.depth, tree.mask)
                     _sync(dev)
-                    if rep:  # the first run warms up
+                    if rep:  # the first run warms up (and compiles)
                         best = min(best, time.perf_counter() - t0)
-                costs.append(max([best] + costs))  # never cheaper for more tokens (timing noise)
-        _TARGET_COSTS[key] = costs
+                measured.append(max([best] + measured))  # never cheaper for more tokens (timing noise)
+        _TARGET_COSTS[key] = [next(c for u, c in zip(timed, measured) if u >= t) for t in range(1, max_tokens + 1)]
     return _TARGET_COSTS[key]
 
 

@@ -29,7 +29,7 @@ import torch
 
 import specdec
 from . import distributed
-from .adaptive import AdaptiveDepth, measure_target_costs
+from .adaptive import AdaptiveDepth, compiled_depths, measure_target_costs
 from .drafters.base import MAX_SKIPS, Drafter, NoDrafter, Proposal
 from .models.llama import Llama, compile_static
 from ._validation import check_method_name
@@ -123,8 +123,11 @@ class SpeculativeDecoder:
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
         and step costs, and its requests' mean acceptance as the new requests' prior)."""
-        costs = measure_target_costs(self.target, batch_size, max_depth + 1)
-        self._policy = AdaptiveDepth(batch_size, max_depth, costs, previous=getattr(self, "_policy", None))
+        depths = compiled_depths(max_depth) if self.compile else None
+        costs = measure_target_costs(self.target, batch_size, max_depth + 1, compiled=self.compile,
+                                     tokens=None if depths is None else [k + 1 for k in depths])
+        self._policy = AdaptiveDepth(batch_size, max_depth, costs, previous=getattr(self, "_policy", None),
+                                     depths=depths)
         return self._policy
 
     @torch.inference_mode()

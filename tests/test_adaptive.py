@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specdec.adaptive import AcceptanceStats, AdaptiveDepth, measure_target_costs
+from specdec.adaptive import AcceptanceStats, AdaptiveDepth, compiled_depths, measure_target_costs
 from specdec.decoding import SpeculativeDecoder, generate_ar
 from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter
 
@@ -133,6 +133,47 @@ def test_target_costs_are_measured_once_and_grow_with_tokens(pair):
     costs = measure_target_costs(target, 2, 4, context=16, repeats=1)
     assert len(costs) == 4 and all(c > 0 for c in costs) and costs == sorted(costs)
     assert measure_target_costs(target, 2, 4, context=16, repeats=1) is costs
+
+
+def test_compiled_depth_ladder():
+    assert compiled_depths(8) == [0, 1, 2, 4, 8] and compiled_depths(6) == [0, 1, 2, 4, 6]
+    assert compiled_depths(1) == [0, 1] and compiled_depths(2) == [0, 1, 2]
+
+
+def test_policy_chooses_only_its_depths():
+    """Drafts always accepted, verification cheap: the best depth would be 6, the deepest offered is 4; at a batch
+    that saturates compute it is still 0. The probe after idle steps drafts an offered depth too."""
+    costs = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3]
+    policy = AdaptiveDepth(1, 6, costs, depths=[0, 1, 4])
+    policy.drafted(2, 0.1)
+    for _ in range(20):
+        k = policy.choose([True])
+        assert k in (0, 1, 4)
+        policy.update([k], k, [True], 1.0 + 0.05 * k)
+    assert k == 4 and policy.chosen[6] == policy.chosen[5] == 0
+    idle = AdaptiveDepth(1, 6, costs, depths=[0, 2, 5], probe_every=4)
+    idle.drafted(1, 0.05)
+    ks = []
+    for _ in range(64):
+        ks.append(idle.choose([True]))
+        idle.update([0], ks[-1], [True], 1.0 + 0.1 * ks[-1])  # nothing accepted: plain decoding, probing
+    assert set(ks) <= {0, 2, 5} and ks[-40:].count(0) >= 30 and any(k > 0 for k in ks[-40:])
+    for bad in ([1, 2], [0], [0, 7]):
+        with pytest.raises(ValueError, match="depths"):
+            AdaptiveDepth(1, 6, costs, depths=bad)
+
+
+def test_target_costs_compiled_and_for_some_token_counts(pair):
+    """compiled: the forward is timed through torch.compile, as a compiled loop runs it; token counts not timed
+    get the next timed count's cost (the policy never drafts to them)."""
+    from torch._dynamo.utils import counters
+    target, _ = pair
+    counters.clear()
+    costs = measure_target_costs(target, 3, 5, context=16, repeats=1, compiled=True, tokens=[1, 3])
+    assert counters["stats"]["unique_graphs"] == 3  # t = 1, 3 and 5 (max_tokens)
+    assert len(costs) == 5 and all(c > 0 for c in costs) and costs == sorted(costs)
+    assert costs[1] == costs[2] and costs[3] == costs[4]
+    assert measure_target_costs(target, 3, 5, context=16, repeats=1, compiled=True, tokens=[3, 1]) is costs
 
 
 # ----------------------------------------------------------------------------------------------
