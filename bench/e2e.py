@@ -188,6 +188,12 @@ def run_hf(model, prompts, max_new, eos, **kwargs):
     return tokens, wall
 
 
+def mode(method: str) -> str:
+    """A row's way of running: "[batch of 4]", "[T=0.8]", ... or "" (one greedy request at a time); every row is
+    compared with our AR run the same way (the transformers rows: with our greedy AR)."""
+    return method[method.find("["):] if "[" in method and "ours" in method else ""
+
+
 def machine() -> dict:
     """bench.timing's machine record (CPU, versions, commit, date) plus what the end-to-end run depends on."""
     try:
@@ -334,8 +340,11 @@ def main(argv=None):
                 kw["assistant_model"] = hf_draft
             methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None, None, None),
                             lambda kw=kw: run_hf(hf_target, [prompts[0]], 8, eos, **kw)))
-    if args.methods:
-        methods = [m for m in methods if re.search(args.methods, m[0])]
+    if args.methods:  # the chosen rows, and our AR run each chosen way (their reference)
+        chosen = [m for m in methods if re.search(args.methods, m[0])]
+        modes = {""} | {mode(name) for name, *_ in chosen}  # ("": greedy AR, the reference of identical)
+        methods = [m for m in methods if m in chosen or m[0] == (OURS[0][0] + " " + mode(m[0])).strip()
+                   and mode(m[0]) in modes]
         skipped = [r for r in skipped if re.search(args.methods, r["method"])]
     best = {}
     for rep in range(args.repeats):  # other work on the machine only slows a pass: keep each method's best
@@ -351,13 +360,10 @@ def main(argv=None):
              "new_tokens": sum(map(len, tokens)), "prompt_s": prompt_s,
              "decoding_tokens_per_s": None if prompt_s is None else sum(map(len, tokens)) / (wall - prompt_s)}
             for name, (tokens, wall, tau, by_depth, prompt_s, outside) in best.items()] + skipped
-    def mode(method):  # "[batch of 4]", "[T=0.8]" or "" (one greedy request at a time)
-        return method[method.find("["):] if "[" in method else ""
-
     ar = {mode(r["method"]): r for r in rows if r["method"].startswith(OURS[0][0])}
     for r in rows:
         if not r.get("skipped"):  # each row against our AR run the same way
-            base = ar[mode(r["method"]) if "ours" in r["method"] else ""]
+            base = ar[mode(r["method"])]
             r["speedup_vs_ours_ar"] = r["tokens_per_s"] / base["tokens_per_s"]
             if r["decoding_tokens_per_s"] is not None:
                 r["decoding_speedup_vs_ours_ar"] = r["decoding_tokens_per_s"] / base["decoding_tokens_per_s"]
