@@ -122,7 +122,7 @@ class AdaptiveDepth:
             self.drafted(depth, max(residual - self.overhead_s, 0.0))
 
 
-_TARGET_COSTS: dict = {}  # (model, batch size, tokens, dtype, device) -> seconds per forward
+_TARGET_COSTS: dict = {}  # (model, batch size, timed token counts, context, dtype, device, compiled) -> costs
 
 
 def compiled_depths(max_depth: int) -> list[int]:
@@ -145,7 +145,7 @@ def measure_target_costs(target: Llama, batch_size: int, max_tokens: int, contex
         dev = target.device
         cache = target.new_cache(batch_size, context + max_tokens + 1)
         cache.lens.fill_(context)
-        forward = compile_static(target._forward_cached, dev) if compiled else target.forward_cached
+        forward = compile_static(target._forward_cached, dev) if compiled else target._forward_cached
         measured = []
         with torch.inference_mode():
             for t in timed:
@@ -155,10 +155,7 @@ def measure_target_costs(target: Llama, batch_size: int, max_tokens: int, contex
                 for rep in range(repeats + 1):
                     _sync(dev)
                     t0 = time.perf_counter()
-                    if compiled:
-                        forward(toks, cache, tree.depth, tree.mask, None, 0, None, False)
-                    else:
-                        forward(toks, cache, tree.depth, tree.mask)
+                    forward(toks, cache, tree.depth, tree.mask, None, 0, None, False)
                     _sync(dev)
                     if rep:  # the first run warms up (and compiles)
                         best = min(best, time.perf_counter() - t0)
