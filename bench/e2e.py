@@ -47,7 +47,8 @@ def _decoder(drafter, adaptive=False):
 
 OURS = [("ours AR", _decoder(lambda m: NoDrafter()))] + [
     (f"ours spec {tree}", _decoder(lambda m, tree=tree: DraftModelDrafter(m["draft"], tree)))
-    for tree in ("chain:3", "chain:4", "chain:6", "tree:2,1,1", "dynamic:8,4,2", "dynamic:12,5,2")] + [
+    for tree in ("chain:3", "chain:4", "chain:6", "chain:8", "chain:10", "chain:12", "tree:2,1,1", "dynamic:8,4,2",
+                 "dynamic:12,5,2")] + [
     ("ours spec auto (chain:8, adaptive)", _decoder(lambda m: DraftModelDrafter(m["draft"], "chain:8"), True))] + [
     (f"ours prompt lookup chain:{k}", _decoder(lambda m, k=k: NgramDrafter(num_tokens=k))) for k in (4, 8)] + [
     ("ours prompt lookup auto (chain:8, adaptive)", _decoder(lambda m: NgramDrafter(num_tokens=8), True))]
@@ -55,7 +56,7 @@ MTP_ROWS = [(f"ours mtp {tree}", _decoder(lambda m, tree=tree: MTPDrafter(m["tar
             for tree in ("chain:2", "chain:3", "chain:4", "chain:6", "dynamic:8,4,2")] + [
     ("ours mtp auto (chain:8, adaptive)", _decoder(lambda m: MTPDrafter(m["target"], m["mtp"], "chain:8"), True))]
 BATCHED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec auto (chain:8, adaptive)"]
-SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain:6",
+SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain:6", "ours spec chain:8",
            "ours spec auto (chain:8, adaptive)", "ours mtp chain:2", "ours mtp chain:3", "ours mtp chain:4",
            "ours mtp chain:6", "ours mtp auto (chain:8, adaptive)"]
 FILTERED = ["ours AR", "ours spec chain:4"]
@@ -188,6 +189,12 @@ def run_hf(model, prompts, max_new, eos, **kwargs):
     return tokens, wall
 
 
+def compiled_graphs() -> int:
+    """The graphs torch.compile has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
 def mode(method: str) -> str:
     """A row's way of running: "[batch of 4]", "[T=0.8]", ... or "" (one greedy request at a time); every row is
     compared with our AR run the same way (the transformers rows: with our greedy AR)."""
@@ -240,7 +247,9 @@ def markdown(res: dict) -> str:
         depth = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth") or []) or "-"
         same = "n/a (sampled)" if r["identical"] is None else "yes" if r["identical"] else "NO"
         decoding = "-" if r.get("decoding_speedup_vs_ours_ar") is None else f"{r['decoding_speedup_vs_ours_ar']:.2f}x"
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {decoding} | "
+        name = r["method"] + (f" (compiled {r['graphs_compiled_inside']} graph(s) in its best pass: not warm)"
+                              if r.get("graphs_compiled_inside") else "")
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {decoding} | "
                      f"{tau} | {efficiency} | {outside} | {depth} | {same} |")
     return "\n".join(lines) + "\n"
 
@@ -346,18 +355,22 @@ def main(argv=None):
         methods = [m for m in methods if m in chosen or m[0] == (OURS[0][0] + " " + mode(m[0])).strip()
                    and mode(m[0]) in modes]
         skipped = [r for r in skipped if re.search(args.methods, r["method"])]
-    best = {}
+    best, compiled_in_best = {}, {}
     for rep in range(args.repeats):  # other work on the machine only slows a pass: keep each method's best
         for name, run, warm_up in methods:
             warm_up()
+            graphs = compiled_graphs()
             tokens, wall, tau, by_depth, prompt_s, outside = run()
+            graphs = compiled_graphs() - graphs  # compiled inside the timed run (an adaptive policy's new depth)
             if name not in best or wall < best[name][1]:
                 best[name] = (tokens, wall, tau, by_depth, prompt_s, outside)
-            print(f"pass {rep + 1}: {name:40s} {sum(map(len, tokens)) / wall:8.1f} tok/s", flush=True)
+                compiled_in_best[name] = graphs
+            print(f"pass {rep + 1}: {name:40s} {sum(map(len, tokens)) / wall:8.1f} tok/s"
+                  + (f"  ({graphs} graphs compiled inside)" if graphs else ""), flush=True)
     reference = best[OURS[0][0]][0]
     rows = [{"method": name, "tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tau": tau,
              "acceptance_by_depth": by_depth, "outside_target": outside, "identical": tokens == reference,
-             "new_tokens": sum(map(len, tokens)), "prompt_s": prompt_s,
+             "new_tokens": sum(map(len, tokens)), "prompt_s": prompt_s, "graphs_compiled_inside": compiled_in_best[name],
              "decoding_tokens_per_s": None if prompt_s is None else sum(map(len, tokens)) / (wall - prompt_s)}
             for name, (tokens, wall, tau, by_depth, prompt_s, outside) in best.items()] + skipped
     ar = {mode(r["method"]): r for r in rows if r["method"].startswith(OURS[0][0])}

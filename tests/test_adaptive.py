@@ -207,6 +207,26 @@ def test_greedy_ngram_adaptive_equals_ar(pair):
         assert SpeculativeDecoder(target, NgramDrafter(8), adaptive=adaptive).generate(PROMPTS4, 24).tokens == ar.tokens
 
 
+def test_pending_width_after_skips_takes_two_values(pair, target_and_mtp):
+    """A depth's graphs: one without skipped steps before it, one after any run of them (1 to MAX_SKIPS), so that
+    an adaptive compiled loop does not meet a new graph for each run length."""
+    from specdec.drafters.base import MAX_SKIPS
+    for target, drafter in ((pair[0], DraftModelDrafter(pair[1], "chain:3")),
+                            (target_and_mtp[0], MTPDrafter(*target_and_mtp, "chain:3"))):
+        SpeculativeDecoder(target, drafter).generate(PROMPTS[:1], 2)  # (a started drafter)
+        keys = []
+        for run in (0, 1, 3, MAX_SKIPS, 0):
+            for _ in range(run):
+                drafter.advance(0)
+            drafter.advance(2)
+            keys.append(drafter.graph_key())
+        wide = (drafter.min_pending + MAX_SKIPS,)
+        assert keys == [(drafter.min_pending,), wide, wide, wide, (drafter.min_pending,)]
+        with pytest.raises(ValueError, match="depth"):
+            for _ in range(MAX_SKIPS + 1):
+                drafter.advance(0)
+
+
 @pytest.mark.parametrize("kind", ["draft", "mtp", "ngram"])
 def test_compiled_steps_of_every_depth_equal_ar(pair, target_and_mtp, kind):
     """compile=True with skipped and shallow steps: one graph per depth and drafter state (the draft model's

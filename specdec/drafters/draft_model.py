@@ -149,15 +149,17 @@ class DraftModelDrafter(Drafter):
 
     def advance(self, depth):
         """A step of depth 0 leaves its entry to the next proposal, which runs it with the others: pending_width
-        entries, part of the graph key, rounded up (the extra ones are padding) so that runs of 1, 2, 3-4, 5-8
-        and 9-16 skipped steps share a graph."""
+        entries, part of the graph key. After any run of skipped steps it is the widest, min_pending + MAX_SKIPS
+        (the extra entries are padding), so that a depth has two graphs, not one per run length: an adaptive
+        compiled loop's choices then rarely meet a graph it has not compiled, and the padding costs only the
+        first draft forward after a run of skips (a few more rows through the small drafter)."""
         if depth == 0:
             if self.skipped == MAX_SKIPS:
                 raise ValueError(f"depth: more than {MAX_SKIPS} steps in a row without a proposal")
             self.skipped += 1
         else:
-            rounded = 1 << (self.skipped - 1).bit_length() if self.skipped else 0
-            self.pending_width, self.skipped = self.min_pending + rounded, 0
+            self.pending_width = self.min_pending + (MAX_SKIPS if self.skipped else 0)
+            self.skipped = 0
 
     def graph_key(self):
         return (self.pending_width,)
