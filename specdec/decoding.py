@@ -36,6 +36,14 @@ from ._validation import check_method_name
 from .sampling import SamplingParams
 
 CACHE_BUCKET = 256  # with compile=True, cache lengths are rounded up to a multiple of this
+# with compile=True or CUDA graphs, a batch runs padded to the smallest of these sizes that holds it (vLLM's
+# capture sizes), so that a server's varying batches share a few graphs
+BATCH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 513, 8))
+
+
+def batch_bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:
+    """The batch size n requests run at: the smallest bucket >= n (n itself past the largest)."""
+    return next((b for b in sorted(buckets) if b >= n), n)
 
 
 @dataclass
@@ -52,7 +60,8 @@ class GenerationOutput:
 class SpeculativeDecoder:
     def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
                  block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token",
-                 vocab_shard=None, adaptive=False, compile: bool = False, cuda_graphs=None):
+                 vocab_shard=None, adaptive=False, compile: bool = False, cuda_graphs=None,
+                 batch_buckets: Optional[Sequence[int]] = None):
         """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
         kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
         method: accept's verifier for sampling requests: "token", "block" (chains) or "traversal" (any
@@ -72,7 +81,9 @@ class SpeculativeDecoder:
         draft depth and drafter state (`Drafter.graph_key`; for prompt lookup the verification alone, per tree
         width) for the batch, captured at that key's second step (the first runs eagerly: kernels compile and
         tune there) and replayed from its third. Or a class with CudaStepGraph's interface (the tests emulate
-        CUDA graphs on the CPU with one)."""
+        CUDA graphs on the CPU with one).
+        batch_buckets: the batch sizes a batch runs at, padded with finished requests that ride along (default:
+        BATCH_BUCKETS with compile or CUDA graphs, whose graphs are per batch size; the exact size eagerly)."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -107,6 +118,10 @@ class SpeculativeDecoder:
         if cuda_graphs and (compile or vocab_shard is not None):
             raise ValueError("cuda_graphs: not with compile or vocab_shard")
         self.graph_class = cuda_graphs or None
+        if batch_buckets is not None and (not batch_buckets or min(batch_buckets) < 1):
+            raise ValueError(f"batch_buckets: {batch_buckets!r} must be batch sizes >= 1")
+        self.batch_buckets = batch_buckets if batch_buckets is not None else \
+            BATCH_BUCKETS if compile or self.graph_class else ()
 
     def _compiled_step(self, s: "_Batch", k: Optional[int]) -> bool:
         """One compiled graph per step: the whole step, or for a drafter that proposes on the host (prompt
@@ -149,7 +164,7 @@ class SpeculativeDecoder:
         bar = _progress(max_new_tokens) if progress else None
         policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
         graphs = None if self.graph_class is None else _StepGraphs(self.graph_class, dev)
-        live_host = [True] * B
+        live_host = [b < s.requests for b in range(B)]  # (the padding rows are finished from the start)
         skips = 0  # plain-decoding steps in a row
         while True:
             t_step = time.perf_counter()
@@ -199,9 +214,19 @@ class SpeculativeDecoder:
         seeds = [int(seed) + b for b in range(B)] if isinstance(seed, int) else [int(s) for s in seed]
         if len(temps) != B or len(seeds) != B:
             raise ValueError("temperature/seed: give one value or one per prompt")
+        method = self.method if any(t > 0 for t in temps) else "token"  # (greedy requests: any method is token-wise)
+        requests = B
+        B = batch_bucket(B, self.batch_buckets) if self.batch_buckets else B
+        if B > requests:  # padding rows: one-token prompts, greedy, filters off, finished from the start
+            pad = B - requests
+            for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+                if not isinstance(x, (int, float)) and len(x) != requests:
+                    raise ValueError(f"{name}: give one value or one per request ({requests}), got {len(x)}")
+            prompts, temps, seeds = list(prompts) + [[0]] * pad, temps + [0.0] * pad, seeds + [0] * pad
+            top_k, top_p, min_p = (x if isinstance(x, (int, float)) else list(x) + [off] * pad
+                                   for x, off in ((top_k, 0), (top_p, 1.0), (min_p, 0.0)))
         temp = torch.tensor(temps, dtype=torch.float32, device=dev)
         params = SamplingParams.for_batch(B, self.target.cfg.vocab_size, dev, top_k, top_p, min_p, allowed_token_ids)
-        method = self.method if any(t > 0 for t in temps) else "token"  # (greedy requests: any method is token-wise)
 
         prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
         # room for: prompt + max_new for live requests (+ a last tree) and one token per step once finished
@@ -213,7 +238,7 @@ class SpeculativeDecoder:
             tokens[b, :len(p)] = torch.tensor(list(p), dtype=torch.long)
 
         cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
-        s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T)
+        s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T, requests)
         # the last prompt token is the first root; a drafter on the target's features gets its hidden states
         hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
         self.drafter.start(tokens, s.seq_lens, L, temp, seeds, params,
@@ -297,8 +322,8 @@ class SpeculativeDecoder:
 
     def _collect(self, s: "_Batch", step_times, wall) -> GenerationOutput:
         outs, stats = [], []
-        tokens, hist = s.tokens.cpu(), s.accepted_hist.cpu()
-        for b in range(tokens.shape[0]):
+        tokens, hist = s.tokens.cpu(), s.accepted_hist.cpu()  # (padding rows: no steps, nothing accepted)
+        for b in range(s.requests):
             seq = tokens[b, int(s.prompt_lens[b]):int(s.seq_lens[b])].tolist()[:s.max_new]
             if self.eos is not None and self.eos in seq:
                 seq = seq[:seq.index(self.eos)]
@@ -341,15 +366,18 @@ class _Batch:
     flags: torch.Tensor  # (2B,) int64: this step's accepted counts, then done: the one host read per step
     rows: torch.Tensor  # arange(B)
     cols: torch.Tensor  # arange(max_nodes)
+    requests: int  # the real requests, rows 0 .. requests - 1; the rest pad the batch to its bucket (done)
 
     @classmethod
-    def new(cls, tokens, prompt_lens, max_new, temp, seeds, params, method, cache, depth, max_nodes) -> "_Batch":
+    def new(cls, tokens, prompt_lens, max_new, temp, seeds, params, method, cache, depth, max_nodes,
+            requests) -> "_Batch":
         B, dev = tokens.shape[0], tokens.device
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+        done = torch.arange(B, device=dev) >= requests
         return cls(tokens, prompt_lens.clone(), prompt_lens, max_new, temp,
                    torch.tensor(seeds, dtype=torch.int64, device=dev), params, method, cache,
-                   zeros(B, dtype=torch.bool), zeros(B), zeros(B), zeros(B, depth + 1), zeros(B), zeros(), zeros(2 * B),
-                   torch.arange(B, device=dev), torch.arange(max_nodes, device=dev))
+                   done, zeros(B), zeros(B), zeros(B, depth + 1), zeros(B), zeros(), zeros(2 * B),
+                   torch.arange(B, device=dev), torch.arange(max_nodes, device=dev), requests)
 
 
 class CudaStepGraph:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from specdec.decoding import SpeculativeDecoder, generate_ar
+from specdec.decoding import SpeculativeDecoder, batch_bucket, generate_ar
 from specdec.drafters import DraftModelDrafter, NgramDrafter, parse_tree
 from specdec.cli import ASSETS, main as cli_main
 from specdec.models.hf import load_model, save_model
@@ -492,10 +492,35 @@ def test_compiled_loop_equals_eager_and_ar():
     longer = [p + [7] for p in PROMPTS]
     assert decoder.generate(longer, 8).tokens == generate_ar(target, longer, 8).tokens
     assert counters["stats"]["unique_graphs"] == 1  # no new graph
+    four = PROMPTS + [[2, 6, 1]]  # (three requests ran padded to the bucket of four: the same graph)
+    out = decoder.generate(four, 8)
+    assert out.tokens == generate_ar(target, four, 8).tokens and len(out.stats) == out.summary["requests"] == 4
+    assert counters["stats"]["unique_graphs"] == 1
     sampled = dict(temperature=[1.0, 0.7, 1.0], seed=[3, 4, 5])
     eager = SpeculativeDecoder(target, drafter).generate(PROMPTS, 8, **sampled).tokens
     assert decoder.generate(PROMPTS, 8, **sampled).tokens == eager
     assert counters["stats"]["unique_graphs"] == 2  # the sampling step (draft logits, draws) is another graph
+
+
+def test_batch_padded_to_its_bucket_gives_the_requests_outputs_alone(pair):
+    """A batch runs padded to a bucket size with finished rows: the outputs, stats and acceptance are the real
+    requests' alone, as without padding; per-request parameters of the wrong length are still refused."""
+    from helpers import ReplayGraph
+    target, draft = pair
+    kw = dict(temperature=[0.0, 0.9, 0.0], seed=[1, 2, 3], top_k=[0, 5, 0])
+    exact = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:3")).generate(PROMPTS, 10, **kw)
+    for decoder in (SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:3"), batch_buckets=(2, 8)),
+                    SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:3"), cuda_graphs=ReplayGraph)):
+        padded = decoder.generate(PROMPTS, 10, **kw)
+        assert padded.tokens == exact.tokens and padded.stats == [
+            {**st, "wall_s": p["wall_s"], "tokens_per_s": p["tokens_per_s"]} for st, p in zip(exact.stats, padded.stats)]
+        assert padded.summary["requests"] == 3 and padded.summary["acceptance_by_depth"] == \
+            exact.summary["acceptance_by_depth"] and padded.summary["tokens_per_step"] == exact.summary["tokens_per_step"]
+    with pytest.raises(ValueError, match="top_k"):
+        decoder.generate(PROMPTS, 4, top_k=[1, 2])
+    with pytest.raises(ValueError, match="batch_buckets"):
+        SpeculativeDecoder(target, batch_buckets=(0, 4))
+    assert [batch_bucket(n) for n in (1, 3, 5, 9, 17, 600)] == [1, 4, 8, 16, 24, 600]
 
 
 def test_cli_compile(capsys, tmp_path):
