@@ -523,6 +523,18 @@ def test_batch_padded_to_its_bucket_gives_the_requests_outputs_alone(pair):
     assert [batch_bucket(n) for n in (1, 3, 5, 9, 17, 600)] == [1, 4, 8, 16, 24, 600]
 
 
+def test_compiled_and_replayed_steps_over_a_paged_float8_cache_equal_ar(pair):
+    """compile=True and (emulated) CUDA graphs over a paged float8 target cache, the draft's cache in float8
+    too: greedy output equals AR over the same cache dtype."""
+    from helpers import ReplayGraph
+    target, draft = pair
+    kv = torch.float8_e4m3fn
+    ar = generate_ar(target, PROMPTS, 8, kv_dtype=kv).tokens
+    for kw in ({"compile": True}, {"cuda_graphs": ReplayGraph}):
+        drafter = DraftModelDrafter(draft, "tree:2,1", kv_dtype=kv)
+        assert SpeculativeDecoder(target, drafter, block_size=4, kv_dtype=kv, **kw).generate(PROMPTS, 8).tokens == ar
+
+
 def test_cli_compile(capsys, tmp_path):
     """--compile: a warm-up run that compiles (reported as compile_s) and the same output as eager."""
     save_model(tiny(5, vocab=VOCAB_SIZE, eos=257), str(tmp_path / "target"))  # fresh models: compiling sticks
