@@ -41,6 +41,10 @@ constexpr int64_t kRows = 4;                                  // rows of a regis
 constexpr int64_t kMaxVecs = SPECDEC_VEC_REGISTERS >= 32 ? 4 : 2;  // vectors of query rows per tile
 constexpr int64_t kKeys = 64;                                 // keys per block (a multiple of kRows)
 constexpr int64_t kFewRows = 8;  // at most this many query rows per item: the row layout (bench: T=1..4, G=2..3)
+// the tile layout runs an item's nodes in groups of this many, each over the keys up to the last tree position any
+// of them sees: a prefill chunk's first nodes skip the later nodes' keys (a causal chunk of 256 does 62% of the
+// work); trees of up to this many nodes (verification) stay one group, reading the prefix once
+constexpr int64_t kGroupNodes = 64;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -130,6 +134,16 @@ struct TreeAttention {
     return (static_cast<uint32_t>(tree_mask[(row_offsets[b] + node) * W + j / 32]) >> (j % 32)) & 1u;
   }
 
+  // the last tree position (0 .. T-1) a node sees: its mask row's highest bit (itself, in a topological order)
+  int64_t last_seen(int64_t b, int64_t node) const {
+    for (int64_t word = W - 1; word >= 0; --word) {
+      uint32_t bits = static_cast<uint32_t>(tree_mask[(row_offsets[b] + node) * W + word]);
+      if (word == W - 1 && T % 32 != 0) bits &= (uint32_t{1} << (T % 32)) - 1;
+      if (bits) return word * 32 + 31 - __builtin_clz(bits);
+    }
+    return -1;
+  }
+
   // depth of a node: the tree nodes it sees (bits j < T of its mask row) minus itself
   int64_t depth(int64_t b, int64_t node) const {
     int64_t seen = 0;
@@ -153,12 +167,14 @@ struct TreeAttention {
         first = std::min(first, w.start[node]);
       }
     }
-    std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<acc_t>::infinity());
-    std::fill(w.row_sum.begin(), w.row_sum.end(), acc_t(0));
-    if (M <= kFewRows) {
-      run_rows(b, kv_head, first, w);
-    } else {
-      run_tiles(b, kv_head, first, w);
+    for (int64_t n0 = 0; n0 < n; n0 += M <= kFewRows ? n : kGroupNodes) {
+      std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<acc_t>::infinity());
+      std::fill(w.row_sum.begin(), w.row_sum.end(), acc_t(0));
+      if (M <= kFewRows) {
+        run_rows(b, kv_head, first, w);
+      } else {
+        run_tiles(b, kv_head, first, n0, std::min(n, n0 + kGroupNodes), w);
+      }
     }
     for (int64_t node = n; node < (packed ? n : T); ++node) {  // a padded request's padding rows
       for (int64_t g = 0; g < Hq / Hkv; ++g) {
@@ -186,8 +202,9 @@ struct TreeAttention {
   // soft cap, then -inf for what query row m may not see among the block's keys: committed keys before its
   // window start, tree keys that are not its ancestors-or-self. Score (key j, row m) is s[j * sj + m * sm];
   // `values` entries of s from s[0] on are whole vectors to cap.
-  void mask_block(int64_t b, int64_t L, int64_t p0, int64_t count, int64_t M, acc_t* s, int64_t sj, int64_t sm,
-                  int64_t values, const Scratch& w) const {
+  // Rows are the item's query rows m0 .. m0 + M - 1.
+  void mask_block(int64_t b, int64_t L, int64_t p0, int64_t count, int64_t m0, int64_t M, acc_t* s, int64_t sj,
+                  int64_t sm, int64_t values, const Scratch& w) const {
     if (soft_cap > 0) {  // s <- c * tanh(s / c)
       const Vec cap(soft_cap);
       for (int64_t i = 0; i < values; i += VS) (cap * (Vec::loadu(s + i) / cap).tanh()).store(s + i);
@@ -197,38 +214,41 @@ struct TreeAttention {
     if (window_left >= 0 && p0 < L) {
       const int64_t prefix = std::min(count, L - p0);
       for (int64_t m = 0; m < M; ++m) {
-        const int64_t hidden = std::min(prefix, w.start[m / G] - p0);
+        const int64_t hidden = std::min(prefix, w.start[(m0 + m) / G] - p0);
         for (int64_t j = 0; j < hidden; ++j) s[j * sj + m * sm] = kNegInf;
       }
     }
     for (int64_t j = std::max<int64_t>(0, L - p0); j < count; ++j) {
       for (int64_t m = 0; m < M; ++m) {
-        if (!visible(b, m / G, p0 + j - L)) s[j * sj + m * sm] = kNegInf;
+        if (!visible(b, (m0 + m) / G, p0 + j - L)) s[j * sj + m * sm] = kNegInf;
       }
     }
   }
 
-  // out and lse of the item's M rows from O (row m, dim d at o[m * om + d * od]) and the softmax statistics
-  void write_rows(int64_t b, int64_t kv_head, int64_t M, const acc_t* o, int64_t om, int64_t od,
+  // out and lse of the item's query rows m0 .. m0 + M - 1 from O (row m0 + m, dim d at o[m * om + d * od]) and the
+  // softmax statistics
+  void write_rows(int64_t b, int64_t kv_head, int64_t m0, int64_t M, const acc_t* o, int64_t om, int64_t od,
                   const Scratch& w) const {
     for (int64_t m = 0; m < M; ++m) {
-      const int64_t row = query_row(b, kv_head, m);
+      const int64_t row = query_row(b, kv_head, m0 + m);
       const acc_t inv = v_scale / w.row_sum[m];
       for (int64_t d = 0; d < D; ++d) out[row * D + d] = static_cast<scalar_t>(o[m * om + d * od] * inv);
       lse[row] = static_cast<float>(w.row_max[m] + std::log(w.row_sum[m]));
     }
   }
 
-  // The tile layout: query rows on the lanes (Q^T, S^T, O^T).
-  void run_tiles(int64_t b, int64_t kv_head, int64_t first, Scratch& w) const {
-    const int64_t L = cache_lens[b], keys = L + num_nodes[b], M = num_nodes[b] * (Hq / Hkv), Mp = round_up(M, VS);
-    const int64_t Dp = w.Dp;
+  // The tile layout: query rows on the lanes (Q^T, S^T, O^T), for the nodes n0 .. n1 - 1 (rows m0 = n0 * G on).
+  void run_tiles(int64_t b, int64_t kv_head, int64_t first, int64_t n0, int64_t n1, Scratch& w) const {
+    const int64_t G = Hq / Hkv, m0 = n0 * G, M = (n1 - n0) * G, Mp = round_up(M, VS), Dp = w.Dp;
+    int64_t seen = -1;  // the group's last visible tree position: later keys are masked for all its rows
+    for (int64_t node = n0; node < n1; ++node) seen = std::max(seen, last_seen(b, node));
+    const int64_t L = cache_lens[b], keys = L + std::min(seen + 1, static_cast<int64_t>(num_nodes[b]));
     acc_t *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *kb = w.kb.data(), *vb = w.vb.data();
     // Q^T (Dp x Mp), pre-scaled by q_scale; padding lanes and dims are 0
     std::fill(qt, qt + Dp * Mp, acc_t(0));
     std::fill(ot, ot + Dp * Mp, acc_t(0));
     for (int64_t m = 0; m < M; ++m) {
-      const scalar_t* src = q + query_row(b, kv_head, m) * D;
+      const scalar_t* src = q + query_row(b, kv_head, m0 + m) * D;
       for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = static_cast<acc_t>(src[d]) * q_scale;
     }
     for (int64_t p0 = first; p0 < keys; p0 += kKeys) {
@@ -238,13 +258,13 @@ struct TreeAttention {
       std::fill(vb + count * Dp, vb + rows * Dp, acc_t(0));
       // S^T = K Q^T (rows x Mp): scores of every key in the block against every query row
       gemm<acc_t, false>(rows, Mp, kb, Dp, 1, qt, Dp, s);
-      mask_block(b, L, p0, count, M, s, Mp, 1, count * Mp, w);
+      mask_block(b, L, p0, count, m0, M, s, Mp, 1, count * Mp, w);
       std::fill(s + count * Mp, s + rows * Mp, -std::numeric_limits<acc_t>::infinity());
       update_softmax(s, rows, Mp, w);
       // O^T = O^T * alpha + V^T P^T  (Dp x Mp)
       gemm<acc_t, true>(Dp, Mp, vb, 1, Dp, s, rows, ot, w.alpha.data());
     }
-    write_rows(b, kv_head, M, ot, 1, Mp, w);
+    write_rows(b, kv_head, m0, M, ot, 1, Mp, w);
   }
 
   // The row layout (M <= kFewRows): q, O (M x Dv) and the block's scores S (M x kKeys) row by row.
@@ -290,7 +310,7 @@ struct TreeAttention {
           s[m * kKeys + j] = at::vec::vec_reduce_all<acc_t>(plus, acc);
         }
       }
-      mask_block(b, L, p0, count, M, s, 1, kKeys, M * kKeys, w);
+      mask_block(b, L, p0, count, 0, M, s, 1, kKeys, M * kKeys, w);
       for (int64_t m = 0; m < M; ++m) {  // online softmax of row m over the block, then O_m = O_m alpha + P V
         acc_t* sm = s + m * kKeys;
         std::fill(sm + count, sm + kKeys, kNegInf);
@@ -314,7 +334,7 @@ struct TreeAttention {
         }
       }
     }
-    write_rows(b, kv_head, M, orow, Dv, 1, w);
+    write_rows(b, kv_head, 0, M, orow, Dv, 1, w);
   }
 
   // Online softmax over one block of scores S^T (rows x Mp), a vector of query rows at a time:

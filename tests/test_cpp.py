@@ -17,6 +17,7 @@ import specdec
 import specdec.ops
 from specdec import _validation as val
 from specdec import reference
+from specdec.models.llama import chain_tree
 from tests.helpers import FLOAT_DTYPES, assert_close, random_cache, random_trees, to_paged
 
 pytestmark = pytest.mark.skipif(not specdec.ops.HAS_CPP, reason="C++ extension specdec._C not built")
@@ -78,7 +79,7 @@ def page_like(logical, table, num_blocks):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.float64], ids=str)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("D,group,T", [(128, 4, 16), (40, 3, 5), (66, 1, 9), (64, 2, 3), (32, 8, 1)])
+@pytest.mark.parametrize("D,group,T", [(128, 4, 16), (40, 3, 5), (66, 1, 9), (64, 2, 3), (32, 8, 1), (32, 2, 150)])
 def test_tree_attention_direct(dtype, paged, D, group, T):
     """M = T * group query rows of 64 (full register tiles), 15 and 9 (tails); D = 66 is padded to the
     tile's rows; prefixes of several 64-key blocks. Requests with M <= 8 rows (ragged trees: some in every case;
@@ -92,6 +93,25 @@ def test_tree_attention_direct(dtype, paged, D, group, T):
     assert_close(lse, ref_lse, torch.float32)
     padding = torch.arange(T).unsqueeze(0) >= args[-1].unsqueeze(1)
     assert (out[padding] == 0).all() and (lse[padding] == -math.inf).all()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
+def test_tree_attention_long_causal_chunk(kv_dtype):
+    """A prefill-shaped chunk of 200 nodes (a chain: the tile layout runs it in node groups, each over the keys up
+    to its last node) after ragged prefixes, with a window, a soft cap and a float8 cache: the reference's result."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, Hkv, G, D = 2, 200, 2, 3, 32
+    lens = torch.tensor([0, 70], dtype=torch.int32)
+    k, v = (torch.randn(B, 70 + T, Hkv, D, generator=gen).to(kv_dtype) for _ in range(2))
+    q = torch.randn(B, T, Hkv * G, D, generator=gen)
+    tree = chain_tree(B, T, torch.tensor([T, 131], dtype=torch.int32))
+    scales = {"k_scale": 0.5, "v_scale": 2.0} if kv_dtype != torch.float32 else {}
+    for kw in ({}, {"window_left": T + 20, "logits_soft_cap": 5.0}):
+        args = (q, k, v, lens, tree.mask, None, tree.num_nodes, D ** -0.5)
+        out, lse = ops.tree_attention(*args, **scales, **kw)
+        ref_out, ref_lse = reference.tree_attention(*args, **scales, **kw)
+        assert_close(out, ref_out, torch.float32)
+        assert_close(lse, ref_lse, torch.float32)
 
 
 def test_tree_attention_strided_views():
