@@ -84,13 +84,18 @@ class AdaptiveDepth:
         # measured residual
         self.draft_level_s: Optional[float] = None if previous is None else previous.draft_level_s
         self.overhead_s = 0.0 if previous is None else previous.overhead_s
-        self.probe_every, self.idle = probe_every, 0
+        self.probe_every, self.idle, self.drafting_run = probe_every, 0, 0
+        # the measured seconds of a step per depth (NaN: none timed yet), which replace the model's estimate: the
+        # target's costs are isolated forwards', and a drafted step in the loop can cost more than they add up to
+        # (at large batch on a CPU enough to make drafting one level slower than plain decoding)
+        self.measured_s = torch.full((max_depth + 1,), float("nan"), dtype=torch.float64)
         self.chosen = [0] * (max_depth + 1)  # steps per depth (the summary's "depth_chosen")
 
     def step_s(self) -> torch.Tensor:
-        """(K + 1,): the expected seconds of a step drafting k levels."""
+        """(K + 1,): the expected seconds of a step drafting k levels: as measured, or from the model."""
         k = torch.arange(len(self.target_s), dtype=torch.float64)
-        return self.target_s + k * (self.draft_level_s or 0.0) + self.overhead_s
+        model = self.target_s + k * (self.draft_level_s or 0.0) + self.overhead_s
+        return torch.where(self.measured_s.isnan(), model, self.measured_s)
 
     def choose(self, live: Sequence[bool]) -> int:
         rate = (self.stats.expected_tokens(live) / self.step_s()).masked_fill(~self.allowed, -1.0)
@@ -98,6 +103,11 @@ class AdaptiveDepth:
         self.idle = self.idle + 1 if k == 0 else 0
         if self.idle >= self.probe_every:
             k, self.idle = int(rate[1:].argmax()) + 1, 0
+        # a plain step after probe_every drafted ones while plain steps are unmeasured: what a drafted step's
+        # measured cost is compared with
+        self.drafting_run = self.drafting_run + 1 if k > 0 else 0
+        if self.drafting_run > self.probe_every and self.measured_s[0].isnan():
+            k, self.drafting_run = 0, 0
         self.chosen[k] += 1
         return k
 
@@ -115,6 +125,8 @@ class AdaptiveDepth:
         self.stats.update(num_accepted, depth, live)
         if seconds is None:  # a step that compiled or captured its graph: its time says nothing of the next ones
             return
+        last = self.measured_s[depth]
+        self.measured_s[depth] = seconds if last.isnan() else 0.8 * last + 0.2 * seconds
         residual = seconds - float(self.target_s[depth])
         if drafting_timed or depth == 0:
             self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(residual - depth * (self.draft_level_s or 0.0), 0.0)

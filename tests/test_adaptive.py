@@ -116,6 +116,22 @@ def test_policy_learns_the_drafting_cost_from_steps_run_as_one_graph():
     assert abs(policy.overhead_s - 0.2) < 1e-6 and abs(policy.draft_level_s - 0.05) < 1e-3
 
 
+def test_policy_trusts_measured_step_costs_over_its_model():
+    """The model (isolated target forwards, a cheap draft timed apart) says drafting pays; the steps as run say a
+    drafted step costs 3 + k and a plain one 1 (the verification costs more in the loop than alone). Learnt from
+    drafted steps only, that extra lands in the overhead, which the model charges plain steps too: the policy
+    tries a plain step, then decodes plainly, probing now and then."""
+    policy = AdaptiveDepth(1, 4, [1.0, 1.05, 1.1, 1.15, 1.2], probe_every=8)
+    ks = []
+    for _ in range(80):
+        k = policy.choose([True])
+        if k:
+            policy.drafted(k, 0.01 * k)
+        policy.update([k], k, [True], 1.0 if k == 0 else 3.0 + k)  # every draft accepted
+        ks.append(k)
+    assert 0 in ks[:10] and ks[-40:].count(0) >= 34 and sum(k > 0 for k in ks[-40:]) >= 1
+
+
 def test_policy_stops_drafting_at_a_batch_that_saturates_compute():
     """Verification cost proportional to the tokens verified (compute-bound), drafts accepted at 0.7:
     speculation does not pay, whatever the depth."""
