@@ -6,10 +6,17 @@ at start-up for this batch size, `measure_target_costs`), plus k draft levels (m
 `AdaptiveDepth.drafted`), plus the rest of the step (measured as what the step took beyond those), and is
 expected to emit, per live request b, 1 + sum_{d <= k} prod_{i <= d} alpha[b, i] tokens, alpha[b, d] being the
 running rate at which request b's depth-d draft was accepted when its depth-(d-1) draft was (`AcceptanceStats`).
-The policy picks the k with the most tokens per second, among the depths it may choose (all of 0..K by default;
-a compiled loop compiles a graph per depth, so it offers a ladder, `compiled_depths`). When that is 0 for
-`probe_every` steps in a row it drafts once anyway (the best k > 0), so that text which starts repeating itself
-(prompt lookup) is noticed.
+Once a depth's steps have been timed, their measured time replaces the model's estimate.
+
+The policy picks, among the depths it may choose (all of 0..K by default; a compiled loop compiles a graph per
+depth, so it offers a ladder, `compiled_depths`), the k that would finish the batch soonest if every step drafted
+k: step_s[k] * max_b max(remaining[b] / tokens[b, k], 1), remaining[b] being what request b has still to emit.
+A batch lasts as long as its slowest request (finished requests ride along at full cost), so drafting pays only
+where it speeds up the requests that bound the batch, not where it makes the fast ones finish sooner. (Without
+`remaining`, as for a server whose finished requests are replaced at once, it maximizes the batch's tokens per
+second.) When the choice is 0 for a while it drafts once anyway (a probe: the best k > 0), so that text which
+starts repeating itself (prompt lookup) is noticed; a probe that changes nothing doubles the wait for the next one
+(probe_every steps, up to 4 times that).
 Any k is lossless: a greedy output never depends on the choices.
 """
 from __future__ import annotations
@@ -55,10 +62,11 @@ class AcceptanceStats:
         trust = self.weight / (self.weight + 2)
         return trust * self.alpha + (1 - trust) * self.pooled.unsqueeze(1)
 
-    def expected_tokens(self, live: Sequence[bool]) -> torch.Tensor:
-        """(K + 1,): the live requests' expected emitted tokens of a step drafting k = 0..K levels."""
-        reach = self.predicted()[torch.tensor(live)].cumprod(dim=1).sum(0)  # sum over requests of P(accept >= d)
-        return int(sum(live)) + torch.cat((reach.new_zeros(1), reach.cumsum(0)))
+    def expected_tokens(self) -> torch.Tensor:
+        """(B, K + 1): request b's expected emitted tokens of a step drafting k = 0..K levels,
+        1 + sum_{d <= k} prod_{i <= d} alpha[b, i]."""
+        reach = self.predicted().cumprod(dim=1)  # P(accept >= d)
+        return 1 + torch.cat((reach.new_zeros(reach.shape[0], 1), reach.cumsum(1)), 1)
 
 
 class AdaptiveDepth:
@@ -84,7 +92,8 @@ class AdaptiveDepth:
         # measured residual
         self.draft_level_s: Optional[float] = None if previous is None else previous.draft_level_s
         self.overhead_s = 0.0 if previous is None else previous.overhead_s
-        self.probe_every, self.idle, self.drafting_run = probe_every, 0, 0
+        self.probe_every, self.probe_wait, self.probed = probe_every, probe_every, False
+        self.idle, self.drafting_run = 0, 0  # plain steps in a row, drafted steps in a row
         # the measured seconds of a step per depth (NaN: none timed yet), which replace the model's estimate: the
         # target's costs are isolated forwards', and a drafted step in the loop can cost more than they add up to
         # (at large batch on a CPU enough to make drafting one level slower than plain decoding)
@@ -97,18 +106,27 @@ class AdaptiveDepth:
         model = self.target_s + k * (self.draft_level_s or 0.0) + self.overhead_s
         return torch.where(self.measured_s.isnan(), model, self.measured_s)
 
-    def choose(self, live: Sequence[bool]) -> int:
-        rate = (self.stats.expected_tokens(live) / self.step_s()).masked_fill(~self.allowed, -1.0)
-        k = int(rate.argmax())
-        self.idle = self.idle + 1 if k == 0 else 0
-        if self.idle >= self.probe_every:
-            k, self.idle = int(rate[1:].argmax()) + 1, 0
+    def choose(self, live: Sequence[bool], remaining: Optional[Sequence[int]] = None) -> int:
+        """The next step's depth. live[b]: request b is unfinished; remaining[b]: the tokens it has still to emit
+        at most (None: maximize tokens per second instead of finishing the batch soonest)."""
+        alive = torch.tensor(live)
+        tokens = self.stats.expected_tokens()[alive]  # (live requests, K + 1)
+        if remaining is None:
+            speed = tokens.sum(0) / self.step_s()
+        else:  # 1 / the time to finish the batch at depth k (every request needs at least one more step)
+            left = torch.tensor(remaining, dtype=torch.float64)[alive].unsqueeze(1)
+            speed = 1 / (self.step_s() * (left / tokens).clamp(min=1).amax(0))
+        speed = speed.masked_fill(~self.allowed, -1.0)
+        k = int(speed.argmax())
+        if self.probed:  # the step after a probe: did what it measured make drafting worth it?
+            self.probe_wait = self.probe_every if k else min(2 * self.probe_wait, 4 * self.probe_every)
+            self.probed = False
+        if k == 0 and self.idle + 1 >= self.probe_wait:
+            k, self.probed = int(speed[1:].argmax()) + 1, True
         # a plain step after probe_every drafted ones while plain steps are unmeasured: what a drafted step's
         # measured cost is compared with
-        self.drafting_run = self.drafting_run + 1 if k > 0 else 0
-        if self.drafting_run > self.probe_every and self.measured_s[0].isnan():
-            k, self.drafting_run = 0, 0
-        self.chosen[k] += 1
+        if k and self.drafting_run >= self.probe_every and self.measured_s[0].isnan():
+            k = 0
         return k
 
     def drafted(self, depth: int, seconds: float) -> None:
@@ -118,11 +136,13 @@ class AdaptiveDepth:
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool], seconds: Optional[float],
                drafting_timed: bool = True) -> None:
-        """The step of `depth` levels took `seconds` in all and accepted num_accepted[b] drafts of request b.
-        drafting_timed: its drafting was timed apart (`drafted`), and the rest of the step is the overhead; a
+        """The step of `depth` levels (the loop's, which may differ from the choice) took `seconds` in all (None:
+        not a steady step's time) and accepted num_accepted[b] drafts of request b. drafting_timed: its drafting was timed apart (`drafted`), and the rest of the step is the overhead; a
         step run as one graph (compile=True) cannot be, and then a drafted step's residual over the target's
         cost and the overhead (learnt from plain-decoding steps) is its drafting."""
         self.stats.update(num_accepted, depth, live)
+        self.chosen[depth] += 1
+        self.idle, self.drafting_run = (self.idle + 1, 0) if depth == 0 else (0, self.drafting_run + 1)
         if seconds is None:  # a step that compiled or captured its graph: its time says nothing of the next ones
             return
         last = self.measured_s[depth]

@@ -165,22 +165,25 @@ class SpeculativeDecoder:
         policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
         graphs = None if self.graph_class is None else _StepGraphs(self.graph_class, dev)
         live_host = [b < s.requests for b in range(B)]  # (the padding rows are finished from the start)
+        remaining = [max_new_tokens if live else 0 for live in live_host]  # tokens each request may still emit
         skips = 0  # plain-decoding steps in a row
         while True:
             t_step = time.perf_counter()
-            k = None if policy is None else policy.choose(live_host)  # None: the drafter's whole tree
+            k = None if policy is None else policy.choose(live_host, remaining)  # None: the drafter's whole tree
             skips = skips + 1 if k == 0 else 0
             if skips > MAX_SKIPS:  # (the drafters' buffers for skipped entries hold this many)
                 k, skips = 1, 0
             self.drafter.advance(k)
-            steady = True  # (a step that compiled, warmed up or captured its graph is not timed)
+            # a step that compiled, warmed up or captured its graph is not timed, nor one whose drafter first
+            # catches up on skipped steps: neither is what a step of its depth costs
+            steady = not self.drafter.catching_up
             if graphs is not None:
-                steady = self._graphed_step(graphs, s, k)
+                steady &= self._graphed_step(graphs, s, k)
             elif self.compile:
-                steady = self._compiled_step(s, k)
+                steady &= self._compiled_step(s, k)
             else:
                 prop = self._propose(s, k)
-                if policy is not None and k:
+                if policy is not None and k and steady:
                     policy.drafted(k, time.perf_counter() - t_step)
                 self._verify(s, prop, k)
             flags = s.flags.tolist()  # the one host read per step: the stopping rule, and what the policy learns
@@ -188,6 +191,7 @@ class SpeculativeDecoder:
             if policy is not None:
                 policy.update(flags[:B], k, live_host, time.perf_counter() - t_step if steady else None,
                               drafting_timed=not (self.compile or graphs))
+                remaining = [r - n - 1 if live else r for r, n, live in zip(remaining, flags, live_host)]
             live_host = [not f for f in flags[B:]]
             if bar is not None:
                 bar.update(int((s.seq_lens - s.prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)

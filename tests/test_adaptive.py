@@ -24,7 +24,7 @@ class Scripted:
         self.script, self.max_depth, self.i = script, max_depth, 0
         self.chosen = [0] * (max_depth + 1)
 
-    def choose(self, live):
+    def choose(self, live, remaining=None):
         k = min(self.script[self.i % len(self.script)], self.max_depth)
         self.i += 1
         self.chosen[k] += 1
@@ -63,19 +63,17 @@ def test_acceptance_stats_update_only_the_judged_depths():
     pred = [[(w / (w + 2)) * a + (1 - w / (w + 2)) * float(pooled[b]) for a, w in zip(alpha[b].tolist(), weight[b].tolist())]
             for b in range(3)]
     torch.testing.assert_close(stats.predicted(), torch.tensor(pred, dtype=torch.float64))
-    # expected tokens per step of depth k over the live requests: 1 + sum_d prod_{i <= d} alpha
-    e = stats.expected_tokens([True, True, False])
+    # expected tokens per step of depth k, per request: 1 + sum_d prod_{i <= d} alpha
     want = []
-    for k in range(5):
-        total = 0.0
-        for b in (0, 1):
-            prod, row = 1.0, 1.0
-            for d in range(k):
-                prod *= pred[b][d]
-                row += prod
-            total += row
-        want.append(total)
-    torch.testing.assert_close(e, torch.tensor(want, dtype=torch.float64))
+    for b in range(3):
+        row, prod, total = [], 1.0, 1.0
+        for k in range(5):
+            row.append(total)
+            if k < 4:
+                prod *= pred[b][k]
+                total += prod
+        want.append(row)
+    torch.testing.assert_close(stats.expected_tokens(), torch.tensor(want, dtype=torch.float64))
 
 
 def test_shallow_drafting_learns_that_deeper_drafts_would_pay():
@@ -142,6 +140,44 @@ def test_policy_stops_drafting_at_a_batch_that_saturates_compute():
         k = policy.choose([True] * B)
         policy.update([int(torch.rand(()) < 0.7) for _ in range(B)], k, [True] * B, 1.0 * (k + 1))
     assert k == 0
+
+
+def test_policy_drafts_where_it_speeds_up_the_request_that_bounds_the_batch():
+    """Request 0's drafts are always accepted, request 1's never, and a drafted level costs 30% of a plain step.
+    Drafting raises the batch's tokens per second (request 0 emits k + 1 tokens a step), but the batch lasts as long
+    as request 1, which drafting only slows: plain decoding. Once request 1 is nearly done and request 0 has far to
+    go, drafting pays again."""
+    costs = [1.0 + 0.3 * k for k in range(5)]
+
+    def trained():
+        policy = AdaptiveDepth(2, 4, costs)
+        for _ in range(40):
+            policy.update([4, 0], 4, [True, True], costs[4])
+        policy.update([0, 0], 0, [True, True], costs[0])
+        return policy
+
+    assert trained().choose([True, True], remaining=[50, 50]) == 0
+    assert trained().choose([True, True]) == 4  # tokens per second
+    assert trained().choose([True, True], remaining=[50, 1]) == 4
+    assert trained().choose([True, False], remaining=[50, 50]) == 4  # request 1 finished: it bounds nothing
+
+
+def test_probes_that_change_nothing_come_less_often_and_repeats_are_still_noticed():
+    """Nothing accepted: after each probe that leaves plain decoding the best choice, the wait doubles, up to
+    4 * probe_every. Once drafts are accepted (the text starts repeating), the next probe brings drafting back."""
+    policy = AdaptiveDepth(1, 4, [1.0, 1.1, 1.2, 1.3, 1.4], probe_every=4)
+    ks = []
+    for _ in range(90):
+        k = policy.choose([True], [1000])
+        policy.update([0], k, [True], 1.0 + 0.1 * k)
+        ks.append(k)
+    probes = [i for i, k in enumerate(ks) if k]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[-5:] == [4, 8, 16, 16, 16], ks  # (before them: drafting, then plain)
+    for _ in range(17):  # drafts now accepted
+        k = policy.choose([True], [1000])
+        policy.update([k], k, [True], 1.0 + 0.1 * k)
+    assert policy.choose([True], [1000]) > 0
 
 
 def test_target_costs_are_measured_once_and_grow_with_tokens(pair):
@@ -274,6 +310,41 @@ def test_steps_that_compile_or_capture_are_not_timed(pair):
                            adaptive=lambda B, K, dev: Recording(B, K, dev, (2,))).generate(PROMPTS + [[4, 4], [9]], 10)
         untimed = 1 if "compile" in kw else 2  # (graphs: the eager warm-up and the capture)
         assert seen[:untimed] == [None] * untimed and all(s is not None for s in seen[untimed:]) and len(seen) > 3
+
+
+def test_a_step_that_catches_up_on_skipped_ones_is_not_timed(pair):
+    """The draft model's first proposal after plain steps runs their tokens through the draft first: a one-off cost,
+    not what its depth costs, so the policy learns no time from it (prompt lookup has nothing to catch up on). The
+    policy is told each request's tokens still to emit, and the depths it ran are counted."""
+    target, draft = pair
+    script = (2, 0, 0, 2, 2, 1, 0, 3)
+    for drafter, catches_up in ((DraftModelDrafter(draft, "chain:3"), True), (NgramDrafter(3), False)):
+        seen, told = [], []
+
+        class Recording(Scripted):
+            def choose(self, live, remaining=None):
+                told.append([r for r, alive in zip(remaining, live) if alive])
+                return super().choose(live)
+
+            def update(self, num_accepted, depth, live, seconds, drafting_timed=True):
+                seen.append((depth, seconds))
+
+        out = SpeculativeDecoder(target, drafter, adaptive=lambda B, K, dev: Recording(B, K, dev, script)).generate(
+            PROMPTS, 16)
+        untimed = [prev == 0 and depth > 0 and catches_up for (prev, _), (depth, _) in zip(seen, seen[1:])]
+        assert [s is None for _, s in seen] == [False] + untimed and any(untimed) == catches_up
+        assert told[0] == [16] * len(PROMPTS) and all(r > 0 for rem in told for r in rem)
+        assert sum(told[-1]) <= len(told[-1]) * 4  # (the last step emits at most depth + 1 = 4 tokens each)
+        assert out.tokens == generate_ar(target, PROMPTS, 16).tokens
+
+
+def test_depth_chosen_counts_the_steps_run():
+    """The loop may run another depth than the policy chose (a plain step after MAX_SKIPS of them drafts one level):
+    depth_chosen counts the depths run."""
+    policy = AdaptiveDepth(1, 2, [1.0, 1.1, 1.2])
+    policy.update([0], 0, [True], 1.0)
+    policy.update([1], 1, [True], 1.1)
+    assert policy.chosen == [1, 1, 0]
 
 
 def test_draft_cache_after_skipped_steps_equals_a_fresh_prefill(pair):

@@ -89,6 +89,10 @@ class Drafter:
         """The host state the next step's graph depends on (see advance)."""
         return ()
 
+    # set by advance: the next step's proposal first runs the tokens of skipped steps through the drafter (a one-off
+    # cost of the switch from plain decoding, not what a step of its depth costs: the adaptive policy times it not)
+    catching_up: bool = False
+
 
 class NoDrafter(Drafter):
     """Plain autoregressive decoding: the tree is the root alone."""

@@ -160,6 +160,7 @@ class DraftModelDrafter(Drafter):
         else:
             self.pending_width = self.min_pending + (MAX_SKIPS if self.skipped else 0)
             self.skipped = 0
+        self.catching_up = self.pending_width > self.min_pending and depth != 0
 
     def graph_key(self):
         return (self.pending_width,)
