@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .models.llama import Llama, chain_tree, compile_static
@@ -34,39 +35,40 @@ class AcceptanceStats:
     depth-(d-1) one was (d = 1..K), with weight (B, K), the weighted count of such judgments; and pooled (B,),
     the same rate over every depth. A depth judged seldom (one the policy stopped drafting to) is predicted by
     the pooled rate, blended in by its weight, so a policy that drafts shallow can still learn that deeper
-    drafts would pay."""
+    drafts would pay. (NumPy arrays: host arithmetic on a few numbers per request each step, where torch's
+    per-op overhead would cost a few percent of a large batch's plain-decoding step.)"""
 
     def __init__(self, batch_size: int, max_depth: int, prior: float = 0.6, decay: float = 0.9):
-        self.alpha = torch.full((batch_size, max_depth), prior, dtype=torch.float64)
-        self.weight = torch.zeros(batch_size, max_depth, dtype=torch.float64)
-        self.pooled = torch.full((batch_size,), prior, dtype=torch.float64)
+        self.alpha = np.full((batch_size, max_depth), prior)
+        self.weight = np.zeros((batch_size, max_depth))
+        self.pooled = np.full(batch_size, prior)
         self.decay = decay
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool]) -> None:
         """A step that drafted `depth` levels accepted num_accepted[b] draft tokens of live request b."""
         if depth == 0:
             return
-        n = torch.tensor(num_accepted, dtype=torch.long).unsqueeze(1)
-        d = torch.arange(1, depth + 1)
-        reached = (n >= d - 1) & torch.tensor(live).unsqueeze(1)  # the depth-d draft was judged
-        hit = (n >= d).double()
-        a, w = self.alpha[:, :depth], self.weight[:, :depth]
-        a.copy_(torch.where(reached, self.decay * a + (1 - self.decay) * hit, a))
-        w.copy_(torch.where(reached, self.decay * w + 1, w))
+        n = np.asarray(num_accepted)[:, None]
+        d = np.arange(1, depth + 1)
+        reached = (n >= d - 1) & np.asarray(live, dtype=bool)[:, None]  # the depth-d draft was judged
+        hit = (n >= d).astype(np.float64)
+        a, w = self.alpha[:, :depth], self.weight[:, :depth]  # (views: written in place)
+        a[:] = np.where(reached, self.decay * a + (1 - self.decay) * hit, a)
+        w[:] = np.where(reached, self.decay * w + 1, w)
         judged = reached.sum(1)
-        rate = (hit * reached).sum(1) / judged.clamp(min=1)
-        self.pooled = torch.where(judged > 0, self.decay * self.pooled + (1 - self.decay) * rate, self.pooled)
+        rate = (hit * reached).sum(1) / np.maximum(judged, 1)
+        self.pooled = np.where(judged > 0, self.decay * self.pooled + (1 - self.decay) * rate, self.pooled)
 
-    def predicted(self) -> torch.Tensor:
+    def predicted(self) -> np.ndarray:
         """(B, K): the acceptance rates used for prediction (per depth, the pooled rate where judged seldom)."""
         trust = self.weight / (self.weight + 2)
-        return trust * self.alpha + (1 - trust) * self.pooled.unsqueeze(1)
+        return trust * self.alpha + (1 - trust) * self.pooled[:, None]
 
-    def expected_tokens(self) -> torch.Tensor:
+    def expected_tokens(self) -> np.ndarray:
         """(B, K + 1): request b's expected emitted tokens of a step drafting k = 0..K levels,
         1 + sum_{d <= k} prod_{i <= d} alpha[b, i]."""
-        reach = self.predicted().cumprod(dim=1)  # P(accept >= d)
-        return 1 + torch.cat((reach.new_zeros(reach.shape[0], 1), reach.cumsum(1)), 1)
+        reach = np.cumprod(self.predicted(), axis=1)  # P(accept >= d)
+        return 1 + np.concatenate((np.zeros((reach.shape[0], 1)), np.cumsum(reach, axis=1)), axis=1)
 
 
 class AdaptiveDepth:
@@ -83,11 +85,11 @@ class AdaptiveDepth:
         depths = range(max_depth + 1) if depths is None else sorted(set(depths))
         if 0 not in depths or len(depths) < 2 or not all(0 <= k <= max_depth for k in depths):
             raise ValueError(f"depths: {list(depths)} must hold 0 and another depth in 1..{max_depth}")
-        self.allowed = torch.zeros(max_depth + 1, dtype=torch.bool)
+        self.allowed = np.zeros(max_depth + 1, dtype=bool)
         self.allowed[list(depths)] = True
         prior = 0.6 if previous is None else float(previous.stats.pooled.mean())
         self.stats = AcceptanceStats(batch_size, max_depth, prior=prior)
-        self.target_s = torch.tensor(target_s, dtype=torch.float64)
+        self.target_s = np.asarray(target_s, dtype=np.float64)
         # unknown until the first drafted step; the rest of a step (bookkeeping, accept, rollbacks) is the
         # measured residual
         self.draft_level_s: Optional[float] = None if previous is None else previous.draft_level_s
@@ -97,26 +99,25 @@ class AdaptiveDepth:
         # the measured seconds of a step per depth (NaN: none timed yet), which replace the model's estimate: the
         # target's costs are isolated forwards', and a drafted step in the loop can cost more than they add up to
         # (at large batch on a CPU enough to make drafting one level slower than plain decoding)
-        self.measured_s = torch.full((max_depth + 1,), float("nan"), dtype=torch.float64)
+        self.measured_s = np.full(max_depth + 1, np.nan)
         self.chosen = [0] * (max_depth + 1)  # steps per depth (the summary's "depth_chosen")
 
-    def step_s(self) -> torch.Tensor:
+    def step_s(self) -> np.ndarray:
         """(K + 1,): the expected seconds of a step drafting k levels: as measured, or from the model."""
-        k = torch.arange(len(self.target_s), dtype=torch.float64)
-        model = self.target_s + k * (self.draft_level_s or 0.0) + self.overhead_s
-        return torch.where(self.measured_s.isnan(), model, self.measured_s)
+        model = self.target_s + np.arange(len(self.target_s)) * (self.draft_level_s or 0.0) + self.overhead_s
+        return np.where(np.isnan(self.measured_s), model, self.measured_s)
 
     def choose(self, live: Sequence[bool], remaining: Optional[Sequence[int]] = None) -> int:
         """The next step's depth. live[b]: request b is unfinished; remaining[b]: the tokens it has still to emit
         at most (None: maximize tokens per second instead of finishing the batch soonest)."""
-        alive = torch.tensor(live)
+        alive = np.asarray(live, dtype=bool)
         tokens = self.stats.expected_tokens()[alive]  # (live requests, K + 1)
         if remaining is None:
             speed = tokens.sum(0) / self.step_s()
         else:  # 1 / the time to finish the batch at depth k (every request needs at least one more step)
-            left = torch.tensor(remaining, dtype=torch.float64)[alive].unsqueeze(1)
-            speed = 1 / (self.step_s() * (left / tokens).clamp(min=1).amax(0))
-        speed = speed.masked_fill(~self.allowed, -1.0)
+            left = np.asarray(remaining, dtype=np.float64)[alive][:, None]
+            speed = 1 / (self.step_s() * np.maximum(left / tokens, 1).max(0))
+        speed = np.where(self.allowed, speed, -1.0)
         k = int(speed.argmax())
         if self.probed:  # the step after a probe: did what it measured make drafting worth it?
             self.probe_wait = self.probe_every if k else min(2 * self.probe_wait, 4 * self.probe_every)
@@ -125,7 +126,7 @@ class AdaptiveDepth:
             k, self.probed = int(speed[1:].argmax()) + 1, True
         # a plain step after probe_every drafted ones while plain steps are unmeasured: what a drafted step's
         # measured cost is compared with
-        if k and self.drafting_run >= self.probe_every and self.measured_s[0].isnan():
+        if k and self.drafting_run >= self.probe_every and np.isnan(self.measured_s[0]):
             k = 0
         return k
 
@@ -146,7 +147,7 @@ class AdaptiveDepth:
         if seconds is None:  # a step that compiled or captured its graph: its time says nothing of the next ones
             return
         last = self.measured_s[depth]
-        self.measured_s[depth] = seconds if last.isnan() else 0.8 * last + 0.2 * seconds
+        self.measured_s[depth] = seconds if np.isnan(last) else 0.8 * last + 0.2 * seconds
         residual = seconds - float(self.target_s[depth])
         if drafting_timed or depth == 0:
             self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(residual - depth * (self.draft_level_s or 0.0), 0.0)

@@ -30,7 +30,7 @@ import torch
 import specdec
 from . import distributed
 from .adaptive import AdaptiveDepth, compiled_depths, measure_target_costs
-from .drafters.base import MAX_SKIPS, Drafter, NoDrafter, Proposal
+from .drafters.base import Drafter, NoDrafter, Proposal
 from .models.llama import Llama, compile_static
 from ._validation import check_method_name
 from .sampling import SamplingParams
@@ -171,7 +171,7 @@ class SpeculativeDecoder:
             t_step = time.perf_counter()
             k = None if policy is None else policy.choose(live_host, remaining)  # None: the drafter's whole tree
             skips = skips + 1 if k == 0 else 0
-            if skips > MAX_SKIPS:  # (the drafters' buffers for skipped entries hold this many)
+            if self.drafter.max_skips is not None and skips > self.drafter.max_skips:
                 k, skips = 1, 0
             self.drafter.advance(k)
             # a step that compiled, warmed up or captured its graph is not timed, nor one whose drafter first

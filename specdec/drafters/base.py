@@ -42,8 +42,8 @@ class Proposal(NamedTuple):
     tree: Optional[TreeInfo] = None  # build_tree of parents when the drafter has it already (static trees)
 
 
-# the longest run of steps without a proposal a drafter takes (its buffers for the skipped entries are sized
-# by it); the loop drafts one level after that many (adaptive.AdaptiveDepth probes sooner)
+# the longest run of steps without a proposal a drafter with a cache takes (its buffers for the skipped entries
+# are sized by it; its `max_skips`); the loop drafts one level after that many
 MAX_SKIPS = 16
 
 
@@ -59,6 +59,9 @@ class Drafter:
     samples_children: bool = False
     # proposes with host code (prompt lookup): the loop compiles or captures its verification only
     proposes_on_host: bool = False
+    # the most steps in a row without a proposal it takes (None: any number; a drafter that keeps a cache
+    # in sync catches up on the skipped steps' tokens, in buffers of MAX_SKIPS entries)
+    max_skips: Optional[int] = None
 
     def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
               seeds: Sequence[int], params: SamplingParams = SamplingParams()) -> None:

@@ -146,6 +146,7 @@ class DraftModelDrafter(Drafter):
 
     # the pending entries of a proposal after a drafted step: the previous path's unexpanded last node and the root
     min_pending = 2
+    max_skips = MAX_SKIPS
 
     def advance(self, depth):
         """A step of depth 0 leaves its entry to the next proposal, which runs it with the others: pending_width
