@@ -44,13 +44,18 @@ class AcceptanceStats:
         self.pooled = np.full(batch_size, prior)
         self.decay = decay
 
-    def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool]) -> None:
-        """A step that drafted `depth` levels accepted num_accepted[b] draft tokens of live request b."""
+    def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool],
+               proposed: Optional[np.ndarray] = None) -> None:
+        """A step that drafted `depth` levels accepted num_accepted[b] draft tokens of live request b.
+        proposed (B,): the levels each request's proposal had (None: depth each; prompt lookup proposes nothing
+        for a request without a match, which says nothing of its drafts' acceptance)."""
         if depth == 0:
             return
         n = np.asarray(num_accepted)[:, None]
         d = np.arange(1, depth + 1)
         reached = (n >= d - 1) & np.asarray(live, dtype=bool)[:, None]  # the depth-d draft was judged
+        if proposed is not None:
+            reached &= d <= proposed[:, None]
         hit = (n >= d).astype(np.float64)
         a, w = self.alpha[:, :depth], self.weight[:, :depth]  # (views: written in place)
         a[:] = np.where(reached, self.decay * a + (1 - self.decay) * hit, a)
@@ -100,6 +105,7 @@ class AdaptiveDepth:
         # target's costs are isolated forwards', and a drafted step in the loop can cost more than they add up to
         # (at large batch on a CPU enough to make drafting one level slower than plain decoding)
         self.measured_s = np.full(max_depth + 1, np.nan)
+        self.available: Optional[np.ndarray] = None  # (B,) the levels each request can be proposed (choose)
         self.chosen = [0] * (max_depth + 1)  # steps per depth (the summary's "depth_chosen")
 
     def step_s(self) -> np.ndarray:
@@ -107,22 +113,33 @@ class AdaptiveDepth:
         model = self.target_s + np.arange(len(self.target_s)) * (self.draft_level_s or 0.0) + self.overhead_s
         return np.where(np.isnan(self.measured_s), model, self.measured_s)
 
-    def choose(self, live: Sequence[bool], remaining: Optional[Sequence[int]] = None) -> int:
+    def choose(self, live: Sequence[bool], remaining: Optional[Sequence[int]] = None,
+               available: Optional[Sequence[int]] = None) -> int:
         """The next step's depth. live[b]: request b is unfinished; remaining[b]: the tokens it has still to emit
-        at most (None: maximize tokens per second instead of finishing the batch soonest)."""
+        at most (None: maximize tokens per second instead of finishing the batch soonest); available[b]: the most
+        levels request b's proposal can have now (`Drafter.depths_available`; None: any), so that a depth k drafts
+        min(k, available[b]) levels of request b and costs a step as deep as the deepest of those."""
         alive = np.asarray(live, dtype=bool)
-        tokens = self.stats.expected_tokens()[alive]  # (live requests, K + 1)
+        tokens, step = self.stats.expected_tokens(), self.step_s()  # (B, K + 1), (K + 1,)
+        K = len(step) - 1
+        self.available = None if available is None else np.minimum(np.asarray(available), K)
+        if self.available is not None:
+            levels = np.minimum(np.arange(K + 1), self.available[:, None])  # (B, K + 1)
+            tokens = np.take_along_axis(tokens, levels, axis=1)
+            step = step[levels.max(0)]
+        tokens = tokens[alive]  # (live requests, K + 1)
         if remaining is None:
-            speed = tokens.sum(0) / self.step_s()
+            speed = tokens.sum(0) / step
         else:  # 1 / the time to finish the batch at depth k (every request needs at least one more step)
             left = np.asarray(remaining, dtype=np.float64)[alive][:, None]
-            speed = 1 / (self.step_s() * np.maximum(left / tokens, 1).max(0))
+            speed = 1 / (step * np.maximum(left / tokens, 1).max(0))
         speed = np.where(self.allowed, speed, -1.0)
         k = int(speed.argmax())
         if self.probed:  # the step after a probe: did what it measured make drafting worth it?
             self.probe_wait = self.probe_every if k else min(2 * self.probe_wait, 4 * self.probe_every)
             self.probed = False
-        if k == 0 and self.idle + 1 >= self.probe_wait:
+        # (nothing to probe when no request has a proposal)
+        if k == 0 and self.idle + 1 >= self.probe_wait and self._width(K) > 0:
             k, self.probed = int(speed[1:].argmax()) + 1, True
         # a plain step after probe_every drafted ones while plain steps are unmeasured: what a drafted step's
         # measured cost is compared with
@@ -130,8 +147,15 @@ class AdaptiveDepth:
             k = 0
         return k
 
+    def _width(self, depth: int) -> int:
+        """The levels a proposal asked for `depth` levels has (the deepest request's)."""
+        return depth if self.available is None else min(depth, int(self.available.max(initial=0)))
+
     def drafted(self, depth: int, seconds: float) -> None:
-        """A proposal of `depth` levels took `seconds` (the drafter's part of the step)."""
+        """A proposal asked for `depth` levels took `seconds` (the drafter's part of the step)."""
+        depth = self._width(depth)
+        if depth == 0:
+            return
         per_level = seconds / depth
         self.draft_level_s = per_level if self.draft_level_s is None else 0.8 * self.draft_level_s + 0.2 * per_level
 
@@ -141,7 +165,9 @@ class AdaptiveDepth:
         not a steady step's time) and accepted num_accepted[b] drafts of request b. drafting_timed: its drafting was timed apart (`drafted`), and the rest of the step is the overhead; a
         step run as one graph (compile=True) cannot be, and then a drafted step's residual over the target's
         cost and the overhead (learnt from plain-decoding steps) is its drafting."""
-        self.stats.update(num_accepted, depth, live)
+        depth = self._width(depth)
+        self.stats.update(num_accepted, depth, live,
+                          None if self.available is None else np.minimum(depth, self.available))
         self.chosen[depth] += 1
         self.idle, self.drafting_run = (self.idle + 1, 0) if depth == 0 else (0, self.drafting_run + 1)
         if seconds is None:  # a step that compiled or captured its graph: its time says nothing of the next ones

@@ -169,11 +169,15 @@ class SpeculativeDecoder:
         skips = 0  # plain-decoding steps in a row
         while True:
             t_step = time.perf_counter()
-            k = None if policy is None else policy.choose(live_host, remaining)  # None: the drafter's whole tree
+            k = None  # the drafter's whole tree
+            if policy is not None:
+                k = policy.choose(live_host, remaining, self.drafter.depths_available(s.tokens, s.seq_lens))
             skips = skips + 1 if k == 0 else 0
             if self.drafter.max_skips is not None and skips > self.drafter.max_skips:
                 k, skips = 1, 0
             self.drafter.advance(k)
+            if k != 0 and self.drafter.lagging:
+                self.drafter.catch_up(s.tokens, s.seq_lens)
             # a step that compiled, warmed up or captured its graph is not timed, nor one whose drafter first
             # catches up on skipped steps: neither is what a step of its depth costs
             steady = not self.drafter.catching_up
@@ -247,6 +251,8 @@ class SpeculativeDecoder:
         hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
         self.drafter.start(tokens, s.seq_lens, L, temp, seeds, params,
                            **({"target_hidden": hidden} if self.features else {}))
+        if self.drafter.lagging and self.adaptive is None:  # (an adaptive loop that never drafts never needs it)
+            self.drafter.catch_up(tokens, s.seq_lens)
         return s
 
     def _graphed_step(self, graphs: "_StepGraphs", s: "_Batch", k: Optional[int]) -> bool:

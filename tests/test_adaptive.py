@@ -25,7 +25,7 @@ class Scripted:
         self.script, self.max_depth, self.i = script, max_depth, 0
         self.chosen = [0] * (max_depth + 1)
 
-    def choose(self, live, remaining=None):
+    def choose(self, live, remaining=None, available=None):
         k = min(self.script[self.i % len(self.script)], self.max_depth)
         self.i += 1
         self.chosen[k] += 1
@@ -163,6 +163,43 @@ def test_policy_drafts_where_it_speeds_up_the_request_that_bounds_the_batch():
     assert trained().choose([True, False], remaining=[50, 50]) == 4  # request 1 finished: it bounds nothing
 
 
+def test_policy_expects_nothing_of_a_request_without_a_proposal_now():
+    """Prompt lookup knows before the step which requests have a match (available levels): request 1's drafts have
+    always been accepted but it has no match now, so drafting would not speed it up and it bounds the batch: plain
+    decoding (without `available`, the negative control, the policy drafts). The batch's tokens per second still
+    gain from request 0's match. A depth past the longest match costs and yields what the longest match does, and
+    is run, counted and timed as that width; with no match anywhere there is nothing to probe."""
+    costs = [1.0 + 0.1 * k for k in range(9)]
+
+    def trained():
+        policy = AdaptiveDepth(2, 8, costs)
+        for _ in range(40):
+            policy.update([8, 8], 8, [True, True], None)
+        policy.update([0, 0], 0, [True, True], costs[0])
+        return policy
+
+    assert trained().choose([True, True], [50, 50]) > 0
+    assert trained().choose([True, True], [50, 50], available=[8, 0]) == 0
+    assert trained().choose([True, True], available=[8, 0]) == 8
+    policy = trained()
+    assert policy.choose([True, True], available=[3, 2]) == 3
+    policy.update([3, 2], 8, [True, True], 1.25)  # (the loop passes the depth it asked for)
+    assert policy.chosen[3] == 1 and policy.measured_s[3] == 1.25 and np.isnan(policy.measured_s[8])
+    idle = AdaptiveDepth(1, 8, costs, probe_every=2)
+    for _ in range(20):
+        assert idle.choose([True], [50], available=[0]) == 0
+        idle.update([0], 0, [True], 1.0)
+
+
+def test_acceptance_stats_judge_only_the_levels_proposed():
+    stats = AcceptanceStats(2, 3, prior=0.5, decay=0.5)
+    stats.update([1, 0], depth=3, live=[True, True], proposed=np.array([2, 0]))
+    # request 0: levels 1 and 2 proposed, 1 accepted and 2 rejected; request 1: nothing proposed, nothing judged
+    np.testing.assert_allclose(stats.alpha, [[0.75, 0.25, 0.5], [0.5, 0.5, 0.5]])
+    np.testing.assert_allclose(stats.weight, [[1, 1, 0], [0, 0, 0]])
+    np.testing.assert_allclose(stats.pooled, [0.5, 0.5])
+
+
 def test_probes_that_change_nothing_come_less_often_and_repeats_are_still_noticed():
     """Nothing accepted: after each probe that leaves plain decoding the best choice, the wait doubles, up to
     4 * probe_every. Once drafts are accepted (the text starts repeating), the next probe brings drafting back."""
@@ -275,9 +312,16 @@ def test_pending_width_after_skips_takes_two_values(pair, target_and_mtp):
             keys.append(drafter.graph_key())
         wide = (drafter.min_pending + MAX_SKIPS,)
         assert keys == [(drafter.min_pending,), wide, wide, wide, (drafter.min_pending,)]
-        with pytest.raises(ValueError, match="depth"):
+        if isinstance(drafter, MTPDrafter):  # (its loop drafts after MAX_SKIPS plain steps)
+            with pytest.raises(ValueError, match="depth"):
+                for _ in range(MAX_SKIPS + 1):
+                    drafter.advance(0)
+        else:  # the draft model's cache lags: caught up before the next proposal, whose graph is the narrow one
             for _ in range(MAX_SKIPS + 1):
                 drafter.advance(0)
+            assert drafter.lagging and not drafter.catching_up
+            drafter.advance(2)
+            assert drafter.graph_key() == (drafter.min_pending,) and drafter.catching_up
 
 
 @pytest.mark.parametrize("kind", ["draft", "mtp", "ngram"])
@@ -314,8 +358,9 @@ def test_steps_that_compile_or_capture_are_not_timed(pair):
 
 
 def test_a_step_that_catches_up_on_skipped_ones_is_not_timed(pair):
-    """The draft model's first proposal after plain steps runs their tokens through the draft first: a one-off cost,
-    not what its depth costs, so the policy learns no time from it (prompt lookup has nothing to catch up on). The
+    """The draft model's first proposal after plain steps (or the prompts) runs their tokens through the draft first:
+    a one-off cost, not what its depth costs, so the policy learns no time from it (prompt lookup has nothing to
+    catch up on). The
     policy is told each request's tokens still to emit, and the depths it ran are counted."""
     target, draft = pair
     script = (2, 0, 0, 2, 2, 1, 0, 3)
@@ -323,7 +368,7 @@ def test_a_step_that_catches_up_on_skipped_ones_is_not_timed(pair):
         seen, told = [], []
 
         class Recording(Scripted):
-            def choose(self, live, remaining=None):
+            def choose(self, live, remaining=None, available=None):
                 told.append([r for r, alive in zip(remaining, live) if alive])
                 return super().choose(live)
 
@@ -333,19 +378,21 @@ def test_a_step_that_catches_up_on_skipped_ones_is_not_timed(pair):
         out = SpeculativeDecoder(target, drafter, adaptive=lambda B, K, dev: Recording(B, K, dev, script)).generate(
             PROMPTS, 16)
         untimed = [prev == 0 and depth > 0 and catches_up for (prev, _), (depth, _) in zip(seen, seen[1:])]
-        assert [s is None for _, s in seen] == [False] + untimed and any(untimed) == catches_up
+        # (the first step: the draft model's catch-up on the prompts, its cache filled lazily)
+        assert [s is None for _, s in seen] == [catches_up] + untimed and any(untimed) == catches_up
         assert told[0] == [16] * len(PROMPTS) and all(r > 0 for rem in told for r in rem)
         assert sum(told[-1]) <= len(told[-1]) * 4  # (the last step emits at most depth + 1 = 4 tokens each)
         assert out.tokens == generate_ar(target, PROMPTS, 16).tokens
 
 
-def test_only_a_drafter_with_a_cache_to_keep_in_sync_is_made_to_draft_after_max_skips(pair):
-    """The draft model's buffers hold MAX_SKIPS skipped steps' tokens: the loop drafts one level after that many
-    plain steps in a row; prompt lookup keeps nothing in sync and decodes plainly as long as the policy says."""
+def test_only_mtp_is_made_to_draft_after_max_skips(pair, target_and_mtp):
+    """MTP's entries of skipped steps are the target's hidden states then, kept for MAX_SKIPS steps: the loop drafts
+    one level after that many plain steps in a row. The draft model catches up on any number (catch_up) and prompt
+    lookup keeps nothing in sync: they decode plainly as long as the policy says."""
     from specdec.drafters.base import MAX_SKIPS
-    target, draft = pair
-    for drafter, ran in ((NgramDrafter(3), [0] * (MAX_SKIPS + 1)),
-                         (DraftModelDrafter(draft, "chain:3"), [0] * MAX_SKIPS + [1])):
+    for target, drafter, ran in ((pair[0], NgramDrafter(3), [0] * (MAX_SKIPS + 1)),
+                                 (pair[0], DraftModelDrafter(pair[1], "chain:3"), [0] * (MAX_SKIPS + 1)),
+                                 (target_and_mtp[0], MTPDrafter(*target_and_mtp, "chain:3"), [0] * MAX_SKIPS + [1])):
         seen = []
 
         class Recording(Scripted):
@@ -367,13 +414,16 @@ def test_depth_chosen_counts_the_steps_run():
     assert policy.chosen == [1, 1, 0]
 
 
-def test_draft_cache_after_skipped_steps_equals_a_fresh_prefill(pair):
+@pytest.mark.parametrize("script", [(0, 0, 3, 0, 0, 0, 1), (0,) * 20 + (3, 0, 0, 1)])
+def test_draft_cache_after_skipped_steps_equals_a_fresh_prefill(pair, script):
     """Skipped steps' tokens reach the draft's cache with the next proposal (3 skips: 6 pending entries for 5, one
-    of them padding): after a run whose last steps were skipped and drafted in turn, the draft's committed K/V equal
-    a prefill of the committed tokens."""
+    of them padding), or after more than MAX_SKIPS of them (and the prompts, in an adaptive loop) with catch_up
+    before it: after a run whose last steps were skipped and drafted in turn, the draft's committed K/V equal a
+    prefill of the committed tokens."""
     target, draft = pair
     drafter = DraftModelDrafter(draft, "chain:3")
-    out = SpeculativeDecoder(target, drafter, adaptive=scripted((0, 0, 3, 0, 0, 0, 1))).generate(PROMPTS, 17)
+    out = SpeculativeDecoder(target, drafter, adaptive=scripted(script)).generate(PROMPTS, 17 + script.count(0))
+    assert out.tokens == generate_ar(target, PROMPTS, 17 + script.count(0)).tokens
     for b, prompt in enumerate(PROMPTS):
         n = int(drafter.cache.lens[b])
         seq = torch.tensor([(prompt + out.tokens[b])[:n]])
@@ -381,6 +431,21 @@ def test_draft_cache_after_skipped_steps_equals_a_fresh_prefill(pair):
         draft.prefill(fresh, seq, torch.tensor([n], dtype=torch.int32))
         assert n >= len(prompt)
         torch.testing.assert_close(drafter.cache.k[:, b, :n], fresh.k[:, 0, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_an_adaptive_loop_that_never_drafts_never_runs_the_draft(pair):
+    """The draft model's cache is filled lazily: with every step plain (a batch that saturates compute), the draft
+    never sees a token, so plain decoding costs what AR does (no draft prefill); a fixed-depth loop prefills it with
+    the prompts, before the first step (prompt_s)."""
+    target, draft = pair
+    drafter = DraftModelDrafter(draft, "chain:3")
+    out = SpeculativeDecoder(target, drafter, adaptive=scripted((0,))).generate(PROMPTS, 20)
+    assert out.summary["depth_chosen"][0] == out.summary["steps"] and int(drafter.cache.lens.max()) == 0
+    assert out.tokens == generate_ar(target, PROMPTS, 20).tokens
+    fixed = DraftModelDrafter(draft, "chain:3")
+    decoder = SpeculativeDecoder(target, fixed)
+    decoder._start(PROMPTS, 4, 0.0, 0, top_k=0, top_p=1.0, min_p=0.0, allowed_token_ids=None)
+    assert not fixed.lagging and fixed.cache.lens.tolist() == [len(p) - 1 for p in PROMPTS]
 
 
 def test_mtp_cache_after_skipped_steps_equals_a_fresh_run(target_and_mtp):
@@ -407,8 +472,11 @@ def test_ngram_proposals_are_as_wide_as_their_longest_match():
     tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 0], [1, 2, 3, 9, 1, 2, 0, 0, 0]])
     prop = drafter.propose(tokens[:1], lens[:1], torch.zeros(1))
     assert prop.tokens.tolist() == [[8]] and prop.num_nodes.tolist() == [1]  # no match: the root alone
-    prop = drafter.propose(tokens, lens, torch.zeros(2))  # request 1's "1 2" was followed by 3 9 1 2
-    assert prop.tokens.tolist() == [[8, 0, 0, 0, 0], [2, 3, 9, 1, 2]] and prop.num_nodes.tolist() == [1, 5]
+    for before in (False, True):  # (what depths_available found before the step, propose uses)
+        if before:
+            assert drafter.depths_available(tokens, lens) == [0, 4]
+        prop = drafter.propose(tokens, lens, torch.zeros(2))  # request 1's "1 2" was followed by 3 9 1 2
+        assert prop.tokens.tolist() == [[8, 0, 0, 0, 0], [2, 3, 9, 1, 2]] and prop.num_nodes.tolist() == [1, 5]
     prop = drafter.propose(tokens, lens, torch.zeros(2), depth=1)
     assert prop.tokens.tolist() == [[8, 0], [2, 3]] and prop.parents.shape == (2, 2)
 

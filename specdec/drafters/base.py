@@ -42,8 +42,10 @@ class Proposal(NamedTuple):
     tree: Optional[TreeInfo] = None  # build_tree of parents when the drafter has it already (static trees)
 
 
-# the longest run of steps without a proposal a drafter with a cache takes (its buffers for the skipped entries
-# are sized by it; its `max_skips`); the loop drafts one level after that many
+# the longest run of steps without a proposal whose tokens a drafter's next proposal runs through its model (its
+# buffers for the skipped entries are sized by it); after a longer run the draft model catches up eagerly
+# (`catch_up`), MTP cannot (it needs the target's hidden states of those steps) and the loop drafts one level
+# after that many (its `max_skips`)
 MAX_SKIPS = 16
 
 
@@ -59,8 +61,7 @@ class Drafter:
     samples_children: bool = False
     # proposes with host code (prompt lookup): the loop compiles or captures its verification only
     proposes_on_host: bool = False
-    # the most steps in a row without a proposal it takes (None: any number; a drafter that keeps a cache
-    # in sync catches up on the skipped steps' tokens, in buffers of MAX_SKIPS entries)
+    # the most steps in a row without a proposal it takes (None: any number)
     max_skips: Optional[int] = None
 
     def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
@@ -69,7 +70,8 @@ class Drafter:
         temperature (B,) and the sampling filters `params` are fixed for the batch; request b's own sampling
         (if any) is driven by seeds[b] alone (`DraftRandom`), so its drafts never depend on the rest of
         the batch. A drafter that passes draft_logits samples from the law `params.process` gives them (accept
-        processes them the same way); given proposals may be anything."""
+        processes them the same way); given proposals may be anything. It may leave its own cache to catch_up
+        (lagging: the caller runs catch_up before the first proposal)."""
 
     def propose(self, tokens: torch.Tensor, seq_lens: torch.Tensor, temperature: torch.Tensor,
                 depth: Optional[int] = None) -> Proposal:
@@ -92,9 +94,23 @@ class Drafter:
         """The host state the next step's graph depends on (see advance)."""
         return ()
 
+    def depths_available(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[list]:
+        """Before a step, for the adaptive policy: the most levels each request's proposal can have now (a drafter
+        that proposes on the host knows: prompt lookup has nothing for a request without a match). None (the
+        default): every request gets the depth asked for."""
+        return None
+
     # set by advance: the next step's proposal first runs the tokens of skipped steps through the drafter (a one-off
     # cost of the switch from plain decoding, not what a step of its depth costs: the adaptive policy times it not)
     catching_up: bool = False
+    # host state: the drafter's own cache is further behind the committed tokens than a proposal catches up on (a
+    # draft model's cache, filled lazily: an adaptive loop that never drafts never runs the draft); the loop calls
+    # catch_up before the next step that proposes
+    lagging: bool = False
+
+    def catch_up(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Eagerly, outside any graph: run the committed tokens the drafter has not seen, all but each root, through
+        its model (a prefill from where its cache stands)."""
 
 
 class NoDrafter(Drafter):

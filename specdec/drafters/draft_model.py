@@ -122,7 +122,7 @@ class DraftModelDrafter(Drafter):
         self._start_sampling(temperature, seeds, params, tokens.device)
         # (+ MAX_SKIPS: the padding of the pending entries after skipped steps)
         self.cache = self.model.new_cache(B, max_len + self.num_fed + 2 + MAX_SKIPS, kv_dtype=self.kv_dtype)
-        self.model.prefill(self.cache, tokens, seq_lens - 1)
+        self.lagging = True  # the prompts go through the draft with the first proposal's catch_up
         self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=tokens.device).expand(B, 2))
 
     def _start_sampling(self, temperature, seeds, params, dev):
@@ -143,25 +143,37 @@ class DraftModelDrafter(Drafter):
                                  for _, e in self.levels]
         self.skipped = 0  # steps without a proposal since the last one (advance)
         self.pending_width = self.min_pending  # the entries the next proposal runs first (_root_logits)
+        self.lagging = False
 
     # the pending entries of a proposal after a drafted step: the previous path's unexpanded last node and the root
     min_pending = 2
-    max_skips = MAX_SKIPS
 
     def advance(self, depth):
         """A step of depth 0 leaves its entry to the next proposal, which runs it with the others: pending_width
         entries, part of the graph key. After any run of skipped steps it is the widest, min_pending + MAX_SKIPS
         (the extra entries are padding), so that a depth has two graphs, not one per run length: an adaptive
         compiled loop's choices then rarely meet a graph it has not compiled, and the padding costs only the
-        first draft forward after a run of skips (a few more rows through the small drafter)."""
+        first draft forward after a run of skips (a few more rows through the small drafter). After more than
+        MAX_SKIPS of them the cache lags (catch_up runs them first; MTP's loop never lets it come to that)."""
         if depth == 0:
-            if self.skipped == MAX_SKIPS:
+            if self.skipped == MAX_SKIPS and self.max_skips is not None:
                 raise ValueError(f"depth: more than {MAX_SKIPS} steps in a row without a proposal")
             self.skipped += 1
+            self.lagging |= self.skipped > MAX_SKIPS
+            self.catching_up = False
         else:
-            self.pending_width = self.min_pending + (MAX_SKIPS if self.skipped else 0)
+            self.pending_width = self.min_pending + (MAX_SKIPS if self.skipped and not self.lagging else 0)
+            self.catching_up = self.lagging or self.pending_width > self.min_pending
             self.skipped = 0
-        self.catching_up = self.pending_width > self.min_pending and depth != 0
+
+    def catch_up(self, tokens, seq_lens):
+        cache = self.cache
+        behind = (seq_lens - 1 - cache.lens).to(torch.int32)  # (B,) committed tokens not in the cache, roots aside
+        n = int(behind.max())
+        if n > 0:
+            idx = cache.lens.long().unsqueeze(1) + torch.arange(n, device=tokens.device)
+            self.model.prefill(cache, tokens.gather(1, idx.clamp(max=tokens.shape[1] - 1)), behind)
+        self.lagging = False
 
     def graph_key(self):
         return (self.pending_width,)

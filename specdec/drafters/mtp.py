@@ -37,6 +37,8 @@ class MTPDrafter(DraftModelDrafter):
         self.mtp, self.layer = mtp, mtp.layers[0]
         self.max_pending = self.max_depth + 1  # the accepted path's entries, recomputed at the next proposal
 
+    max_skips = MAX_SKIPS  # (a skipped step's entry is the target's hidden state then: only MAX_SKIPS are kept)
+
     def start(self, tokens, seq_lens, max_len, temperature, seeds, params=SamplingParams(), *, target_hidden):
         B, dev = tokens.shape[0], tokens.device
         self._start_sampling(temperature, seeds, params, dev)
