@@ -92,8 +92,8 @@ class AdaptiveDepth:
             raise ValueError(f"depths: {list(depths)} must hold 0 and another depth in 1..{max_depth}")
         self.allowed = np.zeros(max_depth + 1, dtype=bool)
         self.allowed[list(depths)] = True
-        prior = 0.6 if previous is None else float(previous.stats.pooled.mean())
-        self.stats = AcceptanceStats(batch_size, max_depth, prior=prior)
+        self.prior = 0.6 if previous is None else float(previous.stats.pooled.mean())
+        self.stats = AcceptanceStats(batch_size, max_depth, prior=self.prior)
         self.target_s = np.asarray(target_s, dtype=np.float64)
         # unknown until the first drafted step; the rest of a step (bookkeeping, accept, rollbacks) is the
         # measured residual
@@ -105,6 +105,8 @@ class AdaptiveDepth:
         # target's costs are isolated forwards', and a drafted step in the loop can cost more than they add up to
         # (at large batch on a CPU enough to make drafting one level slower than plain decoding)
         self.measured_s = np.full(max_depth + 1, np.nan)
+        if previous is not None and previous.stats.alpha.shape == self.stats.alpha.shape:  # (same batch size)
+            self.measured_s = previous.measured_s.copy()
         self.available: Optional[np.ndarray] = None  # (B,) the levels each request can be proposed (choose)
         self.chosen = [0] * (max_depth + 1)  # steps per depth (the summary's "depth_chosen")
 
@@ -120,32 +122,42 @@ class AdaptiveDepth:
         levels request b's proposal can have now (`Drafter.depths_available`; None: any), so that a depth k drafts
         min(k, available[b]) levels of request b and costs a step as deep as the deepest of those."""
         alive = np.asarray(live, dtype=bool)
-        tokens, step = self.stats.expected_tokens(), self.step_s()  # (B, K + 1), (K + 1,)
-        K = len(step) - 1
+        K = len(self.target_s) - 1
         self.available = None if available is None else np.minimum(np.asarray(available), K)
-        if self.available is not None:
-            levels = np.minimum(np.arange(K + 1), self.available[:, None])  # (B, K + 1)
-            tokens = np.take_along_axis(tokens, levels, axis=1)
-            step = step[levels.max(0)]
-        tokens = tokens[alive]  # (live requests, K + 1)
-        if remaining is None:
-            speed = tokens.sum(0) / step
-        else:  # 1 / the time to finish the batch at depth k (every request needs at least one more step)
-            left = np.asarray(remaining, dtype=np.float64)[alive][:, None]
-            speed = 1 / (step * np.maximum(left / tokens, 1).max(0))
-        speed = np.where(self.allowed, speed, -1.0)
+        speed = self._speed(self.stats.expected_tokens(), alive, remaining)
         k = int(speed.argmax())
         if self.probed:  # the step after a probe: did what it measured make drafting worth it?
             self.probe_wait = self.probe_every if k else min(2 * self.probe_wait, 4 * self.probe_every)
             self.probed = False
-        # (nothing to probe when no request has a proposal)
+        # a probe tests whether acceptance is back to its usual level (the prior): pointless where drafting would not
+        # pay even then (a batch that saturates compute) or where no request has a proposal
         if k == 0 and self.idle + 1 >= self.probe_wait and self._width(K) > 0:
-            k, self.probed = int(speed[1:].argmax()) + 1, True
+            usual = np.broadcast_to(np.cumsum(self.prior ** np.arange(K + 1)), (len(alive), K + 1))  # 1 + p + .. + p^k
+            usual_speed = self._speed(usual, alive, remaining)
+            if usual_speed[1:].max() > usual_speed[0]:
+                k, self.probed = int(speed[1:].argmax()) + 1, True
         # a plain step after probe_every drafted ones while plain steps are unmeasured: what a drafted step's
         # measured cost is compared with
         if k and self.drafting_run >= self.probe_every and np.isnan(self.measured_s[0]):
             k = 0
         return k
+
+    def _speed(self, tokens: np.ndarray, alive: np.ndarray, remaining: Optional[Sequence[int]]) -> np.ndarray:
+        """(K + 1,): how fast a step of depth k goes if request b emits tokens[b, k] (its expected tokens at
+        min(k, available[b])): tokens per second of the live requests, or with `remaining`, 1 / the time to finish
+        the batch (every request needs at least one more step); -1 for the depths not offered."""
+        step = self.step_s()
+        if self.available is not None:
+            levels = np.minimum(np.arange(len(step)), self.available[:, None])  # (B, K + 1)
+            tokens = np.take_along_axis(tokens, levels, axis=1)
+            step = step[levels.max(0)]
+        tokens = tokens[alive]
+        if remaining is None:
+            speed = tokens.sum(0) / step
+        else:
+            left = np.asarray(remaining, dtype=np.float64)[alive][:, None]
+            speed = 1 / (step * np.maximum(left / tokens, 1).max(0))
+        return np.where(self.allowed, speed, -1.0)
 
     def _width(self, depth: int) -> int:
         """The levels a proposal asked for `depth` levels has (the deepest request's)."""

@@ -119,7 +119,8 @@ def test_policy_trusts_measured_step_costs_over_its_model():
     """The model (isolated target forwards, a cheap draft timed apart) says drafting pays; the steps as run say a
     drafted step costs 3 + k and a plain one 1 (the verification costs more in the loop than alone). Learnt from
     drafted steps only, that extra lands in the overhead, which the model charges plain steps too: the policy
-    tries a plain step, then decodes plainly, probing now and then."""
+    tries a plain step, then decodes plainly, without probes (drafting would not pay even at the usual acceptance:
+    a probe could not change the choice)."""
     policy = AdaptiveDepth(1, 4, [1.0, 1.05, 1.1, 1.15, 1.2], probe_every=8)
     ks = []
     for _ in range(80):
@@ -128,7 +129,7 @@ def test_policy_trusts_measured_step_costs_over_its_model():
             policy.drafted(k, 0.01 * k)
         policy.update([k], k, [True], 1.0 if k == 0 else 3.0 + k)  # every draft accepted
         ks.append(k)
-    assert 0 in ks[:10] and ks[-40:].count(0) >= 34 and sum(k > 0 for k in ks[-40:]) >= 1
+    assert 0 in ks[:10] and ks[-60:] == [0] * 60
 
 
 def test_policy_stops_drafting_at_a_batch_that_saturates_compute():
@@ -515,3 +516,8 @@ def test_a_policy_starts_from_what_the_previous_batch_learned():
     second = AdaptiveDepth(1, 3, [1.0, 1.1, 1.2, 1.3], previous=first)
     assert second.draft_level_s == first.draft_level_s and second.overhead_s == first.overhead_s > 0
     np.testing.assert_allclose(second.stats.predicted(), np.full((1, 3), float(first.stats.pooled.mean())))
+    # the step times measured per depth are the batch size's: they carry over to a batch of the same size only
+    assert np.isnan(second.measured_s).all() and first.measured_s[3] == 2.0
+    third = AdaptiveDepth(2, 3, [1.0, 1.1, 1.2, 1.3], previous=first)
+    np.testing.assert_array_equal(third.measured_s, first.measured_s)
+    assert third.measured_s is not first.measured_s
