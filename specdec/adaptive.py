@@ -116,11 +116,12 @@ class AdaptiveDepth:
         return np.where(np.isnan(self.measured_s), model, self.measured_s)
 
     def choose(self, live: Sequence[bool], remaining: Optional[Sequence[int]] = None,
-               available: Optional[Sequence[int]] = None) -> int:
+               available: Optional[Sequence[int]] = None, lagging: bool = False) -> int:
         """The next step's depth. live[b]: request b is unfinished; remaining[b]: the tokens it has still to emit
         at most (None: maximize tokens per second instead of finishing the batch soonest); available[b]: the most
         levels request b's proposal can have now (`Drafter.depths_available`; None: any), so that a depth k drafts
-        min(k, available[b]) levels of request b and costs a step as deep as the deepest of those."""
+        min(k, available[b]) levels of request b and costs a step as deep as the deepest of those; lagging: the
+        drafter must first catch up on all it has not seen (`Drafter.lagging`: a prefill, which no probe is worth)."""
         alive = np.asarray(live, dtype=bool)
         K = len(self.target_s) - 1
         self.available = None if available is None else np.minimum(np.asarray(available), K)
@@ -131,7 +132,7 @@ class AdaptiveDepth:
             self.probed = False
         # a probe tests whether acceptance is back to its usual level (the prior): pointless where drafting would not
         # pay even then (a batch that saturates compute) or where no request has a proposal
-        if k == 0 and self.idle + 1 >= self.probe_wait and self._width(K) > 0:
+        if k == 0 and self.idle + 1 >= self.probe_wait and self._width(K) > 0 and not lagging:
             usual = np.broadcast_to(np.cumsum(self.prior ** np.arange(K + 1)), (len(alive), K + 1))  # 1 + p + .. + p^k
             usual_speed = self._speed(usual, alive, remaining)
             if usual_speed[1:].max() > usual_speed[0]:

@@ -171,7 +171,8 @@ class SpeculativeDecoder:
             t_step = time.perf_counter()
             k = None  # the drafter's whole tree
             if policy is not None:
-                k = policy.choose(live_host, remaining, self.drafter.depths_available(s.tokens, s.seq_lens))
+                k = policy.choose(live_host, remaining, self.drafter.depths_available(s.tokens, s.seq_lens),
+                                  self.drafter.lagging)
             skips = skips + 1 if k == 0 else 0
             if self.drafter.max_skips is not None and skips > self.drafter.max_skips:
                 k, skips = 1, 0

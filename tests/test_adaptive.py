@@ -25,7 +25,7 @@ class Scripted:
         self.script, self.max_depth, self.i = script, max_depth, 0
         self.chosen = [0] * (max_depth + 1)
 
-    def choose(self, live, remaining=None, available=None):
+    def choose(self, live, remaining=None, available=None, lagging=False):
         k = min(self.script[self.i % len(self.script)], self.max_depth)
         self.i += 1
         self.chosen[k] += 1
@@ -217,6 +217,17 @@ def test_probes_that_change_nothing_come_less_often_and_repeats_are_still_notice
         k = policy.choose([True], [1000])
         policy.update([k], k, [True], 1.0 + 0.1 * k)
     assert policy.choose([True], [1000]) > 0
+    # no probe while the drafter lags (its catch-up, a prefill of all it has not seen, is worth no probe)
+    for lagging in (True, False):
+        policy = AdaptiveDepth(1, 4, [1.0, 1.1, 1.2, 1.3, 1.4], probe_every=4)
+        for _ in range(40):
+            policy.update([0], 1, [True], 1.1)
+            policy.update([0], 0, [True], 1.0)
+        ks = []
+        for _ in range(8):
+            ks.append(policy.choose([True], [1000], lagging=lagging))
+            policy.update([0], ks[-1], [True], 1.0 + 0.1 * ks[-1])
+        assert (max(ks) == 0) == lagging, ks
 
 
 def test_target_costs_are_measured_once_and_grow_with_tokens(pair):
@@ -369,7 +380,7 @@ def test_a_step_that_catches_up_on_skipped_ones_is_not_timed(pair):
         seen, told = [], []
 
         class Recording(Scripted):
-            def choose(self, live, remaining=None, available=None):
+            def choose(self, live, remaining=None, available=None, lagging=False):
                 told.append([r for r, alive in zip(remaining, live) if alive])
                 return super().choose(live)
 
@@ -480,6 +491,27 @@ def test_ngram_proposals_are_as_wide_as_their_longest_match():
         assert prop.tokens.tolist() == [[8, 0, 0, 0, 0], [2, 3, 9, 1, 2]] and prop.num_nodes.tolist() == [1, 5]
     prop = drafter.propose(tokens, lens, torch.zeros(2), depth=1)
     assert prop.tokens.tolist() == [[8, 0], [2, 3]] and prop.parents.shape == (2, 2)
+
+
+@pytest.mark.parametrize("num_tokens,max_ngram,min_ngram", [(8, 3, 1), (3, 2, 2), (1, 4, 1)])
+def test_started_prompt_lookup_finds_what_the_scan_finds(num_tokens, max_ngram, min_ngram):
+    """A started batch's lookups come from per-request n-gram indexes extended as the sequences grow: the same
+    continuations as NgramDrafter.lookup's scan of the whole sequence, on text with many repeats (4 symbols)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    B, L = 3, 90
+    tokens = torch.randint(0, 4, (B, L), generator=gen)
+    lens = torch.tensor([1, 5, 12], dtype=torch.int32)
+    drafter = NgramDrafter(num_tokens, max_ngram, min_ngram)
+    drafter.start(tokens, lens, L, torch.zeros(B), [0] * B)
+    while int(lens.max()) < L:
+        if int(lens.sum()) % 2:
+            assert drafter.depths_available(tokens, lens) == [
+                len(drafter.lookup(tokens[b, :n])) for b, n in enumerate(lens.tolist())]
+        prop = drafter.propose(tokens, lens, torch.zeros(B))
+        for b, n in enumerate(lens.tolist()):
+            want = drafter.lookup(tokens[b, :n]).tolist()
+            assert prop.tokens[b, 1:int(prop.num_nodes[b])].tolist() == want and prop.tokens[b, 0] == tokens[b, n - 1]
+        lens = (lens + torch.randint(1, 6, (B,), generator=gen, dtype=torch.int32)).clamp(max=L)
 
 
 def test_adaptive_prompt_lookup_on_text_without_repeats_decodes_plainly():

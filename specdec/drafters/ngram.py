@@ -3,9 +3,40 @@ n tokens (n from max_ngram down to min_ngram): the latest occurrence followed by
 else the earliest one (the longest continuation there is). No model; runs on the host."""
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import torch
 
 from .base import Drafter, Proposal
+
+
+class _NgramIndex:
+    """One request's n-gram start positions (n = min_ngram..max_ngram), extended as its committed tokens grow (they
+    never shrink within a batch), so that a step's lookup is a few dictionary reads, not a scan of the sequence:
+    at a batch of 16 the scans cost 5% of a plain-decoding step, paid every step by an adaptive loop."""
+
+    def __init__(self, ns: range):
+        self.seq: list = []
+        self.starts = {n: {} for n in ns}  # n -> {n-gram: its start positions, increasing}
+
+    def extend(self, new: list) -> None:
+        old = len(self.seq)
+        self.seq.extend(new)
+        for n, table in self.starts.items():
+            for p in range(max(old - n + 1, 0), len(self.seq) - n + 1):  # the windows holding a new token
+                table.setdefault(tuple(self.seq[p:p + n]), []).append(p)
+
+    def continuation(self, max_ngram: int, min_ngram: int, num_tokens: int) -> list:
+        """NgramDrafter.lookup of the sequence (the same rule, from the index)."""
+        seq, n_seq = self.seq, len(self.seq)
+        for n in range(min(max_ngram, n_seq - 1), min_ngram - 1, -1):
+            starts = self.starts[n].get(tuple(seq[-n:]), ())
+            hits = bisect_right(starts, n_seq - n - 1)  # windows ending before the last token
+            if hits:
+                full = bisect_right(starts, n_seq - n - num_tokens, 0, hits)  # followed by num_tokens tokens
+                start = (starts[full - 1] if full else starts[0]) + n
+                return seq[start:start + num_tokens]
+        return []
 
 
 class NgramDrafter(Drafter):
@@ -16,9 +47,11 @@ class NgramDrafter(Drafter):
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.max_nodes, self.max_depth = num_tokens + 1, num_tokens
         self._found = None  # (seq_lens, continuations) of depths_available, for the propose that follows it
+        self._index = None  # per request, from start (a proposal without a started batch scans: lookup)
 
-    def start(self, *args, **kwargs):
+    def start(self, tokens, *args, **kwargs):
         self._found = None
+        self._index = [_NgramIndex(range(self.min_ngram, self.max_ngram + 1)) for _ in range(tokens.shape[0])]
 
     def lookup(self, seq: torch.Tensor) -> torch.Tensor:
         """The continuation (<= num_tokens tokens) of an earlier match of seq's suffix (see module doc)."""
@@ -37,12 +70,17 @@ class NgramDrafter(Drafter):
         found, self._found = self._found, None
         if found is not None and found[0] == lens:  # (the committed tokens of a step do not change within it)
             return found[1]
-        return [self.lookup(tokens[b, :n].cpu()) for b, n in enumerate(lens)]
+        if self._index is None:
+            return [self.lookup(tokens[b, :n].cpu()).tolist() for b, n in enumerate(lens)]
+        for b, (index, n) in enumerate(zip(self._index, lens)):
+            if n > len(index.seq):
+                index.extend(tokens[b, len(index.seq):n].tolist())
+        return [index.continuation(self.max_ngram, self.min_ngram, self.num_tokens) for index in self._index]
 
     def depths_available(self, tokens, seq_lens):
         conts = self._continuations(tokens, seq_lens)
         self._found = (seq_lens.tolist(), conts)
-        return [c.shape[0] for c in conts]
+        return [len(c) for c in conts]
 
     def propose(self, tokens, seq_lens, temperature, depth=None):
         B, k = tokens.shape[0], self.num_tokens if depth is None else min(depth, self.num_tokens)
@@ -52,8 +90,8 @@ class NgramDrafter(Drafter):
         for b, cont in enumerate(self._continuations(tokens, seq_lens)):
             cont = cont[:k]
             out[b, 0] = roots[b, 0]
-            out[b, 1:1 + cont.shape[0]] = cont
-            num_nodes[b] = 1 + cont.shape[0]
+            out[b, 1:1 + len(cont)] = torch.tensor(cont, dtype=torch.long)
+            num_nodes[b] = 1 + len(cont)
         # only as wide as the longest continuation: a step without matches costs what a plain decoding step does
         T = int(num_nodes.max())
         parents = torch.arange(-1, T - 1, dtype=torch.int32).expand(B, T)
