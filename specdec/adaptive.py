@@ -175,9 +175,10 @@ class AdaptiveDepth:
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool], seconds: Optional[float],
                drafting_timed: bool = True) -> None:
         """The step of `depth` levels (the loop's, which may differ from the choice) took `seconds` in all (None:
-        not a steady step's time) and accepted num_accepted[b] drafts of request b. drafting_timed: its drafting was timed apart (`drafted`), and the rest of the step is the overhead; a
-        step run as one graph (compile=True) cannot be, and then a drafted step's residual over the target's
-        cost and the overhead (learnt from plain-decoding steps) is its drafting."""
+        not a steady step's time) and accepted num_accepted[b] drafts of request b. drafting_timed: its drafting
+        was timed apart (`drafted`), and the rest of the step is the overhead; a step run as one graph
+        (compile=True) cannot be, and then a drafted step's residual over the target's cost and the overhead
+        (learnt from plain-decoding steps) is its drafting."""
         depth = self._width(depth)
         self.stats.update(num_accepted, depth, live,
                           None if self.available is None else np.minimum(depth, self.available))

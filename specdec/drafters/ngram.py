@@ -46,11 +46,9 @@ class NgramDrafter(Drafter):
             raise ValueError("NgramDrafter: need num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.max_nodes, self.max_depth = num_tokens + 1, num_tokens
-        self._found = None  # (seq_lens, continuations) of depths_available, for the propose that follows it
         self._index = None  # per request, from start (a proposal without a started batch scans: lookup)
 
     def start(self, tokens, *args, **kwargs):
-        self._found = None
         self._index = [_NgramIndex(range(self.min_ngram, self.max_ngram + 1)) for _ in range(tokens.shape[0])]
 
     def lookup(self, seq: torch.Tensor) -> torch.Tensor:
@@ -67,9 +65,6 @@ class NgramDrafter(Drafter):
 
     def _continuations(self, tokens, seq_lens) -> list:
         lens = seq_lens.tolist()
-        found, self._found = self._found, None
-        if found is not None and found[0] == lens:  # (the committed tokens of a step do not change within it)
-            return found[1]
         if self._index is None:
             return [self.lookup(tokens[b, :n].cpu()).tolist() for b, n in enumerate(lens)]
         for b, (index, n) in enumerate(zip(self._index, lens)):
@@ -78,9 +73,7 @@ class NgramDrafter(Drafter):
         return [index.continuation(self.max_ngram, self.min_ngram, self.num_tokens) for index in self._index]
 
     def depths_available(self, tokens, seq_lens):
-        conts = self._continuations(tokens, seq_lens)
-        self._found = (seq_lens.tolist(), conts)
-        return [len(c) for c in conts]
+        return [len(c) for c in self._continuations(tokens, seq_lens)]
 
     def propose(self, tokens, seq_lens, temperature, depth=None):
         B, k = tokens.shape[0], self.num_tokens if depth is None else min(depth, self.num_tokens)
