@@ -32,16 +32,22 @@ from .models.llama import Llama, chain_tree, compile_static
 
 class AcceptanceStats:
     """Per request: alpha (B, K), the exponentially weighted rate of accepting the depth-d draft given that the
-    depth-(d-1) one was (d = 1..K), with weight (B, K), the weighted count of such judgments; and pooled (B,),
-    the same rate over every depth. A depth judged seldom (one the policy stopped drafting to) is predicted by
-    the pooled rate, blended in by its weight, so a policy that drafts shallow can still learn that deeper
-    drafts would pay. (NumPy arrays: host arithmetic on a few numbers per request each step, where torch's
-    per-op overhead would cost a few percent of a large batch's plain-decoding step.)"""
+    depth-(d-1) one was (d = 1..K), with weight (B, K), the weighted count of such judgments. A depth judged
+    seldom (one the policy stopped drafting to) is predicted from the request's prediction one level shallower,
+    times the prior's ratio between the two depths, blended in by its weight: rates vary smoothly with depth, so
+    a policy that drafts shallow still learns from the depths it does draft whether deeper drafts would pay.
+    The prior is per depth (the population's rates: the previous batch's, `population`) because drafters differ
+    in the shape of their rates: prompt lookup's first level is often rejected (the match was wrong) and its deeper
+    levels almost never once the first is accepted (the text repeats), so a request's rate at depth 1, or its rate
+    over all depths, would make its deep drafts look worse than they are. (NumPy arrays: host arithmetic on a few
+    numbers per request each step, where torch's per-op overhead would cost a few percent of a large batch's
+    plain-decoding step.)"""
 
-    def __init__(self, batch_size: int, max_depth: int, prior: float = 0.6, decay: float = 0.9):
-        self.alpha = np.full((batch_size, max_depth), prior)
+    def __init__(self, batch_size: int, max_depth: int, prior=0.6, decay: float = 0.9):
+        """prior: the acceptance rate at each depth 1..K before anything is judged (a float, or (K,) per depth)."""
+        self.prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), (max_depth,)).copy()
+        self.alpha = np.tile(self.prior, (batch_size, 1))
         self.weight = np.zeros((batch_size, max_depth))
-        self.pooled = np.full(batch_size, prior)
         self.decay = decay
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool],
@@ -60,20 +66,38 @@ class AcceptanceStats:
         a, w = self.alpha[:, :depth], self.weight[:, :depth]  # (views: written in place)
         a[:] = np.where(reached, self.decay * a + (1 - self.decay) * hit, a)
         w[:] = np.where(reached, self.decay * w + 1, w)
-        judged = reached.sum(1)
-        rate = (hit * reached).sum(1) / np.maximum(judged, 1)
-        self.pooled = np.where(judged > 0, self.decay * self.pooled + (1 - self.decay) * rate, self.pooled)
 
     def predicted(self) -> np.ndarray:
-        """(B, K): the acceptance rates used for prediction (per depth, the pooled rate where judged seldom)."""
-        trust = self.weight / (self.weight + 2)
-        return trust * self.alpha + (1 - trust) * self.pooled[:, None]
+        """(B, K): the acceptance rates used for prediction: at depth d, the request's own rate trusted by
+        w / (w + 2) (w its weight there) scaled to reach 1 at the most weight there can be, W = 1 / (1 - decay) (a
+        depth judged at every recent step), the rest from its prediction at depth d - 1 times
+        prior[d] / prior[d - 1] (at depth 1: the prior)."""
+        most = 1 / (1 - self.decay)
+        trust = self.weight / (self.weight + 2) * (most + 2) / most
+        ratio = self.prior[1:] / np.maximum(self.prior[:-1], 1e-6)
+        out = np.empty_like(self.alpha)
+        below = np.broadcast_to(self.prior[0], self.alpha.shape[:1])
+        for d in range(self.alpha.shape[1]):
+            out[:, d] = trust[:, d] * self.alpha[:, d] + (1 - trust[:, d]) * below
+            if d + 1 < self.alpha.shape[1]:
+                below = np.clip(out[:, d] * ratio[d], 0.0, 1.0)
+        return out
 
     def expected_tokens(self) -> np.ndarray:
         """(B, K + 1): request b's expected emitted tokens of a step drafting k = 0..K levels,
         1 + sum_{d <= k} prod_{i <= d} alpha[b, i]."""
-        reach = np.cumprod(self.predicted(), axis=1)  # P(accept >= d)
-        return 1 + np.concatenate((np.zeros((reach.shape[0], 1)), np.cumsum(reach, axis=1)), axis=1)
+        return _expected_tokens(self.predicted())
+
+    def population(self) -> np.ndarray:
+        """(K,): the requests' rates per depth as the next batch's prior: the judgments' weighted mean rate, with the
+        prior's counted as two judgments more."""
+        return ((self.weight * self.alpha).sum(0) + 2 * self.prior) / (self.weight.sum(0) + 2)
+
+
+def _expected_tokens(rates: np.ndarray) -> np.ndarray:
+    """(B, K + 1): 1 + sum_{d <= k} prod_{i <= d} rates[b, i - 1] for k = 0..K."""
+    reach = np.cumprod(rates, axis=1)  # P(accept >= d)
+    return 1 + np.concatenate((np.zeros((reach.shape[0], 1)), np.cumsum(reach, axis=1)), axis=1)
 
 
 class AdaptiveDepth:
@@ -83,7 +107,7 @@ class AdaptiveDepth:
     def __init__(self, batch_size: int, max_depth: int, target_s: Sequence[float], probe_every: int = 16,
                  previous: Optional["AdaptiveDepth"] = None, depths: Optional[Sequence[int]] = None):
         """previous: a policy of an earlier batch of the same drafter, whose measured costs carry over and
-        whose requests' mean pooled acceptance is the new requests' prior. depths: the depths it may choose
+        whose requests' acceptance rates per depth (`AcceptanceStats.population`) are the new requests' prior. depths: the depths it may choose
         (None: 0..max_depth); 0 and at least one other among them."""
         if len(target_s) != max_depth + 1:
             raise ValueError(f"target_s: {len(target_s)} costs for depths 0..{max_depth}")
@@ -92,8 +116,8 @@ class AdaptiveDepth:
             raise ValueError(f"depths: {list(depths)} must hold 0 and another depth in 1..{max_depth}")
         self.allowed = np.zeros(max_depth + 1, dtype=bool)
         self.allowed[list(depths)] = True
-        self.prior = 0.6 if previous is None else float(previous.stats.pooled.mean())
-        self.stats = AcceptanceStats(batch_size, max_depth, prior=self.prior)
+        same_drafter = previous is not None and previous.stats.prior.shape == (max_depth,)
+        self.stats = AcceptanceStats(batch_size, max_depth, prior=previous.stats.population() if same_drafter else 0.6)
         self.target_s = np.asarray(target_s, dtype=np.float64)
         # unknown until the first drafted step; the rest of a step (bookkeeping, accept, rollbacks) is the
         # measured residual
@@ -133,7 +157,7 @@ class AdaptiveDepth:
         # a probe tests whether acceptance is back to its usual level (the prior): pointless where drafting would not
         # pay even then (a batch that saturates compute) or where no request has a proposal
         if k == 0 and self.idle + 1 >= self.probe_wait and self._width(K) > 0 and not lagging:
-            usual = np.broadcast_to(np.cumsum(self.prior ** np.arange(K + 1)), (len(alive), K + 1))  # 1 + p + .. + p^k
+            usual = np.broadcast_to(_expected_tokens(self.stats.prior[None]), (len(alive), K + 1))
             usual_speed = self._speed(usual, alive, remaining)
             if usual_speed[1:].max() > usual_speed[0]:
                 k, self.probed = int(speed[1:].argmax()) + 1, True
@@ -211,8 +235,8 @@ def measure_target_costs(target: Llama, batch_size: int, max_tokens: int, contex
     `context` cached ones, at this batch size: the best of `repeats` timed runs after a warm-up. Cached per
     model, shape and device for the process (the cache holds garbage K/V: only the time is used).
     compiled: time it through torch.compile (`compile_static`), as a compiled loop runs it. tokens: time only these
-    counts (and max_tokens); another count gets the time of the next one timed (the policy never chooses it)."""
-    timed = sorted(set(range(1, max_tokens + 1) if tokens is None else tokens) | {max_tokens})
+    counts (and max_tokens, and 1); another count gets the time interpolated linearly between its timed neighbours."""
+    timed = sorted(set(range(1, max_tokens + 1) if tokens is None else tokens) | {1, max_tokens})
     key = (id(target), batch_size, tuple(timed), context, target.dtype, str(target.device), compiled)
     if key not in _TARGET_COSTS:
         dev = target.device
@@ -233,7 +257,7 @@ def measure_target_costs(target: Llama, batch_size: int, max_tokens: int, contex
                     if rep:  # the first run warms up (and compiles)
                         best = min(best, time.perf_counter() - t0)
                 measured.append(max([best] + measured))  # never cheaper for more tokens (timing noise)
-        _TARGET_COSTS[key] = [next(c for u, c in zip(timed, measured) if u >= t) for t in range(1, max_tokens + 1)]
+        _TARGET_COSTS[key] = np.interp(np.arange(1, max_tokens + 1), timed, measured).tolist()
     return _TARGET_COSTS[key]
 
 

@@ -130,7 +130,7 @@ class SpeculativeDecoder:
         from torch._dynamo.utils import counters
         compiled = counters["stats"]["unique_graphs"]
         if self.drafter.proposes_on_host:
-            self._verify_step(s, self._propose(s, k), k)
+            self._verify_step(s, self._propose(s, k), _verify_key(k))
         else:
             self._whole_step(s, k)
         return counters["stats"]["unique_graphs"] == compiled
@@ -138,9 +138,11 @@ class SpeculativeDecoder:
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
         and step costs, and its requests' mean acceptance as the new requests' prior)."""
-        depths = compiled_depths(max_depth) if self.compile else None
+        # (a host drafter's compiled verification is a graph per tree width whatever the depth: any depth is free)
+        depths = compiled_depths(max_depth) if self.compile and not self.drafter.proposes_on_host else None
+        timed = compiled_depths(max_depth) if self.compile else None  # (compiled forwards: a graph per width timed)
         costs = measure_target_costs(self.target, batch_size, max_depth + 1, compiled=self.compile,
-                                     tokens=None if depths is None else [k + 1 for k in depths])
+                                     tokens=None if timed is None else [k + 1 for k in timed])
         self._policy = AdaptiveDepth(batch_size, max_depth, costs, previous=getattr(self, "_policy", None),
                                      depths=depths)
         return self._policy
@@ -262,7 +264,7 @@ class SpeculativeDecoder:
         if not self.drafter.proposes_on_host:
             return graphs.run((k,) + self.drafter.graph_key(), lambda: self._step(s, k))
         prop = self._propose(s, k)
-        key = (k, prop.tokens.shape[1])
+        key = (_verify_key(k), prop.tokens.shape[1])
         static = graphs.inputs.get(key)
         if static is None:
             static = graphs.inputs[key] = Proposal(*(x if x is None else x.clone() for x in prop))
@@ -270,7 +272,7 @@ class SpeculativeDecoder:
             for buf, x in zip(static, prop):
                 if buf is not None:
                     buf.copy_(x)
-        return graphs.run(key, lambda: self._verify(s, static, k))
+        return graphs.run(key, lambda: self._verify(s, static, key[0]))
 
     # one step, on the batch's buffers in place: _propose then _verify (with compile=True one graph per depth k,
     # or, for a drafter that proposes on the host, the verification alone)
@@ -389,6 +391,14 @@ class _Batch:
                    torch.tensor(seeds, dtype=torch.int64, device=dev), params, method, cache,
                    done, zeros(B), zeros(B), zeros(B, depth + 1), zeros(B), zeros(), zeros(2 * B),
                    torch.arange(B, device=dev), torch.arange(max_nodes, device=dev), requests)
+
+
+def _verify_key(k: Optional[int]) -> Optional[int]:
+    """The k a host drafter's verification runs with: 0 (a plain step: the drafter is told it skipped) or None (a
+    proposal, of any depth). Its graphs are then per tree width alone, shared by every depth the proposals come
+    from (a depth of 8 whose longest match is 5 is a width of 6 as a depth of 5 is), and by fixed and adaptive
+    loops."""
+    return 0 if k == 0 else None
 
 
 class CudaStepGraph:

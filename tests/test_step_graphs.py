@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec import decoding
 from specdec.decoding import SpeculativeDecoder, generate_ar
 from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter
 
@@ -55,6 +56,39 @@ def test_replayed_steps_equal_eager_steps_with_every_kind_of_step(pair, target_a
     assert [s["acceptance_by_depth"] for s in out.stats] == [s["acceptance_by_depth"] for s in eager.stats]
     assert out.summary["steps"] == eager.summary["steps"]
     assert CountingGraph.made >= 2 and CountingGraph.replays >= 3
+
+
+def test_a_host_drafters_verification_graphs_are_per_width_whatever_the_depth(pair, monkeypatch):
+    """Prompt lookup's proposal is as wide as its longest match, so proposals asked for different depths often have
+    the same width: they share one graph (and a fixed loop's graphs serve an adaptive one), so that an adaptive loop
+    may choose any depth without a graph per (depth, width). Plain steps have a graph of their own."""
+    target = pair[0]
+    widths = set()
+    propose = NgramDrafter.propose
+
+    def recording(self, tokens, seq_lens, temperature, depth=None):
+        prop = propose(self, tokens, seq_lens, temperature, depth)
+        widths.add((depth, prop.tokens.shape[1]))
+        return prop
+
+    keys = set()
+    run = decoding._StepGraphs.run
+
+    def recording_keys(self, key, step):
+        keys.add(key)
+        return run(self, key, step)
+
+    monkeypatch.setattr(NgramDrafter, "propose", recording)
+    monkeypatch.setattr(decoding._StepGraphs, "run", recording_keys)
+    prompts = [[1, 2, 3, 4, 5, 6] * 3, [7, 8, 9] * 5, [3, 1, 4, 1, 5, 9, 2, 6]]
+    CountingGraph.made = CountingGraph.replays = 0
+    out = SpeculativeDecoder(target, NgramDrafter(6), cuda_graphs=CountingGraph,
+                             adaptive=scripted((0, 6, 2, 5, 3, 6, 1, 4))).generate(prompts, 40)
+    assert out.tokens == generate_ar(target, prompts, 40).tokens
+    by_width = {w for _, w in widths}
+    assert len(widths) > len(by_width)  # (the case: depths that proposed the same width)
+    assert len(keys) == len(by_width) + 1  # (+ the plain steps')
+    assert CountingGraph.made > 0 and CountingGraph.replays > 0
 
 
 def test_replayed_sampling_draws_what_eager_sampling_draws(pair):
