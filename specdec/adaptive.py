@@ -106,9 +106,9 @@ class AdaptiveDepth:
 
     def __init__(self, batch_size: int, max_depth: int, target_s: Sequence[float], probe_every: int = 16,
                  previous: Optional["AdaptiveDepth"] = None, depths: Optional[Sequence[int]] = None):
-        """previous: a policy of an earlier batch of the same drafter, whose measured costs carry over and
-        whose requests' acceptance rates per depth (`AcceptanceStats.population`) are the new requests' prior. depths: the depths it may choose
-        (None: 0..max_depth); 0 and at least one other among them."""
+        """previous: a policy of an earlier batch of the same drafter, whose measured costs carry over and whose
+        requests' acceptance rates per depth (`AcceptanceStats.population`) are the new requests' prior. depths: the
+        depths it may choose (None: 0..max_depth); 0 and at least one other among them."""
         if len(target_s) != max_depth + 1:
             raise ValueError(f"target_s: {len(target_s)} costs for depths 0..{max_depth}")
         depths = range(max_depth + 1) if depths is None else sorted(set(depths))

@@ -137,7 +137,7 @@ class SpeculativeDecoder:
 
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
-        and step costs, and its requests' mean acceptance as the new requests' prior)."""
+        and step costs, and its requests' acceptance by depth as the new requests' prior)."""
         # (a host drafter's compiled verification is a graph per tree width whatever the depth: any depth is free)
         depths = compiled_depths(max_depth) if self.compile and not self.drafter.proposes_on_host else None
         timed = compiled_depths(max_depth) if self.compile else None  # (compiled forwards: a graph per width timed)
