@@ -39,13 +39,17 @@ class AcceptanceStats:
     The prior is per depth (the population's rates: the previous batch's, `population`) because drafters differ
     in the shape of their rates: prompt lookup's first level is often rejected (the match was wrong) and its deeper
     levels almost never once the first is accepted (the text repeats), so a request's rate at depth 1, or its rate
-    over all depths, would make its deep drafts look worse than they are. (NumPy arrays: host arithmetic on a few
+    over all depths, would make its deep drafts look worse than they are. The prior's shape counts only as far as
+    judgments stand behind it (prior_weight): a depth no earlier request reached says nothing of how rates change
+    there, and reading the initial flat prior as a drop would keep a policy from ever drafting that deep. (NumPy arrays: host arithmetic on a few
     numbers per request each step, where torch's per-op overhead would cost a few percent of a large batch's
     plain-decoding step.)"""
 
-    def __init__(self, batch_size: int, max_depth: int, prior=0.6, decay: float = 0.9):
-        """prior: the acceptance rate at each depth 1..K before anything is judged (a float, or (K,) per depth)."""
+    def __init__(self, batch_size: int, max_depth: int, prior=0.6, decay: float = 0.9, prior_weight=0.0):
+        """prior: the acceptance rate at each depth 1..K before anything is judged (a float, or (K,) per depth);
+        prior_weight: the judgments behind it at each depth (0: a guess)."""
         self.prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), (max_depth,)).copy()
+        self.prior_weight = np.broadcast_to(np.asarray(prior_weight, dtype=np.float64), (max_depth,)).copy()
         self.alpha = np.tile(self.prior, (batch_size, 1))
         self.weight = np.zeros((batch_size, max_depth))
         self.decay = decay
@@ -71,10 +75,13 @@ class AcceptanceStats:
         """(B, K): the acceptance rates used for prediction: at depth d, the request's own rate trusted by
         w / (w + 2) (w its weight there) scaled to reach 1 at the most weight there can be, W = 1 / (1 - decay) (a
         depth judged at every recent step), the rest from its prediction at depth d - 1 times
-        prior[d] / prior[d - 1] (at depth 1: the prior)."""
+        prior[d] / prior[d - 1] (at depth 1: the prior), that ratio trusted as the prior's weights at both depths
+        allow (1 where either is a guess)."""
         most = 1 / (1 - self.decay)
         trust = self.weight / (self.weight + 2) * (most + 2) / most
-        ratio = self.prior[1:] / np.maximum(self.prior[:-1], 1e-6)
+        shape = np.minimum(self.prior_weight[1:], self.prior_weight[:-1])
+        shape = shape / (shape + 2)
+        ratio = 1 + shape * (self.prior[1:] / np.maximum(self.prior[:-1], 1e-6) - 1)
         out = np.empty_like(self.alpha)
         below = np.broadcast_to(self.prior[0], self.alpha.shape[:1])
         for d in range(self.alpha.shape[1]):
@@ -88,10 +95,14 @@ class AcceptanceStats:
         1 + sum_{d <= k} prod_{i <= d} alpha[b, i]."""
         return _expected_tokens(self.predicted())
 
-    def population(self) -> np.ndarray:
-        """(K,): the requests' rates per depth as the next batch's prior: the judgments' weighted mean rate, with the
-        prior's counted as two judgments more."""
-        return ((self.weight * self.alpha).sum(0) + 2 * self.prior) / (self.weight.sum(0) + 2)
+    def population(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next batch's prior and prior_weight, (K,) each: per depth, the mean rate of these requests' judgments
+        and the prior's, weighted by their counts (the prior where neither has any), and that count, at most two
+        requests' worth (rates drift: a new batch should soon outweigh it)."""
+        total = self.weight.sum(0) + self.prior_weight
+        judged = (self.weight * self.alpha).sum(0) + self.prior_weight * self.prior
+        rates = np.where(total > 0, judged / np.maximum(total, 1e-12), self.prior)
+        return rates, np.minimum(total, 2 / (1 - self.decay))
 
 
 def _expected_tokens(rates: np.ndarray) -> np.ndarray:
@@ -117,7 +128,8 @@ class AdaptiveDepth:
         self.allowed = np.zeros(max_depth + 1, dtype=bool)
         self.allowed[list(depths)] = True
         same_drafter = previous is not None and previous.stats.prior.shape == (max_depth,)
-        self.stats = AcceptanceStats(batch_size, max_depth, prior=previous.stats.population() if same_drafter else 0.6)
+        prior, prior_weight = previous.stats.population() if same_drafter else (0.6, 0.0)
+        self.stats = AcceptanceStats(batch_size, max_depth, prior=prior, prior_weight=prior_weight)
         self.target_s = np.asarray(target_s, dtype=np.float64)
         # unknown until the first drafted step; the rest of a step (bookkeeping, accept, rollbacks) is the
         # measured residual
@@ -129,8 +141,11 @@ class AdaptiveDepth:
         # target's costs are isolated forwards', and a drafted step in the loop can cost more than they add up to
         # (at large batch on a CPU enough to make drafting one level slower than plain decoding)
         self.measured_s = np.full(max_depth + 1, np.nan)
-        if previous is not None and previous.stats.alpha.shape == self.stats.alpha.shape:  # (same batch size)
+        same_size = previous is not None and previous.stats.alpha.shape == self.stats.alpha.shape
+        if same_size:
             self.measured_s = previous.measured_s.copy()
+        # the seconds the drafter's last catch-up took beyond its step (caught_up; the batch size's, as measured_s)
+        self.catch_up_s = previous.catch_up_s if same_size else 0.0
         self.available: Optional[np.ndarray] = None  # (B,) the levels each request can be proposed (choose)
         self.chosen = [0] * (max_depth + 1)  # steps per depth (the summary's "depth_chosen")
 
@@ -145,11 +160,13 @@ class AdaptiveDepth:
         at most (None: maximize tokens per second instead of finishing the batch soonest); available[b]: the most
         levels request b's proposal can have now (`Drafter.depths_available`; None: any), so that a depth k drafts
         min(k, available[b]) levels of request b and costs a step as deep as the deepest of those; lagging: the
-        drafter must first catch up on all it has not seen (`Drafter.lagging`: a prefill, which no probe is worth)."""
+        drafter must first catch up on all it has not seen (`Drafter.lagging`: a prefill, which no probe is worth,
+        and which a drafting depth pays once: the last catch-up's measured cost, `caught_up`, is added to the time
+        it would take to finish the batch)."""
         alive = np.asarray(live, dtype=bool)
         K = len(self.target_s) - 1
         self.available = None if available is None else np.minimum(np.asarray(available), K)
-        speed = self._speed(self.stats.expected_tokens(), alive, remaining)
+        speed = self._speed(self.stats.expected_tokens(), alive, remaining, self.catch_up_s if lagging else 0.0)
         k = int(speed.argmax())
         if self.probed:  # the step after a probe: did what it measured make drafting worth it?
             self.probe_wait = self.probe_every if k else min(2 * self.probe_wait, 4 * self.probe_every)
@@ -167,10 +184,12 @@ class AdaptiveDepth:
             k = 0
         return k
 
-    def _speed(self, tokens: np.ndarray, alive: np.ndarray, remaining: Optional[Sequence[int]]) -> np.ndarray:
+    def _speed(self, tokens: np.ndarray, alive: np.ndarray, remaining: Optional[Sequence[int]],
+               switch_s: float = 0.0) -> np.ndarray:
         """(K + 1,): how fast a step of depth k goes if request b emits tokens[b, k] (its expected tokens at
         min(k, available[b])): tokens per second of the live requests, or with `remaining`, 1 / the time to finish
-        the batch (every request needs at least one more step); -1 for the depths not offered."""
+        the batch (every request needs at least one more step; a drafting depth also pays switch_s once, the
+        drafter's catch-up); -1 for the depths not offered."""
         step = self.step_s()
         if self.available is not None:
             levels = np.minimum(np.arange(len(step)), self.available[:, None])  # (B, K + 1)
@@ -181,12 +200,18 @@ class AdaptiveDepth:
             speed = tokens.sum(0) / step
         else:
             left = np.asarray(remaining, dtype=np.float64)[alive][:, None]
-            speed = 1 / (step * np.maximum(left / tokens, 1).max(0))
+            switch = np.where(np.arange(len(step)) > 0, switch_s, 0.0)
+            speed = 1 / (step * np.maximum(left / tokens, 1).max(0) + switch)
         return np.where(self.allowed, speed, -1.0)
 
     def _width(self, depth: int) -> int:
         """The levels a proposal asked for `depth` levels has (the deepest request's)."""
         return depth if self.available is None else min(depth, int(self.available.max(initial=0)))
+
+    def caught_up(self, depth: int, seconds: float) -> None:
+        """A step of `depth` levels whose drafter first caught up on what it lagged behind (`Drafter.catch_up`)
+        took `seconds` in all: beyond the step's usual cost, what the next switch from plain decoding will cost."""
+        self.catch_up_s = max(seconds - float(self.step_s()[self._width(depth)]), 0.0)
 
     def drafted(self, depth: int, seconds: float) -> None:
         """A proposal asked for `depth` levels took `seconds` (the drafter's part of the step)."""
@@ -211,6 +236,8 @@ class AdaptiveDepth:
         if seconds is None:  # a step that compiled or captured its graph: its time says nothing of the next ones
             return
         last = self.measured_s[depth]
+        if not np.isnan(last):  # a pause of the machine (a garbage collection, another process) is not the depth's cost
+            seconds = min(seconds, 2 * last)
         self.measured_s[depth] = seconds if np.isnan(last) else 0.8 * last + 0.2 * seconds
         residual = seconds - float(self.target_s[depth])
         if drafting_timed or depth == 0:

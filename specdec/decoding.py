@@ -179,15 +179,17 @@ class SpeculativeDecoder:
             if self.drafter.max_skips is not None and skips > self.drafter.max_skips:
                 k, skips = 1, 0
             self.drafter.advance(k)
-            if k != 0 and self.drafter.lagging:
+            caught_up = k != 0 and self.drafter.lagging
+            if caught_up:
                 self.drafter.catch_up(s.tokens, s.seq_lens)
             # a step that compiled, warmed up or captured its graph is not timed, nor one whose drafter first
             # catches up on skipped steps: neither is what a step of its depth costs
             steady = not self.drafter.catching_up
+            ran = True  # (no graph compiled, warmed up or captured)
             if graphs is not None:
-                steady &= self._graphed_step(graphs, s, k)
+                ran = self._graphed_step(graphs, s, k)
             elif self.compile:
-                steady &= self._compiled_step(s, k)
+                ran = self._compiled_step(s, k)
             else:
                 prop = self._propose(s, k)
                 if policy is not None and k and steady:
@@ -196,7 +198,10 @@ class SpeculativeDecoder:
             flags = s.flags.tolist()  # the one host read per step: the stopping rule, and what the policy learns
             step_times.append(time.perf_counter() - t0)
             if policy is not None:
-                policy.update(flags[:B], k, live_host, time.perf_counter() - t_step if steady else None,
+                seconds = time.perf_counter() - t_step
+                if caught_up and ran:  # what the next switch from plain decoding will cost
+                    policy.caught_up(k, seconds)
+                policy.update(flags[:B], k, live_host, seconds if steady and ran else None,
                               drafting_timed=not (self.compile or graphs))
                 remaining = [r - n - 1 if live else r for r, n, live in zip(remaining, flags, live_host)]
             live_host = [not f for f in flags[B:]]

@@ -34,6 +34,9 @@ class Scripted:
     def drafted(self, depth, seconds):
         assert 1 <= depth <= self.max_depth and seconds >= 0
 
+    def caught_up(self, depth, seconds):
+        assert 1 <= depth <= self.max_depth and seconds >= 0
+
     def update(self, num_accepted, depth, live, seconds, drafting_timed=True):
         assert all(n <= depth for n, alive in zip(num_accepted, live) if alive)
 
@@ -49,7 +52,7 @@ PROMPTS4 = PROMPTS + [[5]]  # with a one-token prompt
 # the policy
 # ----------------------------------------------------------------------------------------------
 def test_acceptance_stats_update_only_the_judged_depths():
-    stats = AcceptanceStats(3, 4, prior=[0.5, 0.8, 0.4, 0.4], decay=0.5)
+    stats = AcceptanceStats(3, 4, prior=[0.5, 0.8, 0.4, 0.4], decay=0.5, prior_weight=[6, 2, 2, 0])
     stats.update([0, 2, 4], depth=3, live=[True, True, False])
     # request 0: depth 1 judged and rejected; request 1: depths 1, 2 accepted, 3 rejected; request 2 finished
     alpha = np.array([[0.25, 0.8, 0.4, 0.4], [0.75, 0.9, 0.2, 0.4], [0.5, 0.8, 0.4, 0.4]])
@@ -60,8 +63,9 @@ def test_acceptance_stats_update_only_the_judged_depths():
     np.testing.assert_allclose(stats.alpha, alpha)
     # prediction: a depth judged w times trusts its own rate by w / (w + 2), scaled to 1 at the most weight there can
     # be (1 / (1 - decay) = 2 here), for the rest the prediction one level shallower times the prior's ratio between
-    # the two depths (at depth 1: the prior)
+    # the two depths (at depth 1: the prior), trusted as far as the prior's weights at both go (none at depth 4)
     prior = [0.5, 0.8, 0.4, 0.4]
+    shape = [0.5, 0.5, 0.0]  # min(2, 6) / (2 + 2), min(2, 2) / 4, min(0, 2) / 2
     pred = []
     for b in range(3):
         row, below = [], prior[0]
@@ -69,10 +73,9 @@ def test_acceptance_stats_update_only_the_judged_depths():
             trust = weight[b, d] / (weight[b, d] + 2) * (2 + 2) / 2
             row.append(trust * alpha[b, d] + (1 - trust) * below)
             if d < 3:
-                below = min(row[-1] * prior[d + 1] / prior[d], 1.0)
+                below = min(row[-1] * (1 + shape[d] * (prior[d + 1] / prior[d] - 1)), 1.0)
         pred.append(row)
     np.testing.assert_allclose(stats.predicted(), np.array(pred))
-    np.testing.assert_allclose(stats.predicted()[2], prior)  # (nothing judged: the prior)
     # expected tokens per step of depth k, per request: 1 + sum_d prod_{i <= d} alpha
     want = []
     for b in range(3):
@@ -155,6 +158,41 @@ def test_policy_trusts_measured_step_costs_over_its_model():
         policy.update([k], k, [True], 1.0 if k == 0 else 3.0 + k)  # every draft accepted
         ks.append(k)
     assert 0 in ks[:10] and ks[-60:] == [0] * 60
+
+
+def test_a_lagging_drafter_drafts_only_where_its_catch_up_pays():
+    """The draft model's cache is filled lazily: the first drafted step runs all it has not seen (at a large batch, a
+    prefill of every prompt). That time beyond the step's own cost (caught_up) is charged once to every drafting depth
+    while the drafter lags: with 30 steps' worth of tokens left drafting pays for it, with 5 it does not. Once caught
+    up, drafting pays again; a batch of another size starts without the cost."""
+    def trained():
+        policy = AdaptiveDepth(1, 2, [1.0, 1.2, 1.4])
+        for _ in range(20):
+            policy.update([2], 2, [True], 1.4)
+            policy.update([0], 0, [True], 1.0)
+        policy.caught_up(2, 1.4 + 5.0)
+        return policy
+
+    assert trained().catch_up_s == pytest.approx(5.0)
+    assert trained().choose([True], [30], lagging=True) == 2  # 30 plain steps, or 11 drafted + 5 s
+    assert trained().choose([True], [5], lagging=True) == 0  # 5 plain steps, or 2 drafted + 5 s
+    assert trained().choose([True], [5], lagging=False) == 2
+    later = AdaptiveDepth(1, 2, [1.0, 1.2, 1.4], previous=trained())
+    assert later.catch_up_s == pytest.approx(5.0) and later.choose([True], [5], lagging=True) == 0
+    assert AdaptiveDepth(2, 2, [1.0, 1.2, 1.4], previous=trained()).catch_up_s == 0
+
+
+def test_one_slow_step_moves_a_measured_cost_by_at_most_a_fifth():
+    """A step 60 times slower than usual (the machine paused) counts as at most twice the cost measured so far: an
+    inflated plain-step cost would make drafting look cheap, and a policy that then drafts never measures it again."""
+    policy = AdaptiveDepth(1, 2, [1.0, 1.1, 1.2])
+    for _ in range(10):
+        policy.update([0], 0, [True], 1.0)
+    policy.update([0], 0, [True], 60.0)
+    assert policy.measured_s[0] == pytest.approx(1.2)
+    for _ in range(30):  # a real change of cost is followed within a few steps
+        policy.update([0], 0, [True], 3.0)
+    assert policy.measured_s[0] == pytest.approx(3.0, rel=0.01)
 
 
 def test_policy_stops_drafting_at_a_batch_that_saturates_compute():
@@ -401,9 +439,12 @@ def test_a_step_that_catches_up_on_skipped_ones_is_not_timed(pair):
     target, draft = pair
     script = (2, 0, 0, 2, 2, 1, 0, 3)
     for drafter, catches_up in ((DraftModelDrafter(draft, "chain:3"), True), (NgramDrafter(3), False)):
-        seen, told = [], []
+        seen, told, caught = [], [], []
 
         class Recording(Scripted):
+            def caught_up(self, depth, seconds):
+                caught.append((len(seen), depth, seconds))
+
             def choose(self, live, remaining=None, available=None, lagging=False):
                 told.append([r for r, alive in zip(remaining, live) if alive])
                 return super().choose(live)
@@ -416,6 +457,8 @@ def test_a_step_that_catches_up_on_skipped_ones_is_not_timed(pair):
         untimed = [prev == 0 and depth > 0 and catches_up for (prev, _), (depth, _) in zip(seen, seen[1:])]
         # (the first step: the draft model's catch-up on the prompts, its cache filled lazily)
         assert [s is None for _, s in seen] == [catches_up] + untimed and any(untimed) == catches_up
+        # (the prompts' catch-up: the first step, drafted, told its time; steps after skips only run pending entries)
+        assert [(i, d) for i, d, _ in caught] == ([(0, 2)] if catches_up else []) and all(t > 0 for *_, t in caught)
         assert told[0] == [16] * len(PROMPTS) and all(r > 0 for rem in told for r in rem)
         assert sum(told[-1]) <= len(told[-1]) * 4  # (the last step emits at most depth + 1 = 4 tokens each)
         assert out.tokens == generate_ar(target, PROMPTS, 16).tokens
@@ -571,13 +614,27 @@ def test_a_policy_starts_from_what_the_previous_batch_learned():
         first.update([3, 0], 3, [True, True], 2.0)
     second = AdaptiveDepth(1, 3, [1.0, 1.1, 1.2, 1.3], previous=first)
     assert second.draft_level_s == first.draft_level_s and second.overhead_s == first.overhead_s > 0
-    # its prior is the first batch's rates per depth, its judgments weighted (and the old prior's as two more): depth 1
+    # its prior is the first batch's rates per depth, its judgments weighted (the initial guess weighs nothing): depth 1
     # was accepted by one request of two, depths 2 and 3 whenever they were reached
     w, a = first.stats.weight, first.stats.alpha
-    population = ((w * a).sum(0) + 2 * 0.6) / (w.sum(0) + 2)
+    population = (w * a).sum(0) / w.sum(0)
     np.testing.assert_allclose(second.stats.prior, population)
-    np.testing.assert_allclose(second.stats.predicted(), population[None])
+    np.testing.assert_allclose(second.stats.prior_weight, np.minimum(w.sum(0), 20))
+    # (a new request: at depth 1 the prior, deeper the prior's ratios, trusted by min(weights) / (min(weights) + 2))
+    pw = second.stats.prior_weight
+    c = np.minimum(pw[1:], pw[:-1]) / (np.minimum(pw[1:], pw[:-1]) + 2)
+    p1 = population[0] * (1 + c[0] * (population[1] / population[0] - 1))
+    np.testing.assert_allclose(second.stats.predicted()[0], [population[0], p1, p1])
     assert population[0] < 0.6 < 0.85 < population[1] and population[2] == population[1]
+    # a depth no request reached keeps the old prior, with no weight: its ratio to the depth above is not trusted, so
+    # it is predicted as the depth above, not as a drop from it to the initial guess
+    shallow = AdaptiveDepth(1, 3, [1.0, 1.1, 1.2, 1.3])
+    for _ in range(20):
+        shallow.update([1], 1, [True], 1.1)
+    after = AdaptiveDepth(1, 3, [1.0, 1.1, 1.2, 1.3], previous=shallow)
+    np.testing.assert_allclose(after.stats.prior_weight[1:], 0)
+    pred = after.stats.predicted()[0]
+    assert pred[0] > 0.9 and pred[2] == pred[1] == pytest.approx(pred[0])
     # the step times measured per depth are the batch size's: they carry over to a batch of the same size only
     assert np.isnan(second.measured_s).all() and first.measured_s[3] == 2.0
     third = AdaptiveDepth(2, 3, [1.0, 1.1, 1.2, 1.3], previous=first)

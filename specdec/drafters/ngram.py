@@ -48,8 +48,11 @@ class NgramDrafter(Drafter):
         self.max_nodes, self.max_depth = num_tokens + 1, num_tokens
         self._index = None  # per request, from start (a proposal without a started batch scans: lookup)
 
-    def start(self, tokens, *args, **kwargs):
+    def start(self, tokens, seq_lens, *args, **kwargs):
         self._index = [_NgramIndex(range(self.min_ngram, self.max_ngram + 1)) for _ in range(tokens.shape[0])]
+        # the prompts are indexed here, with the prompts' prefill, not in the first step: an adaptive policy times the
+        # steps, and at a batch of 16 this is a plain step's time again
+        self._continuations(tokens, seq_lens)
 
     def lookup(self, seq: torch.Tensor) -> torch.Tensor:
         """The continuation (<= num_tokens tokens) of an earlier match of seq's suffix (see module doc)."""
