@@ -138,11 +138,11 @@ class SpeculativeDecoder:
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
         and step costs, and its requests' acceptance by depth as the new requests' prior)."""
-        # (a host drafter's compiled verification is a graph per tree width whatever the depth: any depth is free)
-        depths = compiled_depths(max_depth) if self.compile and not self.drafter.proposes_on_host else None
-        timed = compiled_depths(max_depth) if self.compile else None  # (compiled forwards: a graph per width timed)
+        # (compiled, every depth is a graph: for a host drafter, whose graphs are per tree width, every depth is a width
+        # that a prompt's matches may never have produced, and which would compile inside a timed run)
+        depths = compiled_depths(max_depth) if self.compile else None
         costs = measure_target_costs(self.target, batch_size, max_depth + 1, compiled=self.compile,
-                                     tokens=None if timed is None else [k + 1 for k in timed])
+                                     tokens=None if depths is None else [k + 1 for k in depths])
         self._policy = AdaptiveDepth(batch_size, max_depth, costs, previous=getattr(self, "_policy", None),
                                      depths=depths)
         return self._policy
