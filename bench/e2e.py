@@ -19,10 +19,12 @@ date), and e2e-acceptance.png (acceptance against depth, one line per drafter; n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
 import re
+import sys
 import sysconfig
 import time
 import zlib
@@ -189,6 +191,20 @@ def run_hf(model, prompts, max_new, eos, **kwargs):
     return tokens, wall
 
 
+@contextlib.contextmanager
+def _without_checkout_on_path():
+    """The checkout's root off sys.path (python -m bench.e2e puts it first): transformers (5.25) imports Hugging Face's
+    `kernels` package where one can be found, and would find the checkout's `kernels/` folder (specdec's Triton
+    sources, installed as specdec.kernels), fail to import it, and the transformers rows would be skipped."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
 def compiled_graphs() -> int:
     """The graphs torch.compile has compiled in this process so far."""
     from torch._dynamo.utils import counters
@@ -338,9 +354,10 @@ def main(argv=None):
     try:
         if args.no_transformers:
             raise ImportError("--no-transformers")
-        from transformers import LlamaForCausalLM
-        hf_target = LlamaForCausalLM.from_pretrained(args.target, torch_dtype=torch.float32).eval()
-        hf_draft = LlamaForCausalLM.from_pretrained(args.draft, torch_dtype=torch.float32).eval()
+        with _without_checkout_on_path():
+            from transformers import LlamaForCausalLM
+            hf_target = LlamaForCausalLM.from_pretrained(args.target, torch_dtype=torch.float32).eval()
+            hf_draft = LlamaForCausalLM.from_pretrained(args.draft, torch_dtype=torch.float32).eval()
     except ImportError as exc:
         skipped = [{"method": name, "skipped": f"transformers not available ({exc})"} for name, _ in hf_methods]
     else:
