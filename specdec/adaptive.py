@@ -41,9 +41,9 @@ class AcceptanceStats:
     levels almost never once the first is accepted (the text repeats), so a request's rate at depth 1, or its rate
     over all depths, would make its deep drafts look worse than they are. The prior's shape counts only as far as
     judgments stand behind it (prior_weight): a depth no earlier request reached says nothing of how rates change
-    there, and reading the initial flat prior as a drop would keep a policy from ever drafting that deep. (NumPy arrays: host arithmetic on a few
-    numbers per request each step, where torch's per-op overhead would cost a few percent of a large batch's
-    plain-decoding step.)"""
+    there, and reading the initial flat prior as a drop would keep a policy from ever drafting that deep. (NumPy
+    arrays: host arithmetic on a few numbers per request each step, where torch's per-op overhead would cost a few
+    percent of a large batch's plain-decoding step.)"""
 
     def __init__(self, batch_size: int, max_depth: int, prior=0.6, decay: float = 0.9, prior_weight=0.0):
         """prior: the acceptance rate at each depth 1..K before anything is judged (a float, or (K,) per depth);

@@ -52,7 +52,7 @@ class NgramDrafter(Drafter):
         self._index = [_NgramIndex(range(self.min_ngram, self.max_ngram + 1)) for _ in range(tokens.shape[0])]
         # the prompts are indexed here, with the prompts' prefill, not in the first step: an adaptive policy times the
         # steps, and at a batch of 16 this is a plain step's time again
-        self._continuations(tokens, seq_lens)
+        self._extend_index(tokens, seq_lens)
 
     def lookup(self, seq: torch.Tensor) -> torch.Tensor:
         """The continuation (<= num_tokens tokens) of an earlier match of seq's suffix (see module doc)."""
@@ -66,13 +66,16 @@ class NgramDrafter(Drafter):
                 return seq[start:start + self.num_tokens]
         return seq[:0]
 
-    def _continuations(self, tokens, seq_lens) -> list:
-        lens = seq_lens.tolist()
-        if self._index is None:
-            return [self.lookup(tokens[b, :n].cpu()).tolist() for b, n in enumerate(lens)]
-        for b, (index, n) in enumerate(zip(self._index, lens)):
+    def _extend_index(self, tokens, seq_lens) -> None:
+        """Each request's index extended to its committed tokens."""
+        for b, (index, n) in enumerate(zip(self._index, seq_lens.tolist())):
             if n > len(index.seq):
                 index.extend(tokens[b, len(index.seq):n].tolist())
+
+    def _continuations(self, tokens, seq_lens) -> list:
+        if self._index is None:
+            return [self.lookup(tokens[b, :n].cpu()).tolist() for b, n in enumerate(seq_lens.tolist())]
+        self._extend_index(tokens, seq_lens)
         return [index.continuation(self.max_ngram, self.min_ngram, self.num_tokens) for index in self._index]
 
     def depths_available(self, tokens, seq_lens):
