@@ -15,14 +15,16 @@ A batch lasts as long as its slowest request (finished requests ride along at fu
 where it speeds up the requests that bound the batch, not where it makes the fast ones finish sooner. (Without
 `remaining`, as for a server whose finished requests are replaced at once, it maximizes the batch's tokens per
 second.) When the choice is 0 for a while it drafts once anyway (a probe: the best k > 0), so that text which
-starts repeating itself (prompt lookup) is noticed; a probe that changes nothing doubles the wait for the next one
-(probe_every steps, up to 4 times that).
+starts repeating itself is noticed; a probe that changes nothing doubles the wait for the next one (probe_every
+steps, up to 4 times that). A drafter whose proposals are cheap and deterministic (prompt lookup) needs no probe:
+while the loop decodes plainly, what it would have proposed is judged against the tokens that follow
+(`Drafter.shadow`, `AdaptiveDepth.judged`), exactly as a drafted step would have judged it.
 Any k is lossless: a greedy output never depends on the choices.
 """
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -50,9 +52,18 @@ class AcceptanceStats:
         prior_weight: the judgments behind it at each depth (0: a guess)."""
         self.prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), (max_depth,)).copy()
         self.prior_weight = np.broadcast_to(np.asarray(prior_weight, dtype=np.float64), (max_depth,)).copy()
-        self.alpha = np.tile(self.prior, (batch_size, 1))
+        # exponentially weighted counts of acceptances and of judgments: their ratio is the request's own rate,
+        # free of the prior (an average started at the prior would keep half of it after 7 judgments, and pass it on
+        # to the next batch through `population`)
+        self.hits = np.zeros((batch_size, max_depth))
         self.weight = np.zeros((batch_size, max_depth))
         self.decay = decay
+        self._expected: Optional[np.ndarray] = None  # expected_tokens, until the next judgment
+
+    @property
+    def alpha(self) -> np.ndarray:
+        """(B, K): each request's own acceptance rate per depth (the prior where it has no judgment)."""
+        return np.where(self.weight > 0, self.hits / np.maximum(self.weight, 1e-12), self.prior)
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool],
                proposed: Optional[np.ndarray] = None) -> None:
@@ -61,14 +72,14 @@ class AcceptanceStats:
         for a request without a match, which says nothing of its drafts' acceptance)."""
         if depth == 0:
             return
+        self._expected = None
         n = np.asarray(num_accepted)[:, None]
         d = np.arange(1, depth + 1)
         reached = (n >= d - 1) & np.asarray(live, dtype=bool)[:, None]  # the depth-d draft was judged
         if proposed is not None:
             reached &= d <= proposed[:, None]
-        hit = (n >= d).astype(np.float64)
-        a, w = self.alpha[:, :depth], self.weight[:, :depth]  # (views: written in place)
-        a[:] = np.where(reached, self.decay * a + (1 - self.decay) * hit, a)
+        h, w = self.hits[:, :depth], self.weight[:, :depth]  # (views: written in place)
+        h[:] = np.where(reached, self.decay * h + (n >= d), h)
         w[:] = np.where(reached, self.decay * w + 1, w)
 
     def predicted(self) -> np.ndarray:
@@ -82,25 +93,29 @@ class AcceptanceStats:
         shape = np.minimum(self.prior_weight[1:], self.prior_weight[:-1])
         shape = shape / (shape + 2)
         ratio = 1 + shape * (self.prior[1:] / np.maximum(self.prior[:-1], 1e-6) - 1)
-        out = np.empty_like(self.alpha)
-        below = np.broadcast_to(self.prior[0], self.alpha.shape[:1])
-        for d in range(self.alpha.shape[1]):
-            out[:, d] = trust[:, d] * self.alpha[:, d] + (1 - trust[:, d]) * below
-            if d + 1 < self.alpha.shape[1]:
+        alpha = self.alpha
+        out = np.empty_like(alpha)
+        below = np.broadcast_to(self.prior[0], alpha.shape[:1])
+        for d in range(alpha.shape[1]):
+            out[:, d] = trust[:, d] * alpha[:, d] + (1 - trust[:, d]) * below
+            if d + 1 < alpha.shape[1]:
                 below = np.clip(out[:, d] * ratio[d], 0.0, 1.0)
         return out
 
     def expected_tokens(self) -> np.ndarray:
         """(B, K + 1): request b's expected emitted tokens of a step drafting k = 0..K levels,
-        1 + sum_{d <= k} prod_{i <= d} alpha[b, i]."""
-        return _expected_tokens(self.predicted())
+        1 + sum_{d <= k} prod_{i <= d} alpha[b, i]. (Kept between judgments: a batch that decodes plainly asks
+        every step, and at a batch of 16 recomputing it was 1% of a plain step.)"""
+        if self._expected is None:
+            self._expected = _expected_tokens(self.predicted())
+        return self._expected
 
     def population(self) -> tuple[np.ndarray, np.ndarray]:
         """The next batch's prior and prior_weight, (K,) each: per depth, the mean rate of these requests' judgments
         and the prior's, weighted by their counts (the prior where neither has any), and that count, at most two
         requests' worth (rates drift: a new batch should soon outweigh it)."""
         total = self.weight.sum(0) + self.prior_weight
-        judged = (self.weight * self.alpha).sum(0) + self.prior_weight * self.prior
+        judged = self.hits.sum(0) + self.prior_weight * self.prior
         rates = np.where(total > 0, judged / np.maximum(total, 1e-12), self.prior)
         return rates, np.minimum(total, 2 / (1 - self.decay))
 
@@ -141,7 +156,7 @@ class AdaptiveDepth:
         # target's costs are isolated forwards', and a drafted step in the loop can cost more than they add up to
         # (at large batch on a CPU enough to make drafting one level slower than plain decoding)
         self.measured_s = np.full(max_depth + 1, np.nan)
-        same_size = previous is not None and previous.stats.alpha.shape == self.stats.alpha.shape
+        same_size = previous is not None and previous.stats.weight.shape == self.stats.weight.shape
         if same_size:
             self.measured_s = previous.measured_s.copy()
         # the seconds the drafter's last catch-up took beyond its step (caught_up; the batch size's, as measured_s)
@@ -155,27 +170,40 @@ class AdaptiveDepth:
         return np.where(np.isnan(self.measured_s), model, self.measured_s)
 
     def choose(self, live: Sequence[bool], remaining: Optional[Sequence[int]] = None,
-               available: Optional[Sequence[int]] = None, lagging: bool = False) -> int:
+               available: Union[None, Sequence[int], Callable[[], Sequence[int]]] = None,
+               lagging: bool = False) -> int:
         """The next step's depth. live[b]: request b is unfinished; remaining[b]: the tokens it has still to emit
         at most (None: maximize tokens per second instead of finishing the batch soonest); available[b]: the most
-        levels request b's proposal can have now (`Drafter.depths_available`; None: any), so that a depth k drafts
-        min(k, available[b]) levels of request b and costs a step as deep as the deepest of those; lagging: the
-        drafter must first catch up on all it has not seen (`Drafter.lagging`: a prefill, which no probe is worth,
-        and which a drafting depth pays once: the last catch-up's measured cost, `caught_up`, is added to the time
-        it would take to finish the batch)."""
+        levels request b's proposal can have now (`Drafter.depths_available`, or a function returning them, called
+        only where the choice depends on them; None: any), so that a depth k drafts min(k, available[b]) levels of
+        request b and costs a step as deep as the deepest of those; lagging: the drafter must first catch up on all
+        it has not seen (`Drafter.lagging`: a prefill, which no probe is worth, and which a drafting depth pays once:
+        the last catch-up's measured cost, `caught_up`, is added to the time it would take to finish the batch)."""
         alive = np.asarray(live, dtype=bool)
         K = len(self.target_s) - 1
-        self.available = None if available is None else np.minimum(np.asarray(available), K)
-        speed = self._speed(self.stats.expected_tokens(), alive, remaining, self.catch_up_s if lagging else 0.0)
+        tokens, switch_s = self.stats.expected_tokens(), self.catch_up_s if lagging else 0.0
+        # what each request can be proposed only lowers what drafting gains (depth k of a batch whose longest
+        # proposal has m < k levels is depth m with some requests' tokens cut), so where plain decoding beats every
+        # depth, offered or not, with any proposals, it is the choice without asking (prompt lookup's lookups cost 1-2%
+        # of a plain step at a batch of 16, and a batch that saturates compute decodes plainly almost every step)
+        self.available = None
+        speed = self._speed(tokens, alive, remaining, switch_s)
+        probe_due = self.idle + 1 >= self.probe_wait and not lagging
+        if available is not None and (speed.argmax() > 0 or probe_due):
+            available = available() if callable(available) else available
+            if available is not None:
+                self.available = np.minimum(np.asarray(available), K)
+                speed = self._speed(tokens, alive, remaining, switch_s)
+        speed = np.where(self.allowed, speed, -1.0)  # the depths offered
         k = int(speed.argmax())
         if self.probed:  # the step after a probe: did what it measured make drafting worth it?
             self.probe_wait = self.probe_every if k else min(2 * self.probe_wait, 4 * self.probe_every)
             self.probed = False
         # a probe tests whether acceptance is back to its usual level (the prior): pointless where drafting would not
         # pay even then (a batch that saturates compute) or where no request has a proposal
-        if k == 0 and self.idle + 1 >= self.probe_wait and self._width(K) > 0 and not lagging:
+        if k == 0 and probe_due and self._width(K) > 0:
             usual = np.broadcast_to(_expected_tokens(self.stats.prior[None]), (len(alive), K + 1))
-            usual_speed = self._speed(usual, alive, remaining)
+            usual_speed = np.where(self.allowed, self._speed(usual, alive, remaining), -1.0)
             if usual_speed[1:].max() > usual_speed[0]:
                 k, self.probed = int(speed[1:].argmax()) + 1, True
         # a plain step after probe_every drafted ones while plain steps are unmeasured: what a drafted step's
@@ -189,7 +217,7 @@ class AdaptiveDepth:
         """(K + 1,): how fast a step of depth k goes if request b emits tokens[b, k] (its expected tokens at
         min(k, available[b])): tokens per second of the live requests, or with `remaining`, 1 / the time to finish
         the batch (every request needs at least one more step; a drafting depth also pays switch_s once, the
-        drafter's catch-up); -1 for the depths not offered."""
+        drafter's catch-up)."""
         step = self.step_s()
         if self.available is not None:
             levels = np.minimum(np.arange(len(step)), self.available[:, None])  # (B, K + 1)
@@ -197,12 +225,10 @@ class AdaptiveDepth:
             step = step[levels.max(0)]
         tokens = tokens[alive]
         if remaining is None:
-            speed = tokens.sum(0) / step
-        else:
-            left = np.asarray(remaining, dtype=np.float64)[alive][:, None]
-            switch = np.where(np.arange(len(step)) > 0, switch_s, 0.0)
-            speed = 1 / (step * np.maximum(left / tokens, 1).max(0) + switch)
-        return np.where(self.allowed, speed, -1.0)
+            return tokens.sum(0) / step
+        left = np.asarray(remaining, dtype=np.float64)[alive][:, None]
+        switch = np.where(np.arange(len(step)) > 0, switch_s, 0.0)
+        return 1 / (step * np.maximum(left / tokens, 1).max(0) + switch)
 
     def _width(self, depth: int) -> int:
         """The levels a proposal asked for `depth` levels has (the deepest request's)."""
@@ -220,6 +246,15 @@ class AdaptiveDepth:
             return
         per_level = seconds / depth
         self.draft_level_s = per_level if self.draft_level_s is None else 0.8 * self.draft_level_s + 0.2 * per_level
+
+    def judged(self, accepted: Sequence[int], proposed: Sequence[int]) -> None:
+        """Judgments of proposals nobody drafted (`Drafter.shadow`): request b's `proposed[b]` levels (0: none), of
+        which the first accepted[b] were right. The rates learn from them as from drafted steps, and while they come
+        no probe is due (a probe drafts to learn what they tell for free)."""
+        proposed = np.asarray(proposed)
+        if proposed.any():
+            self.stats.update(accepted, int(proposed.max()), proposed > 0, proposed)
+            self.idle = 0
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool], seconds: Optional[float],
                drafting_timed: bool = True) -> None:

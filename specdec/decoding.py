@@ -173,8 +173,12 @@ class SpeculativeDecoder:
             t_step = time.perf_counter()
             k = None  # the drafter's whole tree
             if policy is not None:
-                k = policy.choose(live_host, remaining, self.drafter.depths_available(s.tokens, s.seq_lens),
+                k = policy.choose(live_host, remaining, lambda: self.drafter.depths_available(s.tokens, s.seq_lens),
                                   self.drafter.lagging)
+                if k == 0:  # what the drafter would have proposed, judged as the tokens come (host drafters)
+                    judged = self.drafter.shadow(s.tokens, s.seq_lens)
+                    if judged is not None:
+                        policy.judged(*judged)
             skips = skips + 1 if k == 0 else 0
             if self.drafter.max_skips is not None and skips > self.drafter.max_skips:
                 k, skips = 1, 0

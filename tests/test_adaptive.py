@@ -2,6 +2,7 @@
 skipped steps (a scripted policy makes every kind of step happen), and that no choice changes an output."""
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -40,6 +41,10 @@ class Scripted:
     def update(self, num_accepted, depth, live, seconds, drafting_timed=True):
         assert all(n <= depth for n, alive in zip(num_accepted, live) if alive)
 
+    def judged(self, accepted, proposed):
+        assert all(0 <= a <= p <= self.max_depth for a, p in zip(accepted, proposed))
+        self.judgments = getattr(self, "judgments", 0) + sum(p > 0 for p in proposed)
+
 
 def scripted(script):
     return lambda B, K, dev: Scripted(B, K, dev, script)
@@ -54,8 +59,9 @@ PROMPTS4 = PROMPTS + [[5]]  # with a one-token prompt
 def test_acceptance_stats_update_only_the_judged_depths():
     stats = AcceptanceStats(3, 4, prior=[0.5, 0.8, 0.4, 0.4], decay=0.5, prior_weight=[6, 2, 2, 0])
     stats.update([0, 2, 4], depth=3, live=[True, True, False])
-    # request 0: depth 1 judged and rejected; request 1: depths 1, 2 accepted, 3 rejected; request 2 finished
-    alpha = np.array([[0.25, 0.8, 0.4, 0.4], [0.75, 0.9, 0.2, 0.4], [0.5, 0.8, 0.4, 0.4]])
+    # request 0: depth 1 judged and rejected; request 1: depths 1, 2 accepted, 3 rejected; request 2 finished. A
+    # request's own rate is its judgments' alone (the prior where it has none)
+    alpha = np.array([[0, 0.8, 0.4, 0.4], [1, 1, 0, 0.4], [0.5, 0.8, 0.4, 0.4]])
     weight = np.array([[1.0, 0, 0, 0], [1, 1, 1, 0], [0] * 4])
     np.testing.assert_allclose(stats.alpha, alpha)
     np.testing.assert_allclose(stats.weight, weight)
@@ -87,6 +93,22 @@ def test_acceptance_stats_update_only_the_judged_depths():
                 total += prod
         want.append(row)
     np.testing.assert_allclose(stats.expected_tokens(), np.array(want))
+    # the next judgments: a rate weighs each by decay^age (0.5 here), over the weights of those judgments
+    stats.update([1, 0, 0], depth=2, live=[True, True, False])
+    np.testing.assert_allclose(stats.alpha[:2, :2], [[1 / 1.5, 0], [0.5 / 1.5, 1]])
+    np.testing.assert_allclose(stats.weight[:2, :2], [[1.5, 1], [1.5, 1]])
+    assert stats.expected_tokens()[0, 1] == pytest.approx(1 + stats.predicted()[0, 0])  # (not the kept one)
+
+
+def test_the_population_rate_is_the_judgments_not_the_prior():
+    """A request whose drafts were rejected three times passes on a rate of 0 at depth 1, whatever the prior was (an
+    average started at the prior kept 0.9^3 of it, so an optimistic prior outlived the batch that refuted it)."""
+    stats = AcceptanceStats(2, 2, prior=0.9)
+    for _ in range(3):
+        stats.update([0, 0], depth=2, live=[True, False])
+    rates, weights = stats.population()
+    assert rates[0] == 0 and rates[1] == 0.9 and weights[1] == 0
+    assert weights[0] == pytest.approx(1 + 0.9 + 0.81)
 
 
 def test_shallow_drafting_learns_that_deeper_drafts_would_pay():
@@ -255,11 +277,103 @@ def test_policy_expects_nothing_of_a_request_without_a_proposal_now():
         idle.update([0], 0, [True], 1.0)
 
 
+def test_proposals_are_looked_up_only_where_the_choice_depends_on_them():
+    """`available` may be a function (prompt lookup's lookups cost 1-2% of a plain step at a batch of 16): called
+    only where plain decoding does not beat every depth without it, or a probe is due, and the choice is the one the
+    looked-up list gives (where it was not called, plain decoding would win even if every request could be
+    proposed K levels). Random policies (rates, costs, ladders, probe timing, finished requests) and proposals."""
+    rng = np.random.default_rng(0)
+    skipped = 0
+    for trial in range(300):
+        B, K = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+        costs = np.cumsum(rng.uniform(0.02, 0.6, K + 1))
+        depths = compiled_depths(K) if trial % 2 else None
+        policy = AdaptiveDepth(B, K, costs, probe_every=int(rng.integers(1, 6)), depths=depths)
+        for _ in range(int(rng.integers(0, 12))):
+            k = int(rng.integers(0, K + 1))
+            policy.update(rng.integers(0, k + 1, B), k, rng.random(B) < 0.9, float(costs[k] * rng.uniform(0.8, 1.5)))
+        live, remaining = rng.random(B) < 0.8, rng.integers(1, 60, B)
+        live[0] = True
+        proposals = rng.integers(0, K + 1, B)
+        calls = []
+        looked_up, best_case = copy.deepcopy(policy), copy.deepcopy(policy)
+        k = policy.choose(live, remaining, lambda: calls.append(1) or proposals)
+        assert k == looked_up.choose(live, remaining, proposals), trial
+        assert len(calls) <= 1 and (policy.probed, policy.probe_wait) == (looked_up.probed, looked_up.probe_wait)
+        if not calls:
+            skipped += 1
+            assert k == 0 and best_case.choose(live, remaining, np.full(B, K)) == 0  # (every request proposing K)
+    assert 30 < skipped < 270  # both paths taken
+    # a depth not offered counts: on the ladder 0, 1, 2, 4, 8 with depth 3 the only one that pays (half the first
+    # levels rejected, the rest accepted; a width-4 forward costs twice a width-3 one), depth 4 of proposals that
+    # have 3 levels is that depth-3 step
+    policy = AdaptiveDepth(1, 8, [1, 1.6, 2.2, 2.3, 5, 5, 5, 5, 6], depths=compiled_depths(8))
+    policy.stats.weight[:] = 10  # (judged at every recent step: the own rates, trusted fully)
+    policy.stats.hits[:] = 10 * np.array([0.5, 1, 1, 1, 1, 1, 1, 1])
+    assert policy.choose([True], [100], lambda: [8]) == 0 and policy.choose([True], [100], lambda: [3]) == 4
+
+
+def test_prompt_lookup_judges_the_proposals_nobody_drafted():
+    """NgramDrafter.shadow, called on plain steps while the sequences grow (by one token, or by several: steps that
+    drafted in between), reports for each recorded proposal the count of its leading tokens the sequence then
+    had, as a drafted step of that proposal would have accepted: against a reference that records the scan's
+    proposal (`lookup`) whenever a request has none pending and judges it once a wrong token or all its tokens are
+    in. Small vocabulary: proposals at every depth, right and wrong."""
+    gen = torch.Generator().manual_seed(1)
+    B, L, K = 4, 200, 5
+    tokens = torch.randint(0, 3, (B, L), generator=gen)
+    seq_lens = torch.randint(2, 20, (B,), generator=gen)
+    drafter = NgramDrafter(num_tokens=K)
+    drafter.start(tokens, seq_lens)
+    pending, counts = [None] * B, np.zeros((K + 1, K + 1), dtype=int)  # (proposed, accepted) pairs seen
+    for _ in range(60):
+        want = [(0, 0)] * B
+        for b, n in enumerate(seq_lens.tolist()):
+            if pending[b] is not None:
+                pos, cont = pending[b]
+                seen = tokens[b, pos:min(n, pos + len(cont))].tolist()
+                right = 0
+                while right < len(seen) and seen[right] == cont[right]:
+                    right += 1
+                if right < len(seen) or right == len(cont):
+                    want[b], pending[b] = (right, len(cont)), None
+            if pending[b] is None:
+                cont = drafter.lookup(tokens[b, :n]).tolist()
+                pending[b] = (n, cont) if cont else None
+        accepted, proposed = drafter.shadow(tokens, seq_lens)
+        assert list(zip(accepted, proposed)) == want
+        for a, p in want:
+            counts[p, a] += p > 0
+        seq_lens = (seq_lens + torch.where(torch.rand(B, generator=gen) < 0.7, 1, 4)).clamp(max=L)
+    assert counts[:, 0].sum() > 10 and counts[1:, 1:].sum() > 10 and np.trace(counts[1:, 1:]) > 0
+
+
+def test_judgments_of_undrafted_proposals_teach_the_rates_and_replace_probes():
+    """AdaptiveDepth.judged: a request's judged levels update its rates as a drafted step's would, and while
+    judgments come the policy probes not (negative control: the same plain steps without them probe)."""
+    costs = [1.0, 1.1, 1.2, 1.3]
+    drafted, shadowed = AdaptiveDepth(2, 3, costs), AdaptiveDepth(2, 3, costs)
+    drafted.update([1, 0], 3, [True, False], None)
+    shadowed.judged([1, 0], [3, 0])
+    np.testing.assert_allclose(shadowed.stats.hits, drafted.stats.hits)
+    np.testing.assert_allclose(shadowed.stats.weight, drafted.stats.weight)
+    assert shadowed.chosen == [0] * 4  # (no step drafted)
+    for judgments in (True, False):
+        policy = AdaptiveDepth(1, 3, costs, probe_every=2)
+        ks = []
+        for _ in range(30):
+            ks.append(policy.choose([True], [1000]))
+            if judgments and ks[-1] == 0:
+                policy.judged([0], [3])
+            policy.update([0], ks[-1], [True], costs[ks[-1]])
+        assert (max(ks[10:]) == 0) == judgments, ks  # (before: drafting until the rates fall)
+
+
 def test_acceptance_stats_judge_only_the_levels_proposed():
     stats = AcceptanceStats(2, 3, prior=0.5, decay=0.5)
     stats.update([1, 0], depth=3, live=[True, True], proposed=np.array([2, 0]))
     # request 0: levels 1 and 2 proposed, 1 accepted and 2 rejected; request 1: nothing proposed, nothing judged
-    np.testing.assert_allclose(stats.alpha, [[0.75, 0.25, 0.5], [0.5, 0.5, 0.5]])
+    np.testing.assert_allclose(stats.alpha, [[1, 0, 0.5], [0.5, 0.5, 0.5]])
     np.testing.assert_allclose(stats.weight, [[1, 1, 0], [0, 0, 0]])
 
 
@@ -274,7 +388,8 @@ def test_probes_that_change_nothing_come_less_often_and_repeats_are_still_notice
         ks.append(k)
     probes = [i for i, k in enumerate(ks) if k]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[-5:] == [4, 8, 16, 16, 16], ks  # (before them: drafting, then plain)
+    doubling = gaps.index(4)  # (before it: drafting while the prior's optimism lasts, then probes)
+    assert gaps[doubling:] == [4, 8] + [16] * (len(gaps) - doubling - 2) and len(gaps) - doubling >= 5, ks
     for _ in range(17):  # drafts now accepted
         k = policy.choose([True], [1000])
         policy.update([k], k, [True], 1.0 + 0.1 * k)
@@ -617,7 +732,7 @@ def test_a_policy_starts_from_what_the_previous_batch_learned():
     # its prior is the first batch's rates per depth, its judgments weighted (the initial guess weighs nothing): depth 1
     # was accepted by one request of two, depths 2 and 3 whenever they were reached
     w, a = first.stats.weight, first.stats.alpha
-    population = (w * a).sum(0) / w.sum(0)
+    population = (w * a).sum(0) / w.sum(0)  # (each request's rate weighted by its judgments)
     np.testing.assert_allclose(second.stats.prior, population)
     np.testing.assert_allclose(second.stats.prior_weight, np.minimum(w.sum(0), 20))
     # (a new request: at depth 1 the prior, deeper the prior's ratios, trusted by min(weights) / (min(weights) + 2))

@@ -124,6 +124,21 @@ def test_ngram_lookup_choice():
     assert drafter.lookup(torch.tensor([1, 2, 3])).tolist() == []
 
 
+def test_ngram_index_follows_ragged_growth():
+    """The per-request index (extended from the columns new to any request in one read) proposes what a scan of
+    each sequence does, while requests grow by different counts per step, none included, from ragged prompts."""
+    gen = torch.Generator().manual_seed(0)
+    B, L = 5, 120
+    tokens = torch.randint(0, 4, (B, L), generator=gen)  # a small vocabulary: many matches of every order
+    seq_lens = torch.randint(1, 30, (B,), generator=gen)
+    drafter = NgramDrafter(num_tokens=4, max_ngram=3)
+    drafter.start(tokens, seq_lens)
+    for _ in range(12):
+        want = [drafter.lookup(tokens[b, :n]).tolist() for b, n in enumerate(seq_lens.tolist())]
+        assert drafter._continuations(tokens, seq_lens) == want
+        seq_lens = (seq_lens + torch.randint(0, 6, (B,), generator=gen)).clamp(max=L)
+
+
 def test_self_drafting_accepts_everything(pair):
     """The target as its own draft: every draft token is accepted, greedy and sampling alike."""
     target, _ = pair

@@ -100,6 +100,15 @@ class Drafter:
         default): every request gets the depth asked for."""
         return None
 
+    def shadow(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[list, list]]:
+        """On a plain-decoding step of an adaptive loop, outside any graph: judge the proposals that earlier calls
+        recorded but nobody drafted against the tokens committed since, and record what would be proposed now.
+        Returns (accepted, proposed) per request: of the `proposed` levels of request b's judged proposal (0: none
+        judged now), the first `accepted` were what the target emitted, exactly the count a drafted step would have
+        accepted (a deterministic draft token x is accepted with probability p(x), the chance plain sampling emits
+        it). None (the default): proposals cost a model's forward, and the policy learns from drafted steps alone."""
+        return None
+
     # set by advance: the next step's proposal first runs the tokens of skipped steps through the drafter (a one-off
     # cost of the switch from plain decoding, not what a step of its depth costs: the adaptive policy times it not)
     catching_up: bool = False

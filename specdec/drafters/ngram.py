@@ -50,6 +50,7 @@ class NgramDrafter(Drafter):
 
     def start(self, tokens, seq_lens, *args, **kwargs):
         self._index = [_NgramIndex(range(self.min_ngram, self.max_ngram + 1)) for _ in range(tokens.shape[0])]
+        self._shadows = [None] * tokens.shape[0]  # per request: (position, continuation) recorded by shadow, unjudged
         # the prompts are indexed here, with the prompts' prefill, not in the first step: an adaptive policy times the
         # steps, and at a batch of 16 this is a plain step's time again
         self._extend_index(tokens, seq_lens)
@@ -67,16 +68,40 @@ class NgramDrafter(Drafter):
         return seq[:0]
 
     def _extend_index(self, tokens, seq_lens) -> None:
-        """Each request's index extended to its committed tokens."""
-        for b, (index, n) in enumerate(zip(self._index, seq_lens.tolist())):
-            if n > len(index.seq):
-                index.extend(tokens[b, len(index.seq):n].tolist())
+        """Each request's index extended to its committed tokens: the new ones of every request gathered in one host
+        copy (a read per request was 1% of a plain-decoding step at a batch of 16)."""
+        ends, starts = seq_lens.tolist(), [len(index.seq) for index in self._index]
+        most = max(end - start for start, end in zip(starts, ends))
+        if most <= 0:
+            return
+        cols = (torch.tensor(starts).unsqueeze(1) + torch.arange(most)).clamp(max=tokens.shape[1] - 1)
+        new = tokens.gather(1, cols.to(tokens.device)).tolist()
+        for index, row, start, end in zip(self._index, new, starts, ends):
+            if end > start:
+                index.extend(row[:end - start])
 
     def _continuations(self, tokens, seq_lens) -> list:
         if self._index is None:
             return [self.lookup(tokens[b, :n].cpu()).tolist() for b, n in enumerate(seq_lens.tolist())]
         self._extend_index(tokens, seq_lens)
         return [index.continuation(self.max_ngram, self.min_ngram, self.num_tokens) for index in self._index]
+
+    def shadow(self, tokens, seq_lens):
+        """(Drafter.shadow) One recorded proposal per request at a time: a request's next is recorded once its last is
+        judged (at its first wrong token, or when all its tokens were right)."""
+        self._extend_index(tokens, seq_lens)
+        accepted, proposed = [0] * len(self._index), [0] * len(self._index)
+        for b, index in enumerate(self._index):
+            if self._shadows[b] is not None:
+                position, cont = self._shadows[b]
+                emitted = index.seq[position:position + len(cont)]
+                right = next((i for i, (x, y) in enumerate(zip(emitted, cont)) if x != y), len(emitted))
+                if right < len(emitted) or right == len(cont):
+                    accepted[b], proposed[b], self._shadows[b] = right, len(cont), None
+            if self._shadows[b] is None:
+                cont = index.continuation(self.max_ngram, self.min_ngram, self.num_tokens)
+                self._shadows[b] = (len(index.seq), cont) if cont else None
+        return accepted, proposed
 
     def depths_available(self, tokens, seq_lens):
         return [len(c) for c in self._continuations(tokens, seq_lens)]
