@@ -346,6 +346,11 @@ def test_prompt_lookup_judges_the_proposals_nobody_drafted():
             counts[p, a] += p > 0
         seq_lens = (seq_lens + torch.where(torch.rand(B, generator=gen) < 0.7, 1, 4)).clamp(max=L)
     assert counts[:, 0].sum() > 10 and counts[1:, 1:].sum() > 10 and np.trace(counts[1:, 1:]) > 0
+    # a batch of 8 judges on every second call (about 4 requests' judgments per step: the cost stays a small part of
+    # the step as the batch grows), the first call included
+    wide = NgramDrafter(num_tokens=K)
+    wide.start(tokens.repeat(2, 1), seq_lens.repeat(2))
+    assert [wide.shadow(tokens.repeat(2, 1), seq_lens.repeat(2)) is not None for _ in range(6)] == [True, False] * 3
 
 
 def test_judgments_of_undrafted_proposals_teach_the_rates_and_replace_probes():

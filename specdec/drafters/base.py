@@ -106,7 +106,8 @@ class Drafter:
         Returns (accepted, proposed) per request: of the `proposed` levels of request b's judged proposal (0: none
         judged now), the first `accepted` were what the target emitted, exactly the count a drafted step would have
         accepted (a deterministic draft token x is accepted with probability p(x), the chance plain sampling emits
-        it). None (the default): proposals cost a model's forward, and the policy learns from drafted steps alone."""
+        it). None: nothing judged now (the default: proposals cost a model's forward, and the policy learns from
+        drafted steps alone)."""
         return None
 
     # set by advance: the next step's proposal first runs the tokens of skipped steps through the drafter (a one-off
