@@ -374,6 +374,17 @@ def test_judgments_of_undrafted_proposals_teach_the_rates_and_replace_probes():
         assert (max(ks[10:]) == 0) == judgments, ks  # (before: drafting until the rates fall)
 
 
+def test_drafting_must_be_expected_to_pay_by_the_margin():
+    """A drafting depth predicted 3% faster than plain decoding is not chosen (margin 5%: within the prediction's
+    error), one predicted 8% faster is; without a margin (the negative control) the 3% one is."""
+    def policy(gain, margin=0.05):
+        p = AdaptiveDepth(1, 1, [1.0, 1.5 / gain], margin=margin)
+        p.stats.weight[:], p.stats.hits[:] = 10, 5  # (a rate of 0.5, fully trusted: 1.5 tokens per drafted step)
+        return p
+    assert policy(1.03).choose([True], [100]) == 0 and policy(1.08).choose([True], [100]) == 1
+    assert policy(1.03, margin=0).choose([True], [100]) == 1
+
+
 def test_acceptance_stats_judge_only_the_levels_proposed():
     stats = AcceptanceStats(2, 3, prior=0.5, decay=0.5)
     stats.update([1, 0], depth=3, live=[True, True], proposed=np.array([2, 0]))
