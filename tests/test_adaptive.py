@@ -374,6 +374,26 @@ def test_judgments_of_undrafted_proposals_teach_the_rates_and_replace_probes():
         assert (max(ks[10:]) == 0) == judgments, ks  # (before: drafting until the rates fall)
 
 
+def test_a_larger_batch_starts_from_the_rate_of_its_slowest_request():
+    """A batch lasts as long as its slowest request: a new batch of B > 1 starts each request at the 1 / (B + 1)
+    quantile of the previous requests' own rates (a depth judged for one request only: the mean), a batch of 1 at
+    their mean (negative control: the mean for a batch of 16 would predict every request at 0.6)."""
+    stats = AcceptanceStats(4, 2, prior=0.6)
+    for step in range(10):  # request b accepts its first level on 2, 4, 8, 10 of 10 steps; only request 3 drafts 2 levels
+        stats.update([int(step < n) for n in (2, 4, 8, 10)], 1, [True] * 4)
+    stats.update([0, 0, 0, 1], 2, [True] * 4)
+    own = stats.alpha[:, 0]
+    assert own[0] < own[1] < own[2] < own[3] == 1
+    mean, _ = stats.population(1)
+    assert mean[0] == pytest.approx((stats.hits[:, 0]).sum() / stats.weight[:, 0].sum())
+    low, _ = stats.population(16)
+    assert low[0] == pytest.approx(np.quantile(own, 1 / 17)) and low[0] < 0.8 * mean[0]
+    assert low[1] == mean[1]  # (one request judged at depth 2)
+    policy = AdaptiveDepth(16, 2, [1.0, 1.1, 1.2], previous=AdaptiveDepth(4, 2, [1.0, 1.1, 1.2]))
+    policy.stats = stats
+    np.testing.assert_allclose(AdaptiveDepth(16, 2, [1.0, 1.1, 1.2], previous=policy).stats.prior, low)
+
+
 def test_drafting_must_be_expected_to_pay_by_the_margin():
     """A drafting depth predicted 3% faster than plain decoding is not chosen (margin 5%: within the prediction's
     error), one predicted 8% faster is; without a margin (the negative control) the 3% one is."""
