@@ -48,6 +48,11 @@ class AcceptanceStats:
     arrays: host arithmetic on a few numbers per request each step, where torch's per-op overhead would cost a few
     percent of a large batch's plain-decoding step.)"""
 
+    # what the prior weighs against a request's own judgments, in judgments: with 2, sampled drafts (a draft model's
+    # first level accepted 80% of the time at T=0.8) that were rejected twice in a row looked a rate of 0.35, and the
+    # policy decoded plainly until its next probe, 16 steps on (the sampled draft-model loop fell to AR's speed)
+    PRIOR_JUDGMENTS = 4.0
+
     def __init__(self, batch_size: int, max_depth: int, prior=0.6, decay: float = 0.9, prior_weight=0.0):
         """prior: the acceptance rate at each depth 1..K before anything is judged (a float, or (K,) per depth);
         prior_weight: the judgments behind it at each depth (0: a guess)."""
@@ -85,12 +90,13 @@ class AcceptanceStats:
 
     def predicted(self) -> np.ndarray:
         """(B, K): the acceptance rates used for prediction: at depth d, the request's own rate trusted by
-        w / (w + 2) (w its weight there) scaled to reach 1 at the most weight there can be, W = 1 / (1 - decay) (a
-        depth judged at every recent step), the rest from its prediction at depth d - 1 times
+        w / (w + c) (w its weight there, c = PRIOR_JUDGMENTS) scaled to reach 1 at the most weight there can be,
+        W = 1 / (1 - decay) (a depth judged at every recent step), the rest from its prediction at depth d - 1 times
         prior[d] / prior[d - 1] (at depth 1: the prior), that ratio trusted as the prior's weights at both depths
         allow (1 where either is a guess)."""
         most = 1 / (1 - self.decay)
-        trust = self.weight / (self.weight + 2) * (most + 2) / most
+        c = self.PRIOR_JUDGMENTS
+        trust = self.weight / (self.weight + c) * (most + c) / most
         shape = np.minimum(self.prior_weight[1:], self.prior_weight[:-1])
         shape = shape / (shape + 2)
         ratio = 1 + shape * (self.prior[1:] / np.maximum(self.prior[:-1], 1e-6) - 1)

@@ -67,7 +67,7 @@ def test_acceptance_stats_update_only_the_judged_depths():
     np.testing.assert_allclose(stats.weight, weight)
     stats.update([1, 1, 1], depth=0, live=[True] * 3)  # a step without drafts teaches nothing
     np.testing.assert_allclose(stats.alpha, alpha)
-    # prediction: a depth judged w times trusts its own rate by w / (w + 2), scaled to 1 at the most weight there can
+    # prediction: a depth judged w times trusts its own rate by w / (w + 4), scaled to 1 at the most weight there can
     # be (1 / (1 - decay) = 2 here), for the rest the prediction one level shallower times the prior's ratio between
     # the two depths (at depth 1: the prior), trusted as far as the prior's weights at both go (none at depth 4)
     prior = [0.5, 0.8, 0.4, 0.4]
@@ -76,7 +76,7 @@ def test_acceptance_stats_update_only_the_judged_depths():
     for b in range(3):
         row, below = [], prior[0]
         for d in range(4):
-            trust = weight[b, d] / (weight[b, d] + 2) * (2 + 2) / 2
+            trust = weight[b, d] / (weight[b, d] + 4) * (2 + 4) / 2
             row.append(trust * alpha[b, d] + (1 - trust) * below)
             if d < 3:
                 below = min(row[-1] * (1 + shape[d] * (prior[d + 1] / prior[d] - 1)), 1.0)
