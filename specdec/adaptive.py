@@ -15,9 +15,9 @@ A batch lasts as long as its slowest request (finished requests ride along at fu
 where it speeds up the requests that bound the batch, not where it makes the fast ones finish sooner. (Without
 `remaining`, as for a server whose finished requests are replaced at once, it maximizes the batch's tokens per
 second.) A drafting depth must be expected to go `margin` (5%) faster than plain decoding, as a guard against the
-error of its prediction. When the choice is 0 for a while it drafts once anyway (a probe: the best k > 0), so that text which
-starts repeating itself is noticed; a probe that changes nothing doubles the wait for the next one (probe_every
-steps, up to 4 times that). A drafter whose proposals are cheap and deterministic (prompt lookup) needs no probe:
+error of its prediction. When the choice is 0 for a while it drafts once anyway (a probe: the best k > 0), so
+that text which starts repeating itself is noticed; a probe that changes nothing doubles the wait for the next
+one (probe_every steps, up to 4 times that). A drafter whose proposals are cheap and deterministic (prompt lookup) needs no probe:
 while the loop decodes plainly, what it would have proposed is judged against the tokens that follow
 (`Drafter.shadow`, `AdaptiveDepth.judged`), exactly as a drafted step would have judged it.
 Any k is lossless: a greedy output never depends on the choices.
