@@ -17,9 +17,9 @@ where it speeds up the requests that bound the batch, not where it makes the fas
 second.) A drafting depth must be expected to go `margin` (5%) faster than plain decoding, as a guard against the
 error of its prediction. When the choice is 0 for a while it drafts once anyway (a probe: the best k > 0), so
 that text which starts repeating itself is noticed; a probe that changes nothing doubles the wait for the next
-one (probe_every steps, up to 4 times that). A drafter whose proposals are cheap and deterministic (prompt lookup) needs no probe:
-while the loop decodes plainly, what it would have proposed is judged against the tokens that follow
-(`Drafter.shadow`, `AdaptiveDepth.judged`), exactly as a drafted step would have judged it.
+one (probe_every steps, up to 4 times that). A drafter whose proposals are cheap and deterministic (prompt
+lookup) needs no probe: while the loop decodes plainly, what it would have proposed is judged against the tokens
+that follow (`Drafter.shadow`, `AdaptiveDepth.judged`), exactly as a drafted step would have judged it.
 Any k is lossless: a greedy output never depends on the choices.
 """
 from __future__ import annotations
@@ -211,15 +211,13 @@ class AdaptiveDepth:
         self.available = None
         speed = self._speed(tokens, alive, remaining, switch_s)
         probe_due = self.idle + 1 >= self.probe_wait and not lagging
-        if available is not None and (speed[1:].max() > speed[0] * (1 + self.margin) or probe_due):
+        if available is not None and (self._pays(speed) or probe_due):
             available = available() if callable(available) else available
             if available is not None:
                 self.available = np.minimum(np.asarray(available), K)
                 speed = self._speed(tokens, alive, remaining, switch_s)
         speed = np.where(self.allowed, speed, -1.0)  # the depths offered
-        k = int(speed[1:].argmax()) + 1
-        if speed[k] <= speed[0] * (1 + self.margin):
-            k = 0
+        k = int(speed[1:].argmax()) + 1 if self._pays(speed) else 0
         if self.probed:  # the step after a probe: did what it measured make drafting worth it?
             self.probe_wait = self.probe_every if k else min(2 * self.probe_wait, 4 * self.probe_every)
             self.probed = False
@@ -228,13 +226,17 @@ class AdaptiveDepth:
         if k == 0 and probe_due and self._width(K) > 0:
             usual = np.broadcast_to(_expected_tokens(self.stats.prior[None]), (len(alive), K + 1))
             usual_speed = np.where(self.allowed, self._speed(usual, alive, remaining), -1.0)
-            if usual_speed[1:].max() > usual_speed[0] * (1 + self.margin):
+            if self._pays(usual_speed):
                 k, self.probed = int(speed[1:].argmax()) + 1, True
         # a plain step after probe_every drafted ones while plain steps are unmeasured: what a drafted step's
         # measured cost is compared with
         if k and self.drafting_run >= self.probe_every and np.isnan(self.measured_s[0]):
             k = 0
         return k
+
+    def _pays(self, speed: np.ndarray) -> bool:
+        """Some drafting depth is expected to go `margin` faster than plain decoding (speed: `_speed`'s)."""
+        return speed[1:].max() > speed[0] * (1 + self.margin)
 
     def _speed(self, tokens: np.ndarray, alive: np.ndarray, remaining: Optional[Sequence[int]],
                switch_s: float = 0.0) -> np.ndarray:
