@@ -22,7 +22,8 @@ stopping rule, and the accepted counts the adaptive policy learns from). So the 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+import types
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 import torch
@@ -35,7 +36,9 @@ from .models.llama import Llama, compile_static
 from ._validation import check_method_name
 from .sampling import SamplingParams
 
-CACHE_BUCKET = 256  # with compile=True, cache lengths are rounded up to a multiple of this
+CACHE_BUCKET = 256  # with compile=True or CUDA graphs, cache lengths are rounded up to a multiple of this
+# the batch shapes whose CUDA graphs (and the buffers they read) a decoder keeps across generate calls
+KEPT_GRAPH_SETS = 8
 # with compile=True or CUDA graphs, a batch runs padded to the smallest of these sizes that holds it (vLLM's
 # capture sizes), so that a server's varying batches share a few graphs
 BATCH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 513, 8))
@@ -79,9 +82,11 @@ class SpeculativeDecoder:
         batches reuse the graphs.
         cuda_graphs: replay each step as a CUDA graph (None: on for a CUDA target without compile): one graph per
         draft depth and drafter state (`Drafter.graph_key`; for prompt lookup the verification alone, per tree
-        width) for the batch, captured at that key's second step (the first runs eagerly: kernels compile and
-        tune there) and replayed from its third. Or a class with CudaStepGraph's interface (the tests emulate
-        CUDA graphs on the CPU with one).
+        width), captured at that key's second step (the first runs eagerly: kernels compile and tune there) and
+        replayed from its third. The graphs and the buffers they read are kept for later generate calls of the
+        same batch shape (batch bucket, cache bucket of 256 positions, max_new_tokens, and whether requests sample
+        and with which filters: `_graph_set`), the KEPT_GRAPH_SETS most recent ones. Or a class with
+        CudaStepGraph's interface (the tests emulate CUDA graphs on the CPU with one).
         batch_buckets: the batch sizes a batch runs at, padded with finished requests that ride along (default:
         BATCH_BUCKETS with compile or CUDA graphs, whose graphs are per batch size; the exact size eagerly)."""
         self.target = target
@@ -118,6 +123,7 @@ class SpeculativeDecoder:
         if cuda_graphs and (compile or vocab_shard is not None):
             raise ValueError("cuda_graphs: not with compile or vocab_shard")
         self.graph_class = cuda_graphs or None
+        self._graph_sets: dict = {}  # state signature -> _GraphSet, the most recently used last
         if batch_buckets is not None and (not batch_buckets or min(batch_buckets) < 1):
             raise ValueError(f"batch_buckets: {batch_buckets!r} must be batch sizes >= 1")
         self.batch_buckets = batch_buckets if batch_buckets is not None else \
@@ -165,7 +171,9 @@ class SpeculativeDecoder:
         step_times = []
         bar = _progress(max_new_tokens) if progress else None
         policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
-        graphs = None if self.graph_class is None else _StepGraphs(self.graph_class, dev)
+        graphs = None
+        if self.graph_class is not None:
+            s, graphs = self._graph_set(s)
         live_host = [b < s.requests for b in range(B)]  # (the padding rows are finished from the start)
         remaining = [max_new_tokens if live else 0 for live in live_host]  # tokens each request may still emit
         skips = 0  # plain-decoding steps in a row
@@ -251,13 +259,18 @@ class SpeculativeDecoder:
         prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
         # room for: prompt + max_new for live requests (+ a last tree) and one token per step once finished
         L = int(prompt_lens.max()) + 2 * max_new_tokens + 2 * T + 2
-        if self.compile:  # cache shapes in buckets: compiled graphs are specialized to them
+        if self.compile or self.graph_class:  # cache shapes in buckets: graphs are specialized to them
             L = -(-L // CACHE_BUCKET) * CACHE_BUCKET
         tokens = torch.zeros(B, L, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = torch.tensor(list(p), dtype=torch.long)
 
-        cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
+        # (a kept graph set's cache of this shape is reused: a cache is the largest buffer, and the graphs read it)
+        cache = next((kept.batch.cache for kept in self._graph_sets.values() if kept.batch.tokens.shape == (B, L)),
+                     None)
+        if cache is None:
+            cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
+        cache.lens.zero_()
         s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T, requests)
         # the last prompt token is the first root; a drafter on the target's features gets its hidden states
         hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
@@ -266,6 +279,33 @@ class SpeculativeDecoder:
         if self.drafter.lagging and self.adaptive is None:  # (an adaptive loop that never drafts never needs it)
             self.drafter.catch_up(tokens, s.seq_lens)
         return s
+
+    def _graph_set(self, s: "_Batch") -> tuple["_Batch", "_StepGraphs"]:
+        """The batch to run and its step graphs: those kept from an earlier call whose state has s's signature
+        (`_state_signature`: every tensor's shape and every other value the steps could read, the drafter's
+        included: the batch shape, max_new_tokens, the method, whether requests sample, the filters on), its
+        buffers (the batch's and the drafter's) taking s's values in place, since the graphs read and write them;
+        else new graphs for s, kept for later calls."""
+        drafter = {} if self.drafter.proposes_on_host else vars(self.drafter)  # (a host drafter's is not read)
+        fresh = (replace(s, requests=0), drafter)  # (how many rows are real requests only the host reads)
+        signature = _state_signature(fresh)
+        kept = self._graph_sets.pop(signature, None)
+        if kept is None:
+            kept = _GraphSet(_StepGraphs(self.graph_class, s.tokens.device), s, dict(drafter))
+            while len(self._graph_sets) >= KEPT_GRAPH_SETS:
+                del self._graph_sets[next(iter(self._graph_sets))]  # the least recently used
+        else:
+            kept_tensors, fresh_tensors = [], []
+            _state_signature((kept.batch, kept.drafter), kept_tensors)
+            _state_signature(fresh, fresh_tensors)
+            for buf, x in zip(kept_tensors, fresh_tensors):
+                # (an expanded view is a constant, a tree's structure: it cannot be written, and needs not be)
+                if buf is not x and not any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
+                    buf.copy_(x)
+            kept.batch.requests = s.requests
+            vars(self.drafter).update(kept.drafter)
+        self._graph_sets[signature] = kept
+        return kept.batch, kept.graphs
 
     def _graphed_step(self, graphs: "_StepGraphs", s: "_Batch", k: Optional[int]) -> bool:
         """The step through the batch's graphs (cuda_graphs); whether it was a replay. A host drafter's proposal
@@ -429,8 +469,8 @@ class CudaStepGraph:
 
 
 class _StepGraphs:
-    """One generate call's step graphs by key: a key's first step runs eagerly, its second is captured (and
-    run), later ones replay. inputs: static proposal buffers of host drafters, by key."""
+    """A batch shape's step graphs by key: a key's first step runs eagerly, its second is captured (and run),
+    later ones replay. inputs: static proposal buffers of host drafters, by key."""
 
     def __init__(self, graph_class, device):
         self.graph_class, self.pool = graph_class, graph_class.new_pool(device)
@@ -447,6 +487,42 @@ class _StepGraphs:
             self.warm.add(key)
             step()
         return graph is not None
+
+
+@dataclass
+class _GraphSet:
+    """Step graphs kept across generate calls, and the state they read and write: the batch, and the drafter's
+    attributes as they were when the graphs' batch started (restored, with the new batch's values, for a call
+    that replays them)."""
+    graphs: _StepGraphs
+    batch: _Batch
+    drafter: dict
+
+
+def _state_signature(obj, tensors: Optional[list] = None, _seen: Optional[dict] = None) -> tuple:
+    """What a recorded step can depend on in a state (the batch, the drafter's attributes) besides its tensors'
+    values: each tensor's shape, strides, dtype and device, every other value (a Python number or flag a step
+    branches on; a module or function by identity) and the structure holding them. tensors: the state's tensors
+    are appended to it, in the order of the signature (two states of one signature align)."""
+    seen = {} if _seen is None else _seen
+    if isinstance(obj, torch.Tensor):
+        if tensors is not None:
+            tensors.append(obj)
+        return ("tensor", tuple(obj.shape), obj.stride(), obj.dtype, obj.device)
+    if isinstance(obj, (torch.nn.Module, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        return ("id", id(obj))
+    if id(obj) in seen:  # (an object met before: the signature says it is the same one)
+        return ("seen", seen[id(obj)])
+    if isinstance(obj, (list, tuple, dict)) or hasattr(obj, "__dict__"):
+        seen[id(obj)] = len(seen)
+        items = obj.items() if isinstance(obj, dict) else vars(obj).items() if hasattr(obj, "__dict__") else \
+            enumerate(obj)
+        return (type(obj).__name__,) + tuple((key, _state_signature(v, tensors, seen)) for key, v in items)
+    try:
+        hash(obj)
+    except TypeError:
+        return ("value", repr(obj))
+    return ("value", obj)
 
 
 def generate_ar(target: Llama, prompts, max_new_tokens: int = 128, temperature=0.0, seed=0,

@@ -210,8 +210,9 @@ def test_cuda_graph_capture_of_a_verification_step():
 
 def test_loop_with_cuda_graphs_equals_eager_and_has_no_host_sync(monkeypatch):
     """SpeculativeDecoder(cuda_graphs=True) (the default on CUDA): the greedy output and acceptance of replayed
-    steps equal the eager loop's and AR's; every step (eager warm-up, capture, replay) runs with
-    torch.cuda.set_sync_debug_mode("error") and the value checks off: no host sync inside a step."""
+    steps equal the eager loop's and AR's, also in a later call on the graphs kept from the first; every step
+    (eager warm-up, capture, replay) runs with torch.cuda.set_sync_debug_mode("error") and the value checks off: no
+    host sync inside a step."""
     if DEVICE != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     from specdec.decoding import SpeculativeDecoder, _StepGraphs, generate_ar
@@ -232,8 +233,13 @@ def test_loop_with_cuda_graphs_equals_eager_and_has_no_host_sync(monkeypatch):
 
     with specdec.value_checks(False):
         eager = SpeculativeDecoder(target, DraftModelDrafter(target, "tree:2,2,1"), cuda_graphs=False).generate(prompts, 32)
+        other = [[5, 4, 3], [8, 1, 8, 1, 8], [2]]
+        eager_other = SpeculativeDecoder(target, DraftModelDrafter(target, "tree:2,2,1"), cuda_graphs=False).generate(
+            other, 32)
         monkeypatch.setattr(_StepGraphs, "run", no_sync)
-        graphed = SpeculativeDecoder(target, DraftModelDrafter(target, "tree:2,2,1")).generate(prompts, 32)
+        decoder = SpeculativeDecoder(target, DraftModelDrafter(target, "tree:2,2,1"))
+        graphed = decoder.generate(prompts, 32)
+        again = decoder.generate(other, 32)  # (replays the first call's graphs, on its buffers)
         sampled = dict(temperature=0.8, seed=[1, 2, 3])
         eager_sampled = SpeculativeDecoder(target, DraftModelDrafter(target, "chain:3"), cuda_graphs=False).generate(
             prompts, 32, **sampled)
@@ -241,6 +247,8 @@ def test_loop_with_cuda_graphs_equals_eager_and_has_no_host_sync(monkeypatch):
     assert graphed.tokens == eager.tokens == generate_ar(target, prompts, 32).tokens
     assert graphed.summary["acceptance_by_depth"] == eager.summary["acceptance_by_depth"]
     assert graphed_sampled.tokens == eager_sampled.tokens
+    assert again.tokens == eager_other.tokens == generate_ar(target, other, 32).tokens
+    assert again.summary["acceptance_by_depth"] == eager_other.summary["acceptance_by_depth"]
 
 
 def test_cuda_graph_accept_draws_fresh_numbers_from_a_device_offset():

@@ -58,6 +58,45 @@ def test_replayed_steps_equal_eager_steps_with_every_kind_of_step(pair, target_a
     assert CountingGraph.made >= 2 and CountingGraph.replays >= 3
 
 
+OTHER_PROMPTS4 = [[9, 8, 7, 6, 5, 4], [2, 7, 1, 8], [3, 3, 3], [6, 1]]  # (PROMPTS4's batch and cache buckets)
+
+
+@pytest.mark.parametrize("kind", ["draft chain:3", "mtp chain:3", "ngram"])
+def test_graphs_are_kept_for_later_calls_of_the_same_shape(pair, target_and_mtp, kind):
+    """A later generate call of the same batch shape replays the graphs an earlier one captured (none is made), on
+    the buffers they read, which take its own prompts and drafter state: its output and acceptance are a fresh
+    eager loop's (a stale drafter state would change the acceptance, a stale batch the tokens). Another shape
+    (max_new_tokens) gets graphs of its own, and the first shape's are still there after it and a sampled call."""
+    target, drafter = drafter_of(kind, pair, target_and_mtp)
+    script = (0, 2, 0, 0, 9, 1, 0, 3)
+
+    def eager(prompts, n, **kw):
+        return SpeculativeDecoder(target, drafter, adaptive=scripted(script)).generate(prompts, n, **kw)
+
+    decoder = SpeculativeDecoder(target, drafter, cuda_graphs=CountingGraph, adaptive=scripted(script))
+    # (a key's first step runs eagerly and its second is captured, maybe in a later call: prompt lookup's keys are
+    # its proposals' widths, which each prompt's matches set)
+    first = [decoder.generate(prompts, 24) for prompts in (PROMPTS4, OTHER_PROMPTS4) * 2][0]
+    made = CountingGraph.made
+    for prompts in (PROMPTS4, OTHER_PROMPTS4):
+        CountingGraph.replays = 0
+        out = decoder.generate(prompts, 24)
+        expected = eager(prompts, 24)
+        assert out.tokens == expected.tokens == generate_ar(target, prompts, 24).tokens
+        assert [s["acceptance_by_depth"] for s in out.stats] == [s["acceptance_by_depth"] for s in expected.stats]
+        assert CountingGraph.made == made and CountingGraph.replays == out.summary["steps"]
+        if prompts is PROMPTS4:
+            assert out.tokens == first.tokens
+    out = decoder.generate(OTHER_PROMPTS4[:3], 20)  # (3 requests: the same batch bucket, another max_new)
+    assert out.tokens == generate_ar(target, OTHER_PROMPTS4[:3], 20).tokens and CountingGraph.made > made
+    made = CountingGraph.made
+    sampled = dict(temperature=[0.8, 0.0, 1.0, 0.7], seed=5)  # (the model drafters' steps branch on it)
+    assert decoder.generate(PROMPTS4, 24, **sampled).tokens == eager(PROMPTS4, 24, **sampled).tokens
+    made = CountingGraph.made
+    assert decoder.generate(OTHER_PROMPTS4, 24).tokens == eager(OTHER_PROMPTS4, 24).tokens
+    assert CountingGraph.made == made
+
+
 def test_a_host_drafters_verification_graphs_are_per_width_whatever_the_depth(pair, monkeypatch):
     """Prompt lookup's proposal is as wide as its longest match, so proposals asked for different depths often have
     the same width: they share one graph (and a fixed loop's graphs serve an adaptive one), so that an adaptive loop

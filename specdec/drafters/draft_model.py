@@ -143,7 +143,7 @@ class DraftModelDrafter(Drafter):
                                  for _, e in self.levels]
         self.skipped = 0  # steps without a proposal since the last one (advance)
         self.pending_width = self.min_pending  # the entries the next proposal runs first (_root_logits)
-        self.lagging = False
+        self.lagging = self.catching_up = False
 
     # the pending entries of a proposal after a drafted step: the previous path's unexpanded last node and the root
     min_pending = 2
