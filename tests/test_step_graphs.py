@@ -97,6 +97,20 @@ def test_graphs_are_kept_for_later_calls_of_the_same_shape(pair, target_and_mtp,
     assert CountingGraph.made == made
 
 
+def test_only_the_most_recent_graph_sets_are_kept(pair, target_and_mtp, monkeypatch):
+    """With room for one batch shape, a call of another shape drops the first's graphs (and its cache): the first
+    shape's next call captures again, and its output is still AR's."""
+    monkeypatch.setattr(decoding, "KEPT_GRAPH_SETS", 1)
+    target, drafter = drafter_of("mtp chain:3", pair, target_and_mtp)
+    decoder = SpeculativeDecoder(target, drafter, cuda_graphs=CountingGraph)
+    for n in (12, 12, 10):
+        decoder.generate(PROMPTS4, n)
+    assert len(decoder._graph_sets) == 1
+    made = CountingGraph.made
+    assert decoder.generate(PROMPTS4, 12).tokens == generate_ar(target, PROMPTS4, 12).tokens
+    assert CountingGraph.made > made
+
+
 def test_a_host_drafters_verification_graphs_are_per_width_whatever_the_depth(pair, monkeypatch):
     """Prompt lookup's proposal is as wide as its longest match, so proposals asked for different depths often have
     the same width: they share one graph (and a fixed loop's graphs serve an adaptive one), so that an adaptive loop
