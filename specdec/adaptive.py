@@ -72,10 +72,14 @@ class AcceptanceStats:
         return np.where(self.weight > 0, self.hits / np.maximum(self.weight, 1e-12), self.prior)
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool],
-               proposed: Optional[np.ndarray] = None) -> None:
+               proposed: Optional[np.ndarray] = None, acceptance: Optional[np.ndarray] = None) -> None:
         """A step that drafted `depth` levels accepted num_accepted[b] draft tokens of live request b.
         proposed (B,): the levels each request's proposal had (None: depth each; prompt lookup proposes nothing
-        for a request without a match, which says nothing of its drafts' acceptance)."""
+        for a request without a match, which says nothing of its drafts' acceptance). acceptance (B, >= depth):
+        where not NaN, the probability that level d's draft was to be accepted (`chain_acceptance_probs`: sampled
+        requests), each judged level's judgment instead of its accept/reject outcome: the same mean, with less
+        chance in it (two rejections in a row of a level accepted 75% of the time, 6% of such requests, made the
+        sampled loops decode plainly for a while)."""
         if depth == 0:
             return
         self._expected = None
@@ -84,8 +88,12 @@ class AcceptanceStats:
         reached = (n >= d - 1) & np.asarray(live, dtype=bool)[:, None]  # the depth-d draft was judged
         if proposed is not None:
             reached &= d <= proposed[:, None]
+        outcome = (n >= d).astype(np.float64)
+        if acceptance is not None:
+            probs = np.asarray(acceptance, dtype=np.float64)[:, :depth]
+            outcome = np.where(np.isnan(probs), outcome, probs)
         h, w = self.hits[:, :depth], self.weight[:, :depth]  # (views: written in place)
-        h[:] = np.where(reached, self.decay * h + (n >= d), h)
+        h[:] = np.where(reached, self.decay * h + outcome, h)
         w[:] = np.where(reached, self.decay * w + 1, w)
 
     def predicted(self) -> np.ndarray:
@@ -283,15 +291,15 @@ class AdaptiveDepth:
             self.idle = 0
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool], seconds: Optional[float],
-               drafting_timed: bool = True) -> None:
+               drafting_timed: bool = True, acceptance: Optional[np.ndarray] = None) -> None:
         """The step of `depth` levels (the loop's, which may differ from the choice) took `seconds` in all (None:
         not a steady step's time) and accepted num_accepted[b] drafts of request b. drafting_timed: its drafting
         was timed apart (`drafted`), and the rest of the step is the overhead; a step run as one graph
         (compile=True) cannot be, and then a drafted step's residual over the target's cost and the overhead
-        (learnt from plain-decoding steps) is its drafting."""
+        (learnt from plain-decoding steps) is its drafting. acceptance: AcceptanceStats.update's (None: none)."""
         depth = self._width(depth)
         self.stats.update(num_accepted, depth, live,
-                          None if self.available is None else np.minimum(depth, self.available))
+                          None if self.available is None else np.minimum(depth, self.available), acceptance)
         self.chosen[depth] += 1
         self.idle, self.drafting_run = (self.idle + 1, 0) if depth == 0 else (0, self.drafting_run + 1)
         if seconds is None:  # a step that compiled or captured its graph: its time says nothing of the next ones

@@ -26,6 +26,7 @@ import types
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 import specdec
@@ -34,8 +35,9 @@ from .adaptive import AdaptiveDepth, compiled_depths, measure_target_costs
 from .drafters.base import Drafter, NoDrafter, Proposal
 from .models.llama import Llama, compile_static
 from ._validation import check_method_name
-from .sampling import SamplingParams
+from .sampling import SamplingParams, chain_acceptance_probs
 
+PROB_SCALE = 1 << 24  # acceptance probabilities travel in _Batch.flags (int64) as multiples of 1 / PROB_SCALE
 CACHE_BUCKET = 256  # with compile=True or CUDA graphs, cache lengths are rounded up to a multiple of this
 # the batch shapes whose CUDA graphs (and the buffers they read) a decoder keeps across generate calls
 KEPT_GRAPH_SETS = 8
@@ -177,6 +179,7 @@ class SpeculativeDecoder:
         live_host = [b < s.requests for b in range(B)]  # (the padding rows are finished from the start)
         remaining = [max_new_tokens if live else 0 for live in live_host]  # tokens each request may still emit
         skips = 0  # plain-decoding steps in a row
+        sampled = (s.temp > 0).cpu().numpy()
         while True:
             t_step = time.perf_counter()
             k = None  # the drafter's whole tree
@@ -213,10 +216,14 @@ class SpeculativeDecoder:
                 seconds = time.perf_counter() - t_step
                 if caught_up and ran:  # what the next switch from plain decoding will cost
                     policy.caught_up(k, seconds)
+                judged = {}
+                if s.judge_probs and k:  # (sampled requests' levels judged by their acceptance probabilities)
+                    probs = np.array(flags[2 * B:], dtype=np.float64).reshape(B, -1) / PROB_SCALE
+                    judged["acceptance"] = np.where(sampled[:, None], probs, np.nan)
                 policy.update(flags[:B], k, live_host, seconds if steady and ran else None,
-                              drafting_timed=not (self.compile or graphs))
+                              drafting_timed=not (self.compile or graphs), **judged)
                 remaining = [r - n - 1 if live else r for r, n, live in zip(remaining, flags, live_host)]
-            live_host = [not f for f in flags[B:]]
+            live_host = [not f for f in flags[B:2 * B]]
             if bar is not None:
                 bar.update(int((s.seq_lens - s.prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
             if not any(live_host):
@@ -243,6 +250,9 @@ class SpeculativeDecoder:
         if len(temps) != B or len(seeds) != B:
             raise ValueError("temperature/seed: give one value or one per prompt")
         method = self.method if any(t > 0 for t in temps) else "token"  # (greedy requests: any method is token-wise)
+        # (min(1, p / q) per level is token-wise rejection sampling's acceptance along a chain)
+        judge_probs = self.adaptive is not None and any(t > 0 for t in temps) and method == "token" and \
+            self.drafter.max_nodes == self.drafter.max_depth + 1
         requests = B
         B = batch_bucket(B, self.batch_buckets) if self.batch_buckets else B
         if B > requests:  # padding rows: one-token prompts, greedy, filters off, finished from the start
@@ -271,7 +281,8 @@ class SpeculativeDecoder:
         if cache is None:
             cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
         cache.lens.zero_()
-        s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T, requests)
+        s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T, requests,
+                       judge_probs)
         # the last prompt token is the first root; a drafter on the target's features gets its hidden states
         hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
         self.drafter.start(tokens, s.seq_lens, L, temp, seeds, params,
@@ -371,8 +382,12 @@ class SpeculativeDecoder:
         s.finish_step.copy_(torch.where(finished_now, s.step, s.finish_step))
         s.done |= finished_now
         s.step += 1
-        s.flags[:len(live)] = num_acc
-        s.flags[len(live):] = s.done
+        B = len(live)
+        s.flags[:B] = num_acc
+        s.flags[B:2 * B] = s.done
+        if s.judge_probs and k != 0:
+            probs = chain_acceptance_probs(logits, prop.tokens, prop.draft_logits, s.temp, s.params)
+            s.flags[2 * B:].view(B, -1)[:, :Tp - 1] = (probs * PROB_SCALE).round().long()
 
     def _accept(self, logits, prop, **kwargs) -> specdec.AcceptResult:
         if self.vocab_shard is None:
@@ -425,21 +440,25 @@ class _Batch:
     accepted_hist: torch.Tensor  # (B, depth + 1) int64: steps that accepted n draft tokens
     finish_step: torch.Tensor  # (B,) int64: the step at which the request finished
     step: torch.Tensor  # () int64: steps taken by the batch
-    flags: torch.Tensor  # (2B,) int64: this step's accepted counts, then done: the one host read per step
+    # (2B,) int64: this step's accepted counts, then done: the one host read per step; with judge_probs, then
+    # (B, depth): each chain level's acceptance probability (`chain_acceptance_probs`) times PROB_SCALE
+    flags: torch.Tensor
     rows: torch.Tensor  # arange(B)
     cols: torch.Tensor  # arange(max_nodes)
     requests: int  # the real requests, rows 0 .. requests - 1; the rest pad the batch to its bucket (done)
+    judge_probs: bool  # the step reports its levels' acceptance probabilities (an adaptive loop, sampled chains)
 
     @classmethod
     def new(cls, tokens, prompt_lens, max_new, temp, seeds, params, method, cache, depth, max_nodes,
-            requests) -> "_Batch":
+            requests, judge_probs=False) -> "_Batch":
         B, dev = tokens.shape[0], tokens.device
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
         done = torch.arange(B, device=dev) >= requests
         return cls(tokens, prompt_lens.clone(), prompt_lens, max_new, temp,
                    torch.tensor(seeds, dtype=torch.int64, device=dev), params, method, cache,
-                   done, zeros(B), zeros(B), zeros(B, depth + 1), zeros(B), zeros(), zeros(2 * B),
-                   torch.arange(B, device=dev), torch.arange(max_nodes, device=dev), requests)
+                   done, zeros(B), zeros(B), zeros(B, depth + 1), zeros(B), zeros(),
+                   zeros(2 * B + (B * depth if judge_probs else 0)), torch.arange(B, device=dev),
+                   torch.arange(max_nodes, device=dev), requests, judge_probs)
 
 
 def _verify_key(k: Optional[int]) -> Optional[int]:

@@ -136,6 +136,24 @@ def processed_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k
     return processed_logits(logits.reshape(B * T, V), *per_node, allowed=allowed).view(B, T, V)
 
 
+def chain_acceptance_probs(target_logits: torch.Tensor, tokens: torch.Tensor, draft_logits: Optional[torch.Tensor],
+                           temperature: torch.Tensor, params: "SamplingParams") -> torch.Tensor:
+    """(B, T - 1) float32: for chain proposals (node d's parent is node d - 1; target_logits (B, T, V), tokens
+    (B, T), draft_logits (B, T, V) or None, temperature (B,)), the probability that token-wise rejection sampling
+    accepts node d's draft token x once the path to it is accepted: min(1, p(x) / q(x)), p the target's processed
+    law at node d - 1, q the drafter's (draft_logits; a given proposal: q(x) = 1). Its mean over the drafter's
+    draws is the level's acceptance rate, as the accept/reject outcome's is, with less chance in it: what the
+    adaptive policy learns sampled requests' rates from. Rows of greedy requests (temperature 0) are meaningless."""
+    t = temperature.clamp(min=1e-6).view(-1, 1, 1)
+    x = tokens[:, 1:].unsqueeze(-1)
+
+    def law_at_drafts(logits):
+        return torch.softmax(params.process(logits[:, :-1].float(), temperature) / t, -1).gather(-1, x).squeeze(-1)
+
+    p = law_at_drafts(target_logits)
+    return p if draft_logits is None else (p / law_at_drafts(draft_logits).clamp(min=1e-30)).clamp(max=1.0)
+
+
 class SamplingParams(NamedTuple):
     """A batch's sampling filters, as the loop hands them to its drafter and to `specdec.accept`: top_k (B,)
     int32, top_p and min_p (B,) float32, each None when off for every request; bitmask (B, W) int32 or None:

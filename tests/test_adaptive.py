@@ -38,8 +38,10 @@ class Scripted:
     def caught_up(self, depth, seconds):
         assert 1 <= depth <= self.max_depth and seconds >= 0
 
-    def update(self, num_accepted, depth, live, seconds, drafting_timed=True):
+    def update(self, num_accepted, depth, live, seconds, drafting_timed=True, acceptance=None):
         assert all(n <= depth for n, alive in zip(num_accepted, live) if alive)
+        if acceptance is not None:
+            assert np.all(np.isnan(acceptance) | ((acceptance >= 0) & (acceptance <= 1)))
 
     def judged(self, accepted, proposed):
         assert all(0 <= a <= p <= self.max_depth for a, p in zip(accepted, proposed))
@@ -694,6 +696,55 @@ def test_sampling_with_skipped_and_shallow_steps_is_lossless(target_and_mtp):
     law = exact_filtered_two_token_law(target, prompt, 1.0)
     stat, threshold, cells = chi_square_two_tokens(out.tokens, law, n)
     assert len(cells) >= 5 and stat < threshold, stat
+
+
+def test_sampled_levels_are_judged_by_their_acceptance_probabilities():
+    """The judged levels (up to the first rejected one) count their acceptance probabilities where given (sampled
+    requests) and their accept/reject outcomes where NaN (greedy ones); the levels after a rejection are not judged."""
+    stats = AcceptanceStats(3, 3, decay=0.5)
+    probs = np.array([[0.9, 0.3, 0.8], [np.nan] * 3, [0.6, 0.2, 0.7]])
+    stats.update([1, 1, 3], depth=3, live=[True, True, False], acceptance=probs)
+    np.testing.assert_allclose(stats.hits, [[0.9, 0.3, 0], [1, 0, 0], [0, 0, 0]])
+    np.testing.assert_allclose(stats.weight, [[1, 1, 0], [1, 1, 0], [0, 0, 0]])
+
+
+class Recording(Scripted):
+    """A scripted policy that keeps the acceptance probabilities the loop reports."""
+
+    def update(self, num_accepted, depth, live, seconds, drafting_timed=True, acceptance=None):
+        super().update(num_accepted, depth, live, seconds, drafting_timed, acceptance)
+        if acceptance is not None:
+            assert depth > 0
+            self.reports = getattr(self, "reports", []) + [(list(num_accepted), depth, acceptance.copy())]
+
+
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+def test_a_sampled_adaptive_loop_judges_chain_levels_by_their_acceptance_probabilities(pair, replayed):
+    """The draft model is the target itself and samples from the same law: p = q, so every level's acceptance
+    probability is 1, for the sampled requests; greedy ones (and a padding row) report NaN (their outcomes count),
+    and a batch without sampled requests or a drafter of trees reports none. Replayed (CUDA-graph semantics,
+    emulated), the probabilities come out of the recorded step. (compile=True traces the same step.)"""
+    from helpers import ReplayGraph
+    target = pair[0]
+    policies = []
+
+    def decoder(drafter_tree, script=(2, 0, 3, 1)):
+        def make(B, K, dev):
+            policies.append(Recording(B, K, dev, script))
+            return policies[-1]
+        return SpeculativeDecoder(target, DraftModelDrafter(target, drafter_tree), adaptive=make,
+                                  cuda_graphs=ReplayGraph if replayed else None)
+
+    decoder("chain:3").generate(PROMPTS, 16, temperature=[0.9, 0.0, 1.2], seed=7)
+    reports = policies[-1].reports
+    assert len(reports) >= 5 and {depth for _, depth, _ in reports} == {1, 2, 3}
+    for _, depth, acceptance in reports:
+        assert acceptance.shape == (4 if replayed else 3, 3)  # (replayed: a batch bucket of 4)
+        np.testing.assert_allclose(acceptance[[0, 2], :depth], 1.0, rtol=1e-5)  # (up to rounding: two forwards)
+        assert np.isnan(acceptance[1]).all() and np.isnan(acceptance[3:]).all()
+    decoder("chain:3").generate(PROMPTS, 10)
+    decoder("tree:2,1").generate(PROMPTS, 10, temperature=1.0)
+    assert not hasattr(policies[-2], "reports") and not hasattr(policies[-1], "reports")
 
 
 def test_ngram_proposals_are_as_wide_as_their_longest_match():

@@ -191,3 +191,67 @@ def test_drafter_samples_from_the_processed_law():
     assert greedy == logits[0, 0].masked_fill(~allowed, -INF).topk(3).indices.tolist()
     stat, outside = statistic(sampling.SamplingParams())
     assert outside > 0 and stat > threshold
+
+
+def test_chain_acceptance_probs_equal_the_reference():
+    """Level d of a chain: min(1, p(x) / q(x)) of its draft token x, p and q the processed laws (temperature,
+    top-k, top-p, min-p, allowed tokens) of the target's and the drafter's logits at node d - 1; p(x) for a given
+    proposal (no draft logits)."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, V = 3, 4, 12
+    target, draft = torch.randn(B, T, V, generator=gen) * 2, torch.randn(B, T, V, generator=gen) * 2
+    t = torch.tensor([0.7, 1.0, 1.3])
+    allowed_ids = [i for i in range(V) if i != 5]
+    params = sampling.SamplingParams.for_batch(B, V, "cpu", top_k=[0, 6, 9], top_p=[1.0, 0.9, 0.95],
+                                               min_p=[0.0, 0.0, 0.05], allowed_token_ids=allowed_ids)
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[allowed_ids] = True
+
+    def law(logits, b, i):
+        return ref.processed_probs(logits[b, i], float(t[b]), int(params.top_k[b]), float(params.top_p[b]),
+                                   float(params.min_p[b]), allowed)
+
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        for d in range(1, T):
+            tokens[b, d] = torch.multinomial(law(draft, b, d - 1).float(), 1, generator=gen)
+    sampled = sampling.chain_acceptance_probs(target, tokens, draft, t, params)
+    given = sampling.chain_acceptance_probs(target, tokens, None, t, params)
+    assert sampled.shape == given.shape == (B, T - 1) and sampled.dtype == torch.float32
+    for b in range(B):
+        for d in range(1, T):
+            x = tokens[b, d]
+            p, q = law(target, b, d - 1)[x], law(draft, b, d - 1)[x]
+            assert float(sampled[b, d - 1]) == pytest.approx(min(1.0, float(p / q)), rel=1e-5)
+            assert float(given[b, d - 1]) == pytest.approx(float(p), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("draft_logits", [True, False], ids=["sampled draft", "given proposal"])
+def test_chain_acceptance_probs_average_to_what_accept_accepts(draft_logits):
+    """One level, 4000 requests (distinct seeds) with the same logits: accept's acceptance rate and the mean of
+    the acceptance probabilities both estimate sum_x min(p(x), q(x)) (p(x) for a given proposal), the
+    probabilities with less spread than the accept/reject outcomes."""
+    import specdec
+    gen = torch.Generator().manual_seed(6)
+    N, V, t = 4000, 10, 0.8
+    row_p, row_q = torch.randn(V, generator=gen) * 1.5, torch.randn(V, generator=gen) * 1.5
+    target = row_p.expand(N, 2, V).contiguous()
+    p, q = torch.softmax(row_p.double() / t, 0), torch.softmax(row_q.double() / t, 0)
+    tokens = torch.zeros(N, 2, dtype=torch.long)
+    if draft_logits:
+        draft = row_q.expand(N, 2, V).contiguous()
+        tokens[:, 1] = torch.multinomial(q.float(), N, replacement=True, generator=gen)
+        exact = float(torch.minimum(p, q).sum())
+    else:
+        draft = None
+        tokens[:, 1] = int(p.argsort()[-2])  # (a likely token, not the likeliest)
+        exact = float(p[tokens[0, 1]])
+    parents = torch.tensor([-1, 0]).expand(N, 2)
+    temperature = torch.full((N,), t)
+    probs = sampling.chain_acceptance_probs(target, tokens, draft, temperature, sampling.SamplingParams())
+    accepted = specdec.accept(target, tokens, parents, draft_logits=draft, temperature=temperature,
+                              seeds=torch.arange(N)).num_accepted.double()
+    spread = math.sqrt(exact * (1 - exact) / N)
+    assert abs(float(accepted.mean()) - exact) < 4 * spread
+    assert abs(float(probs.double().mean()) - exact) < 4 * spread
+    assert float(probs.double().var()) < float(accepted.var())
