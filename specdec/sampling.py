@@ -140,18 +140,20 @@ def chain_acceptance_probs(target_logits: torch.Tensor, tokens: torch.Tensor, dr
                            temperature: torch.Tensor, params: "SamplingParams") -> torch.Tensor:
     """(B, T - 1) float32: for chain proposals (node d's parent is node d - 1; target_logits (B, T, V), tokens
     (B, T), draft_logits (B, T, V) or None, temperature (B,)), the probability that token-wise rejection sampling
-    accepts node d's draft token x once the path to it is accepted: min(1, p(x) / q(x)), p the target's processed
-    law at node d - 1, q the drafter's (draft_logits; a given proposal: q(x) = 1). Its mean over the drafter's
-    draws is the level's acceptance rate, as the accept/reject outcome's is, with less chance in it: what the
-    adaptive policy learns sampled requests' rates from. Rows of greedy requests (temperature 0) are meaningless."""
+    accepts level d once the path to it is accepted, with p the target's processed law at node d - 1: for a
+    draft drawn from the drafter's law q there (draft_logits), sum_x min(p(x), q(x)) (the mean over the draw of
+    min(1, p(x) / q(x)), accept's chance for the token drawn); for a given proposal x (no draft_logits), p(x). The
+    accept/reject outcome has the same mean, with more chance in it: the adaptive policy learns sampled requests'
+    rates from these. Rows of greedy requests (temperature 0) are meaningless."""
     t = temperature.clamp(min=1e-6).view(-1, 1, 1)
-    x = tokens[:, 1:].unsqueeze(-1)
 
-    def law_at_drafts(logits):
-        return torch.softmax(params.process(logits[:, :-1].float(), temperature) / t, -1).gather(-1, x).squeeze(-1)
+    def law(logits):
+        return torch.softmax(params.process(logits[:, :-1].float(), temperature) / t, -1)
 
-    p = law_at_drafts(target_logits)
-    return p if draft_logits is None else (p / law_at_drafts(draft_logits).clamp(min=1e-30)).clamp(max=1.0)
+    p = law(target_logits)
+    if draft_logits is None:
+        return p.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.minimum(p, law(draft_logits)).sum(-1).clamp(max=1.0)
 
 
 class SamplingParams(NamedTuple):
