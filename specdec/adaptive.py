@@ -78,8 +78,8 @@ class AcceptanceStats:
         for a request without a match, which says nothing of its drafts' acceptance). acceptance (B, >= depth):
         where not NaN, the probability that level d's draft was to be accepted (`chain_acceptance_probs`: sampled
         requests), each judged level's judgment instead of its accept/reject outcome: the same mean, with less
-        chance in it (two rejections in a row of a level accepted 75% of the time, 6% of such requests, made the
-        sampled loops decode plainly for a while)."""
+        chance in it (a level accepted 75% of the time is rejected twice in a row once in 16 pairs of steps, and
+        such a pair made the sampled loops decode plainly for a while)."""
         if depth == 0:
             return
         self._expected = None

@@ -179,7 +179,7 @@ class SpeculativeDecoder:
         live_host = [b < s.requests for b in range(B)]  # (the padding rows are finished from the start)
         remaining = [max_new_tokens if live else 0 for live in live_host]  # tokens each request may still emit
         skips = 0  # plain-decoding steps in a row
-        sampled = (s.temp > 0).cpu().numpy()
+        sampled = (s.temp > 0).cpu().numpy() if s.judge_probs else None
         while True:
             t_step = time.perf_counter()
             k = None  # the drafter's whole tree
@@ -250,7 +250,7 @@ class SpeculativeDecoder:
         if len(temps) != B or len(seeds) != B:
             raise ValueError("temperature/seed: give one value or one per prompt")
         method = self.method if any(t > 0 for t in temps) else "token"  # (greedy requests: any method is token-wise)
-        # (min(1, p / q) per level is token-wise rejection sampling's acceptance along a chain)
+        # (chain_acceptance_probs is token-wise rejection sampling's acceptance per level of a chain)
         judge_probs = self.adaptive is not None and any(t > 0 for t in temps) and method == "token" and \
             self.drafter.max_nodes == self.drafter.max_depth + 1
         requests = B
