@@ -111,6 +111,30 @@ def test_only_the_most_recent_graph_sets_are_kept(pair, target_and_mtp, monkeypa
     assert CountingGraph.made > made
 
 
+def test_state_signature_sees_shapes_python_values_and_sharing():
+    """Two states of the same structure, shapes and Python values sign alike and list their tensors in the same
+    order (whatever the values); another shape, another Python value (a flag a step branches on), or an object
+    shared where the other state has two, signs differently. Modules sign by identity."""
+    from types import SimpleNamespace
+    module = torch.nn.Linear(2, 2)
+
+    def state(n=3, flag=True, shared=True, width=4):
+        cache = SimpleNamespace(k=torch.randn(2, width), lens=torch.zeros(2, dtype=torch.int32))
+        return ({"cache": cache, "again": cache if shared else SimpleNamespace(**vars(cache)), "flag": flag,
+                 "model": module}, [torch.arange(n), (1, 2.5, "token", None)])
+
+    a_tensors, b_tensors = [], []
+    a, b = state(), state()
+    assert decoding._state_signature(a, a_tensors) == decoding._state_signature(b, b_tensors)
+    assert [t.shape for t in a_tensors] == [t.shape for t in b_tensors] == [(2, 4), (2,), (3,)]
+    assert a_tensors[0] is a[0]["cache"].k and b_tensors[2] is b[1][0]
+    for other in (state(n=4), state(flag=False), state(shared=False), state(width=5)):
+        assert decoding._state_signature(other) != decoding._state_signature(a)
+    with_other_module = state()
+    with_other_module[0]["model"] = torch.nn.Linear(2, 2)
+    assert decoding._state_signature(with_other_module) != decoding._state_signature(a)
+
+
 def test_a_host_drafters_verification_graphs_are_per_width_whatever_the_depth(pair, monkeypatch):
     """Prompt lookup's proposal is as wide as its longest match, so proposals asked for different depths often have
     the same width: they share one graph (and a fixed loop's graphs serve an adaptive one), so that an adaptive loop
