@@ -216,7 +216,7 @@ class SpeculativeDecoder:
                 seconds = time.perf_counter() - t_step
                 if caught_up and ran:  # what the next switch from plain decoding will cost
                     policy.caught_up(k, seconds)
-                judged = {}
+                judged = {}  # (passed only when there are some: a policy of greedy loops needs no such argument)
                 if s.judge_probs and k:  # (sampled requests' levels judged by their acceptance probabilities)
                     probs = np.array(flags[2 * B:], dtype=np.float64).reshape(B, -1) / PROB_SCALE
                     judged["acceptance"] = np.where(sampled[:, None], probs, np.nan)
@@ -298,18 +298,16 @@ class SpeculativeDecoder:
         buffers (the batch's and the drafter's) taking s's values in place, since the graphs read and write them;
         else new graphs for s, kept for later calls."""
         drafter = {} if self.drafter.proposes_on_host else vars(self.drafter)  # (a host drafter's is not read)
-        fresh = (replace(s, requests=0), drafter)  # (how many rows are real requests only the host reads)
-        signature = _state_signature(fresh)
+        tensors = []
+        # (how many rows are real requests only the host reads)
+        signature = _state_signature((replace(s, requests=0), drafter), tensors)
         kept = self._graph_sets.pop(signature, None)
         if kept is None:
-            kept = _GraphSet(_StepGraphs(self.graph_class, s.tokens.device), s, dict(drafter))
+            kept = _GraphSet(_StepGraphs(self.graph_class, s.tokens.device), s, dict(drafter), tensors)
             while len(self._graph_sets) >= KEPT_GRAPH_SETS:
                 del self._graph_sets[next(iter(self._graph_sets))]  # the least recently used
         else:
-            kept_tensors, fresh_tensors = [], []
-            _state_signature((kept.batch, kept.drafter), kept_tensors)
-            _state_signature(fresh, fresh_tensors)
-            for buf, x in zip(kept_tensors, fresh_tensors):
+            for buf, x in zip(kept.tensors, tensors):
                 # (an expanded view is a constant, a tree's structure: it cannot be written, and needs not be)
                 if buf is not x and not any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
                     buf.copy_(x)
@@ -516,6 +514,7 @@ class _GraphSet:
     graphs: _StepGraphs
     batch: _Batch
     drafter: dict
+    tensors: list  # the state's tensors in signature order (never replaced: the graphs read them)
 
 
 def _state_signature(obj, tensors: Optional[list] = None, _seen: Optional[dict] = None) -> tuple:
