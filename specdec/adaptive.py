@@ -24,6 +24,7 @@ Any k is lossless: a greedy output never depends on the choices.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional, Sequence, Union
 
@@ -65,6 +66,10 @@ class AcceptanceStats:
         self.weight = np.zeros((batch_size, max_depth))
         self.decay = decay
         self._expected: Optional[np.ndarray] = None  # expected_tokens, until the next judgment
+        # (K - 1,): the prior's ratio between depths d + 1 and d, trusted as its weights at both allow (predicted)
+        shape = np.minimum(self.prior_weight[1:], self.prior_weight[:-1])
+        shape = shape / (shape + 2)
+        self._prior_ratio = 1 + shape * (self.prior[1:] / np.maximum(self.prior[:-1], 1e-6) - 1)
 
     @property
     def alpha(self) -> np.ndarray:
@@ -104,18 +109,17 @@ class AcceptanceStats:
         allow (1 where either is a guess)."""
         most = 1 / (1 - self.decay)
         c = self.PRIOR_JUDGMENTS
-        trust = self.weight / (self.weight + c) * (most + c) / most
-        shape = np.minimum(self.prior_weight[1:], self.prior_weight[:-1])
-        shape = shape / (shape + 2)
-        ratio = 1 + shape * (self.prior[1:] / np.maximum(self.prior[:-1], 1e-6) - 1)
-        alpha = self.alpha
-        out = np.empty_like(alpha)
-        below = np.broadcast_to(self.prior[0], alpha.shape[:1])
-        for d in range(alpha.shape[1]):
-            out[:, d] = trust[:, d] * alpha[:, d] + (1 - trust[:, d]) * below
-            if d + 1 < alpha.shape[1]:
-                below = np.clip(out[:, d] * ratio[d], 0.0, 1.0)
-        return out
+        trust = (self.weight / (self.weight + c) * ((most + c) / most)).T  # (K, B): a row per depth
+        own = trust * self.alpha.T
+        rest = 1 - trust
+        ratio = self._prior_ratio
+        out = np.empty_like(own)
+        below = self.prior[0]
+        for d in range(len(out)):
+            out[d] = own[d] + rest[d] * below
+            if d + 1 < len(out):  # (never below 0: trust, alpha and the ratio are not negative)
+                below = np.minimum(out[d] * ratio[d], 1.0)
+        return out.T
 
     def expected_tokens(self) -> np.ndarray:
         """(B, K + 1): request b's expected emitted tokens of a step drafting k = 0..K levels,
@@ -192,12 +196,19 @@ class AdaptiveDepth:
         # the seconds the drafter's last catch-up took beyond its step (caught_up; the batch size's, as measured_s)
         self.catch_up_s = previous.catch_up_s if same_size else 0.0
         self.available: Optional[np.ndarray] = None  # (B,) the levels each request can be proposed (choose)
+        self._deepest: Optional[int] = None  # available's maximum (None: any)
+        self._step_s: Optional[np.ndarray] = None  # step_s, until the costs behind it change
+        self._drafting = np.arange(max_depth + 1) > 0
         self.chosen = [0] * (max_depth + 1)  # steps per depth (the summary's "depth_chosen")
 
     def step_s(self) -> np.ndarray:
-        """(K + 1,): the expected seconds of a step drafting k levels: as measured, or from the model."""
-        model = self.target_s + np.arange(len(self.target_s)) * (self.draft_level_s or 0.0) + self.overhead_s
-        return np.where(np.isnan(self.measured_s), model, self.measured_s)
+        """(K + 1,): the expected seconds of a step drafting k levels: as measured, or from the model. (Kept
+        until a step's time is learnt: the policy's host work, a few dozen small NumPy calls a step, was 5% of a
+        prompt lookup step at batch 1.)"""
+        if self._step_s is None:
+            model = self.target_s + np.arange(len(self.target_s)) * (self.draft_level_s or 0.0) + self.overhead_s
+            self._step_s = np.where(np.isnan(self.measured_s), model, self.measured_s)
+        return self._step_s
 
     def choose(self, live: Sequence[bool], remaining: Optional[Sequence[int]] = None,
                available: Union[None, Sequence[int], Callable[[], Sequence[int]]] = None,
@@ -216,13 +227,14 @@ class AdaptiveDepth:
         # proposal has m < k levels is depth m with some requests' tokens cut), so where plain decoding beats every
         # depth, offered or not, with any proposals, it is the choice without asking (prompt lookup's lookups cost 1-2%
         # of a plain step at a batch of 16, and a batch that saturates compute decodes plainly almost every step)
-        self.available = None
+        self.available, self._deepest = None, None
         speed = self._speed(tokens, alive, remaining, switch_s)
         probe_due = self.idle + 1 >= self.probe_wait and not lagging
         if available is not None and (self._pays(speed) or probe_due):
             available = available() if callable(available) else available
             if available is not None:
                 self.available = np.minimum(np.asarray(available), K)
+                self._deepest = int(self.available.max(initial=0))
                 speed = self._speed(tokens, alive, remaining, switch_s)
         speed = np.where(self.allowed, speed, -1.0)  # the depths offered
         k = int(speed[1:].argmax()) + 1 if self._pays(speed) else 0
@@ -261,12 +273,11 @@ class AdaptiveDepth:
         if remaining is None:
             return tokens.sum(0) / step
         left = np.asarray(remaining, dtype=np.float64)[alive][:, None]
-        switch = np.where(np.arange(len(step)) > 0, switch_s, 0.0)
-        return 1 / (step * np.maximum(left / tokens, 1).max(0) + switch)
+        return 1 / (step * np.maximum(left / tokens, 1).max(0) + switch_s * self._drafting)
 
     def _width(self, depth: int) -> int:
         """The levels a proposal asked for `depth` levels has (the deepest request's)."""
-        return depth if self.available is None else min(depth, int(self.available.max(initial=0)))
+        return depth if self._deepest is None else min(depth, self._deepest)
 
     def caught_up(self, depth: int, seconds: float) -> None:
         """A step of `depth` levels whose drafter first caught up on what it lagged behind (`Drafter.catch_up`)
@@ -280,6 +291,7 @@ class AdaptiveDepth:
             return
         per_level = seconds / depth
         self.draft_level_s = per_level if self.draft_level_s is None else 0.8 * self.draft_level_s + 0.2 * per_level
+        self._step_s = None
 
     def judged(self, accepted: Sequence[int], proposed: Sequence[int]) -> None:
         """Judgments of proposals nobody drafted (`Drafter.shadow`): request b's `proposed[b]` levels (0: none), of
@@ -304,10 +316,11 @@ class AdaptiveDepth:
         self.idle, self.drafting_run = (self.idle + 1, 0) if depth == 0 else (0, self.drafting_run + 1)
         if seconds is None:  # a step that compiled or captured its graph: its time says nothing of the next ones
             return
-        last = self.measured_s[depth]
-        if not np.isnan(last):  # a pause of the machine (a garbage collection, another process) is not the depth's cost
+        self._step_s = None
+        last = float(self.measured_s[depth])
+        if not math.isnan(last):  # a pause of the machine (a garbage collection, another process) is not the depth's cost
             seconds = min(seconds, 2 * last)
-        self.measured_s[depth] = seconds if np.isnan(last) else 0.8 * last + 0.2 * seconds
+        self.measured_s[depth] = seconds if math.isnan(last) else 0.8 * last + 0.2 * seconds
         residual = seconds - float(self.target_s[depth])
         if drafting_timed or depth == 0:
             self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(residual - depth * (self.draft_level_s or 0.0), 0.0)

@@ -206,6 +206,28 @@ def test_a_lagging_drafter_drafts_only_where_its_catch_up_pays():
     assert AdaptiveDepth(2, 2, [1.0, 1.2, 1.4], previous=trained()).catch_up_s == 0
 
 
+def test_step_costs_follow_every_cost_learnt_between_choices():
+    """step_s is kept between choices (the policy's host work is a few percent of a cheap step): whatever a step
+    teaches, a drafting level's time (drafted, or a compiled step's residual), the overhead or a depth's measured
+    time, the next choice's costs are the model's and the measurements as they stand now."""
+    def expected(policy):
+        model = policy.target_s + np.arange(5) * (policy.draft_level_s or 0.0) + policy.overhead_s
+        return np.where(np.isnan(policy.measured_s), model, policy.measured_s)
+
+    rng = np.random.default_rng(0)
+    policy = AdaptiveDepth(1, 4, [1.0, 1.1, 1.2, 1.3, 1.4])
+    for step in range(40):
+        k = policy.choose([True], [100])
+        np.testing.assert_allclose(policy.step_s(), expected(policy))
+        if k and step % 3:
+            policy.drafted(k, 0.05 * k * rng.uniform(0.5, 2))
+            np.testing.assert_allclose(policy.step_s(), expected(policy))
+        k = int(rng.integers(0, 5))  # (the loop may run another depth than chosen)
+        policy.update([k], k, [True], 1.0 + 0.2 * k * rng.uniform(0.5, 2), drafting_timed=bool(step % 2))
+        np.testing.assert_allclose(policy.step_s(), expected(policy))
+    assert not np.isnan(policy.measured_s).any() and policy.draft_level_s > 0
+
+
 def test_one_slow_step_moves_a_measured_cost_by_at_most_a_fifth():
     """A step 60 times slower than usual (the machine paused) counts as at most twice the cost measured so far: an
     inflated plain-step cost would make drafting look cheap, and a policy that then drafts never measures it again."""
