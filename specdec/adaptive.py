@@ -77,10 +77,13 @@ class AcceptanceStats:
         return np.where(self.weight > 0, self.hits / np.maximum(self.weight, 1e-12), self.prior)
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool],
-               proposed: Optional[np.ndarray] = None, acceptance: Optional[np.ndarray] = None) -> None:
+               proposed: Optional[np.ndarray] = None, acceptance: Optional[np.ndarray] = None,
+               since: Optional[np.ndarray] = None) -> None:
         """A step that drafted `depth` levels accepted num_accepted[b] draft tokens of live request b.
         proposed (B,): the levels each request's proposal had (None: depth each; prompt lookup proposes nothing
-        for a request without a match, which says nothing of its drafts' acceptance). acceptance (B, >= depth):
+        for a request without a match, which says nothing of its drafts' acceptance). since (B,): levels judged
+        before, skipped (a proposal judged level by level as its tokens come, `AdaptiveDepth.judged`; None: none).
+        acceptance (B, >= depth):
         where not NaN, the probability that level d's draft was to be accepted (`chain_acceptance_probs`: sampled
         requests), each judged level's judgment instead of its accept/reject outcome: the same mean, with less
         chance in it (a level accepted 75% of the time is rejected twice in a row once in 16 pairs of steps, and
@@ -93,6 +96,8 @@ class AcceptanceStats:
         reached = (n >= d - 1) & np.asarray(live, dtype=bool)[:, None]  # the depth-d draft was judged
         if proposed is not None:
             reached &= d <= proposed[:, None]
+        if since is not None:
+            reached &= d > since[:, None]
         outcome = (n >= d).astype(np.float64)
         if acceptance is not None:
             probs = np.asarray(acceptance, dtype=np.float64)[:, :depth]
@@ -293,13 +298,15 @@ class AdaptiveDepth:
         self.draft_level_s = per_level if self.draft_level_s is None else 0.8 * self.draft_level_s + 0.2 * per_level
         self._step_s = None
 
-    def judged(self, accepted: Sequence[int], proposed: Sequence[int]) -> None:
-        """Judgments of proposals nobody drafted (`Drafter.shadow`): request b's `proposed[b]` levels (0: none), of
-        which the first accepted[b] were right. The rates learn from them as from drafted steps, and while they come
-        no probe is due (a probe drafts to learn what they tell for free)."""
+    def judged(self, accepted: Sequence[int], proposed: Sequence[int], since: Optional[Sequence[int]] = None) -> None:
+        """Judgments of proposals nobody drafted (`Drafter.shadow`): levels since[b] + 1 .. proposed[b] of request b's
+        (since None: from the first), of which the first accepted[b] were right. The rates learn from them as from
+        drafted steps, and while they come no probe is due (a probe drafts to learn what they tell for free)."""
         proposed = np.asarray(proposed)
-        if proposed.any():
-            self.stats.update(accepted, int(proposed.max()), proposed > 0, proposed)
+        since = np.zeros_like(proposed) if since is None else np.asarray(since)
+        new = proposed > since
+        if new.any():
+            self.stats.update(accepted, int(proposed.max()), new, proposed, since=since)
             self.idle = 0
 
     def update(self, num_accepted: Sequence[int], depth: int, live: Sequence[bool], seconds: Optional[float],

@@ -43,9 +43,10 @@ class Scripted:
         if acceptance is not None:
             assert np.all(np.isnan(acceptance) | ((acceptance >= 0) & (acceptance <= 1)))
 
-    def judged(self, accepted, proposed):
-        assert all(0 <= a <= p <= self.max_depth for a, p in zip(accepted, proposed))
-        self.judgments = getattr(self, "judgments", 0) + sum(p > 0 for p in proposed)
+    def judged(self, accepted, proposed, since):
+        assert all(0 <= s <= a <= p <= self.max_depth and p <= a + 1
+                   for a, p, s in zip(accepted, proposed, since) if p > s)
+        self.judgments = getattr(self, "judgments", 0) + sum(p > s for p, s in zip(proposed, since))
 
 
 def scripted(script):
@@ -339,42 +340,63 @@ def test_proposals_are_looked_up_only_where_the_choice_depends_on_them():
 
 def test_prompt_lookup_judges_the_proposals_nobody_drafted():
     """NgramDrafter.shadow, called on plain steps while the sequences grow (by one token, or by several: steps that
-    drafted in between), reports for each recorded proposal the count of its leading tokens the sequence then
-    had, as a drafted step of that proposal would have accepted: against a reference that records the scan's
-    proposal (`lookup`) whenever a request has none pending and judges it once a wrong token or all its tokens are
-    in. Small vocabulary: proposals at every depth, right and wrong."""
+    drafted in between), judges each recorded proposal level by level as the sequence grows: the levels whose token
+    is in, up to the first wrong one, each reported once, with the count of leading tokens that were right, as a
+    drafted step of that proposal would have accepted them. Against a reference that records the scan's proposal
+    (`lookup`) whenever a request has none pending and drops it once a wrong token or all its tokens are in. Small
+    vocabulary: proposals at every depth, right and wrong."""
     gen = torch.Generator().manual_seed(1)
     B, L, K = 4, 200, 5
     tokens = torch.randint(0, 3, (B, L), generator=gen)
     seq_lens = torch.randint(2, 20, (B,), generator=gen)
     drafter = NgramDrafter(num_tokens=K)
     drafter.start(tokens, seq_lens)
-    pending, counts = [None] * B, np.zeros((K + 1, K + 1), dtype=int)  # (proposed, accepted) pairs seen
+    pending, counts, partial = [None] * B, np.zeros((K + 1, K + 1), dtype=int), 0  # (proposed, accepted) judged
     for _ in range(60):
-        want = [(0, 0)] * B
+        want = [(0, 0, 0)] * B
         for b, n in enumerate(seq_lens.tolist()):
             if pending[b] is not None:
-                pos, cont = pending[b]
+                pos, cont, reported = pending[b]
                 seen = tokens[b, pos:min(n, pos + len(cont))].tolist()
                 right = 0
                 while right < len(seen) and seen[right] == cont[right]:
                     right += 1
-                if right < len(seen) or right == len(cont):
-                    want[b], pending[b] = (right, len(cont)), None
+                known = right + 1 if right < len(seen) else right
+                if known > reported:
+                    want[b] = (right, known, reported)
+                    partial += known < len(cont) and right == known
+                pending[b] = None if right < len(seen) or right == len(cont) else (pos, cont, known)
             if pending[b] is None:
                 cont = drafter.lookup(tokens[b, :n]).tolist()
-                pending[b] = (n, cont) if cont else None
-        accepted, proposed = drafter.shadow(tokens, seq_lens)
-        assert list(zip(accepted, proposed)) == want
-        for a, p in want:
+                pending[b] = (n, cont, 0) if cont else None
+        accepted, proposed, since = drafter.shadow(tokens, seq_lens)
+        assert list(zip(accepted, proposed, since)) == want
+        for a, p, _ in want:
             counts[p, a] += p > 0
         seq_lens = (seq_lens + torch.where(torch.rand(B, generator=gen) < 0.7, 1, 4)).clamp(max=L)
-    assert counts[:, 0].sum() > 10 and counts[1:, 1:].sum() > 10 and np.trace(counts[1:, 1:]) > 0
+    assert counts[:, 0].sum() > 10 and counts[1:, 1:].sum() > 10 and np.trace(counts[1:, 1:]) > 0 and partial > 5
     # a batch of 8 judges on every second call (about 4 requests' judgments per step: the cost stays a small part of
     # the step as the batch grows), the first call included
     wide = NgramDrafter(num_tokens=K)
     wide.start(tokens.repeat(2, 1), seq_lens.repeat(2))
     assert [wide.shadow(tokens.repeat(2, 1), seq_lens.repeat(2)) is not None for _ in range(6)] == [True, False] * 3
+
+
+def test_judgments_level_by_level_add_up_to_the_whole_proposals():
+    """A proposal judged in parts (AdaptiveDepth.judged with `since`) teaches the rates what one judgment of it all
+    teaches: levels 1-2 right, then level 3 right and 4 wrong, equal levels 1-3 right and 4 wrong at once (with no
+    decay between: the same counts); a part already judged is not counted again."""
+    costs = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
+    whole, parts = AdaptiveDepth(2, 5, costs), AdaptiveDepth(2, 5, costs)
+    whole.stats.decay = parts.stats.decay = 1.0
+    whole.judged([3, 5], [4, 5])
+    parts.judged([2, 1], [2, 1], [0, 0])
+    parts.judged([3, 3], [4, 3], [2, 1])
+    parts.judged([3, 5], [4, 5], [4, 3])
+    parts.judged([3, 5], [4, 5], [4, 5])  # (nothing new)
+    np.testing.assert_allclose(parts.stats.hits, whole.stats.hits)
+    np.testing.assert_allclose(parts.stats.weight, whole.stats.weight)
+    np.testing.assert_allclose(whole.stats.weight[0], [1, 1, 1, 1, 0])
 
 
 def test_judgments_of_undrafted_proposals_teach_the_rates_and_replace_probes():

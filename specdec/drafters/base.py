@@ -103,11 +103,13 @@ class Drafter:
     def shadow(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[list, list]]:
         """On a plain-decoding step of an adaptive loop, outside any graph: judge the proposals that earlier calls
         recorded but nobody drafted against the tokens committed since, and record what would be proposed now.
-        Returns (accepted, proposed) per request: of the `proposed` levels of request b's judged proposal (0: none
-        judged now), the first `accepted` were what the target emitted, exactly the count a drafted step would have
-        accepted (a deterministic draft token x is accepted with probability p(x), the chance plain sampling emits
-        it). None: nothing judged now (the default: proposals cost a model's forward, and the policy learns from
-        drafted steps alone)."""
+        Returns (accepted, proposed, since) per request: levels since[b] + 1 .. proposed[b] of request b's recorded
+        proposal are judged now (none where proposed[b] <= since[b]; the earlier ones were judged by earlier calls),
+        and its first accepted[b] levels were what the target emitted: a level is judged once the target's token at
+        it is in or an earlier one was wrong, with exactly the outcome a drafted step would have given it (a
+        deterministic draft token x is accepted with probability p(x), the chance plain sampling emits it). None:
+        nothing judged now (the default: proposals cost a model's forward, and the policy learns from drafted steps
+        alone)."""
         return None
 
     # set by advance: the next step's proposal first runs the tokens of skipped steps through the drafter (a one-off

@@ -50,7 +50,7 @@ class NgramDrafter(Drafter):
 
     def start(self, tokens, seq_lens, *args, **kwargs):
         self._index = [_NgramIndex(range(self.min_ngram, self.max_ngram + 1)) for _ in range(tokens.shape[0])]
-        self._shadows = [None] * tokens.shape[0]  # per request: (position, continuation) recorded by shadow, unjudged
+        self._shadows = [None] * tokens.shape[0]  # per request: (position, continuation, levels judged) by shadow
         self._shadow_calls = -1  # (the first call works)
         # the prompts are indexed here, with the prompts' prefill, not in the first step: an adaptive policy times the
         # steps, and at a batch of 16 this is a plain step's time again
@@ -88,26 +88,31 @@ class NgramDrafter(Drafter):
         return [index.continuation(self.max_ngram, self.min_ngram, self.num_tokens) for index in self._index]
 
     def shadow(self, tokens, seq_lens):
-        """(Drafter.shadow) One recorded proposal per request at a time: a request's next is recorded once its last is
-        judged (at its first wrong token, or when all its tokens were right). It works on one call in B // 4 (about
-        4 requests' judgments per step): each call costs the index's extension, a judgment per request and the
-        policy's predictions anew, 3% of a plain step at a batch of 16 on a CPU when done every step."""
+        """(Drafter.shadow) One recorded proposal per request at a time, judged level by level as its tokens come
+        (a proposal that the text repeats is known right after its first level, not once all its levels are in) and
+        replaced by the next once its fate is known (at its first wrong token, or when all its tokens were right). It
+        works on one call in B // 4 (about 4 requests' judgments per step): each call costs the index's extension, a
+        judgment per request and the policy's predictions anew, 3% of a plain step at a batch of 16 on a CPU when done
+        every step."""
         self._shadow_calls += 1
         if self._shadow_calls % max(len(self._index) // 4, 1):
             return None
         self._extend_index(tokens, seq_lens)
-        accepted, proposed = [0] * len(self._index), [0] * len(self._index)
+        B = len(self._index)
+        accepted, proposed, since = [0] * B, [0] * B, [0] * B
         for b, index in enumerate(self._index):
             if self._shadows[b] is not None:
-                position, cont = self._shadows[b]
+                position, cont, reported = self._shadows[b]
                 emitted = index.seq[position:position + len(cont)]
                 right = next((i for i, (x, y) in enumerate(zip(emitted, cont)) if x != y), len(emitted))
-                if right < len(emitted) or right == len(cont):
-                    accepted[b], proposed[b], self._shadows[b] = right, len(cont), None
+                known = min(right + 1, len(emitted))  # the levels whose fate is known: up to the first wrong one
+                if known > reported:
+                    accepted[b], proposed[b], since[b] = right, known, reported
+                self._shadows[b] = None if known == len(cont) or right < len(emitted) else (position, cont, known)
             if self._shadows[b] is None:
                 cont = index.continuation(self.max_ngram, self.min_ngram, self.num_tokens)
-                self._shadows[b] = (len(index.seq), cont) if cont else None
-        return accepted, proposed
+                self._shadows[b] = (len(index.seq), cont, 0) if cont else None
+        return accepted, proposed, since
 
     def depths_available(self, tokens, seq_lens):
         return [len(c) for c in self._continuations(tokens, seq_lens)]
