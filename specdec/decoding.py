@@ -285,6 +285,7 @@ class SpeculativeDecoder:
                        judge_probs)
         # the last prompt token is the first root; a drafter on the target's features gets its hidden states
         hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
+        self.drafter.few_shapes = bool(self.compile or self.graph_class)  # (per call: a drafter may serve two loops)
         self.drafter.start(tokens, s.seq_lens, L, temp, seeds, params,
                            **({"target_hidden": hidden} if self.features else {}))
         if self.drafter.lagging and self.adaptive is None:  # (an adaptive loop that never drafts never needs it)

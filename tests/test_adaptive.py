@@ -575,6 +575,7 @@ def test_pending_width_after_skips_takes_two_values(pair, target_and_mtp):
     for target, drafter in ((pair[0], DraftModelDrafter(pair[1], "chain:3")),
                             (target_and_mtp[0], MTPDrafter(*target_and_mtp, "chain:3"))):
         SpeculativeDecoder(target, drafter).generate(PROMPTS[:1], 2)  # (a started drafter)
+        drafter.few_shapes = True  # (as a compiled or captured loop sets it)
         keys = []
         for run in (0, 1, 3, MAX_SKIPS, 0):
             for _ in range(run):
@@ -593,6 +594,26 @@ def test_pending_width_after_skips_takes_two_values(pair, target_and_mtp):
             assert drafter.lagging and not drafter.catching_up
             drafter.advance(2)
             assert drafter.graph_key() == (drafter.min_pending,) and drafter.catching_up
+
+
+def test_eager_mtp_runs_only_the_pending_entries_its_last_depth_left(target_and_mtp, monkeypatch):
+    """MTP's pending entries are the last drafted step's accepted path and bonus token: an eager loop runs as many as
+    that step's depth + 1 (plus the padding of the skipped steps' after a run of them), not the deepest step's
+    always; output AR's (the heads' cache after such steps is checked in test_mtp_cache_after_skipped_steps...)."""
+    from specdec.drafters.base import MAX_SKIPS
+    target, mtp = target_and_mtp
+    drafter = MTPDrafter(target, mtp, "chain:3")
+    widths = []
+    root_logits = MTPDrafter._root_logits
+
+    def recording(self, tokens, seq_lens):
+        widths.append(self.pending_width)
+        return root_logits(self, tokens, seq_lens)
+
+    monkeypatch.setattr(MTPDrafter, "_root_logits", recording)
+    out = SpeculativeDecoder(target, drafter, adaptive=scripted((3, 1, 0, 0, 2, 3, 3))).generate(PROMPTS[:1], 24)
+    assert out.tokens == generate_ar(target, PROMPTS[:1], 24).tokens
+    assert widths[:6] == [1, 4, 2 + MAX_SKIPS, 3, 4, 4]
 
 
 @pytest.mark.parametrize("kind", ["draft", "mtp", "ngram"])

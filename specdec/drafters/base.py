@@ -63,6 +63,9 @@ class Drafter:
     proposes_on_host: bool = False
     # the most steps in a row without a proposal it takes (None: any number)
     max_skips: Optional[int] = None
+    # set by the loop before start: its steps are compiled or captured as graphs, so keep the shapes of a step to a
+    # few (each is a graph), padding where an eager step would not
+    few_shapes: bool = False
 
     def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
               seeds: Sequence[int], params: SamplingParams = SamplingParams()) -> None:

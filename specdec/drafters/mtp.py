@@ -41,11 +41,13 @@ class MTPDrafter(DraftModelDrafter):
 
     def start(self, tokens, seq_lens, max_len, temperature, seeds, params=SamplingParams(), *, target_hidden):
         B, dev = tokens.shape[0], tokens.device
+        self._last_depth = 0  # (the prompt leaves the root's entry alone)
         self._start_sampling(temperature, seeds, params, dev)
         cfg = dataclasses.replace(self.model.cfg, n_layers=1)
         self.cache = KVCache(cfg, B, max_len + max(self.num_fed, self.max_pending) + 2 + MAX_SKIPS,
                              dtype=self.kv_dtype or self.model.dtype, device=dev)
-        self.pending_tree = chain_tree(B, self.max_pending, device=dev)
+        # width -> its chain (_root_logits); a compiled or captured step's widths built here, outside any graph
+        self.pending_trees = {w: chain_tree(B, w, device=dev) for w in (self.max_pending, self.max_pending + MAX_SKIPS)}
         h = self.model.model.norm(target_hidden)  # (B, n_max - 1, dim): positions 0 .. seq_lens - 2
         lengths = (seq_lens - 2).clamp(min=0).to(torch.int32)  # positions 0 .. n-3 are committed now
         for c0, T, n, tree in self.model.prefill_chunks(lengths, PREFILL_CHUNK):
@@ -59,7 +61,16 @@ class MTPDrafter(DraftModelDrafter):
 
     @property
     def min_pending(self):
-        return self.max_pending
+        """The entries a drafted step leaves: its accepted path and the bonus token's, as many as its depth + 1.
+        Loops whose steps are compiled or captured (`few_shapes`) take the deepest step's always (the width is part
+        of the graph key); an eager adaptive loop's shallow steps run no padding (at batch 1 on a CPU, 9 entries
+        where a depth-3 step left 4 were 3% of the step)."""
+        return self.max_pending if self.few_shapes else self._last_depth + 1
+
+    def advance(self, depth):
+        super().advance(depth)  # (the width from the depth of the last drafted step)
+        if depth != 0:
+            self._last_depth = self.max_depth if depth is None else depth
 
     def _run(self, tokens, hidden, depth, mask, num_nodes=None, start=0):
         """The module over new tree nodes tokens (B, F) conditioned on hidden (B, F, dim) (post-norm)."""
@@ -72,7 +83,9 @@ class MTPDrafter(DraftModelDrafter):
         B, P, c = tokens.shape[0], self.pending_width, self.num_pending  # (wider after skipped steps)
         idx = (self.cache.lens.long().unsqueeze(1) + 1 + torch.arange(P, device=tokens.device))
         pend = tokens.gather(1, idx.clamp(max=tokens.shape[1] - 1))
-        chain = self.pending_tree if P == self.max_pending else chain_tree(B, P, device=tokens.device)
+        chain = self.pending_trees.get(P)
+        if chain is None:  # (an eager loop's)
+            chain = self.pending_trees[P] = chain_tree(B, P, device=tokens.device)
         out = self._run(pend, self.pending[:, :P], chain.depth, chain.mask, c.clamp(min=1))
         at = (c.long() - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, out.shape[-1])
         root_out = out.gather(1, at)
