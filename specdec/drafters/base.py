@@ -103,7 +103,7 @@ class Drafter:
         default): every request gets the depth asked for."""
         return None
 
-    def shadow(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[list, list]]:
+    def shadow(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[list, list, list]]:
         """On a plain-decoding step of an adaptive loop, outside any graph: judge the proposals that earlier calls
         recorded but nobody drafted against the tokens committed since, and record what would be proposed now.
         Returns (accepted, proposed, since) per request: levels since[b] + 1 .. proposed[b] of request b's recorded
