@@ -81,13 +81,12 @@ class AcceptanceStats:
                since: Optional[np.ndarray] = None) -> None:
         """A step that drafted `depth` levels accepted num_accepted[b] draft tokens of live request b.
         proposed (B,): the levels each request's proposal had (None: depth each; prompt lookup proposes nothing
-        for a request without a match, which says nothing of its drafts' acceptance). since (B,): levels judged
-        before, skipped (a proposal judged level by level as its tokens come, `AdaptiveDepth.judged`; None: none).
-        acceptance (B, >= depth):
+        for a request without a match, which says nothing of its drafts' acceptance). acceptance (B, >= depth):
         where not NaN, the probability that level d's draft was to be accepted (`chain_acceptance_probs`: sampled
         requests), each judged level's judgment instead of its accept/reject outcome: the same mean, with less
         chance in it (a level accepted 75% of the time is rejected twice in a row once in 16 pairs of steps, and
-        such a pair made the sampled loops decode plainly for a while)."""
+        such a pair made the sampled loops decode plainly for a while). since (B,): the levels judged before,
+        skipped (a proposal judged level by level as its tokens come, `AdaptiveDepth.judged`; None: none)."""
         if depth == 0:
             return
         self._expected = None
