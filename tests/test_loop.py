@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from specdec.decoding import SpeculativeDecoder, batch_bucket, generate_ar
-from specdec.drafters import DraftModelDrafter, NgramDrafter, parse_tree
+from specdec.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, parse_tree
 from specdec.cli import ASSETS, main as cli_main
 from specdec.models.hf import load_model, save_model
 from specdec.models.llama import Llama, LlamaConfig
@@ -412,6 +412,28 @@ def test_cli_json(capsys, byte_pair):
     assert len(r["acceptance_by_depth"]) == 2 and r["tokens_per_step"] >= 1.0
 
 
+def test_cli_passes_alternate_and_report_the_fastest(capsys, byte_pair, monkeypatch):
+    """--passes 3 --compare-ar: after the warm-up, speculative and plain passes alternate, and each reports its
+    fastest pass (the summaries' speeds are made up here, so that the fastest is known)."""
+    calls, speeds = [], iter([5.0, 7.0, 9.0, 3.0, 6.0, 8.0])
+    generate = SpeculativeDecoder.generate
+
+    def timed(self, prompts, max_new_tokens, *args, **kwargs):
+        out = generate(self, prompts, max_new_tokens, *args, **kwargs)
+        if max_new_tokens == 6:  # (not the warm-up's)
+            calls.append("ar" if isinstance(self.drafter, NoDrafter) else "spec")
+            out.summary["tokens_per_s"] = next(speeds)
+        return out
+    monkeypatch.setattr(SpeculativeDecoder, "generate", timed)
+    rc, out, _ = run_cli(capsys, "--prompt", "def f(x):", "--target", str(byte_pair / "target"), "--draft",
+                         str(byte_pair / "draft"), "--max-new-tokens", "6", "--compare-ar", "--passes", "3", "--json")
+    assert rc == 0
+    r = json.loads(out)
+    assert calls == ["spec", "ar"] * 3
+    assert r["passes"] == 3 and r["spec_tokens_per_s"] == 9.0 and r["ar_tokens_per_s"] == 8.0 and r["identical"]
+    assert r["speedup"] == pytest.approx(9 / 8)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target", "/nonexistent/folder"], "does not exist"),
     (["--draft", "{root}/other_vocab"], "vocab mismatch"),
@@ -421,6 +443,7 @@ def test_cli_json(capsys, byte_pair):
     (["--method", "traversal", "--tree", "dynamic:6,3,2"], "method: 'traversal' needs a drafter"),
     (["--method", "traversal", "--drafter", "ngram"], "method: 'traversal' needs a drafter"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--passes", "0"], "--passes"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "--top-p"),
     (["--min-p", "1"], "--min-p"),
