@@ -16,10 +16,11 @@ where it speeds up the requests that bound the batch, not where it makes the fas
 `remaining`, as for a server whose finished requests are replaced at once, it maximizes the batch's tokens per
 second.) A drafting depth must be expected to go `margin` (5%) faster than plain decoding, as a guard against the
 error of its prediction. When the choice is 0 for a while it drafts once anyway (a probe: the best k > 0), so
-that text which starts repeating itself is noticed; a probe that changes nothing doubles the wait for the next
-one (probe_every steps, up to 4 times that). A drafter whose proposals are cheap and deterministic (prompt
-lookup) needs no probe: while the loop decodes plainly, what it would have proposed is judged against the tokens
-that follow (`Drafter.shadow`, `AdaptiveDepth.judged`), exactly as a drafted step would have judged it.
+that text which starts repeating itself is noticed; a probe whose drafts were all accepted is repeated at the next
+step, any other that changes nothing doubles the wait for the next one (probe_every steps, up to 4 times that).
+A drafter whose proposals are cheap and deterministic (prompt lookup) needs no probe: while the loop decodes
+plainly, what it would have proposed is judged against the tokens that follow (`Drafter.shadow`,
+`AdaptiveDepth.judged`), exactly as a drafted step would have judged it.
 Any k is lossless: a greedy output never depends on the choices.
 """
 from __future__ import annotations
@@ -140,10 +141,12 @@ class AcceptanceStats:
         requests' own rates where 2 or more were judged (a batch lasts as long as its slowest request, and with the
         mean for every new request a batch of 16 looked as if all would accept their draft models' first levels at
         0.89, where its slowest accepted 0.5: the drafting that cost looked a 14% gain). The weight: the judgments',
-        at most two requests' worth (rates drift: a new batch should soon outweigh it)."""
+        at most two requests' worth (rates drift: a new batch should soon outweigh it). The prior counts as
+        PRIOR_JUDGMENTS judgments more than stand behind it: a rate of a few judgments is not known to be 0 or 1 (one
+        rejection in the CLI's warm-up, 4 tokens, passed on a rate of 0 to the call it warmed up)."""
         total = self.weight.sum(0) + self.prior_weight
-        judged = self.hits.sum(0) + self.prior_weight * self.prior
-        rates = np.where(total > 0, judged / np.maximum(total, 1e-12), self.prior)
+        pseudo = self.prior_weight + self.PRIOR_JUDGMENTS
+        rates = (self.hits.sum(0) + pseudo * self.prior) / (self.weight.sum(0) + pseudo)
         if batch_size > 1:
             own = np.where(self.weight > 0, self.alpha, np.nan)
             several = (self.weight > 0).sum(0) >= 2
@@ -188,6 +191,14 @@ class AdaptiveDepth:
         self.draft_level_s: Optional[float] = None if previous is None else previous.draft_level_s
         self.overhead_s = 0.0 if previous is None else previous.overhead_s
         self.probe_every, self.probe_wait, self.probed = probe_every, probe_every, False
+        self._reprobe = False  # the last step was a probe whose drafts were all accepted
+        # the tokens a step would emit at the usual acceptance, what a probe tests for (1, K + 1): the prior's rates as
+        # far as judgments stand behind them (prior_weight), else the best case, every draft accepted. A prior of a
+        # few judgments that says drafting does not pay (the CLI's warm-up, 4 tokens, rejected the draft model's
+        # first draft once) would otherwise keep the policy from ever drafting to learn that it does
+        c = AcceptanceStats.PRIOR_JUDGMENTS
+        trusted = self.stats.prior_weight / (self.stats.prior_weight + c)
+        self._usual_tokens = _expected_tokens((trusted * self.stats.prior + (1 - trusted))[None])
         self.margin = margin
         self.idle, self.drafting_run = 0, 0  # plain steps in a row, drafted steps in a row
         # the measured seconds of a step per depth (NaN: none timed yet), which replace the model's estimate: the
@@ -233,7 +244,11 @@ class AdaptiveDepth:
         # of a plain step at a batch of 16, and a batch that saturates compute decodes plainly almost every step)
         self.available, self._deepest = None, None
         speed = self._speed(tokens, alive, remaining, switch_s)
-        probe_due = self.idle + 1 >= self.probe_wait and not lagging
+        # (a probe also follows a probe whose drafts were all accepted, and a new batch's first step may probe while its
+        # requests have no judgments of their own)
+        reprobe, self._reprobe = self._reprobe, False
+        probe_due = (self.idle + 1 >= self.probe_wait or reprobe
+                     or not any(self.chosen) and not self.stats.weight.any()) and not lagging
         if available is not None and (self._pays(speed) or probe_due):
             available = available() if callable(available) else available
             if available is not None:
@@ -243,12 +258,15 @@ class AdaptiveDepth:
         speed = np.where(self.allowed, speed, -1.0)  # the depths offered
         k = int(speed[1:].argmax()) + 1 if self._pays(speed) else 0
         if self.probed:  # the step after a probe: did what it measured make drafting worth it?
-            self.probe_wait = self.probe_every if k else min(2 * self.probe_wait, 4 * self.probe_every)
+            if k:
+                self.probe_wait = self.probe_every
+            elif not reprobe:
+                self.probe_wait = min(2 * self.probe_wait, 4 * self.probe_every)
             self.probed = False
-        # a probe tests whether acceptance is back to its usual level (the prior): pointless where drafting would not
-        # pay even then (a batch that saturates compute) or where no request has a proposal
+        # a probe tests whether acceptance is back to its usual level (`_usual_tokens`): pointless where drafting would
+        # not pay even then (a batch that saturates compute) or where no request has a proposal
         if k == 0 and probe_due and self._width(K) > 0:
-            usual = np.broadcast_to(_expected_tokens(self.stats.prior[None]), (len(alive), K + 1))
+            usual = np.broadcast_to(self._usual_tokens, (len(alive), K + 1))
             usual_speed = np.where(self.allowed, self._speed(usual, alive, remaining), -1.0)
             if self._pays(usual_speed):
                 k, self.probed = int(speed[1:].argmax()) + 1, True
@@ -318,6 +336,9 @@ class AdaptiveDepth:
         depth = self._width(depth)
         self.stats.update(num_accepted, depth, live,
                           None if self.available is None else np.minimum(depth, self.available), acceptance)
+        if self.probed:  # a probe whose drafts were all accepted is repeated at the next step: the rates still rise
+            # (from a prior that says drafting does not pay, one accepted probe every 16 steps took most of a call)
+            self._reprobe = bool(np.all((np.asarray(num_accepted) >= depth) | ~np.asarray(live, dtype=bool)))
         self.chosen[depth] += 1
         self.idle, self.drafting_run = (self.idle + 1, 0) if depth == 0 else (0, self.drafting_run + 1)
         if seconds is None:  # a step that compiled or captured its graph: its time says nothing of the next ones

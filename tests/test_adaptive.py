@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.adaptive import AcceptanceStats, AdaptiveDepth, compiled_depths, measure_target_costs
+from specdec.adaptive import AcceptanceStats, AdaptiveDepth, _expected_tokens, compiled_depths, measure_target_costs
 from specdec.decoding import SpeculativeDecoder, generate_ar
 from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter
 
@@ -103,15 +103,23 @@ def test_acceptance_stats_update_only_the_judged_depths():
     assert stats.expected_tokens()[0, 1] == pytest.approx(1 + stats.predicted()[0, 0])  # (not the kept one)
 
 
-def test_the_population_rate_is_the_judgments_not_the_prior():
-    """A request whose drafts were rejected three times passes on a rate of 0 at depth 1, whatever the prior was (an
-    average started at the prior kept 0.9^3 of it, so an optimistic prior outlived the batch that refuted it)."""
+def test_the_population_rate_counts_the_prior_as_a_few_judgments():
+    """The rate a batch passes on is its judgments' with the prior counted as PRIOR_JUDGMENTS (4) more than stand
+    behind it: three rejections take a prior of 0.9 to 0.54, not to 0 (a rate of three judgments is not known to be 0:
+    a short call's one rejection made the next call start at 0 and decode plainly), and a batch of 16 requests
+    rejected at every step for 30 steps to under 0.03 (an average started at the prior kept 0.9^3 of it after three
+    judgments whatever the batch, so an optimistic prior outlived the batch that refuted it)."""
     stats = AcceptanceStats(2, 2, prior=0.9)
     for _ in range(3):
         stats.update([0, 0], depth=2, live=[True, False])
     rates, weights = stats.population()
-    assert rates[0] == 0 and rates[1] == 0.9 and weights[1] == 0
-    assert weights[0] == pytest.approx(1 + 0.9 + 0.81)
+    judged = 1 + 0.9 + 0.81
+    assert rates[0] == pytest.approx(4 * 0.9 / (4 + judged)) and rates[1] == pytest.approx(0.9)
+    assert weights[0] == pytest.approx(judged) and weights[1] == 0  # (the judgments only)
+    many = AcceptanceStats(16, 2, prior=0.9)
+    for _ in range(30):
+        many.update([0] * 16, depth=2, live=[True] * 16)
+    assert many.population()[0][0] < 0.03
 
 
 def test_shallow_drafting_learns_that_deeper_drafts_would_pay():
@@ -431,7 +439,7 @@ def test_a_larger_batch_starts_from_the_rate_of_its_slowest_request():
     own = stats.alpha[:, 0]
     assert own[0] < own[1] < own[2] < own[3] == 1
     mean, _ = stats.population(1)
-    assert mean[0] == pytest.approx((stats.hits[:, 0]).sum() / stats.weight[:, 0].sum())
+    assert mean[0] == pytest.approx((stats.hits[:, 0].sum() + 4 * 0.6) / (stats.weight[:, 0].sum() + 4))
     low, _ = stats.population(16)
     assert low[0] == pytest.approx(np.quantile(own, 1 / 17)) and low[0] < 0.8 * mean[0]
     assert low[1] == mean[1]  # (one request judged at depth 2)
@@ -487,6 +495,39 @@ def test_probes_that_change_nothing_come_less_often_and_repeats_are_still_notice
             ks.append(policy.choose([True], [1000], lagging=lagging))
             policy.update([0], ks[-1], [True], 1.0 + 0.1 * ks[-1])
         assert (max(ks) == 0) == lagging, ks
+
+
+# the shipped pair's costs at batch 1 (ms): the target's forward over 1..9 tokens; a draft level costs 1.6
+PAIR_COSTS = [6.4, 8.5, 9.1, 10.5, 11.2, 11.8, 12.0, 12.0, 12.0]
+
+
+def test_a_call_after_a_short_one_that_rejected_a_draft_still_learns_that_drafting_pays():
+    """The CLI's case: a warm-up of 4 tokens whose one drafted step had its first level rejected, then a call whose
+    drafts are all accepted, where drafting 8 levels is 2.5x faster. The prior (that rejection, the initial guess as 4
+    judgments: 0.48) says plain decoding. A probe tests for the best case where few judgments stand behind the prior
+    (every draft accepted): the first step probes, a probe whose drafts were all accepted is repeated at once, and
+    the call drafts 8 levels within a few steps. Negative control: probes testing for the prior's rates (as before)
+    never come, and the call decodes plainly throughout (on the real pair, 108 steps of 133 in one CLI run)."""
+    def call(usual_is_prior):
+        warm_up = AdaptiveDepth(1, 8, PAIR_COSTS)
+        warm_up.drafted(1, 2.4)
+        warm_up.update([0], 1, [True], PAIR_COSTS[1] + 2.4)
+        policy = AdaptiveDepth(1, 8, PAIR_COSTS, previous=warm_up)
+        if usual_is_prior:
+            policy._usual_tokens = _expected_tokens(policy.stats.prior[None])
+        ks, left = [], 256
+        while left > 0:
+            k = policy.choose([True], [left])
+            if k:
+                policy.drafted(k, 1.6 * k)
+            policy.update([k], k, [True], PAIR_COSTS[k] + 1.6 * k)
+            ks.append(k)
+            left -= k + 1
+        return ks
+    ks = call(False)
+    # (one plain step among the drafted ones: a plain step's cost is measured after probe_every drafted steps)
+    assert min(ks[:5]) > 0 and ks[5:].count(8) >= len(ks[5:]) - 2 and len(ks) < 45, ks
+    assert max(call(True)) == 0
 
 
 def test_target_costs_are_measured_once_and_grow_with_tokens(pair):
@@ -881,10 +922,10 @@ def test_a_policy_starts_from_what_the_previous_batch_learned():
         first.update([3, 0], 3, [True, True], 2.0)
     second = AdaptiveDepth(1, 3, [1.0, 1.1, 1.2, 1.3], previous=first)
     assert second.draft_level_s == first.draft_level_s and second.overhead_s == first.overhead_s > 0
-    # its prior is the first batch's rates per depth, its judgments weighted (the initial guess weighs nothing): depth 1
-    # was accepted by one request of two, depths 2 and 3 whenever they were reached
+    # its prior is the first batch's rates per depth, its judgments weighted (the initial guess as 4 judgments): depth
+    # 1 was accepted by one request of two, depths 2 and 3 whenever they were reached
     w, a = first.stats.weight, first.stats.alpha
-    population = (w * a).sum(0) / w.sum(0)  # (each request's rate weighted by its judgments)
+    population = ((w * a).sum(0) + 4 * 0.6) / (w.sum(0) + 4)  # (each request's rate weighted by its judgments)
     np.testing.assert_allclose(second.stats.prior, population)
     np.testing.assert_allclose(second.stats.prior_weight, np.minimum(w.sum(0), 20))
     # (a new request: at depth 1 the prior, deeper the prior's ratios, trusted by min(weights) / (min(weights) + 2))
@@ -901,7 +942,9 @@ def test_a_policy_starts_from_what_the_previous_batch_learned():
     after = AdaptiveDepth(1, 3, [1.0, 1.1, 1.2, 1.3], previous=shallow)
     np.testing.assert_allclose(after.stats.prior_weight[1:], 0)
     pred = after.stats.predicted()[0]
-    assert pred[0] > 0.9 and pred[2] == pred[1] == pytest.approx(pred[0])
+    judged = shallow.stats.weight[0, 0]
+    assert pred[0] == pytest.approx((judged + 4 * 0.6) / (judged + 4)) and pred[0] > 0.85
+    assert pred[2] == pred[1] == pytest.approx(pred[0])
     # the step times measured per depth are the batch size's: they carry over to a batch of the same size only
     assert np.isnan(second.measured_s).all() and first.measured_s[3] == 2.0
     third = AdaptiveDepth(2, 3, [1.0, 1.1, 1.2, 1.3], previous=first)
