@@ -210,7 +210,10 @@ def print_text(r: dict) -> None:
     fastest = f" (the fastest of {r['passes']} passes)" if r["passes"] > 1 else ""
     print(f"speculative ({r['drafter']}, {r['tree']}): {r['spec_tokens_per_s']:.1f} tokens/s{fastest}, "
           f"{r['tokens_per_step']:.2f} tokens/step over {r['steps']} steps")
-    print(f"acceptance by depth: {depth}")
+    print(f"acceptance by depth: {depth} (the fraction of steps accepting d or more drafts, d = 1..)")
+    if r.get("depth_chosen"):
+        chosen = ", ".join(f"{k}: {n}" for k, n in enumerate(r["depth_chosen"]) if n)
+        print(f"steps per draft depth chosen (adaptive, 0 = plain decoding): {chosen}")
     if r.get("compile_s") is not None:
         print(f"torch.compile: the warm-up run (compiling each graph, or loading it from the cache) took "
               f"{r['compile_s']:.1f} s, not counted above")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -913,6 +914,12 @@ def test_cli_tree_auto(capsys, byte_pair):  # noqa: F811
     r = json.loads(out)
     assert rc == 0 and r["adaptive"] and r["identical"] and sum(r["depth_chosen"]) >= 1
     assert len(r["depth_chosen"]) == 9  # auto: chain:8
+    rc, out, _ = run_cli(capsys, "--prompt", "def f(x):", "--target", str(byte_pair / "target"), "--draft",
+                         str(byte_pair / "draft"), "--tree", "auto", "--max-new-tokens", "8")
+    chosen = out.splitlines()[-1]  # (the steps of each depth chosen, as printed)
+    assert rc == 0 and chosen.startswith("steps per draft depth chosen")
+    steps = int(re.search(r"over (\d+) steps", out).group(1))
+    assert sum(int(n) for n in chosen.split("): ")[1].replace(",", "").split()[1::2]) == steps
 
 
 def test_a_policy_starts_from_what_the_previous_batch_learned():
