@@ -368,8 +368,8 @@ def measure_target_costs(target: Llama, batch_size: int, max_tokens: int, contex
                          repeats: int = 3, compiled: bool = False,
                          tokens: Optional[Sequence[int]] = None) -> list[float]:
     """Seconds of the target's cached forward over t = 1..max_tokens new tokens per request (chains) after
-    `context` cached ones, at this batch size: the best of `repeats` timed runs after a warm-up. Cached per
-    model, shape and device for the process (the cache holds garbage K/V: only the time is used).
+    `context` cached ones, at this batch size: the best of `repeats` timed runs after a warm-up (in rounds over the
+    counts). Cached per model, shape and device for the process (the cache holds garbage K/V: only the time is used).
     compiled: time it through torch.compile (`compile_static`), as a compiled loop runs it. tokens: time only these
     counts (and max_tokens, and 1); another count gets the time interpolated linearly between its timed neighbours."""
     timed = sorted(set(range(1, max_tokens + 1) if tokens is None else tokens) | {1, max_tokens})
@@ -379,20 +379,21 @@ def measure_target_costs(target: Llama, batch_size: int, max_tokens: int, contex
         cache = target.new_cache(batch_size, context + max_tokens + 1)
         cache.lens.fill_(context)
         forward = compile_static(target._forward_cached, dev) if compiled else target._forward_cached
-        measured = []
+        inputs = [(torch.zeros(batch_size, t, dtype=torch.long, device=dev), chain_tree(batch_size, t, device=dev))
+                  for t in timed]
+        best = [float("inf")] * len(timed)
         with torch.inference_mode():
-            for t in timed:
-                toks = torch.zeros(batch_size, t, dtype=torch.long, device=dev)
-                tree = chain_tree(batch_size, t, device=dev)
-                best = float("inf")
-                for rep in range(repeats + 1):
+            # round after round over the token counts (a pause of the machine slows one run of a few counts, not
+            # every run of one); the first round warms up (and compiles)
+            for rep in range(repeats + 1):
+                for i, (toks, tree) in enumerate(inputs):
                     _sync(dev)
                     t0 = time.perf_counter()
                     forward(toks, cache, tree.depth, tree.mask, None, 0, None, False)
                     _sync(dev)
-                    if rep:  # the first run warms up (and compiles)
-                        best = min(best, time.perf_counter() - t0)
-                measured.append(max([best] + measured))  # never cheaper for more tokens (timing noise)
+                    if rep:
+                        best[i] = min(best[i], time.perf_counter() - t0)
+        measured = np.maximum.accumulate(best)  # never cheaper for more tokens (timing noise)
         _TARGET_COSTS[key] = np.interp(np.arange(1, max_tokens + 1), timed, measured).tolist()
     return _TARGET_COSTS[key]
 
