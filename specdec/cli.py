@@ -147,15 +147,14 @@ def generate(args, vocab_group=None) -> dict:
     compile_s = time.perf_counter() - t0 if args.compile else None
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
     filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    spec = ar = None
+    fastest = [None, None]  # speculative, AR
     for _ in range(args.passes):  # (the same seed: every pass emits the same tokens)
-        run = decoders[0].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress,
+        for i, decoder in enumerate(decoders[:1 + args.compare_ar]):
+            run = decoder.generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress,
                                    **filters)
-        spec = run if spec is None or run.summary["tokens_per_s"] > spec.summary["tokens_per_s"] else spec
-        if args.compare_ar:
-            run = decoders[1].generate(prompts, args.max_new_tokens, args.temperature, args.seed, progress=progress,
-                                       **filters)
-            ar = run if ar is None or run.summary["tokens_per_s"] > ar.summary["tokens_per_s"] else ar
+            if fastest[i] is None or run.summary["tokens_per_s"] > fastest[i].summary["tokens_per_s"]:
+                fastest[i] = run
+    spec, ar = fastest
     result = {"prompt": args.prompt, "text": [tok.decode(t) for t in spec.tokens], "tokens": spec.tokens,
               "tokens_per_step": spec.summary["tokens_per_step"],
               "acceptance_by_depth": spec.summary["acceptance_by_depth"],

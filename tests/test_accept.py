@@ -340,17 +340,6 @@ def test_triton_reads_only_the_walked_rows(monkeypatch, schedule):
 # compiled code for an H100/H200 (sm_90), no GPU needed: the interpreter runs code the compiler
 # rejects (e.g. a name bound only under a constexpr branch) and says nothing of registers
 # ----------------------------------------------------------------------------------------------
-def compile_accept_for_hopper(fn, types, constexprs, num_warps):
-    """An accept launch compiled for sm_90 as it is specialized at the benchmark shape: pointers, strides and the
-    vocabulary size 16-divisible (a launch marks every int argument that is a multiple of 16: V = 128256 is, as are
-    the padded vocabularies of most checkpoints; with V unmarked, Triton 3.6's walker spilled 608 bytes, not 136)."""
-    from tests import helpers
-
-    def divisible(name):
-        return name.startswith("stride_") or name == "V" or types.get(name, "").startswith("*")
-    return helpers.compile_for_hopper(fn, types, constexprs, divisible, num_warps)
-
-
 def hopper_compile_report() -> None:
     """Prints (JSON) the spilled bytes of every launch variant at the benchmark shape (bf16, T 8, V 128256), and
     of the probabilities (PROBS) and packed-row (PACKED) switches on the token-wise draft-logits launches.
@@ -358,7 +347,7 @@ def hopper_compile_report() -> None:
     import json
 
     from specdec.kernels import accept as ka
-    from tests.test_tree_attention import spilled_bytes
+    from tests.test_tree_attention import compile_for_hopper, spilled_bytes
 
     T, V = 8, 128_256
     cfg = ka._config(T, V, 2, torch.device("cuda"))
@@ -386,8 +375,10 @@ def hopper_compile_report() -> None:
                           BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                           PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
                           CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
-        kernel = compile_accept_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
-                                           cfg["num_warps"])
+        # (V = 128256 is 16-divisible, as a launch marks it; the padded vocabularies of most checkpoints are too. With
+        # V unmarked, Triton 3.6's filtered walker spilled 608 bytes, not 136)
+        kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
+                                    cfg["num_warps"], divisible_ints=("V",))
         name = f"filters={has_filters},block={block},draft={has_draft},first={first},walk={walk}"
         name += ",probs=True" if probs else ",packed=True" if packed else ""
         report[name] = spilled_bytes(kernel)

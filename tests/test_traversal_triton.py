@@ -309,8 +309,7 @@ def hopper_compile_report() -> None:
     import json
 
     from specdec.kernels import accept as ka
-    from tests.test_accept import compile_accept_for_hopper
-    from tests.test_tree_attention import spilled_bytes
+    from tests.test_tree_attention import compile_for_hopper, spilled_bytes
 
     T, Vb = 8, 128_256
     types = {"target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "parents_ptr": "*i32",
@@ -334,8 +333,8 @@ def hopper_compile_report() -> None:
                                       BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                                       PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
                                       CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
-                    kernel = compile_accept_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types,
-                                                       constexprs, cfg["num_warps"])
+                    kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
+                                                cfg["num_warps"], divisible_ints=("V",))
                     key = f"{method},filters={has_filters},draft={has_draft},first={first},walk={walk}"
                     report[key] = spilled_bytes(kernel)
                     report[key + ",regs"] = _registers(kernel)

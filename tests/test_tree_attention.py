@@ -364,10 +364,12 @@ def test_triton_rejects_unsupported():
 # compiled code for an H100/H200 (sm_90), no GPU needed: the interpreter accepts programs the compiler
 # rejects, and it says nothing of registers or shared memory
 # ----------------------------------------------------------------------------------------------
-def compile_for_hopper(fn, types, constexprs, num_warps=4, num_stages=3):
-    """sm_90 compile with strides and pointers 16-divisible; innermost strides (in `constexprs`) are 1."""
+def compile_for_hopper(fn, types, constexprs, num_warps=4, num_stages=3, divisible_ints=()):
+    """sm_90 compile with strides, pointers and the int arguments `divisible_ints` 16-divisible (as a launch marks
+    every int argument that is a multiple of 16); innermost strides (in `constexprs`) are 1."""
     return helpers.compile_for_hopper(fn, types, constexprs,
-                                      lambda name: name.startswith("stride_") or types.get(name, "").startswith("*"),
+                                      lambda name: name.startswith("stride_") or name in divisible_ints
+                                      or types.get(name, "").startswith("*"),
                                       num_warps, num_stages)
 
 
