@@ -103,7 +103,7 @@ def timed_target(target):
 
 
 def _outside_target(run, forward_s=None):
-    """run() -> (tokens, wall, tau, by_depth, prompt s, widths) becomes (..., prompt s, outside): the share of the
+    """run() -> (tokens, wall, tau, acceptance, prompt s, widths) becomes (..., prompt s, outside): the share of the
     decoding steps' time (after the prompts) spent outside the target's forward. forward_s(batch, t): with
     compile=True the target's forward is inside the step's graph, where it cannot be timed: it is then the steps'
     count per verified width times the compiled forward's time at that width (None when the widths vary per step:
@@ -154,10 +154,20 @@ def compiled_forward_s(target, context: int):
     return forward_s
 
 
+def acceptance(stats) -> dict:
+    """acceptance_by_depth and acceptance_rate_by_depth of several requests together (from their counts), given
+    their `GenerationOutput.stats`."""
+    steps = sum(s["steps"] for s in stats)
+    accepted = [sum(c) for c in zip(*([round(a * s["steps"]) for a in s["acceptance_by_depth"]] for s in stats))]
+    judged = [sum(c) for c in zip(*(s["judged_by_depth"] for s in stats))]
+    return {"acceptance_by_depth": [round(a / steps, 4) for a in accepted],
+            "acceptance_rate_by_depth": [round(a / j, 4) if j else None for a, j in zip(accepted, judged)]}
+
+
 def run_ours(decoder, prompts, max_new, temperature=0.0, **filters):
-    """(tokens, wall s, tau, acceptance by depth, prompt s, step widths) over the prompts one at a time
-    (steps-weighted means; prompt s: the wall time before the first steps)."""
-    tokens, wall, prompt_s, emitted, steps, accepted, widths = [], 0.0, 0.0, 0, 0, None, {}
+    """(tokens, wall s, tau, acceptance (by depth, rate by depth), prompt s, step widths) over the prompts one at a
+    time (steps-weighted means; prompt s: the wall time before the first steps)."""
+    tokens, wall, prompt_s, emitted, steps, stats, widths = [], 0.0, 0.0, 0, 0, [], {}
     for i, p in enumerate(prompts):
         out = decoder.generate([p], max_new, temperature, seed=i, **filters)
         widths = step_widths(decoder, out, widths)
@@ -167,14 +177,13 @@ def run_ours(decoder, prompts, max_new, temperature=0.0, **filters):
         n = out.summary["steps"]
         emitted += out.summary["tokens_per_step"] * n
         steps += n
-        by_depth = [a * n for a in out.summary["acceptance_by_depth"]]
-        accepted = by_depth if accepted is None else [a + b for a, b in zip(accepted, by_depth)]
-    return tokens, wall, emitted / steps, [round(a / steps, 4) for a in accepted], prompt_s, widths
+        stats += out.stats
+    return tokens, wall, emitted / steps, acceptance(stats), prompt_s, widths
 
 
 def run_ours_batch(decoder, prompts, max_new):
     out = decoder.generate(prompts, max_new)
-    return (out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"], out.summary["acceptance_by_depth"],
+    return (out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"], acceptance(out.stats),
             out.summary["prompt_s"], step_widths(decoder, out, {}))
 
 
@@ -244,34 +253,39 @@ def markdown(res: dict) -> str:
              + (", our decoders compiled (each step one torch.compile graph; graphs compiled in the first pass; the "
                 "target's time inside a compiled step is the steps' count per width times a compiled forward's)"
                 if cfg.get("compile") else "") + ".", "",
-             "Acceptance by depth d: the fraction of steps that accepted at least d draft tokens. Outside target: the "
+             "Acceptance rate by depth d: of the steps that judged a draft token at depth d (their path had accepted "
+             "d - 1), the fraction that accepted it (-: none did); how fast acceptance drops with depth, also for "
+             "an adaptive row, whose steps draft to different depths. Acceptance by depth d: the fraction of all "
+             "steps that accepted at least d draft tokens. Outside target: the "
              "share of the decoding steps' time (after the prompts) spent outside the target's forward (drafting, "
              "accept, rollbacks, bookkeeping). Speedup / tau: the loop's efficiency (1 = a step costs one AR step). "
              "Decoding speedup: the same ratio over the steps alone, without the prompts' time (the target's and "
              "the drafter's prefill, the same work in every row: it caps the end-to-end speedup).",
              "",
              "| method | new tokens/s | speedup vs ours AR | decoding speedup | tokens/step (tau) | speedup / tau | "
-             "outside target | acceptance by depth | identical to ours AR |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "outside target | acceptance rate by depth | acceptance by depth | identical to ours AR |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in res["rows"]:
         if r.get("skipped"):
-            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
         efficiency = "-" if r["tau"] is None else f"{r['speedup_vs_ours_ar'] / r['tau']:.2f}"
         outside = "-" if r.get("outside_target") is None else f"{100 * r['outside_target']:.0f}%"
         depth = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth") or []) or "-"
+        rate = " ".join("-" if a is None else f"{a:.2f}" for a in r.get("acceptance_rate_by_depth") or []) or "-"
         same = "n/a (sampled)" if r["identical"] is None else "yes" if r["identical"] else "NO"
         decoding = "-" if r.get("decoding_speedup_vs_ours_ar") is None else f"{r['decoding_speedup_vs_ours_ar']:.2f}x"
         name = r["method"] + (f" (compiled {r['graphs_compiled_inside']} graph(s) in its best pass: not warm)"
                               if r.get("graphs_compiled_inside") else "")
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {decoding} | "
-                     f"{tau} | {efficiency} | {outside} | {depth} | {same} |")
+                     f"{tau} | {efficiency} | {outside} | {rate} | {depth} | {same} |")
     return "\n".join(lines) + "\n"
 
 
 def plot_acceptance(rows, path) -> bool:
-    """Acceptance against depth, one line per drafter (solid greedy, dashed sampled); False without matplotlib."""
+    """The acceptance rate against depth, one line per drafter (solid greedy, dashed sampled); False without
+    matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -281,13 +295,13 @@ def plot_acceptance(rows, path) -> bool:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for i, name in enumerate(PLOTTED):
         for r in rows:
-            if r.get("acceptance_by_depth") and r["method"].split(" [")[0] == name and "batch" not in r["method"]:
-                acc = r["acceptance_by_depth"]
+            if r.get("acceptance_rate_by_depth") and r["method"].split(" [")[0] == name and "batch" not in r["method"]:
+                acc = [float("nan") if a is None else a for a in r["acceptance_rate_by_depth"]]
                 ax.plot(range(1, len(acc) + 1), acc, marker="o", color=f"C{i}",
                         linestyle="--" if "[T=" in r["method"] else "-", label=r["method"].replace("ours ", ""))
     ax.set_xlabel("depth d (draft tokens)")
-    ax.set_ylabel("fraction of steps accepting >= d")
-    ax.set_ylim(0, 1)
+    ax.set_ylabel("acceptance rate at depth d (steps that judged a draft there)")
+    ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -377,19 +391,19 @@ def main(argv=None):
         for name, run, warm_up in methods:
             warm_up()
             graphs = compiled_graphs()
-            tokens, wall, tau, by_depth, prompt_s, outside = run()
+            tokens, wall, tau, accepted, prompt_s, outside = run()
             graphs = compiled_graphs() - graphs  # compiled inside the timed run (an adaptive policy's new depth)
             if name not in best or wall < best[name][1]:
-                best[name] = (tokens, wall, tau, by_depth, prompt_s, outside)
+                best[name] = (tokens, wall, tau, accepted, prompt_s, outside)
                 compiled_in_best[name] = graphs
             print(f"pass {rep + 1}: {name:40s} {sum(map(len, tokens)) / wall:8.1f} tok/s"
                   + (f"  ({graphs} graphs compiled inside)" if graphs else ""), flush=True)
     reference = best[OURS[0][0]][0]
     rows = [{"method": name, "tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tau": tau,
-             "acceptance_by_depth": by_depth, "outside_target": outside, "identical": tokens == reference,
+             **(accepted or {"acceptance_by_depth": None}), "outside_target": outside, "identical": tokens == reference,
              "new_tokens": sum(map(len, tokens)), "prompt_s": prompt_s, "graphs_compiled_inside": compiled_in_best[name],
              "decoding_tokens_per_s": None if prompt_s is None else sum(map(len, tokens)) / (wall - prompt_s)}
-            for name, (tokens, wall, tau, by_depth, prompt_s, outside) in best.items()] + skipped
+            for name, (tokens, wall, tau, accepted, prompt_s, outside) in best.items()] + skipped
     ar = {mode(r["method"]): r for r in rows if r["method"].startswith(OURS[0][0])}
     for r in rows:
         if not r.get("skipped"):  # each row against our AR run the same way

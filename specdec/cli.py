@@ -157,7 +157,7 @@ def generate(args, vocab_group=None) -> dict:
     spec, ar = fastest
     result = {"prompt": args.prompt, "text": [tok.decode(t) for t in spec.tokens], "tokens": spec.tokens,
               "tokens_per_step": spec.summary["tokens_per_step"],
-              "acceptance_by_depth": spec.summary["acceptance_by_depth"],
+              **{key: spec.summary[key] for key in ("acceptance_by_depth", "acceptance_rate_by_depth", "judged_by_depth")},
               "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
               "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree, "method": args.method,
               "temperature": args.temperature, **filters, "device": str(device), "dtype": args.dtype,
@@ -206,10 +206,13 @@ def print_text(r: dict) -> None:
         print(f"\033[1m{prompt}\033[0m{text}" if sys.stdout.isatty() else prompt + text)
         print("-" * 60)
     depth = " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"])
+    rate = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_rate_by_depth"])
     fastest = f" (the fastest of {r['passes']} passes)" if r["passes"] > 1 else ""
     print(f"speculative ({r['drafter']}, {r['tree']}): {r['spec_tokens_per_s']:.1f} tokens/s{fastest}, "
           f"{r['tokens_per_step']:.2f} tokens/step over {r['steps']} steps")
-    print(f"acceptance by depth: {depth} (the fraction of steps accepting d or more drafts, d = 1..)")
+    print(f"acceptance rate by depth: {rate} (of the steps that judged a draft at depth d, the fraction accepting it; "
+          f"d = 1..)")
+    print(f"acceptance by depth: {depth} (the fraction of steps accepting d or more drafts)")
     if r.get("depth_chosen"):
         chosen = ", ".join(f"{k}: {n}" for k, n in enumerate(r["depth_chosen"]) if n)
         print(f"steps per draft depth chosen (adaptive, 0 = plain decoding): {chosen}")

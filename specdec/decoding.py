@@ -55,7 +55,9 @@ def batch_bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:
 class GenerationOutput:
     """tokens[b]: request b's new tokens (cut at EOS, excluded, and max_new_tokens); stats[b]: its steps,
     tokens_per_step (tau), acceptance_by_depth (fraction of steps accepting >= d draft tokens, d = 1..),
-    wall_s, tokens_per_s; summary: the same over the batch, and prompt_s: the part of wall_s before the first
+    acceptance_rate_by_depth (of the steps that judged a draft at depth d, the fraction accepting it: how fast
+    acceptance drops with depth, also where steps draft to different depths; None where none did),
+    judged_by_depth (those steps' counts), wall_s, tokens_per_s; summary: the same over the batch, and prompt_s: the part of wall_s before the first
     step (the checks, the buffers, the prompts through the target and the drafter)."""
     tokens: list
     stats: list
@@ -368,6 +370,11 @@ class SpeculativeDecoder:
         new = res._replace(num_accepted=num_acc).emitted_tokens(prop.tokens)
         n_new = num_acc.long() + 1
         cols = s.cols[:Tp]
+        # the deepest draft judged: the accepted ones, and one more where the path's last node has children (a
+        # chain shorter than the proposal's depth, a tree's shallow leaf and a plain step judge nothing further)
+        last = res.accepted_nodes.gather(1, num_acc.long().unsqueeze(1))
+        has_child = ((prop.parents == last) & (cols < prop.num_nodes.unsqueeze(1))).any(1)
+        s.judged_hist[s.rows, num_acc.long() + has_child] += live
         where = (s.seq_lens.long().unsqueeze(1) + cols).clamp(max=s.tokens.shape[1] - 1)
         keep = cols < n_new.unsqueeze(1)
         s.tokens.scatter_(1, where, torch.where(keep, new, s.tokens.gather(1, where)))
@@ -398,26 +405,34 @@ class SpeculativeDecoder:
 
     def _collect(self, s: "_Batch", step_times, wall) -> GenerationOutput:
         outs, stats = [], []
-        tokens, hist = s.tokens.cpu(), s.accepted_hist.cpu()  # (padding rows: no steps, nothing accepted)
+        # (padding rows: no steps, nothing accepted or judged)
+        tokens, hist, judged = s.tokens.cpu(), s.accepted_hist.cpu(), s.judged_hist.cpu()
         for b in range(s.requests):
             seq = tokens[b, int(s.prompt_lens[b]):int(s.seq_lens[b])].tolist()[:s.max_new]
             if self.eos is not None and self.eos in seq:
                 seq = seq[:seq.index(self.eos)]
             outs.append(seq)
             n_steps = int(s.steps[b])
-            at_least = hist[b].flip(0).cumsum(0).flip(0)  # steps accepting >= d draft tokens
             t_b = step_times[int(s.finish_step[b])]
             stats.append({"new_tokens": len(seq), "steps": n_steps,
                           "tokens_per_step": int(s.emitted_live[b]) / max(n_steps, 1),
-                          "acceptance_by_depth": [round(float(x) / max(n_steps, 1), 4) for x in at_least[1:]],
+                          **_acceptance(hist[b], judged[b], n_steps),
                           "wall_s": t_b, "tokens_per_s": len(seq) / t_b})
-        total_steps = int(s.steps.sum())
-        at_least = hist.sum(0).flip(0).cumsum(0).flip(0)
         summary = {"requests": len(outs), "new_tokens": sum(len(o) for o in outs), "steps": int(len(step_times)),
-                   "tokens_per_step": int(s.emitted_live.sum()) / max(total_steps, 1),
-                   "acceptance_by_depth": [round(float(x) / max(total_steps, 1), 4) for x in at_least[1:]],
+                   "tokens_per_step": int(s.emitted_live.sum()) / max(int(s.steps.sum()), 1),
+                   **_acceptance(hist.sum(0), judged.sum(0), int(s.steps.sum())),
                    "wall_s": wall, "tokens_per_s": sum(len(o) for o in outs) / wall}
         return GenerationOutput(outs, stats, summary)
+
+
+def _acceptance(accepted_hist: torch.Tensor, judged_hist: torch.Tensor, steps: int) -> dict:
+    """acceptance_by_depth, acceptance_rate_by_depth and judged_by_depth (d = 1..) from the histograms of the
+    drafts accepted and the deepest draft judged per step."""
+    accepted = accepted_hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # steps accepting >= d drafts
+    judged = judged_hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # steps judging a draft at depth d
+    return {"acceptance_by_depth": [round(a / max(steps, 1), 4) for a in accepted],
+            "acceptance_rate_by_depth": [round(a / j, 4) if j else None for a, j in zip(accepted, judged)],
+            "judged_by_depth": judged}
 
 
 @dataclass
@@ -437,6 +452,7 @@ class _Batch:
     steps: torch.Tensor  # (B,) int64: steps taken while unfinished (also accept's random-stream offset)
     emitted_live: torch.Tensor  # (B,) int64: tokens emitted while unfinished
     accepted_hist: torch.Tensor  # (B, depth + 1) int64: steps that accepted n draft tokens
+    judged_hist: torch.Tensor  # (B, depth + 1) int64: steps whose deepest draft judged was at depth n
     finish_step: torch.Tensor  # (B,) int64: the step at which the request finished
     step: torch.Tensor  # () int64: steps taken by the batch
     # (2B,) int64: this step's accepted counts, then done: the one host read per step; with judge_probs, then
@@ -455,7 +471,7 @@ class _Batch:
         done = torch.arange(B, device=dev) >= requests
         return cls(tokens, prompt_lens.clone(), prompt_lens, max_new, temp,
                    torch.tensor(seeds, dtype=torch.int64, device=dev), params, method, cache,
-                   done, zeros(B), zeros(B), zeros(B, depth + 1), zeros(B), zeros(),
+                   done, zeros(B), zeros(B), zeros(B, depth + 1), zeros(B, depth + 1), zeros(B), zeros(),
                    zeros(2 * B + (B * depth if judge_probs else 0)), torch.arange(B, device=dev),
                    torch.arange(max_nodes, device=dev), requests, judge_probs)
 

@@ -979,3 +979,47 @@ def test_a_policy_starts_from_what_the_previous_batch_learned():
     third = AdaptiveDepth(2, 3, [1.0, 1.1, 1.2, 1.3], previous=first)
     np.testing.assert_array_equal(third.measured_s, first.measured_s)
     assert third.measured_s is not first.measured_s
+
+
+@pytest.mark.parametrize("drafter", ["chain:4", "dynamic:7,3,2", "ngram"])
+def test_acceptance_rate_by_depth_counts_the_drafts_judged_at_each_depth(pair, drafter, monkeypatch):
+    """Of the steps that judged a draft at depth d (their path accepted d - 1 drafts and its last node had a child),
+    the fraction that accepted one: recounted from every step's proposal and accepted path, per request and over
+    the batch, with plain, shallow and deep steps mixed, chains shorter than the depth asked for (prompt lookup),
+    trees with shallow leaves, and requests finishing at different steps."""
+    target, _ = pair
+    draft = tiny(0)
+    with torch.no_grad():  # the target, perturbed: drafts accepted at every depth, not always
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    decoder = SpeculativeDecoder(target, NgramDrafter(4) if drafter == "ngram" else DraftModelDrafter(draft, drafter),
+                                 adaptive=scripted((0, 2, 0, 0, 9, 1, 0, 3)))
+    steps, accept = [], decoder._accept
+
+    def recording_accept(logits, prop, **kwargs):
+        res = accept(logits, prop, **kwargs)
+        steps.append((prop.parents.tolist(), prop.num_nodes.tolist(), res.accepted_nodes.tolist(),
+                      res.num_accepted.tolist()))
+        return res
+
+    monkeypatch.setattr(decoder, "_accept", recording_accept)
+    out = decoder.generate(PROMPTS4, 20)
+    K = len(out.summary["acceptance_by_depth"])
+    accepted_total, judged_total = np.zeros(K + 1, int), np.zeros(K + 1, int)
+    for b, stats in enumerate(out.stats):
+        accepted, judged = np.zeros(K + 1, int), np.zeros(K + 1, int)
+        for parents, num_nodes, path, num_accepted in steps[:stats["steps"]]:  # (a finished request's steps end)
+            n = num_accepted[b]
+            children = [i for i in range(1, num_nodes[b]) if parents[b][i] == path[b][n]]
+            accepted[1:n + 1] += 1
+            judged[1:n + 1 + bool(children)] += 1
+        assert stats["judged_by_depth"] == judged[1:].tolist()
+        assert stats["acceptance_rate_by_depth"] == [round(a / j, 4) if j else None
+                                                     for a, j in zip(accepted[1:], judged[1:])]
+        accepted_total += accepted
+        judged_total += judged
+    assert out.summary["judged_by_depth"] == judged_total[1:].tolist()
+    assert out.summary["acceptance_rate_by_depth"] == [round(a / j, 4) if j else None
+                                                       for a, j in zip(accepted_total[1:], judged_total[1:])]
+    # drafts were judged at every depth, the deepest on fewer steps (plain and shallow steps judge nothing there)
+    assert 0 < judged_total[K] < judged_total[1] < sum(s["steps"] for s in out.stats)

@@ -144,7 +144,7 @@ def test_self_drafting_accepts_everything(pair):
     target, _ = pair
     for temperature in (0.0, 1.0):
         out = SpeculativeDecoder(target, DraftModelDrafter(target, "chain:3")).generate(PROMPTS, 8, temperature)
-        assert out.summary["acceptance_by_depth"] == [1.0, 1.0, 1.0]
+        assert out.summary["acceptance_by_depth"] == out.summary["acceptance_rate_by_depth"] == [1.0, 1.0, 1.0]
         assert out.summary["tokens_per_step"] == 4.0
 
 
@@ -405,11 +405,11 @@ def test_cli_json(capsys, byte_pair):
                          "--compare-ar", "--json")
     assert rc == 0
     r = json.loads(out)
-    for key in ("text", "tokens", "tokens_per_step", "acceptance_by_depth", "spec_tokens_per_s", "ar_tokens",
-                "ar_tokens_per_s", "identical"):
+    for key in ("text", "tokens", "tokens_per_step", "acceptance_by_depth", "acceptance_rate_by_depth",
+                "judged_by_depth", "spec_tokens_per_s", "ar_tokens", "ar_tokens_per_s", "identical"):
         assert key in r
     assert r["identical"] is True and r["tokens"] == r["ar_tokens"] and len(r["text"]) == 2
-    assert len(r["acceptance_by_depth"]) == 2 and r["tokens_per_step"] >= 1.0
+    assert len(r["acceptance_by_depth"]) == len(r["acceptance_rate_by_depth"]) == 2 and r["tokens_per_step"] >= 1.0
 
 
 def test_cli_passes_alternate_and_report_the_fastest(capsys, byte_pair, monkeypatch):
@@ -552,8 +552,9 @@ def test_batch_padded_to_its_bucket_gives_the_requests_outputs_alone(pair):
         padded = decoder.generate(PROMPTS, 10, **kw)
         assert padded.tokens == exact.tokens and padded.stats == [
             {**st, "wall_s": p["wall_s"], "tokens_per_s": p["tokens_per_s"]} for st, p in zip(exact.stats, padded.stats)]
-        assert padded.summary["requests"] == 3 and padded.summary["acceptance_by_depth"] == \
-            exact.summary["acceptance_by_depth"] and padded.summary["tokens_per_step"] == exact.summary["tokens_per_step"]
+        assert padded.summary["requests"] == 3 and padded.summary["tokens_per_step"] == exact.summary["tokens_per_step"]
+        for key in ("acceptance_by_depth", "acceptance_rate_by_depth", "judged_by_depth"):  # (padding rows judge none)
+            assert padded.summary[key] == exact.summary[key]
     with pytest.raises(ValueError, match="top_k"):
         decoder.generate(PROMPTS, 4, top_k=[1, 2])
     with pytest.raises(ValueError, match="batch_buckets"):

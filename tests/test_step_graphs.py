@@ -53,7 +53,8 @@ def test_replayed_steps_equal_eager_steps_with_every_kind_of_step(pair, target_a
     CountingGraph.made = CountingGraph.replays = 0
     out = SpeculativeDecoder(target, drafter, cuda_graphs=CountingGraph, adaptive=scripted(script)).generate(PROMPTS4, 24)
     assert out.tokens == eager.tokens == generate_ar(target, PROMPTS4, 24).tokens
-    assert [s["acceptance_by_depth"] for s in out.stats] == [s["acceptance_by_depth"] for s in eager.stats]
+    assert [(s["acceptance_by_depth"], s["judged_by_depth"]) for s in out.stats] == \
+        [(s["acceptance_by_depth"], s["judged_by_depth"]) for s in eager.stats]
     assert out.summary["steps"] == eager.summary["steps"]
     assert CountingGraph.made >= 2 and CountingGraph.replays >= 3
 
@@ -83,7 +84,8 @@ def test_graphs_are_kept_for_later_calls_of_the_same_shape(pair, target_and_mtp,
         out = decoder.generate(prompts, 24)
         expected = eager(prompts, 24)
         assert out.tokens == expected.tokens == generate_ar(target, prompts, 24).tokens
-        assert [s["acceptance_by_depth"] for s in out.stats] == [s["acceptance_by_depth"] for s in expected.stats]
+        assert [(s["acceptance_by_depth"], s["judged_by_depth"]) for s in out.stats] == \
+            [(s["acceptance_by_depth"], s["judged_by_depth"]) for s in expected.stats]
         assert CountingGraph.made == made and CountingGraph.replays == out.summary["steps"]
         if prompts is PROMPTS4:
             assert out.tokens == first.tokens
