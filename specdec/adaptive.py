@@ -65,6 +65,9 @@ class AcceptanceStats:
         # to the next batch through `population`)
         self.hits = np.zeros((batch_size, max_depth))
         self.weight = np.zeros((batch_size, max_depth))
+        # the same counts undecayed, for the next batch's prior (`population`)
+        self.total_hits = np.zeros((batch_size, max_depth))
+        self.total_weight = np.zeros((batch_size, max_depth))
         self.decay = decay
         self._expected: Optional[np.ndarray] = None  # expected_tokens, until the next judgment
         # (K - 1,): the prior's ratio between depths d + 1 and d, trusted as its weights at both allow (predicted)
@@ -105,6 +108,8 @@ class AcceptanceStats:
         h, w = self.hits[:, :depth], self.weight[:, :depth]  # (views: written in place)
         h[:] = np.where(reached, self.decay * h + outcome, h)
         w[:] = np.where(reached, self.decay * w + 1, w)
+        self.total_hits[:, :depth] += np.where(reached, outcome, 0.0)
+        self.total_weight[:, :depth] += reached
 
     def predicted(self) -> np.ndarray:
         """(B, K): the acceptance rates used for prediction: at depth d, the request's own rate trusted by
@@ -136,24 +141,33 @@ class AcceptanceStats:
 
     def population(self, batch_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """The prior and prior_weight of a next batch of batch_size requests, (K,) each. Per depth: the mean rate of
-        these requests' judgments and the prior's, weighted by their counts (the prior where neither has any); for a
-        batch of several, the rate of the request it would be bound by, the 1 / (batch_size + 1) quantile of these
-        requests' own rates where 2 or more were judged (a batch lasts as long as its slowest request, and with the
-        mean for every new request a batch of 16 looked as if all would accept their draft models' first levels at
-        0.89, where its slowest accepted 0.5: the drafting that cost looked a 14% gain). The weight: the judgments',
-        at most two requests' worth (rates drift: a new batch should soon outweigh it). The prior counts as
-        PRIOR_JUDGMENTS judgments more than stand behind it: a rate of a few judgments is not known to be 0 or 1 (one
-        rejection in the CLI's warm-up, 4 tokens, passed on a rate of 0 to the call it warmed up)."""
-        total = self.weight.sum(0) + self.prior_weight
+        all of these requests' judgments, not only their recent ones, and the prior's, weighted by the judgments'
+        recent weight and the prior's (the prior where neither has any); for a batch of several, the rate of the
+        request it would be bound by, the 1 / (batch_size + 1) quantile of these requests' own mean rates where 2 or
+        more were judged (a batch lasts as
+        long as its slowest request, and with the mean for every new request a batch of 16 looked as if all would
+        accept their draft models' first levels at 0.89, where its slowest accepted 0.5: the drafting that cost
+        looked a 14% gain). The weight: the judgments', at most two requests' worth (rates drift: a new batch should
+        soon outweigh it). The prior counts as PRIOR_JUDGMENTS judgments more than stand behind it: a rate of a few
+        judgments is not known to be 0 or 1 (one rejection in the CLI's warm-up, 4 tokens, passed on a rate of 0 to
+        the call it warmed up). Not the recent rates that the requests' own predictions use: a request that met a
+        hard passage (sampled at T=0.8, its draft model's first level accepted 0.6 of the time over its last ten
+        judgments, 0.82 over the call) decodes plainly until a probe finds it easier again, so its last judgments are
+        its hardest, and as the next request's prior they kept whole 128-token calls from drafting at all."""
+        # the judgments' rate over all of them, weighed against the prior as their recent weight (at most ten per
+        # request): the prior then still averages over earlier batches, as it did with the recent rates
+        weight = self.weight.sum(0)
+        mean = self.total_hits.sum(0) / np.maximum(self.total_weight.sum(0), 1e-12)
         pseudo = self.prior_weight + self.PRIOR_JUDGMENTS
-        rates = (self.hits.sum(0) + pseudo * self.prior) / (self.weight.sum(0) + pseudo)
+        rates = (weight * mean + pseudo * self.prior) / (weight + pseudo)
         if batch_size > 1:
-            own = np.where(self.weight > 0, self.alpha, np.nan)
-            several = (self.weight > 0).sum(0) >= 2
+            judged = self.total_weight > 0
+            own = np.where(judged, self.total_hits / np.maximum(self.total_weight, 1e-12), np.nan)
+            several = judged.sum(0) >= 2
             if several.any():
                 low = np.nanquantile(own[:, several], 1 / (batch_size + 1), axis=0)
                 rates[several] = low
-        return rates, np.minimum(total, 2 / (1 - self.decay))
+        return rates, np.minimum(weight + self.prior_weight, 2 / (1 - self.decay))
 
 
 def _expected_tokens(rates: np.ndarray) -> np.ndarray:

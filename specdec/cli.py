@@ -157,7 +157,8 @@ def generate(args, vocab_group=None) -> dict:
     spec, ar = fastest
     result = {"prompt": args.prompt, "text": [tok.decode(t) for t in spec.tokens], "tokens": spec.tokens,
               "tokens_per_step": spec.summary["tokens_per_step"],
-              **{key: spec.summary[key] for key in ("acceptance_by_depth", "acceptance_rate_by_depth", "judged_by_depth")},
+              **{key: spec.summary[key]
+                 for key in ("acceptance_by_depth", "acceptance_rate_by_depth", "judged_by_depth")},
               "spec_tokens_per_s": spec.summary["tokens_per_s"], "spec_wall_s": spec.summary["wall_s"],
               "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree, "method": args.method,
               "temperature": args.temperature, **filters, "device": str(device), "dtype": args.dtype,

@@ -57,8 +57,9 @@ class GenerationOutput:
     tokens_per_step (tau), acceptance_by_depth (fraction of steps accepting >= d draft tokens, d = 1..),
     acceptance_rate_by_depth (of the steps that judged a draft at depth d, the fraction accepting it: how fast
     acceptance drops with depth, also where steps draft to different depths; None where none did),
-    judged_by_depth (those steps' counts), wall_s, tokens_per_s; summary: the same over the batch, and prompt_s: the part of wall_s before the first
-    step (the checks, the buffers, the prompts through the target and the drafter)."""
+    judged_by_depth (those steps' counts), wall_s, tokens_per_s; summary: the same over the batch, and prompt_s:
+    the part of wall_s before the first step (the checks, the buffers, the prompts through the target and the
+    drafter)."""
     tokens: list
     stats: list
     summary: dict = field(default_factory=dict)

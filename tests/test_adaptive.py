@@ -114,7 +114,7 @@ def test_the_population_rate_counts_the_prior_as_a_few_judgments():
     for _ in range(3):
         stats.update([0, 0], depth=2, live=[True, False])
     rates, weights = stats.population()
-    judged = 1 + 0.9 + 0.81
+    judged = 1 + 0.9 + 0.81  # (their recent weight)
     assert rates[0] == pytest.approx(4 * 0.9 / (4 + judged)) and rates[1] == pytest.approx(0.9)
     assert weights[0] == pytest.approx(judged) and weights[1] == 0  # (the judgments only)
     many = AcceptanceStats(16, 2, prior=0.9)
@@ -437,10 +437,11 @@ def test_a_larger_batch_starts_from_the_rate_of_its_slowest_request():
     for step in range(10):  # request b accepts its first level on 2, 4, 8, 10 of 10 steps
         stats.update([int(step < n) for n in (2, 4, 8, 10)], 1, [True] * 4)
     stats.update([0, 0, 0, 1], 2, [True] * 4)  # only request 3 has its second level judged
-    own = stats.alpha[:, 0]
+    own = stats.total_hits[:, 0] / stats.total_weight[:, 0]  # (all their judgments: 2, 4, 8 and 11 of 11 accepted)
     assert own[0] < own[1] < own[2] < own[3] == 1
     mean, _ = stats.population(1)
-    assert mean[0] == pytest.approx((stats.hits[:, 0].sum() + 4 * 0.6) / (stats.weight[:, 0].sum() + 4))
+    w = stats.weight[:, 0].sum()
+    assert mean[0] == pytest.approx((w * 25 / 44 + 4 * 0.6) / (w + 4))
     low, _ = stats.population(16)
     assert low[0] == pytest.approx(np.quantile(own, 1 / 17)) and low[0] < 0.8 * mean[0]
     assert low[1] == mean[1]  # (one request judged at depth 2)
@@ -529,6 +530,37 @@ def test_a_call_after_a_short_one_that_rejected_a_draft_still_learns_that_drafti
     # (one plain step among the drafted ones: a plain step's cost is measured after probe_every drafted steps)
     assert min(ks[:5]) > 0 and ks[5:].count(8) >= len(ks[5:]) - 2 and len(ks) < 45, ks
     assert max(call(True)) == 0
+
+
+def test_a_call_after_one_that_ended_on_a_hard_passage_drafts_from_its_first_steps():
+    """A request whose drafts were all accepted for 36 steps, then rejected at the first level for its last 20 (a hard
+    passage: sampled at T=0.8, the real pair's first level was accepted 0.6 of the time over a request's last ten
+    judgments where it was 0.82 over the call). The next call's prior is the mean of all the judgments, 36 / 56 (the
+    initial guess weighing as 4 judgments more than their recent weight, 10), so it drafts from its first steps.
+    Negative control: the prior from the recent judgments (the decayed counts, as before) says 0.25 at depth 1, where
+    drafting does not pay even in a probe's eyes, and the next call decodes plainly throughout (on the real pair:
+    whole 128-token calls, in one of six runs of 4 prompts)."""
+    def next_call(prior_from_recent):
+        first = AdaptiveDepth(1, 8, PAIR_COSTS)
+        first.drafted(8, 1.6 * 8)
+        for n in [8] * 36 + [0] * 20:
+            first.update([n], 8, [True], PAIR_COSTS[8] + 1.6 * 8)
+        if prior_from_recent:
+            first.stats.total_hits, first.stats.total_weight = first.stats.hits, first.stats.weight
+        policy = AdaptiveDepth(1, 8, PAIR_COSTS, previous=first)
+        ks = []
+        for _ in range(40):
+            k = policy.choose([True], [1000])
+            if k:
+                policy.drafted(k, 1.6 * k)
+            policy.update([min(k, 6)], k, [True], PAIR_COSTS[k] + 1.6 * k)  # (acceptance as the first call's)
+            ks.append(k)
+        return policy.stats.prior, ks
+    prior, ks = next_call(False)
+    assert 0.62 < prior[0] < 36 / 56 and prior[1] > 0.85  # (the initial guess, 0.6, as 4 judgments)
+    assert min(ks[:3]) > 0 and ks.count(0) <= 2, ks
+    prior, ks = next_call(True)
+    assert prior[0] < 0.3 and max(ks) == 0, ks
 
 
 def test_target_costs_are_measured_once_and_grow_with_tokens(pair):
@@ -953,8 +985,10 @@ def test_a_policy_starts_from_what_the_previous_batch_learned():
     assert second.draft_level_s == first.draft_level_s and second.overhead_s == first.overhead_s > 0
     # its prior is the first batch's rates per depth, its judgments weighted (the initial guess as 4 judgments): depth
     # 1 was accepted by one request of two, depths 2 and 3 whenever they were reached
-    w, a = first.stats.weight, first.stats.alpha
-    population = ((w * a).sum(0) + 4 * 0.6) / (w.sum(0) + 4)  # (each request's rate weighted by its judgments)
+    # (the mean of all 20 steps' judgments, weighed as their recent weight)
+    w, mean = first.stats.weight, first.stats.total_hits.sum(0) / first.stats.total_weight.sum(0)
+    population = (w.sum(0) * mean + 4 * 0.6) / (w.sum(0) + 4)
+    np.testing.assert_allclose(mean, [0.5, 1, 1])
     np.testing.assert_allclose(second.stats.prior, population)
     np.testing.assert_allclose(second.stats.prior_weight, np.minimum(w.sum(0), 20))
     # (a new request: at depth 1 the prior, deeper the prior's ratios, trusted by min(weights) / (min(weights) + 2))
