@@ -300,7 +300,8 @@ def plot_acceptance(rows, path) -> bool:
                 ax.plot(range(1, len(acc) + 1), acc, marker="o", color=f"C{i}",
                         linestyle="--" if "[T=" in r["method"] else "-", label=r["method"].replace("ours ", ""))
     ax.set_xlabel("depth d (draft tokens)")
-    ax.set_ylabel("acceptance rate at depth d (steps that judged a draft there)")
+    ax.set_ylabel("acceptance rate at depth d")
+    ax.set_title("of the steps that judged a draft token at depth d, the fraction accepting it", fontsize=9)
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
