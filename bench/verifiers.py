@@ -77,6 +77,7 @@ def main(argv=None):
                 rows.append(dict(tree=tree, temperature=t, method=method, requests=len(prompts),
                                  tau=run["summary"]["tokens_per_step"], tokens_per_s=run["summary"]["tokens_per_s"],
                                  acceptance_by_depth=run["summary"]["acceptance_by_depth"],
+                                 acceptance_rate_by_depth=run["summary"]["acceptance_rate_by_depth"],
                                  gain_tau=None if method == "token" else gain,
                                  gain_tau_ci95=None if method == "token" else half))
                 print(f"{tree} T={t} {method}: tau {rows[-1]['tau']:.3f}, gain {gain:+.3f} +- {half:.3f}", flush=True)
@@ -111,15 +112,18 @@ def markdown(res: dict, heading: str = "# Verifiers: token-wise, block and trave
              f"Shipped pair, {res['prompts']} held-out prompts x {res['seeds']} seeds in one batch, "
              f"{res['max_new_tokens']} new tokens, {res['threads']} thread(s). Machine: {json.dumps(m)}", "",
              "tau = tokens per target step; tokens/s = the batch's (one run each: noisy); gain = mean per-request "
-             "tau(method) - tau(token) with its 95% CI; acceptance by depth d = the fraction of steps accepting >= d "
-             "draft tokens.", "",
-             "| tree | T | method | tau | gain over token (95% CI) | tokens/s | acceptance by depth |",
-             "|---|---|---|---|---|---|---|"]
+             "tau(method) - tau(token) with its 95% CI; acceptance rate by depth d = of the steps that judged a "
+             "draft token at depth d, the fraction accepting one (a tree judges several candidates there); "
+             "acceptance by depth d = the fraction of steps accepting >= d draft tokens.", "",
+             "| tree | T | method | tau | gain over token (95% CI) | tokens/s | acceptance rate by depth | "
+             "acceptance by depth |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         gain = "-" if r["gain_tau"] is None else f"{r['gain_tau']:+.3f} +- {r['gain_tau_ci95']:.3f}"
         depth = " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"])
+        rate = " ".join("-" if a is None else f"{a:.2f}" for a in r.get("acceptance_rate_by_depth") or []) or "-"
         lines.append(f"| {r['tree']} | {r['temperature']} | {r['method']} | {r['tau']:.3f} | {gain} | "
-                     f"{r['tokens_per_s']:.1f} | {depth} |")
+                     f"{r['tokens_per_s']:.1f} | {rate} | {depth} |")
     return "\n".join(lines) + "\n"
 
 
