@@ -461,6 +461,19 @@ def _kept(req, node, cols, x, tau):
 
 
 @triton.jit
+def _kept_pair(req, node, cols, a, b, tau_a, tau_b):
+    """_kept of two rows of one node over the same tokens (its target and draft tiles), the bitmask read once."""
+    if req.W > 0:
+        allowed = _allowed(req, node, cols)
+        a = tl.where(allowed, a, NEG_INF)
+        b = tl.where(allowed, b, NEG_INF)
+    if req.filtered:
+        a = tl.where(a < tau_a, NEG_INF, a)
+        b = tl.where(b < tau_b, NEG_INF, b)
+    return a, b
+
+
+@triton.jit
 def _logit(req, row, node, x, tau):
     """row[x] / t at node, -inf for an x outside the vocabulary or dropped by the node's processed law."""
     raw = _row_logits(_load_row(row + x, (x >= 0) & (x < req.V), req.probs), req.probs)
@@ -611,8 +624,11 @@ def _prefetch(row, lo, hi, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, PROBS:
 @triton.jit
 def _next_tile(row, start, hi, tile_next, tile_later, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
                PROBS: tl.constexpr):
-    ahead = start + PREFETCH * BLOCK_V + tl.arange(0, BLOCK_V)
-    new = _load_row(row + ahead, ahead < hi, PROBS)
+    # (a scalar base and a tile-shaped offset: with a tile of 64-bit addresses live across the walker's loop,
+    # Triton 3.6's filtered walker spilled)
+    ahead = start + PREFETCH * BLOCK_V
+    ar = tl.arange(0, BLOCK_V)
+    new = _load_row(row + ahead + ar, ar < hi - ahead, PROBS)
     tile = tile_next
     if PREFETCH == 2:
         tile_next = tile_later
@@ -651,8 +667,9 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
         b = a
         if HAS_DRAFT:
             b, b_next, b_later = _next_tile(d_row, start, hi_q, b_next, b_later, BLOCK_V, PREFETCH, req.probs)
-        a = _kept(req, walk.node, start + ar, _row_logits(a, req.probs), walk.tau_p)
-        b = _kept(req, walk.node, start + ar, _row_logits(b, req.probs), walk.tau_q)
+        a = _row_logits(a, req.probs)
+        b = _row_logits(b, req.probs)
+        a, b = _kept_pair(req, walk.node, start + ar, a, b, walk.tau_p, walk.tau_q)
         if req.filtered:
             x_p = tl.maximum(x_p, a)
             x_q = tl.maximum(x_q, b)
@@ -1116,11 +1133,13 @@ def _narrow(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constex
 
 @triton.jit
 def _gathered(sb, recs, starts, ends, total, g, CAP: tl.constexpr):
-    """The gathered values at positions g of the concatenation of the chunks' (in order; -inf past total)."""
-    owner = tl.reduce((ends[None, :] <= g[:, None]).to(tl.int32), 1, _SUM)  # the chunks that end at or before g
-    mine = tl.arange(0, recs.shape[0])[None, :] == owner[:, None]
-    first = tl.reduce(tl.where(mine, starts[None, :], 0), 1, _SUM)
-    rec = tl.reduce(tl.where(mine, recs[None, :], 0), 1, _SUM)
+    """The gathered values at positions g of the concatenation of the chunks' (in order; -inf past total).
+    (g runs along dim 1 here and in _resolve's sum: with it along dim 0 in one expression and dim 1 in another,
+    Triton 3.6 computed the whole chain once per layout, and the walker spilled.)"""
+    owner = tl.reduce((ends[:, None] <= g[None, :]).to(tl.int32), 0, _SUM)  # the chunks that end at or before g
+    mine = tl.arange(0, recs.shape[0])[:, None] == owner[None, :]
+    first = tl.reduce(tl.where(mine, starts[:, None], 0), 0, _SUM)
+    rec = tl.reduce(tl.where(mine, recs[:, None], 0), 0, _SUM)
     return tl.load(sb.gathered + rec * CAP + (g - first), mask=g < total, other=NEG_INF), owner
 
 
@@ -1173,7 +1192,7 @@ def _resolve(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.conste
     exact = (goal == GOAL_DONE) & (tau < hi)
     sidx = tl.arange(0, S_BLOCK)
     kept = tl.load(sb.pivot_masses + recs * NUM_PIVOTS, mask=have, other=0.0)
-    kept += tl.reduce(tl.where((owner[:, None] == sidx[None, :]) & (x[:, None] >= tau), weight[:, None], 0.0), 0, _SUM)
+    kept += tl.reduce(tl.where((owner[None, :] == sidx[:, None]) & (x[None, :] >= tau), weight[None, :], 0.0), 1, _SUM)
     return Search(goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w), kept.to(tl.float32), exact
 
 

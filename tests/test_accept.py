@@ -376,7 +376,7 @@ def hopper_compile_report() -> None:
                           PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
                           CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
         # (V = 128256 is 16-divisible, as a launch marks it; the padded vocabularies of most checkpoints are too. With
-        # V unmarked, Triton 3.6's filtered walker spilled 608 bytes, not 136)
+        # V unmarked, Triton 3.6's filtered walker spilled 608 bytes where it spilled 136 marked)
         kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
                                     cfg["num_warps"], divisible_ints=("V",))
         name = f"filters={has_filters},block={block},draft={has_draft},first={first},walk={walk}"
