@@ -380,36 +380,49 @@ def compiled_depths(max_depth: int) -> list[int]:
 
 def measure_target_costs(target: Llama, batch_size: int, max_tokens: int, context: int = 256,
                          repeats: int = 3, compiled: bool = False,
-                         tokens: Optional[Sequence[int]] = None) -> list[float]:
+                         tokens: Optional[Sequence[int]] = None, graph_class=None) -> list[float]:
     """Seconds of the target's cached forward over t = 1..max_tokens new tokens per request (chains) after
     `context` cached ones, at this batch size: the best of `repeats` timed runs after a warm-up (in rounds over the
     counts). Cached per model, shape and device for the process (the cache holds garbage K/V: only the time is used).
-    compiled: time it through torch.compile (`compile_static`), as a compiled loop runs it. tokens: time only these
-    counts (and max_tokens, and 1); another count gets the time interpolated linearly between its timed neighbours."""
+    compiled: time it through torch.compile (`compile_static`), as a compiled loop runs it. graph_class: time the
+    replay of a graph of it (decoding.CudaStepGraph), as a loop that replays its steps runs it: an eager forward of
+    a small model is launch-bound, and timed so it would make the target look dear beside a replayed step's
+    drafting. tokens: time only these counts (and max_tokens, and 1); another count gets the time interpolated
+    linearly between its timed neighbours."""
     timed = sorted(set(range(1, max_tokens + 1) if tokens is None else tokens) | {1, max_tokens})
-    key = (id(target), batch_size, tuple(timed), context, target.dtype, str(target.device), compiled)
+    key = (id(target), batch_size, tuple(timed), context, target.dtype, str(target.device), compiled, graph_class)
     if key not in _TARGET_COSTS:
         dev = target.device
         cache = target.new_cache(batch_size, context + max_tokens + 1)
         cache.lens.fill_(context)
         forward = compile_static(target._forward_cached, dev) if compiled else target._forward_cached
-        inputs = [(torch.zeros(batch_size, t, dtype=torch.long, device=dev), chain_tree(batch_size, t, device=dev))
-                  for t in timed]
+        runs = [_chain_forward(forward, cache, batch_size, t) for t in timed]
         best = [float("inf")] * len(timed)
+        pool = None if graph_class is None else graph_class.new_pool(dev)
         with torch.inference_mode():
             # round after round over the token counts (a pause of the machine slows one run of a few counts, not
-            # every run of one); the first round warms up (and compiles)
+            # every run of one); the first round warms up (and compiles), a graphed one then captures
             for rep in range(repeats + 1):
-                for i, (toks, tree) in enumerate(inputs):
+                if rep == 1 and graph_class is not None:
+                    runs = [graph_class(run, pool).replay for run in runs]  # (captured after the eager warm-up)
+                for i, run in enumerate(runs):
                     _sync(dev)
                     t0 = time.perf_counter()
-                    forward(toks, cache, tree.depth, tree.mask, None, 0, None, False)
+                    run()
                     _sync(dev)
                     if rep:
                         best[i] = min(best[i], time.perf_counter() - t0)
         measured = np.maximum.accumulate(best)  # never cheaper for more tokens (timing noise)
         _TARGET_COSTS[key] = np.interp(np.arange(1, max_tokens + 1), timed, measured).tolist()
     return _TARGET_COSTS[key]
+
+
+def _chain_forward(forward, cache, batch_size: int, t: int):
+    """A run of the target's cached forward over a t-token chain per request (inputs made once, so that a graph of
+    it replays on them)."""
+    tokens = torch.zeros(batch_size, t, dtype=torch.long, device=cache.lens.device)
+    tree = chain_tree(batch_size, t, device=cache.lens.device)
+    return lambda: forward(tokens, cache, tree.depth, tree.mask, None, 0, None, False)
 
 
 def _sync(device: torch.device) -> None:

@@ -153,7 +153,8 @@ class SpeculativeDecoder:
         # that a prompt's matches may never have produced, and which would compile inside a timed run)
         depths = compiled_depths(max_depth) if self.compile else None
         costs = measure_target_costs(self.target, batch_size, max_depth + 1, compiled=self.compile,
-                                     tokens=None if depths is None else [k + 1 for k in depths])
+                                     tokens=None if depths is None else [k + 1 for k in depths],
+                                     graph_class=self.graph_class)
         self._policy = AdaptiveDepth(batch_size, max_depth, costs, previous=getattr(self, "_policy", None),
                                      depths=depths)
         return self._policy
@@ -171,8 +172,13 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         s = self._start(prompts, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p,
                         allowed_token_ids=allowed_token_ids)
-        prompt_s = time.perf_counter() - t0
         B, dev, depth = s.tokens.shape[0], s.tokens.device, self.drafter.max_depth
+        if dev.type == "cuda":  # (the prompts' kernels may still run: their time is the prompts')
+            torch.cuda.synchronize(dev)
+        prompt_s = time.perf_counter() - t0
+        # a step's drafting is timed apart only where the host's clock sees it: eager steps on the CPU (a device
+        # runs the launches later; a graph or a compiled step runs the drafting and the rest as one)
+        drafting_timed = dev.type == "cpu" and not (self.compile or self.graph_class)
         step_times = []
         bar = _progress(max_new_tokens) if progress else None
         policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
@@ -210,7 +216,7 @@ class SpeculativeDecoder:
                 ran = self._compiled_step(s, k)
             else:
                 prop = self._propose(s, k)
-                if policy is not None and k and steady:
+                if policy is not None and k and steady and drafting_timed:
                     policy.drafted(k, time.perf_counter() - t_step)
                 self._verify(s, prop, k)
             flags = s.flags.tolist()  # the one host read per step: the stopping rule, and what the policy learns
@@ -224,7 +230,7 @@ class SpeculativeDecoder:
                     probs = np.array(flags[2 * B:], dtype=np.float64).reshape(B, -1) / PROB_SCALE
                     judged["acceptance"] = np.where(sampled[:, None], probs, np.nan)
                 policy.update(flags[:B], k, live_host, seconds if steady and ran else None,
-                              drafting_timed=not (self.compile or graphs), **judged)
+                              drafting_timed=drafting_timed, **judged)
                 remaining = [r - n - 1 if live else r for r, n, live in zip(remaining, flags, live_host)]
             live_host = [not f for f in flags[B:2 * B]]
             if bar is not None:

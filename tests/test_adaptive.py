@@ -633,6 +633,37 @@ def test_target_costs_compiled_and_for_some_token_counts(pair):
     assert measure_target_costs(target, 3, 5, context=16, repeats=1, compiled=True, tokens=[3, 1]) is costs
 
 
+
+def test_target_costs_of_a_replayed_loop_are_graph_replays(pair, monkeypatch):
+    """A loop that replays its steps as graphs gets the target's costs timed as graph replays: an eager forward's
+    host work (here a sleep, as a launch-bound forward of a small model on a GPU) is not in them, and each count's
+    graph is captured once, after an eager warm-up. The decoder asks for them so."""
+    import time
+    from helpers import ReplayGraph
+    from specdec import adaptive
+    target, draft = pair
+    forward, calls, captured = target._forward_cached, [], []
+
+    def slow(*args):
+        calls.append(1)
+        time.sleep(0.02)
+        return forward(*args)
+
+    class Counted(ReplayGraph):
+        def __init__(self, fn, pool=None):
+            captured.append(1)
+            super().__init__(fn, pool)
+    monkeypatch.setattr(target, "_forward_cached", slow)
+    monkeypatch.setattr(adaptive, "_TARGET_COSTS", {})
+    replayed = measure_target_costs(target, 2, 3, context=16, repeats=2, graph_class=Counted)
+    assert len(captured) == 3 and len(calls) == 3 + 3  # (t = 1, 2, 3: a warm-up and the capture each)
+    assert len(replayed) == 3 and max(replayed) < 0.02
+    assert min(measure_target_costs(target, 2, 3, context=16, repeats=2)) >= 0.02  # eager: the host work counts
+    monkeypatch.setattr(target, "_forward_cached", forward)
+    SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:2"), adaptive=True,
+                       cuda_graphs=ReplayGraph).generate(PROMPTS, 4)
+    assert [key[-1] for key in adaptive._TARGET_COSTS][-1] is ReplayGraph
+
 # ----------------------------------------------------------------------------------------------
 # the loop with every kind of step: outputs, caches, laws
 # ----------------------------------------------------------------------------------------------
