@@ -1,6 +1,6 @@
 """End-to-end decoding benchmark: our AR and speculative loops vs Hugging Face transformers, same weights.
 
-    python -m bench.e2e [--target DIR] [--draft DIR] [--prompts N] [--max-new-tokens N] [--out DIR]
+    python -m bench.e2e [--target DIR] [--draft DIR] [--prompts N] [--max-new-tokens N] [--device cuda] [--out DIR]
 
 Side by side on the same checkpoints and prompts (held-out Python standard library files, never seen
 in training), one request at a time (transformers' assisted generation is single-request), greedy:
@@ -10,11 +10,13 @@ in training), one request at a time (transformers' assisted generation is single
                  prompt_lookup_num_tokens= (skipped when transformers is not installed)
 More rows run our AR and chain speculation on all prompts as one batch, and sampled (--sample-temperature), also
 with top-k 50 and top-p 0.9:
-greedy outputs of a small model often repeat themselves, which flatters tau; sampled text does not.
+greedy outputs of a small model often repeat themselves, which flatters tau; sampled text does not. With
+--device cuda our steps replay CUDA graphs, and a few rows also run eagerly ([eager]).
 Reports new tokens/s (best of --repeats passes: other work on the machine only ever slows a pass), tokens per target step
-(tau, ours), acceptance by depth (the fraction of steps accepting at least d draft tokens), and whether each greedy
-output is identical to our AR output. Writes e2e.json and e2e.md under bench/results/ (machine, versions, commit,
-date), and e2e-acceptance.png (acceptance against depth, one line per drafter; needs matplotlib).
+(tau, ours), the acceptance rate by depth, the time outside the target's forward, and whether each greedy output is
+identical to our AR output. Each row keeps one decoder across its warm-up and passes, as a server does. Writes
+e2e.json and e2e.md (e2e-compile.*, e2e-cuda.* for --compile, --device cuda) under bench/results/ (machine, versions,
+commit, date), and e2e-acceptance.png (acceptance against depth, one line per drafter; needs matplotlib).
 """
 from __future__ import annotations
 
@@ -28,11 +30,13 @@ import sys
 import sysconfig
 import time
 import zlib
+from typing import NamedTuple, Optional
 
 import torch
 
 import specdec
-from specdec.decoding import SpeculativeDecoder
+from specdec.adaptive import measure_target_costs
+from specdec.decoding import CudaStepGraph, SpeculativeDecoder
 from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter
 from specdec.models.hf import load_model
 from specdec.models.mtp import load_mtp
@@ -44,7 +48,8 @@ ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 # (row name, decoder factory over the loaded models m: target, draft, mtp); "auto": adaptive speculation
 def _decoder(drafter, adaptive=False):
-    return lambda m: SpeculativeDecoder(m["target"], drafter(m), adaptive=adaptive, compile=m["compile"])
+    return lambda m, graphs: SpeculativeDecoder(m["target"], drafter(m), adaptive=adaptive, compile=m["compile"],
+                                                cuda_graphs=graphs or False)
 
 
 OURS = [("ours AR", _decoder(lambda m: NoDrafter()))] + [
@@ -62,6 +67,9 @@ SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain
            "ours spec auto (chain:8, adaptive)", "ours mtp chain:2", "ours mtp chain:3", "ours mtp chain:4",
            "ours mtp chain:6", "ours mtp auto (chain:8, adaptive)"]
 FILTERED = ["ours AR", "ours spec chain:4"]
+# on a GPU every row replays its steps as CUDA graphs (the default there); these also run eagerly, marked [eager]
+EAGER = ["ours AR", "ours spec chain:4", "ours spec chain:8", "ours spec auto (chain:8, adaptive)", "ours mtp chain:6",
+         "ours prompt lookup chain:8"]
 PLOTTED = ["ours spec chain:6", "ours mtp chain:6", "ours prompt lookup chain:8"]  # and their sampled rows
 
 
@@ -90,7 +98,8 @@ TARGET_TIME = {"forward_cached": 0.0}  # seconds inside the target's cached forw
 
 
 def timed_target(target):
-    """Wrap the target's forward_cached (this instance only) to add its time to TARGET_TIME."""
+    """Wrap the target's forward_cached (this instance only) to add its time to TARGET_TIME (eager, on the CPU: a
+    device runs the forward after the call returns)."""
     call = target.forward_cached
 
     def timed(*args, **kwargs):
@@ -103,22 +112,29 @@ def timed_target(target):
 
 
 def _outside_target(run, forward_s=None):
-    """run() -> (tokens, wall, tau, acceptance, prompt s, widths) becomes (..., prompt s, outside): the share of the
-    decoding steps' time (after the prompts) spent outside the target's forward. forward_s(batch, t): with
-    compile=True the target's forward is inside the step's graph, where it cannot be timed: it is then the steps'
-    count per verified width times the compiled forward's time at that width (None when the widths vary per step:
-    prompt lookup)."""
+    """run() -> Run becomes run() -> (Run, outside): the time of the decoding steps (after the prompts) spent outside
+    the target's forward, as {"share": of the steps' time, "ms_per_step": per step} (None: not known).
+    forward_s(batch, t): where the forward cannot be timed inside the step (a compiled step's graph, a replayed CUDA
+    graph, a device's asynchronous launches), the seconds of one forward verifying t tokens per request, timed the way
+    the step runs it; the steps' forward is then their count per verified width times that (not known where the
+    widths vary per step: prompt lookup)."""
     def measured():
         start = TARGET_TIME["forward_cached"]
-        *out, widths = run()
-        wall, prompt_s = out[1], out[4]
+        r = run()
         forward = TARGET_TIME["forward_cached"] - start
         if forward_s is not None:
-            forward = None if widths is None else sum(n * forward_s(batch, t) for (batch, t), n in widths.items())
-        if forward is None or prompt_s is None:
-            return (*out, None)
-        return (*out, (wall - prompt_s - forward) / max(wall - prompt_s, 1e-9))
+            forward = None if r.widths is None else sum(n * forward_s(batch, t) for (batch, t), n in r.widths.items())
+        steps_s = r.wall - r.prompt_s if r.prompt_s is not None else None
+        if forward is None or steps_s is None:
+            return r, None
+        return r, {"share": (steps_s - forward) / max(steps_s, 1e-9), "ms_per_step": 1e3 * (steps_s - forward) / r.steps}
     return measured
+
+
+def step_graph_class(device: torch.device, compile: bool):
+    """The graphs our steps replay as on this device (SpeculativeDecoder's cuda_graphs=): CUDA graphs on a GPU, as
+    there by default, unless compiled; None: steps run eagerly or compiled."""
+    return CudaStepGraph if device.type == "cuda" and not compile else None
 
 
 def step_widths(decoder, out, widths):
@@ -134,22 +150,16 @@ def step_widths(decoder, out, widths):
     return widths
 
 
-def compiled_forward_s(target, context: int):
-    """forward_s(batch, t): the median seconds of the target's cached forward over a t-token chain after
-    `context` cached tokens, compiled (memoized)."""
-    from .step import forward_ms
+def forward_timer(target, context: int, **how):
+    """forward_s(batch, t): the best seconds of the target's cached forward over a t-token chain after `context`
+    cached tokens, run `how` a loop runs it (adaptive.measure_target_costs: compiled=True, or graph_class= for graph
+    replays; on a device, timed to its completion), memoized."""
     memo = {}
 
     def forward_s(batch, t):
         if (batch, t) not in memo:
-            cache = target.new_cache(batch, context + 64)
-            cache.lens.fill_(context)
-            target.compile_cached()
-            try:
-                with torch.inference_mode(), specdec.value_checks(False):
-                    memo[(batch, t)] = forward_ms(target, cache, t, 20, batch) / 1e3
-            finally:
-                target.compile_cached(False)
+            with specdec.value_checks(False):
+                memo[(batch, t)] = measure_target_costs(target, batch, t, context, repeats=10, tokens=[t], **how)[-1]
         return memo[(batch, t)]
     return forward_s
 
@@ -164,9 +174,21 @@ def acceptance(stats) -> dict:
             "acceptance_rate_by_depth": [round(a / j, 4) if j else None for a, j in zip(accepted, judged)]}
 
 
-def run_ours(decoder, prompts, max_new, temperature=0.0, **filters):
-    """(tokens, wall s, tau, acceptance (by depth, rate by depth), prompt s, step widths) over the prompts one at a
-    time (steps-weighted means; prompt s: the wall time before the first steps)."""
+class Run(NamedTuple):
+    """One pass of a method over the prompts: wall seconds in all, of which prompt_s before the first steps
+    (None: not known); tau (tokens per target step), acceptance (by depth, rate by depth), steps and widths (steps
+    per (batch size, verified tree width); None: not known) for our loops."""
+    tokens: list
+    wall: float
+    tau: Optional[float] = None
+    acceptance: Optional[dict] = None
+    prompt_s: Optional[float] = None
+    widths: Optional[dict] = None
+    steps: int = 0
+
+
+def run_ours(decoder, prompts, max_new, temperature=0.0, **filters) -> Run:
+    """The prompts one at a time (steps-weighted means)."""
     tokens, wall, prompt_s, emitted, steps, stats, widths = [], 0.0, 0.0, 0, 0, [], {}
     for i, p in enumerate(prompts):
         out = decoder.generate([p], max_new, temperature, seed=i, **filters)
@@ -178,26 +200,26 @@ def run_ours(decoder, prompts, max_new, temperature=0.0, **filters):
         emitted += out.summary["tokens_per_step"] * n
         steps += n
         stats += out.stats
-    return tokens, wall, emitted / steps, acceptance(stats), prompt_s, widths
+    return Run(tokens, wall, emitted / steps, acceptance(stats), prompt_s, widths, steps)
 
 
-def run_ours_batch(decoder, prompts, max_new):
+def run_ours_batch(decoder, prompts, max_new) -> Run:
     out = decoder.generate(prompts, max_new)
-    return (out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"], acceptance(out.stats),
-            out.summary["prompt_s"], step_widths(decoder, out, {}))
+    return Run(out.tokens, out.summary["wall_s"], out.summary["tokens_per_step"], acceptance(out.stats),
+               out.summary["prompt_s"], step_widths(decoder, out, {}), out.summary["steps"])
 
 
-def run_hf(model, prompts, max_new, eos, **kwargs):
+def run_hf(model, prompts, max_new, eos, **kwargs) -> Run:
     tokens, wall = [], 0.0
     for p in prompts:
-        x = torch.tensor([p])
+        x = torch.tensor([p], device=model.device)
         t0 = time.perf_counter()
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos, **kwargs)
-        wall += time.perf_counter() - t0
         new = out[0, len(p):].tolist()
+        wall += time.perf_counter() - t0
         tokens.append(new[:new.index(eos)] if eos in new else new)
-    return tokens, wall
+    return Run(tokens, wall)
 
 
 @contextlib.contextmanager
@@ -226,14 +248,14 @@ def mode(method: str) -> str:
     return method[method.find("["):] if "[" in method and "ours" in method else ""
 
 
-def machine() -> dict:
-    """bench.timing's machine record (CPU, versions, commit, date) plus what the end-to-end run depends on."""
+def machine(device=torch.device("cpu")) -> dict:
+    """bench.timing's machine record (CPU, GPU, versions, commit, date) plus what the end-to-end run depends on."""
     try:
         import transformers
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
-    return {**machine_info(torch.device("cpu")), "transformers": tf_version,
+    return {**machine_info(device), "transformers": tf_version,
             "specdec_cpu_backend": "cpp" if specdec.ops.HAS_CPP else "torch (reference)"}
 
 
@@ -242,7 +264,9 @@ def markdown(res: dict) -> str:
     mtp = f", {cfg['mtp_params'] / 1e6:.2f}M MTP module" if cfg.get("mtp_params") else ""
     lines = [f"# End-to-end decoding: {cfg['target_params'] / 1e6:.1f}M target, {cfg['draft_params'] / 1e6:.2f}M draft"
              f"{mtp}",
-             "", f"{m['date']}, commit {m['git_commit'][:7]}, {m['cpu']} ({m['cpu_count']} cores, torch threads "
+             "", f"{m['date']}, commit {m['git_commit'][:7]}, "
+             + (f"{m['gpu']} (CUDA {m['cuda']}, Triton {m['triton']}), host " if m.get("gpu") else "")
+             + f"{m['cpu']} ({m['cpu_count']} cores, torch threads "
              f"{m['torch_threads']}), Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
              f"specdec CPU backend: {m['specdec_cpu_backend']}, value checks {cfg['value_checks']}.", "",
              f"{cfg['prompts']} held-out stdlib prompts (~{cfg['prompt_bytes']} bytes each), greedy, "
@@ -252,26 +276,32 @@ def markdown(res: dict) -> str:
              f"{cfg['repeats']} passes (warm-up before each)"
              + (", our decoders compiled (each step one torch.compile graph; graphs compiled in the first pass; the "
                 "target's time inside a compiled step is the steps' count per width times a compiled forward's)"
-                if cfg.get("compile") else "") + ".", "",
+                if cfg.get("compile") else "")
+             + (", our steps replayed as CUDA graphs (captured in the warm-up, which decodes as many tokens), the rows "
+                "marked [eager] launched eagerly (against our eager AR); the target's time inside the steps is the "
+                "steps' count per width times a forward's, replayed or eager, timed to its completion"
+                if cfg.get("cuda_graphs") else "") + ".", "",
              "Acceptance rate by depth d: of the steps that judged a draft token at depth d (their path had accepted "
              "d - 1), the fraction that accepted it (-: none did); how fast acceptance drops with depth, also for "
              "an adaptive row, whose steps draft to different depths. Acceptance by depth d: the fraction of all "
              "steps that accepted at least d draft tokens. Outside target: the "
              "share of the decoding steps' time (after the prompts) spent outside the target's forward (drafting, "
-             "accept, rollbacks, bookkeeping). Speedup / tau: the loop's efficiency (1 = a step costs one AR step). "
+             "accept, rollbacks, bookkeeping), and that time per step. Speedup / tau: the loop's efficiency (1 = a step costs one AR step). "
              "Decoding speedup: the same ratio over the steps alone, without the prompts' time (the target's and "
              "the drafter's prefill, the same work in every row: it caps the end-to-end speedup).",
              "",
              "| method | new tokens/s | speedup vs ours AR | decoding speedup | tokens/step (tau) | speedup / tau | "
-             "outside target | acceptance rate by depth | acceptance by depth | identical to ours AR |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+             "outside target | outside target per step | acceptance rate by depth | acceptance by depth | "
+             "identical to ours AR |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in res["rows"]:
         if r.get("skipped"):
-            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | | | | |")
+            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | | | | | |")
             continue
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
         efficiency = "-" if r["tau"] is None else f"{r['speedup_vs_ours_ar'] / r['tau']:.2f}"
         outside = "-" if r.get("outside_target") is None else f"{100 * r['outside_target']:.0f}%"
+        per_step = "-" if r.get("outside_target_ms_per_step") is None else f"{r['outside_target_ms_per_step']:.2f} ms"
         depth = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth") or []) or "-"
         rate = " ".join("-" if a is None else f"{a:.2f}" for a in r.get("acceptance_rate_by_depth") or []) or "-"
         same = "n/a (sampled)" if r["identical"] is None else "yes" if r["identical"] else "NO"
@@ -279,7 +309,7 @@ def markdown(res: dict) -> str:
         name = r["method"] + (f" (compiled {r['graphs_compiled_inside']} graph(s) in its best pass: not warm)"
                               if r.get("graphs_compiled_inside") else "")
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ours_ar']:.2f}x | {decoding} | "
-                     f"{tau} | {efficiency} | {outside} | {rate} | {depth} | {same} |")
+                     f"{tau} | {efficiency} | {outside} | {per_step} | {rate} | {depth} | {same} |")
     return "\n".join(lines) + "\n"
 
 
@@ -327,42 +357,58 @@ def main(argv=None):
     ap.add_argument("--methods", help="only the rows whose name matches this regular expression")
     ap.add_argument("--compile", action="store_true",
                     help="our decoders with compile=True (the first pass compiles; best of --repeats keeps a warm one)")
+    ap.add_argument("--device", default="cpu",
+                    help="where the models run (cuda: our steps replay CUDA graphs, the rows marked [eager] do not)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     specdec.set_value_checks(args.value_checks)
 
-    target, draft = load_model(args.target), load_model(args.draft)
-    if not args.compile:  # (compiled, the forward runs inside each step's graph: see _outside_target)
-        timed_target(target)
+    dev = torch.device(args.device)
+    graph_class = step_graph_class(dev, args.compile)
+    graphed = graph_class is not None
+    target, draft = load_model(args.target, device=dev), load_model(args.draft, device=dev)
     models = {"target": target, "draft": draft, "compile": args.compile,
-              "mtp": load_mtp(args.mtp, target.cfg) if os.path.isdir(args.mtp) else None}
+              "mtp": load_mtp(args.mtp, target.cfg, device=dev) if os.path.isdir(args.mtp) else None}
     ours = OURS + (MTP_ROWS if models["mtp"] is not None else [])
     tok = ByteTokenizer()
     prompts = [tok.encode(p) for p in held_out_prompts(args.prompts, args.prompt_bytes)]
     eos = target.cfg.eos_token_id
 
-    def warm_up(make, batch=1):
-        return lambda: make(models).generate(prompts[:batch], 8)
-
-    methods = [(name, lambda make=make: run_ours(make(models), prompts, args.max_new_tokens), warm_up(make))
-               for name, make in ours]
-    methods += [(f"{name} [batch of {len(prompts)}]",
-                 lambda make=make: run_ours_batch(make(models), prompts, args.max_new_tokens),
-                 warm_up(make, len(prompts)))
-                for name, make in ours if name in BATCHED]
-    methods += [(f"{name} [T={args.sample_temperature}]",
-                 lambda make=make: run_ours(make(models), prompts, args.max_new_tokens, args.sample_temperature),
-                 warm_up(make))
-                for name, make in ours if name in SAMPLED]
+    # (row name, decoder factory, runner, its keyword arguments, cuda_graphs)
+    sampled = {"temperature": args.sample_temperature}
+    specs = [(name, make, run_ours, {}, graph_class) for name, make in ours]
+    specs += [(f"{name} [batch of {len(prompts)}]", make, run_ours_batch, {}, graph_class) for name, make in ours
+              if name in BATCHED]
+    specs += [(f"{name} [T={args.sample_temperature}]", make, run_ours, sampled, graph_class) for name, make in ours
+              if name in SAMPLED]
     # what accept's filters cost end to end (the drafter samples from the same filtered law)
-    methods += [(f"{name} [T={args.sample_temperature} top_k={FILTERS['top_k']} top_p={FILTERS['top_p']}]",
-                 lambda make=make: run_ours(make(models), prompts, args.max_new_tokens, args.sample_temperature,
-                                            **FILTERS),
-                 warm_up(make))
-                for name, make in ours if name in FILTERED]
-    forward_s = compiled_forward_s(target, args.prompt_bytes) if args.compile else None
-    methods = [(name, _outside_target(run, forward_s), warm) for name, run, warm in methods]
+    specs += [(f"{name} [T={args.sample_temperature} top_k={FILTERS['top_k']} top_p={FILTERS['top_p']}]", make,
+               run_ours, {**sampled, **FILTERS}, graph_class) for name, make in ours if name in FILTERED]
+    if graphed:
+        specs += [(f"{name} [eager]", make, run_ours, {}, False) for name, make in ours if name in EAGER]
+    # the target's forward where it cannot be timed inside the steps, timed the way they run it
+    context = len(prompts[0]) + args.max_new_tokens // 2
+    forward_s = forward_timer(target, context, compiled=True) if args.compile else \
+        forward_timer(target, context, graph_class=graph_class) if graphed else \
+        forward_timer(target, context) if dev.type != "cpu" else None
+    eager_forward_s = forward_timer(target, context) if graphed else None
+    if forward_s is None:  # eager on the CPU: timed inside the steps
+        timed_target(target)
+    # one decoder per row, kept across its warm-up and passes, as a server keeps one: its CUDA graphs and its adaptive
+    # policy's learning last across generate calls. (Graphs are per max_new_tokens: the warm-up decodes as many.)
+    decoders = {}
+    warm_tokens = args.max_new_tokens if graphed else 8
+    methods = []
+    for name, make, runner, kw, graphs in specs:
+        def get(name=name, make=make, graphs=graphs):
+            if name not in decoders:
+                decoders[name] = make(models, graphs)
+            return decoders[name]
+        warm = prompts if runner is run_ours_batch else prompts[:1]
+        methods.append((name, _outside_target(lambda get=get, runner=runner, kw=kw: runner(
+                            get(), prompts, args.max_new_tokens, **kw), eager_forward_s if graphs is False else forward_s),
+                        lambda get=get, runner=runner, kw=kw, warm=warm: runner(get(), warm, warm_tokens, **kw)))
     hf_methods = [("transformers AR", {}), ("transformers assisted (assistant_model)", {"assistant": True}),
                   ("transformers prompt lookup (8 tokens)", {"prompt_lookup_num_tokens": 8})]
     skipped = []
@@ -371,15 +417,15 @@ def main(argv=None):
             raise ImportError("--no-transformers")
         with _without_checkout_on_path():
             from transformers import LlamaForCausalLM
-            hf_target = LlamaForCausalLM.from_pretrained(args.target, torch_dtype=torch.float32).eval()
-            hf_draft = LlamaForCausalLM.from_pretrained(args.draft, torch_dtype=torch.float32).eval()
+            hf_target = LlamaForCausalLM.from_pretrained(args.target, torch_dtype=torch.float32).to(dev).eval()
+            hf_draft = LlamaForCausalLM.from_pretrained(args.draft, torch_dtype=torch.float32).to(dev).eval()
     except ImportError as exc:
         skipped = [{"method": name, "skipped": f"transformers not available ({exc})"} for name, _ in hf_methods]
     else:
         for name, kw in hf_methods:
             if kw.pop("assistant", False):
                 kw["assistant_model"] = hf_draft
-            methods.append((name, lambda kw=kw: (*run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw), None, None, None, None),
+            methods.append((name, _outside_target(lambda kw=kw: run_hf(hf_target, prompts, args.max_new_tokens, eos, **kw)),
                             lambda kw=kw: run_hf(hf_target, [prompts[0]], 8, eos, **kw)))
     if args.methods:  # the chosen rows, and our AR run each chosen way (their reference)
         chosen = [m for m in methods if re.search(args.methods, m[0])]
@@ -392,19 +438,22 @@ def main(argv=None):
         for name, run, warm_up in methods:
             warm_up()
             graphs = compiled_graphs()
-            tokens, wall, tau, accepted, prompt_s, outside = run()
+            r, outside = run()
             graphs = compiled_graphs() - graphs  # compiled inside the timed run (an adaptive policy's new depth)
-            if name not in best or wall < best[name][1]:
-                best[name] = (tokens, wall, tau, accepted, prompt_s, outside)
+            if name not in best or r.wall < best[name][0].wall:
+                best[name] = (r, outside)
                 compiled_in_best[name] = graphs
-            print(f"pass {rep + 1}: {name:40s} {sum(map(len, tokens)) / wall:8.1f} tok/s"
+            print(f"pass {rep + 1}: {name:40s} {sum(map(len, r.tokens)) / r.wall:8.1f} tok/s"
                   + (f"  ({graphs} graphs compiled inside)" if graphs else ""), flush=True)
-    reference = best[OURS[0][0]][0]
-    rows = [{"method": name, "tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tau": tau,
-             **(accepted or {"acceptance_by_depth": None}), "outside_target": outside, "identical": tokens == reference,
-             "new_tokens": sum(map(len, tokens)), "prompt_s": prompt_s, "graphs_compiled_inside": compiled_in_best[name],
-             "decoding_tokens_per_s": None if prompt_s is None else sum(map(len, tokens)) / (wall - prompt_s)}
-            for name, (tokens, wall, tau, accepted, prompt_s, outside) in best.items()] + skipped
+    reference = best[OURS[0][0]][0].tokens
+    rows = [{"method": name, "tokens_per_s": sum(map(len, r.tokens)) / r.wall, "wall_s": r.wall, "tau": r.tau,
+             **(r.acceptance or {"acceptance_by_depth": None}),
+             "outside_target": None if outside is None else outside["share"],
+             "outside_target_ms_per_step": None if outside is None else outside["ms_per_step"],
+             "identical": r.tokens == reference, "new_tokens": sum(map(len, r.tokens)), "prompt_s": r.prompt_s,
+             "graphs_compiled_inside": compiled_in_best[name],
+             "decoding_tokens_per_s": None if r.prompt_s is None else sum(map(len, r.tokens)) / (r.wall - r.prompt_s)}
+            for name, (r, outside) in best.items()] + skipped
     ar = {mode(r["method"]): r for r in rows if r["method"].startswith(OURS[0][0])}
     for r in rows:
         if not r.get("skipped"):  # each row against our AR run the same way
@@ -414,24 +463,36 @@ def main(argv=None):
                 r["decoding_speedup_vs_ours_ar"] = r["decoding_tokens_per_s"] / base["decoding_tokens_per_s"]
             if "[T=" in r["method"]:
                 r["identical"] = None  # sampled: AR and speculative draw different (equally distributed) texts
-    res = {"machine": machine(), "rows": rows,
+    res = {"machine": machine(dev), "rows": rows,
            "config": {"target": args.target, "draft": args.draft, "target_params": target.num_params(),
                       "draft_params": draft.num_params(), "mtp": args.mtp if models["mtp"] is not None else None,
                       "mtp_params": sum(p.numel() for p in models["mtp"].parameters()) if models["mtp"] else 0,
                       "prompts": len(prompts), "prompt_bytes": args.prompt_bytes,
                       "max_new_tokens": args.max_new_tokens, "value_checks": args.value_checks,
-                      "repeats": args.repeats, "sample_temperature": args.sample_temperature, "compile": args.compile}}
+                      "repeats": args.repeats, "sample_temperature": args.sample_temperature, "compile": args.compile,
+                      "device": dev.type, "cuda_graphs": graphed}}
     os.makedirs(args.out, exist_ok=True)
-    name = "e2e-compile" if args.compile else "e2e"
+    name = "e2e" + ("-compile" if args.compile else "") + ("" if dev.type == "cpu" else f"-{dev.type}")
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=2)
     md = markdown(res)
     if plot_acceptance(rows, os.path.join(args.out, f"{name}-acceptance.png")):
         md += f"\n![acceptance against depth]({name}-acceptance.png)\n"
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(md)
+    path = os.path.join(args.out, f"{name}.md")
+    kept = sections_of_other_scripts(path)
+    with open(path, "w") as f:
+        f.write(md + kept)
     print(md)
 
+
+def sections_of_other_scripts(path: str) -> str:
+    """The sections another script wrote into the markdown file at path (a "## ... (bench.<script>)" heading, to the
+    next "## " heading), to keep when this one rewrites it (bench.verifiers writes one into e2e.md)."""
+    if not os.path.exists(path):
+        return ""
+    text = open(path).read()
+    kept = [m.group(0).rstrip("\n") for m in re.finditer(r"^## .*\(bench\.\w+\).*\n(?:(?!## ).*\n?)*", text, re.M)]
+    return "".join("\n" + section + "\n" for section in kept)
 
 if __name__ == "__main__":
     main()

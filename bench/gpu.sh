@@ -12,6 +12,9 @@
 #                   eager run): speculative vs autoregressive, fp32 (greedy outputs must be
 #                   identical) and bf16
 #   copy            the copy-bandwidth ceiling (device-to-device copy_, 256 MiB .. 16 GiB)
+#   e2e             python -m bench.e2e --device cuda on the shipped pair: issue 17's rows (draft model, MTP, prompt
+#                   lookup; fixed and adaptive; greedy, sampled, a batch) with steps replayed as CUDA graphs, and some
+#                   eagerly, with the time outside the target's forward per step (e2e-cuda.md / .json)
 #   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
 #   sweep           python -m bench.sweep: the Triton tunables at the target shapes (what the heuristics
 #                   should choose), one variant per row, ranked
@@ -25,7 +28,7 @@
 # only has its own timeout),
 # SPECDEC_GPU_TESTS (backend test files), SPECDEC_GPU_TESTS_TIMEOUT (seconds for them, default 150, run
 # last with what is left: every kernel variant they use compiles first), SPECDEC_GIT_COMMIT (recorded when
-# the tree has no .git), SPECDEC_GPU_STEPS (the steps to run, default all: env tests loop copy grid sweep;
+# the tree has no .git), SPECDEC_GPU_STEPS (the steps to run, default all: env tests loop copy grid e2e sweep;
 # "tests" = tests-cuda and tests-backends, "grid" = every grid-<op>; the summary always runs).
 # A second, short run after tuning the heuristics from the sweep (the targets only, about 2 minutes):
 #   SPECDEC_GPU_STEPS="env copy grid" SPECDEC_GPU_BENCH_ARGS=--quick bash bench/gpu.sh DIR
@@ -56,7 +59,7 @@ unset SPECDEC_BACKEND              # the default backend for CUDA tensors: trito
 
 # step NAME TIMEOUT_S CMD... : run CMD with a timeout (cut to what the total budget leaves), log to
 # steps/NAME.log, record the outcome; never stops the script.
-WANTED=" ${SPECDEC_GPU_STEPS:-env tests loop copy grid sweep} summary "
+WANTED=" ${SPECDEC_GPU_STEPS:-env tests loop copy grid e2e sweep} summary "
 
 step() {
   local name=$1 limit=$2
@@ -146,6 +149,11 @@ grid attention 1 120
 grid accept 2 50
 grid rollback 3 40
 grid append 4 25
+# the end-to-end table: 2 prompts x 64 tokens, best of 2 passes (each row's decoder captures its graphs in its
+# warm-up); the rows of issue 17's table, each also sampled, batched and eager where bench.e2e runs it so
+E2E_ROWS='^ours (spec chain:(4|8)|spec auto .*|mtp chain:6|mtp auto .*|prompt lookup (chain:8|auto .*))( \[.*\])?$'
+step e2e 120 "$PY" -m bench.e2e --device "$DEVICE" --no-transformers --prompts 2 --max-new-tokens 64 --repeats 2 \
+  --methods "$E2E_ROWS" --out "$STEPS/e2e"
 SWEEP=("$PY" -m bench.sweep --device "$DEVICE")
 [ "$DEVICE" = cpu ] && SWEEP=(env TRITON_INTERPRET=1 "${SWEEP[@]}" --toy)  # dry run: the interpreter, toy shapes
 step sweep 80 "${SWEEP[@]}" --out "$STEPS" --name sweep --time-budget 55
@@ -177,6 +185,12 @@ step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --n
     echo "## loop (shipped pair, $DEVICE)"
     grep -E '^(### |speculative |acceptance |autoregressive: )' "$STEPS/loop.log"
   fi
+  for table in "$STEPS"/e2e/e2e*.md; do
+    [ -f "$table" ] || continue
+    echo
+    echo "## end to end ($(basename "$table"))"
+    grep -E '^\|' "$table"
+  done
   echo
   echo "## benchmark"
   grep -v '^wrote ' "$STEPS/summary.log" 2>/dev/null
@@ -186,7 +200,7 @@ step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --n
     sed -n '/ (by \(graph\|eager\) time/,/^results: /p' "$STEPS/sweep.log" | grep -v '^results: '
   fi
 } >"$RESULTS/summary.md"
-cp "$STEPS"/sweep.json "$STEPS"/sweep.md "$RESULTS"/ 2>/dev/null
+cp "$STEPS"/sweep.json "$STEPS"/sweep.md "$STEPS"/e2e/e2e* "$RESULTS"/ 2>/dev/null
 # the tail of every failed step's log, so a failure can be read from stdout alone
 for line in "${STATUS[@]}"; do
   case "$line" in *"rc=0"*|*skipped*) ;; *)

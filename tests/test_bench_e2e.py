@@ -1,0 +1,31 @@
+"""bench.e2e's mechanics on the CPU: a device's run (steps replayed as graphs, some rows also eager, the target's
+forward timed apart) with CUDA-graph semantics emulated (helpers.ReplayGraph), and the sections other scripts wrote
+into its markdown kept."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_e2e_replays_steps_as_graphs_runs_some_rows_eagerly_and_keeps_other_scripts_sections(tmp_path, monkeypatch):
+    from helpers import ReplayGraph
+    from bench import e2e
+    monkeypatch.setattr(e2e, "step_graph_class", lambda device, compile: ReplayGraph)
+    (tmp_path / "e2e.md").write_text("# an older table\n\n| x |\n\n## Verifiers (bench.verifiers) (then)\n\n| a |\n")
+    e2e.main(["--prompts", "2", "--max-new-tokens", "10", "--repeats", "1", "--no-transformers",
+              "--methods", r"spec chain:4( \[eager\])?$|lookup chain:8( \[eager\])?$", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "e2e.json").read_text())
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {f"ours {name}{how}" for name in ("AR", "spec chain:4", "prompt lookup chain:8")
+                         for how in ("", " [eager]")}
+    assert all(r["identical"] for r in rows.values()) and res["config"]["cuda_graphs"]
+    for how in ("", " [eager]"):  # (prompt lookup's widths vary per step: its forward's time is not known)
+        assert rows["ours spec chain:4" + how]["outside_target_ms_per_step"] is not None
+        assert rows["ours prompt lookup chain:8" + how]["outside_target"] is None
+        assert rows["ours spec chain:4" + how]["tau"] > 1
+    md = (tmp_path / "e2e.md").read_text()
+    assert md.startswith("# End-to-end") and "older table" not in md and "replayed as CUDA graphs" in md
+    assert md.count("## Verifiers (bench.verifiers)") == 1 and md.rstrip().endswith("| a |")
