@@ -251,6 +251,33 @@ def test_loop_with_cuda_graphs_equals_eager_and_has_no_host_sync(monkeypatch):
     assert again.summary["acceptance_by_depth"] == eager_other.summary["acceptance_by_depth"]
 
 
+def test_adaptive_loop_with_cuda_graphs_equals_ar_and_times_the_target_as_graph_replays():
+    """adaptive=True with CUDA graphs (the default on CUDA): the policy's target costs are graph replays (each token
+    count captured after an eager warm-up: adaptive.measure_target_costs), each depth it chooses (0 included) is a
+    graph key of its own, and the greedy output equals AR's, in a first call and in a later one on its graphs."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    from specdec import adaptive
+    from specdec.decoding import CudaStepGraph, SpeculativeDecoder, generate_ar
+    from specdec.drafters import DraftModelDrafter
+    from specdec.models.llama import Llama, LlamaConfig
+    torch.manual_seed(0)
+    target = Llama(LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                               intermediate_size=256)).cuda().eval()
+    draft = Llama(LlamaConfig(vocab_size=512, dim=64, n_layers=1, n_heads=2, n_kv_heads=1,
+                              intermediate_size=128)).cuda().eval()  # (unrelated: rejections, plain steps, probes)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7], [3, 9, 1, 2, 9, 1, 2, 9, 1]]
+    with specdec.value_checks(False):
+        for drafter_model in (target, draft):  # (the target itself: every draft accepted, the deepest depth)
+            decoder = SpeculativeDecoder(target, DraftModelDrafter(drafter_model, "chain:4"), adaptive=True)
+            for call in range(2):
+                out = decoder.generate(prompts, 40)
+                assert out.tokens == generate_ar(target, prompts, 40).tokens, (drafter_model is target, call)
+            assert sum(out.summary["depth_chosen"]) == out.summary["steps"]
+    replayed = [costs for key, costs in adaptive._TARGET_COSTS.items() if key[-1] is CudaStepGraph]
+    assert replayed and all(0 < c < 1 for costs in replayed for c in costs)
+
+
 def test_cuda_graph_accept_draws_fresh_numbers_from_a_device_offset():
     """accept captured with `offset` a device tensor: updating it in place between replays gives what eager
     calls with those offsets give (an int offset would be frozen into the graph)."""
