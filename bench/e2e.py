@@ -357,6 +357,8 @@ def main(argv=None):
     ap.add_argument("--methods", help="only the rows whose name matches this regular expression")
     ap.add_argument("--compile", action="store_true",
                     help="our decoders with compile=True (the first pass compiles; best of --repeats keeps a warm one)")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: no method starts after them (the table has the rows run by then)")
     ap.add_argument("--device", default="cpu",
                     help="where the models run (cuda: our steps replay CUDA graphs, the rows marked [eager] do not)")
     ap.add_argument("--out", default=RESULTS)
@@ -434,8 +436,12 @@ def main(argv=None):
                    and mode(m[0]) in modes]
         skipped = [r for r in skipped if re.search(args.methods, r["method"])]
     best, compiled_in_best = {}, {}
+    started = time.perf_counter()
     for rep in range(args.repeats):  # other work on the machine only slows a pass: keep each method's best
         for name, run, warm_up in methods:
+            if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
+                print(f"pass {rep + 1}: {name}: not run (--time-budget {args.time_budget:g} s spent)", flush=True)
+                continue
             warm_up()
             graphs = compiled_graphs()
             r, outside = run()
@@ -456,7 +462,7 @@ def main(argv=None):
             for name, (r, outside) in best.items()] + skipped
     ar = {mode(r["method"]): r for r in rows if r["method"].startswith(OURS[0][0])}
     for r in rows:
-        if not r.get("skipped"):  # each row against our AR run the same way
+        if not r.get("skipped"):  # each row against our AR run the same way (run before it in every pass)
             base = ar[mode(r["method"])]
             r["speedup_vs_ours_ar"] = r["tokens_per_s"] / base["tokens_per_s"]
             if r["decoding_tokens_per_s"] is not None:
