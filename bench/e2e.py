@@ -273,7 +273,8 @@ def markdown(res: dict) -> str:
              f"{cfg['max_new_tokens']} new tokens max, one request at a time (rows marked [batch]: all prompts in "
              "one batch, speedup against our batched AR; rows marked [T=..]: sampled at that temperature, speedup "
              "against our sampled AR), fp32 weights; each method's best of "
-             f"{cfg['repeats']} passes (warm-up before each)"
+             f"{cfg['repeats']} passes (warm-up before each; one decoder per method, kept across them as a server "
+             "keeps one)"
              + (", our decoders compiled (each step one torch.compile graph; graphs compiled in the first pass; the "
                 "target's time inside a compiled step is the steps' count per width times a compiled forward's)"
                 if cfg.get("compile") else "")
