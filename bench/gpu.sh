@@ -3,7 +3,8 @@
 # and triton 3.6 so far) and no package registry needed: specdec is installed in place with
 # `pip install --no-deps --no-build-isolation -e .` (offline; without the C++ CPU ops, which no step uses).
 #
-#   bash bench/gpu.sh [RESULTS_DIR]        (or SPECDEC_GPU_RESULTS=DIR; default bench/results/gpu-<date>)
+#   bash bench/gpu.sh [RESULTS_DIR]        (or SPECDEC_GPU_RESULTS=DIR; default $OUT/gpu-<date> where $OUT is set,
+#                                           as the device tool sets it, else bench/results/gpu-<date>)
 #
 # Steps, each in its own process with its own timeout and log (a failure or a hang costs only its step):
 #   env             GPU, driver, versions, the imports
@@ -24,8 +25,8 @@
 # RESULTS_DIR ends up with summary.md, bench-<date>-<device>.json/.md (merged results), sweep.json/.md and
 # steps.tar.gz (every log and per-step result); SPECDEC_GPU_PACK=0 keeps the steps/ folder unpacked instead.
 #
-# Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds; default none: every step
-# only has its own timeout),
+# Environment knobs: PYTHON (default python3), SPECDEC_GPU_BUDGET (total seconds, default 540: one command of the
+# device tool runs 600 s at most, and the steps' own timeouts add up to more; 0: none, every step only has its own),
 # SPECDEC_GPU_TESTS (backend test files), SPECDEC_GPU_TESTS_TIMEOUT (seconds for them, default 150, run
 # last with what is left: every kernel variant they use compiles first), SPECDEC_GIT_COMMIT (recorded when
 # the tree has no .git), SPECDEC_GPU_STEPS (the steps to run, default all: env tests loop copy grid e2e sweep;
@@ -38,14 +39,14 @@ set -o pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-RESULTS=${1:-${SPECDEC_GPU_RESULTS:-$REPO/bench/results/gpu-$STAMP}}
+RESULTS=${1:-${SPECDEC_GPU_RESULTS:-${OUT:-$REPO/bench/results}/gpu-$STAMP}}
 mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd)
 STEPS=$RESULTS/steps
 mkdir -p "$STEPS/parts"
 PY=${PYTHON:-python3}
 DEVICE=${SPECDEC_GPU_DEVICE:-cuda}
 read -r -a BENCH_ARGS <<<"${SPECDEC_GPU_BENCH_ARGS:-}"
-BUDGET=${SPECDEC_GPU_BUDGET:-0}  # 0: no total budget
+BUDGET=${SPECDEC_GPU_BUDGET:-540}  # 0: no total budget
 SUMMARY_RESERVE=20
 STATUS=()
 
