@@ -183,7 +183,8 @@ class SamplingParams(NamedTuple):
             if ids.numel() == 0 or bool(((ids < 0) | (ids >= V)).any()):
                 raise ValueError(f"allowed_token_ids: need at least one id, each in [0, {V})")
             allowed = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
-            bitmask = pack_bitmask(allowed).to(device).expand(B, -1)
+            # (a row per request, not an expanded view: a loop's kept graphs take a later call's mask into it)
+            bitmask = pack_bitmask(allowed).to(device).expand(B, -1).contiguous()
         return SamplingParams(per_request("top_k", top_k, torch.int32, 0), per_request("top_p", top_p, torch.float32, 1.0),
                               per_request("min_p", min_p, torch.float32, 0.0), bitmask)
 

@@ -99,6 +99,48 @@ def test_graphs_are_kept_for_later_calls_of_the_same_shape(pair, target_and_mtp,
     assert CountingGraph.made == made
 
 
+@pytest.mark.parametrize("kind", ["draft tree:2,2,1", "mtp chain:3"])
+def test_the_second_call_of_a_shape_replays_the_first_calls_graphs(pair, target_and_mtp, kind):
+    """A model drafter's state signs alike at the start of every call, whether a call ran before or not: the second
+    call of a shape finds the first's graph set (the MTP drafter's step values, set as a step goes, made a second
+    set and its captures, inside the run that a benchmark's warm-up was to warm)."""
+    target, drafter = drafter_of(kind, pair, target_and_mtp)
+    decoder = SpeculativeDecoder(target, drafter, cuda_graphs=CountingGraph, adaptive=scripted((2, 0, 3)))
+    decoder.generate(PROMPTS4, 16)
+    made = CountingGraph.made
+    assert decoder.generate(OTHER_PROMPTS4, 16).tokens == generate_ar(target, OTHER_PROMPTS4, 16).tokens
+    assert len(decoder._graph_sets) == 1 and CountingGraph.made == made
+
+
+def test_a_later_calls_allowed_tokens_reach_the_kept_graphs(pair):
+    """allowed_token_ids is per call: a later call of the same shape with other allowed tokens decodes with them (its
+    bitmask was an expanded view, which a kept set's buffers take as a constant, and the first call's mask stayed)."""
+    target, drafter = drafter_of("draft chain:3", pair, None)
+    decoder = SpeculativeDecoder(target, drafter, cuda_graphs=CountingGraph)
+    for allowed in (range(0, 24, 2), range(1, 24, 3)):  # (the tiny pair's vocabulary: 24)
+        out = decoder.generate(PROMPTS4, 12, allowed_token_ids=allowed)
+        assert out.tokens == generate_ar(target, PROMPTS4, 12, allowed_token_ids=allowed).tokens
+        assert all(t in allowed for seq in out.tokens for t in seq)
+    assert len(decoder._graph_sets) == 1
+
+
+def test_a_rollback_plan_signs_as_its_caches_do():
+    """A RollbackPlan's device table holds its caches' addresses (Triton's: an anchor and offsets from it): not state
+    to sign or copy. Two caches of one shape at other distances sign alike, and only their own tensors are listed (a
+    kept set's graphs run its own plan on its own caches, which take the new values)."""
+    import specdec
+    states, lists = [], []
+    for gap in (0, 37):
+        memory = torch.zeros(2 * 256 + gap)
+        k = memory[:256].view(2, 2, 8, 2, 4)
+        v = memory[256 + gap:].view(2, 2, 8, 2, 4)
+        plan = specdec.RollbackPlan(k, v, backend="triton")  # (its table built on the CPU; nothing launched)
+        assert plan._tables is not None
+        lists.append([])
+        states.append(decoding._state_signature({"k": k, "v": v, "plan": plan}, lists[-1]))
+    assert states[0] == states[1] and [len(t) for t in lists] == [2, 2]
+
+
 def test_only_the_most_recent_graph_sets_are_kept(pair, target_and_mtp, monkeypatch):
     """With room for one batch shape, a call of another shape drops the first's graphs (and its cache): the first
     shape's next call captures again, and its output is still AR's."""
