@@ -138,15 +138,15 @@ def generate(args, vocab_group=None) -> dict:
     decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method, vocab_shard=shard,
                                    adaptive=adaptive, **graphs),
                 SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard, **graphs))
+    filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     t0 = time.perf_counter()
     for decoder in decoders[:1 + args.compare_ar]:  # warm-up, so that the timings compare steady states
-        if args.compile:  # every graph of the timed run: the same batch, length and tree
-            decoder.generate(prompts, args.max_new_tokens, args.temperature, args.seed)
+        if args.compile or decoder.graph_class:  # every graph of the timed run: the same batch, length, tree, filters
+            decoder.generate(prompts, args.max_new_tokens, args.temperature, args.seed, **filters)
         else:
             decoder.generate(prompts[:1], 4)
     compile_s = time.perf_counter() - t0 if args.compile else None
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
-    filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     fastest = [None, None]  # speculative, AR
     for _ in range(args.passes):  # (the same seed: every pass emits the same tokens)
         for i, decoder in enumerate(decoders[:1 + args.compare_ar]):

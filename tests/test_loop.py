@@ -434,6 +434,42 @@ def test_cli_passes_alternate_and_report_the_fastest(capsys, byte_pair, monkeypa
     assert r["speedup"] == pytest.approx(9 / 8)
 
 
+def test_cli_warms_replayed_graphs_up_with_the_timed_runs_shape(capsys, byte_pair, monkeypatch):
+    """With steps replayed as graphs (--cuda-graphs, emulated here), the warm-up decodes the timed runs' batch, length
+    and filters, so that every graph they replay is captured before them (graphs are per batch shape: a 4-token
+    warm-up of one prompt captured none of them, and the one timed pass did)."""
+    from helpers import ReplayGraph
+    from specdec import decoding
+    made = []
+
+    class Counted(ReplayGraph):
+        def __init__(self, fn, pool=None):
+            made.append(timed)
+            super().__init__(fn, pool)
+
+    class Emulated(SpeculativeDecoder):  # (--cuda-graphs on the CPU: graphs with CUDA's semantics)
+        def __init__(self, *args, cuda_graphs=None, **kwargs):
+            super().__init__(*args, cuda_graphs=Counted if cuda_graphs else None, **kwargs)
+
+        def generate(self, prompts, max_new_tokens, *args, **kwargs):
+            calls.append((len(prompts), max_new_tokens, kwargs.get("top_k")))
+            return super().generate(prompts, max_new_tokens, *args, **kwargs)
+    monkeypatch.setattr(decoding, "SpeculativeDecoder", Emulated)  # (the CLI imports it as it runs)
+    calls, timed = [], False
+    generate = Emulated.generate
+
+    def marking(self, *args, **kwargs):  # (the passes after the warm-ups are the timed ones)
+        nonlocal timed
+        timed = len(calls) >= 2
+        return generate(self, *args, **kwargs)
+    monkeypatch.setattr(Emulated, "generate", marking)
+    rc, out, _ = run_cli(capsys, "--prompt", "def f(x):", "--prompt", "import", "--target", str(byte_pair / "target"),
+                         "--draft", str(byte_pair / "draft"), "--tree", "chain:2", "--max-new-tokens", "8",
+                         "--temperature", "0.7", "--top-k", "5", "--cuda-graphs", "--compare-ar", "--json")
+    assert rc == 0 and json.loads(out)["passes"] == 1
+    assert calls == [(2, 8, 5)] * 4 and made and not any(made)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target", "/nonexistent/folder"], "does not exist"),
     (["--draft", "{root}/other_vocab"], "vocab mismatch"),
