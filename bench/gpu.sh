@@ -92,7 +92,7 @@ test_outcome() {
   local log=$STEPS/$1.log
   [ -f "$log" ] || return 0
   grep -E '^(FAILED|ERROR) ' "$log" | head -20 | cut -c1-200
-  grep -E '[0-9]+ (passed|failed|error|skipped)' "$log" | tail -1
+  grep -E '[0-9]+ (passed|failed|error|skipped)' "$log" | tail -2  # (tests-cuda: two runs)
 }
 
 env_probe() {
@@ -117,7 +117,17 @@ step env 40 bash -c env_probe
 
 PYTEST_ARGS=(-q -rfE --tb=short -p no:cacheprovider)
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
-step tests-cuda 130 env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/test_cuda.py
+# the CUDA-graph and loop tests first, the kernels' after them: a timeout then cuts kernel tests, which tests-backends
+# covers again, not the only tests of the captured steps
+cuda_tests() {
+  local rc=0
+  "$PY" -m pytest $PYTEST_FLAGS tests/test_cuda.py -k "graph or loop" || rc=1
+  "$PY" -m pytest $PYTEST_FLAGS tests/test_cuda.py -k "not (graph or loop)" || rc=1
+  return $rc
+}
+export -f cuda_tests
+export PYTEST_FLAGS="${PYTEST_ARGS[*]}"
+step tests-cuda 130 env SPECDEC_TEST_DEVICE=cuda bash -c cuda_tests
 loop_on_device() {
   local dtype drafter
   for drafter in model mtp; do
