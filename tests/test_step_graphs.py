@@ -103,13 +103,14 @@ def test_graphs_are_kept_for_later_calls_of_the_same_shape(pair, target_and_mtp,
 def test_the_second_call_of_a_shape_replays_the_first_calls_graphs(pair, target_and_mtp, kind):
     """A model drafter's state signs alike at the start of every call, whether a call ran before or not: the second
     call of a shape finds the first's graph set (the MTP drafter's step values, set as a step goes, made a second
-    set and its captures, inside the run that a benchmark's warm-up was to warm)."""
+    set and its captures, inside the run that a benchmark's warm-up was to warm). Its cache is the first call's,
+    emptied (KVCache.reused: not a new one that the kept graphs' would be overwritten with)."""
     target, drafter = drafter_of(kind, pair, target_and_mtp)
     decoder = SpeculativeDecoder(target, drafter, cuda_graphs=CountingGraph, adaptive=scripted((2, 0, 3)))
     decoder.generate(PROMPTS4, 16)
-    made = CountingGraph.made
+    made, cache = CountingGraph.made, drafter.cache
     assert decoder.generate(OTHER_PROMPTS4, 16).tokens == generate_ar(target, OTHER_PROMPTS4, 16).tokens
-    assert len(decoder._graph_sets) == 1 and CountingGraph.made == made
+    assert len(decoder._graph_sets) == 1 and CountingGraph.made == made and drafter.cache is cache
 
 
 def test_a_later_calls_allowed_tokens_reach_the_kept_graphs(pair):

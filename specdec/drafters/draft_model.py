@@ -121,7 +121,8 @@ class DraftModelDrafter(Drafter):
         B = tokens.shape[0]
         self._start_sampling(temperature, seeds, params, tokens.device)
         # (+ MAX_SKIPS: the padding of the pending entries after skipped steps)
-        self.cache = self.model.new_cache(B, max_len + self.num_fed + 2 + MAX_SKIPS, kv_dtype=self.kv_dtype)
+        self.cache = self.model.new_cache(B, max_len + self.num_fed + 2 + MAX_SKIPS, kv_dtype=self.kv_dtype,
+                                          reuse=getattr(self, "cache", None))
         self.lagging = True  # the prompts go through the draft with the first proposal's catch_up
         self.chain2 = specdec.build_tree(torch.tensor([[-1, 0]], dtype=torch.int32, device=tokens.device).expand(B, 2))
 

@@ -44,8 +44,9 @@ class MTPDrafter(DraftModelDrafter):
         self._last_depth = 0  # (the prompt leaves the root's entry alone)
         self._start_sampling(temperature, seeds, params, dev)
         cfg = dataclasses.replace(self.model.cfg, n_layers=1)
-        self.cache = KVCache(cfg, B, max_len + max(self.num_fed, self.max_pending) + 2 + MAX_SKIPS,
-                             dtype=self.kv_dtype or self.model.dtype, device=dev)
+        self.cache = KVCache.reused(getattr(self, "cache", None), cfg, B,
+                                    max_len + max(self.num_fed, self.max_pending) + 2 + MAX_SKIPS,
+                                    dtype=self.kv_dtype or self.model.dtype, device=dev)
         # width -> its chain (_root_logits); a compiled or captured step's widths built here, outside any graph
         self.pending_trees = {w: chain_tree(B, w, device=dev) for w in (self.max_pending, self.max_pending + MAX_SKIPS)}
         h = self.model.model.norm(target_hidden)  # (B, n_max - 1, dim): positions 0 .. seq_lens - 2

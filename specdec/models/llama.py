@@ -133,6 +133,19 @@ class KVCache:
         self.max_len = max_len
         self.scales = dict(k_scale=k_scale, v_scale=v_scale) if dtype in FP8_DTYPES else {}
 
+    @classmethod
+    def reused(cls, old: Optional["KVCache"], cfg: LlamaConfig, batch_size: int, max_len: int, *, dtype,
+               device) -> "KVCache":
+        """old, emptied (lens 0), where it is contiguous and of this shape, dtype and device; else a new contiguous
+        cache. For a drafter's next call: a cache is the largest buffer, and a loop's kept CUDA graphs would copy a
+        new one into the one they read."""
+        shape = (cfg.n_layers, batch_size, max_len, cfg.n_kv_heads, cfg.head_dim)
+        if old is not None and old.block_table is None and tuple(old.k.shape) == shape and old.k.dtype == dtype \
+                and old.k.device == torch.device(device):
+            old.lens.zero_()
+            return old
+        return cls(cfg, batch_size, max_len, dtype=dtype, device=device)
+
     def commit(self, n: torch.Tensor) -> None:
         """Keep the first n[b] written slots of request b as they are (a chain: no moves needed)."""
         self.lens += n.to(torch.int32)
@@ -387,10 +400,13 @@ class Llama(nn.Module):
         return x
 
     def new_cache(self, batch_size: int, max_len: int, block_size: Optional[int] = None,
-                  kv_dtype: Optional[torch.dtype] = None) -> KVCache:
-        """kv_dtype: the model's dtype (default) or a float8 dtype (scales 1, as an uncalibrated vLLM fp8 cache)."""
+                  kv_dtype: Optional[torch.dtype] = None, reuse: Optional[KVCache] = None) -> KVCache:
+        """kv_dtype: the model's dtype (default) or a float8 dtype (scales 1, as an uncalibrated vLLM fp8 cache).
+        reuse: a contiguous cache to return instead where it fits (`KVCache.reused`)."""
         if kv_dtype not in (None, self.dtype) + FP8_DTYPES:
             raise ValueError(f"kv_dtype: {kv_dtype} is neither the model's dtype ({self.dtype}) nor a float8 dtype")
+        if block_size is None:
+            return KVCache.reused(reuse, self.cfg, batch_size, max_len, dtype=kv_dtype or self.dtype, device=self.device)
         return KVCache(self.cfg, batch_size, max_len, dtype=kv_dtype or self.dtype, device=self.device,
                        block_size=block_size)
 
