@@ -21,7 +21,6 @@ commit, date), and e2e-acceptance.png (acceptance against depth, one line per dr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import json
 import os
@@ -222,16 +221,21 @@ def run_hf(model, prompts, max_new, eos, **kwargs) -> Run:
     return Run(tokens, wall)
 
 
-@contextlib.contextmanager
-def _without_checkout_on_path():
-    """The checkout's root off sys.path (python -m bench.e2e puts it first): transformers (5.25) imports Hugging Face's
-    `kernels` package where one can be found, and would find the checkout's `kernels/` folder (specdec's Triton
-    sources, installed as specdec.kernels), fail to import it, and the transformers rows would be skipped."""
+def import_transformers():
+    """transformers, imported with the checkout's root off sys.path (`python -m` and pytest put it first):
+    transformers (5.25) imports Hugging Face's `kernels` package where one is installed (it comes with transformers),
+    and would find the checkout's `kernels/` folder (specdec's Triton sources, installed as specdec.kernels) and fail
+    to import it; once Hugging Face's is imported, later uses find it. ImportError where transformers is missing."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     saved = sys.path[:]
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
     try:
-        yield
+        import transformers
+        try:
+            import transformers.integrations.hub_kernels  # noqa: F401 (where it imports `kernels`)
+        except ModuleNotFoundError:  # (a transformers without that integration imports no `kernels`)
+            pass
+        return transformers
     finally:
         sys.path[:] = saved
 
@@ -418,10 +422,9 @@ def main(argv=None):
     try:
         if args.no_transformers:
             raise ImportError("--no-transformers")
-        with _without_checkout_on_path():
-            from transformers import LlamaForCausalLM
-            hf_target = LlamaForCausalLM.from_pretrained(args.target, torch_dtype=torch.float32).to(dev).eval()
-            hf_draft = LlamaForCausalLM.from_pretrained(args.draft, torch_dtype=torch.float32).to(dev).eval()
+        LlamaForCausalLM = import_transformers().LlamaForCausalLM
+        hf_target = LlamaForCausalLM.from_pretrained(args.target, torch_dtype=torch.float32).to(dev).eval()
+        hf_draft = LlamaForCausalLM.from_pretrained(args.draft, torch_dtype=torch.float32).to(dev).eval()
     except ImportError as exc:
         skipped = [{"method": name, "skipped": f"transformers not available ({exc})"} for name, _ in hf_methods]
     else:

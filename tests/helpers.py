@@ -22,6 +22,17 @@ TOL = {torch.float64: (1e-9, 1e-9), torch.float32: (2e-5, 2e-5), torch.float16: 
        torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
+def transformers_or_skip():
+    """transformers (imported so that Hugging Face's `kernels` package, not the checkout's `kernels/` folder, is what
+    it finds: bench.e2e.import_transformers), or the test skips where it is not installed."""
+    import pytest
+    from bench.e2e import import_transformers
+    try:
+        return import_transformers()
+    except ImportError as exc:
+        pytest.skip(f"transformers not available ({exc})")
+
+
 def to_device(*tensors):
     """Inputs built on the CPU (seeded generators) as copies on DEVICE with the same strides (Tensor.to would
     make a view with gaps contiguous, e.g. K sliced from K|V); a tensor already there, None or a non-tensor

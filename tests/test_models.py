@@ -16,7 +16,7 @@ from specdec.models.hf import CheckpointError, load_model, save_model, to_hf_sta
 from specdec.models.llama import Llama, LlamaConfig, chain_tree
 from specdec.models.tokenizer import VOCAB_SIZE, ByteTokenizer
 
-from tests.helpers import random_parents
+from tests.helpers import random_parents, transformers_or_skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,7 +76,7 @@ def test_qwen3_matches_transformers_both_ways(tmp_path):
     """Qwen3 (per-head RMSNorm of q and k before the rotary, head_dim apart from hidden_size / heads, tied
     embeddings as in Qwen3-0.6B): ours saved as qwen3 gives transformers' Qwen3ForCausalLM logits, and a folder
     transformers wrote loads into ours with the same logits. The norms matter: without them the logits move."""
-    transformers = pytest.importorskip("transformers")
+    transformers = transformers_or_skip()
     model = tiny(qk_norm=True, head_dim=16, tie_embeddings=True)
     assert model.model.layers[0].self_attn.q_norm.weight.shape == (16,)
     save_model(model, str(tmp_path / "ours"), dtype=torch.float32)
@@ -144,7 +144,7 @@ def test_bad_checkpoints(tmp_path):
 
 def test_matches_transformers(tmp_path):
     """Same logits as transformers' LlamaForCausalLM on our saved folder (when transformers is installed)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = transformers_or_skip()
     model = tiny(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
     save_model(model, str(tmp_path), dtype=torch.float32)
@@ -157,7 +157,7 @@ def test_matches_transformers(tmp_path):
 def test_sliding_window_matches_transformers_mistral(tmp_path):
     """A windowed model is saved as Mistral and gives transformers' MistralForCausalLM logits (so the window's
     off-by-one is Hugging Face's: a token sees the last sliding_window positions, itself included)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = transformers_or_skip()
     model = tiny(sliding_window=5)
     save_model(model, str(tmp_path), dtype=torch.float32)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "mistral"
