@@ -1436,8 +1436,10 @@ def _weight_after_z(walk, z_before):
     w = walk.w
     s = tl.where(z_before > 0, w / tl.where(z_before > 0, z_before, 1.0) * walk.z, 0.0)
     den = s + (1.0 - w)
+    # (w = 1 stays 1 exactly: on a GPU fp32 division is within 2 ulp, and s / s below 1 would take a weight-1 node's
+    # last failed child off the direct draw, `_try_child`'s certain)
     w = tl.where(den > 0, tl.minimum(s / tl.where(den > 0, den, 1.0), 1.0), 1.0)
-    w = tl.where(walk.node == 0, 1.0, w)  # (the root's weight is 1: its visit always emits)
+    w = tl.where((walk.w == 1.0) | (walk.node == 0), 1.0, w)  # (the root's weight is 1: its visit always emits)
     return Walk(walk.kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.lse_p, walk.lse_q, walk.sel,
                 walk.tau_p, walk.tau_q, w, walk.tau_node, walk.w_tau, walk.final)
 

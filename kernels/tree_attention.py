@@ -190,7 +190,7 @@ def _tree_attention_kernel(
     split = tl.program_id(1) % NUM_SPLITS
     b = tl.program_id(2).to(tl.int64)
     prefix_len = tl.load(cache_lens_ptr + b)
-    real_nodes = tl.load(num_nodes_ptr + b)
+    real_nodes = tl.minimum(tl.load(num_nodes_ptr + b), T)  # (unchecked input: never past the T rows of a request)
 
     rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     node = rows // GROUP

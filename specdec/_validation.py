@@ -335,6 +335,16 @@ def check_rollback_caches(k_caches, v_caches, block_table):
         check_cache_pair(k, v, block_table, None, k_name=f"k_cache{suffix}", v_name=f"v_cache{suffix}")
         if k.shape[-4:] != ks[0].shape[-4:] or k.dtype != ks[0].dtype:
             raise ValueError(f"k_cache{suffix}: every layer must share the first layer's shape and dtype")
+    # a tensor listed twice (K and V one tensor, or a layer twice) would have its rows moved twice: a row moved
+    # onto a later one's source is moved again (and on a GPU, two programs move the same rows at once)
+    first = {}
+    for name, caches in (("k_cache", ks), ("v_cache", vs)):
+        for i, c in enumerate(caches):
+            where = (c.data_ptr(), c.stride())
+            if where in first:
+                raise ValueError(f"{name}{_layer_suffix(caches, i)}: the same memory as {first[where]}; every K and V "
+                                 f"layer must be a tensor of its own")
+            first[where] = f"{name}{_layer_suffix(caches, i)}"
     check_block_table(block_table, None, dev)
     return ks, vs
 

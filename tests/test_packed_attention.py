@@ -68,6 +68,35 @@ def test_triton_packed_split_kv_and_preallocated_outputs_are_fully_written():
             torch.testing.assert_close(lse[r], lse_pad[b, i], atol=2e-6, rtol=1e-5)
 
 
+def test_triton_packed_rows_past_max_nodes_are_left_alone():
+    """Unchecked input (value checks off, as in a captured step) whose request has more packed rows than max_nodes:
+    the kernel attends its first max_nodes nodes and writes nothing else (a node past them went into the next KV
+    split's partial rows, and on a GPU past the end of the buffer), so every other row is still right."""
+    from specdec.kernels.tree_attention import tree_attention as triton_attention
+
+    gen = torch.Generator().manual_seed(10)
+    case = make_case(gen, B=3, T=5, Hkv=1, group=2, D=16, lens=(40, 3, 17))
+    case["num_nodes"] = torch.tensor([5, 3, 2], dtype=torch.int32)  # (request 0 has 5 rows; max_nodes says 3)
+    packed, rows = _packed(case)
+    nn = case["num_nodes"]
+    args = (case["k_cache"], case["v_cache"], case["cache_lens"])
+    scale = 16 ** -0.5
+    out_pad, lse_pad = triton_attention(case["q"][:, :3].contiguous(), *args, case["tree_mask"][:, :3].contiguous(),
+                                        None, nn.clamp(max=3), scale)
+    for splits in (1, 3):
+        out = torch.full(packed["q"].shape, float("nan"))
+        lse = torch.full(packed["q"].shape[:2], float("nan"))
+        triton_attention(packed["q"], *args, packed["tree_mask"], None, nn, scale,
+                         row_offsets=packed["cu_num_nodes"][:-1].long(), max_nodes=3, num_splits=splits, out=out,
+                         lse=lse)
+        for r, (b, i) in enumerate(rows):
+            if i < 3:
+                torch.testing.assert_close(out[r], out_pad[b, i], atol=2e-6, rtol=1e-5)
+                torch.testing.assert_close(lse[r], lse_pad[b, i], atol=2e-6, rtol=1e-5)
+            else:
+                assert out[r].isnan().all() and lse[r].isnan().all(), (splits, b, i)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_packed_attention_inputs(backend):
     gen = torch.Generator().manual_seed(9)

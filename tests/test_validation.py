@@ -407,5 +407,24 @@ def test_kv_rollback_layer_lists_must_agree():
         specdec.kv_rollback([ks[0], ks[1].half()], [ks[0], ks[1].half()], lens, path, num, backend="torch")
     with pytest.raises(TypeError, match="^k_cache"):
         specdec.kv_rollback([], [], lens, path, num, backend="torch")
+    vs = [torch.randn(B, 8, Hkv, D) for _ in range(2)]
     with pytest.raises(TypeError, match="^cache_lens"):
-        specdec.kv_rollback(ks, ks, lens.long(), path, num, backend="torch")
+        specdec.kv_rollback(ks, vs, lens.long(), path, num, backend="torch")
+
+
+@pytest.mark.parametrize("backend", CHECKED_BY)
+def test_kv_rollback_rejects_a_tensor_listed_twice(backend):
+    """K and V one tensor (an MLA-style latent cache), or a layer listed twice: its rows would be moved twice (a row
+    moved onto a later one's source moved again; on a GPU two programs move the same rows at once)."""
+    lens, path = torch.tensor([1, 0], dtype=torch.int32), torch.tensor([[0, 2], [0, 1]], dtype=torch.int32)
+    num = torch.tensor([1, 1], dtype=torch.int32)
+    stack = torch.randn(3, B, 8, Hkv, D)
+    before = stack.clone()
+    for k, v, message in ((stack, stack, r"^v_cache: the same memory as k_cache;"),
+                          (list(stack), [stack[0], stack[1], stack[0]], r"^v_cache\[0\]: the same memory as k_cache\[0\]"),
+                          (list(stack[:2]) + [stack[0]], list(torch.randn(3, B, 8, Hkv, D)),
+                           r"^k_cache\[2\]: the same memory as k_cache\[0\]")):
+        with pytest.raises(ValueError, match=message):
+            specdec.kv_rollback(k, v, lens, path, num, backend=backend)
+    assert torch.equal(stack, before) and lens.tolist() == [1, 0]
+    specdec.kv_rollback(stack[:, :, :4], stack[:, :, 4:], lens, path, num, backend=backend)  # (other rows: fine)
