@@ -23,7 +23,7 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
     computed on the device from cache_lens). Partial results are merged by LSE weight in a second
     kernel. The tree part is handled by the last split.
   * Bytes: K and V of the cache_lens[b] + num_nodes[b] positions, once per row tile (one tile while
-    T * group <= 128, or 64 at D = 256), q read, out and lse written; with S > 1 splits also the
+    T * group <= 128, or 64 at D = 256; half as many rows with fp32 operands), q read, out and lse written; with S > 1 splits also the
     partials, B*S*T*Hq*(D*e + 4) bytes written and read back by the merge. They are stored in q's dtype
     (e its size; the LSEs stay fp32), as vLLM's split-KV decode does: at B=1, L=8K fp32 partials would add
     half as many bytes again as the prefix itself, for a rounding the final cast to q's dtype repeats.
@@ -79,10 +79,16 @@ def choose_config(num_rows: int, head_dim: int, elem_bytes: int) -> TileConfig:
     the fp32 accumulator in registers); tl.dot needs >= 16. BLOCK_N keeps one K tile at <= 16 KiB, so a
     pipeline stage (K + V) is <= 32 KiB; three stages beside a Q tile of <= 32 KiB (every fp16/bf16
     case), two beside a larger (fp32) one, stay well inside the shared memory of an SM.
+    fp32 operands (IEEE dots: FMA, no tensor cores) hold far more in registers: at the 16-bit tiles they spilled
+    8-10 KB a thread at D = 64..128 (sm_90, Triton 3.9); 16 KV positions a tile, 8 warps and at most 64 rows
+    (32 at D = 256) spill none at D = 64, 200 bytes at 128 and 1.5 KB at 256 (tests/test_tree_attention.py).
     """
-    block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(num_rows)))
-    block_n = max(16, min(64, 16384 // (head_dim * elem_bytes)))
-    num_warps = 8 if block_m >= 128 or head_dim >= 256 else 4  # 4 would spill registers there (ptxas, sm_90)
+    fp32 = elem_bytes == 4
+    most_rows = (128 if head_dim <= 128 else 64) // (2 if fp32 else 1)
+    block_m = min(most_rows, max(16, triton.next_power_of_2(num_rows)))
+    block_n = 16 if fp32 else max(16, min(64, 16384 // (head_dim * elem_bytes)))
+    # 4 warps would spill registers at 128 rows, at D = 256 and with fp32 operands (ptxas, sm_90)
+    num_warps = 8 if block_m >= 128 or head_dim >= 256 or fp32 else 4
     num_stages = 3 if block_m * head_dim * elem_bytes <= 32768 else 2
     return TileConfig(block_m, block_n, num_warps, num_stages)
 

@@ -340,8 +340,8 @@ def test_choose_config_covers_rows():
             for elem_bytes in (2, 4):
                 config = ta.choose_config(rows, D, elem_bytes)
                 assert config.block_m >= 16 and config.block_n >= 16  # tl.dot's minimum
-                # all rows in one tile (K/V read once) up to 128 rows (64 at D = 256)
-                assert config.block_m >= min(rows, 128 if D <= 128 else 64)
+                # all rows in one tile (K/V read once) up to 128 rows (64 at D = 256; half as many with fp32)
+                assert config.block_m >= min(rows, (128 if D <= 128 else 64) // (2 if elem_bytes == 4 else 1))
                 tile_bytes = config.block_n * D * elem_bytes  # one K (or V) tile
                 q_bytes = config.block_m * D * elem_bytes
                 assert tile_bytes <= 16384 and 2 * tile_bytes * config.num_stages + q_bytes <= 160 * 1024
@@ -391,31 +391,56 @@ def spilled_bytes(kernel):
 
 
 def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap: bool = False,
-                  packed: bool = False) -> None:
+                  packed: bool = False, head_dim: int = 128) -> None:
     """Prints (JSON) what compiling the kernels at the benchmark shape gives: bf16 q, D 128, T 16, GQA 4, a
-    `cache` ("bf16" or "fp8e4nv") KV cache, with a sliding window and soft-capping if `window_cap`, packed rows if
-    `packed`. Runs in a fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
+    `cache` ("bf16", "fp8e4nv", or "fp32": fp32 q and cache, IEEE dots) KV cache, with a sliding window and
+    soft-capping if `window_cap`, packed rows if `packed`. Runs in a fresh process without TRITON_INTERPRET (the
+    interpreter's patches break the compiler)."""
     import json
-    config = ta.choose_config(16 * 4, 128, 2)
-    types = {"q_ptr": "*bf16", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "cache_lens_ptr": "*i32",
+    q = "fp32" if cache == "fp32" else "bf16"
+    config = ta.choose_config(16 * 4, head_dim, 4 if q == "fp32" else 2)
+    types = {"q_ptr": f"*{q}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "cache_lens_ptr": "*i32",
              "tree_mask_ptr": "*i32", "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64",
-             "out_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "cap": "fp32"}
-    constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-                      COMPUTE_DTYPE=triton.language.bfloat16, DOT_PRECISION="tf32", IDENTITY_TABLE=not paged,
+             "out_ptr": f"*{q}", "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "cap": "fp32"}
+    constexprs = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                      NUM_SPLITS=num_splits, COMPUTE_DTYPE=getattr(triton.language, {"fp32": "float32"}.get(q, "bfloat16")),
+                      DOT_PRECISION="ieee" if q == "fp32" else "tf32", IDENTITY_TABLE=not paged,
                       WINDOW=window_cap, SOFT_CAP=window_cap, PACKED=packed,
                       stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1)
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
-    merge_types = {"part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+    merge_types = {"part_out_ptr": f"*{q}", "part_lse_ptr": "*fp32", "out_ptr": f"*{q}", "lse_ptr": "*fp32",
                    "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64"}
-    merge_constexprs = dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=128,
+    merge_constexprs = dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
                             PACKED=packed, stride_pd=1, stride_od=1)
     merge = compile_for_hopper(ta._merge_splits_kernel, merge_types, merge_constexprs)
-    print(json.dumps({"wgmma": "wgmma" in kernel.asm["ptx"], "shared": kernel.metadata.shared,
+    print(json.dumps({"wgmma": "wgmma" in kernel.asm["ptx"], "fma": "fma.rn.f32" in kernel.asm["ptx"],
+                      "shared": kernel.metadata.shared,
                       "spilled": spilled_bytes(kernel), "merge_spilled": spilled_bytes(merge)}))
 
 
-@pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="checked on the CPU machine; a GPU run runs the compiled kernels")
+def _hopper_report(*args) -> dict:
+    """hopper_report(*args)'s JSON, from a fresh process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"from tests.test_tree_attention import hopper_report; hopper_report{tuple(args)!r}"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def needs_the_compiler(test):
+    """Skipped without Triton's CUDA backend, and on a GPU machine (which runs the compiled kernels instead)."""
+    test = pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}),
+                              reason="no Triton CUDA backend")(test)
+    return pytest.mark.skipif(DEVICE.type == "cuda",
+                              reason="checked on the CPU machine; a GPU run runs the compiled kernels")(test)
+
+
+@needs_the_compiler
 @pytest.mark.parametrize("paged,num_splits,cache,window_cap,packed", [
     (False, 1, "bf16", False, False), (True, 4, "bf16", False, False), (False, 1, "fp8e4nv", False, False),
     (True, 4, "bf16", True, False), (True, 4, "bf16", False, True)],
@@ -423,17 +448,19 @@ def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap:
 def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache, window_cap, packed):
     """Tensor-core dots (wgmma), no register spills, and shared memory for two programs per SM
     (228 KiB per SM, 1 KiB reserved per program)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = (f"from tests.test_tree_attention import hopper_report; "
-            f"hopper_report({paged}, {num_splits}, {cache!r}, {window_cap}, {packed})")
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _hopper_report(paged, num_splits, cache, window_cap, packed)
     assert report["wgmma"]
     assert report["shared"] <= 113 * 1024
     assert report["spilled"] in (0, None) and report["merge_spilled"] in (0, None)
+
+
+@needs_the_compiler
+@pytest.mark.parametrize("head_dim,most_spilled", [(64, 0), (128, 256), (256, 2048)])
+def test_fp32_compiles_for_hopper_with_few_register_spills(head_dim, most_spilled):
+    """fp32 q and cache (IEEE dots: FMA, no tensor cores; the shipped pair's loop runs so on a GPU) at T 16, GQA 4:
+    few bytes spilled a thread (choose_config's fp32 tiles; at the 16-bit ones 8-10 KB at D 64..128) and shared
+    memory for two programs per SM."""
+    report = _hopper_report(False, 1, "fp32", False, False, head_dim)
+    assert report["fma"] and not report["wgmma"] and report["shared"] <= 113 * 1024
+    assert report["spilled"] is None or report["spilled"] <= most_spilled, report
+    assert report["merge_spilled"] in (0, None)
