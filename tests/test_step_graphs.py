@@ -99,7 +99,7 @@ def test_graphs_are_kept_for_later_calls_of_the_same_shape(pair, target_and_mtp,
     assert CountingGraph.made == made
 
 
-@pytest.mark.parametrize("kind", ["draft tree:2,2,1", "mtp chain:3"])
+@pytest.mark.parametrize("kind", ["draft tree:2,2,1", "draft dynamic:7,3,2", "mtp chain:3", "mtp dynamic:7,3,2"])
 def test_the_second_call_of_a_shape_replays_the_first_calls_graphs(pair, target_and_mtp, kind):
     """A model drafter's state signs alike at the start of every call, whether a call ran before or not: the second
     call of a shape finds the first's graph set (the MTP drafter's step values, set as a step goes, made a second
