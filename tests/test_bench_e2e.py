@@ -7,6 +7,9 @@ import json
 
 import pytest
 
+import specdec
+from specdec._validation import value_checks_enabled
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -15,8 +18,10 @@ def test_e2e_replays_steps_as_graphs_runs_some_rows_eagerly_and_keeps_other_scri
     from bench import e2e
     monkeypatch.setattr(e2e, "step_graph_class", lambda device, compile: ReplayGraph)
     (tmp_path / "e2e.md").write_text("# an older table\n\n| x |\n\n## Verifiers (bench.verifiers) (then)\n\n| a |\n")
-    e2e.main(["--prompts", "2", "--max-new-tokens", "10", "--repeats", "1", "--no-transformers",
-              "--methods", r"spec chain:4( \[eager\])?$|lookup chain:8( \[eager\])?$", "--out", str(tmp_path)])
+    with specdec.value_checks(True):  # (main turns them off for the thread: the previous setting comes back)
+        e2e.main(["--prompts", "2", "--max-new-tokens", "10", "--repeats", "1", "--no-transformers",
+                  "--methods", r"spec chain:4( \[eager\])?$|lookup chain:8( \[eager\])?$", "--out", str(tmp_path)])
+    assert value_checks_enabled()  # (the tests after this one check values)
     res = json.loads((tmp_path / "e2e.json").read_text())
     rows = {r["method"]: r for r in res["rows"]}
     assert set(rows) == {f"ours {name}{how}" for name in ("AR", "spec chain:4", "prompt lookup chain:8")
