@@ -19,7 +19,8 @@
 #   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
 #   sweep           python -m bench.sweep: the Triton tunables at the target shapes (what the heuristics
 #                   should choose), one variant per row, ranked
-#   tests-backends  the backend test files (kv_cache, layouts, accept, accept_lossless, tree_attention) on CUDA
+#   tests-backends  the backend test files (kv_cache, layouts, accept, accept_lossless, tree_attention, then the
+#                   accept variants' and packed attention's) on CUDA, one pytest run each
 #                   (SPECDEC_TEST_DEVICE=cuda, TRITON_INTERPRET=0), last, with what the budget has left
 #   summary         merged results + PASS/FAIL against the targets, then the sweep's ranking
 # RESULTS_DIR ends up with summary.md, bench-<date>-<device>.json/.md (merged results), sweep.json/.md and
@@ -87,12 +88,13 @@ step() {
   return 0
 }
 
-# pytest's last line ("N passed, M failed ...") and its FAILED/ERROR lines, from a step's log
+# the FAILED/ERROR lines and each pytest run's last line ("N passed, M failed ..."), after the "### file" line
+# that names it where the step runs one file at a time, from a step's log
 test_outcome() {
   local log=$STEPS/$1.log
   [ -f "$log" ] || return 0
   grep -E '^(FAILED|ERROR) ' "$log" | head -20 | cut -c1-200
-  grep -E '[0-9]+ (passed|failed|error|skipped)' "$log" | tail -2  # (tests-cuda: two runs)
+  grep -E '^### |[0-9]+ (passed|failed|error|skipped)' "$log"
 }
 
 env_probe() {
@@ -175,12 +177,23 @@ SWEEP=("$PY" -m bench.sweep --device "$DEVICE")
 step sweep 80 "${SWEEP[@]}" --out "$STEPS" --name sweep --time-budget 55
 
 # the broad backend test files last: they compile every kernel variant they use (minutes), so they get
-# what the focused tests and the grid left of the budget
-# the file with the most kernel specializations to compile (tree_attention) last, so a budget cut costs the least
-read -r -a BACKEND_TESTS <<<"${SPECDEC_GPU_TESTS:-tests/test_kv_cache.py tests/test_layouts.py tests/test_accept.py \
-tests/test_accept_lossless.py tests/test_tree_attention.py}"
-step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-150}" \
-  env SPECDEC_TEST_DEVICE=cuda "$PY" -m pytest "${PYTEST_ARGS[@]}" "${BACKEND_TESTS[@]}"
+# what the focused tests and the grid left of the budget; one pytest run per file, so that a budget cut loses the
+# file it stops in, not the results of those before it. The file with the most kernel specializations to compile
+# (tree_attention) after the first four, the accept variants' files (probabilities, packed rows, block and traversal
+# verification, packed attention) after it: a cut costs the least covered first
+export BACKEND_TESTS="${SPECDEC_GPU_TESTS:-tests/test_kv_cache.py tests/test_layouts.py tests/test_accept.py \
+tests/test_accept_lossless.py tests/test_tree_attention.py tests/test_accept_probs.py tests/test_accept_packed.py \
+tests/test_block_verification.py tests/test_traversal_verification.py tests/test_packed_attention.py}"
+backend_tests() {
+  local rc=0 file
+  for file in $BACKEND_TESTS; do
+    echo "### $file"
+    "$PY" -m pytest $PYTEST_FLAGS "$file" || rc=1
+  done
+  return $rc
+}
+export -f backend_tests
+step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-150}" env SPECDEC_TEST_DEVICE=cuda bash -c backend_tests
 
 
 # summary: merged results and the table (also on stdout)
