@@ -164,6 +164,17 @@ def compile_for_hopper(fn, types: dict, constexprs: dict, divisible=None, num_wa
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def needs_the_compiler(test):
+    """An offline compile check (compile_for_hopper): skipped without Triton's CUDA backend, and on a GPU machine,
+    which runs the compiled kernels for real."""
+    import pytest
+    import triton
+    test = pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}),
+                              reason="no Triton CUDA backend")(test)
+    return pytest.mark.skipif(DEVICE.type == "cuda",
+                              reason="an offline compile check; on a GPU the kernels run for real")(test)
+
+
 def report_from_fresh_process(call: str, timeout: int = 600):
     """Runs `call` (e.g. "from tests.test_x import report; report(...)", which prints one JSON line) in a new
     Python process without TRITON_INTERPRET, and returns the parsed last line of its output.

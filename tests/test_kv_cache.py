@@ -11,12 +11,11 @@ import zlib
 import numpy as np
 import pytest
 import torch
-import triton
 
 import specdec
 from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, as_form, compile_for_hopper,
-                           from_paged, random_cache, random_trees, report_from_fresh_process, root_path, to_device,
-                           to_paged)
+                           from_paged, needs_the_compiler, random_cache, random_trees, report_from_fresh_process,
+                           root_path, to_device, to_paged)
 
 LAYOUTS = ["contiguous", "paged"]
 BLOCK_SIZE = 4
@@ -342,8 +341,7 @@ def vectorized_copies_report(elem: str) -> None:
     print(json.dumps(found))
 
 
-@pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}), reason="no Triton CUDA backend")
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="checked on the CPU machine; a GPU run runs the compiled kernels")
+@needs_the_compiler
 @pytest.mark.parametrize("elem", ["fp16", "fp32"])
 def test_kernels_compile_to_vectorized_copies(elem):
     found = report_from_fresh_process(

@@ -17,7 +17,8 @@ from specdec import reference
 from specdec.kernels import tree_attention as ta
 from tests import helpers
 from tests.helpers import (BACKENDS, DEVICE, FLOAT_DTYPES, FP8_DTYPES, MemorySpy, assert_close, element_addresses,
-                           from_paged, on_backend, poison_, random_cache, random_trees, to_device, to_paged)
+                           from_paged, needs_the_compiler, on_backend, poison_, random_cache, random_trees,
+                           report_from_fresh_process, to_device, to_paged)
 
 BLOCK_SIZE = 16  # page size of the paged cases: pages split the prefix and the tree at odd places
 
@@ -403,8 +404,8 @@ def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap:
              "tree_mask_ptr": "*i32", "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64",
              "out_ptr": f"*{q}", "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "cap": "fp32"}
     constexprs = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                      NUM_SPLITS=num_splits, COMPUTE_DTYPE=getattr(triton.language, {"fp32": "float32"}.get(q, "bfloat16")),
-                      DOT_PRECISION="ieee" if q == "fp32" else "tf32", IDENTITY_TABLE=not paged,
+                      NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q == "fp32" else "tf32", IDENTITY_TABLE=not paged,
+                      COMPUTE_DTYPE=triton.language.float32 if q == "fp32" else triton.language.bfloat16,
                       WINDOW=window_cap, SOFT_CAP=window_cap, PACKED=packed,
                       stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1)
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
@@ -418,28 +419,6 @@ def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap:
                       "spilled": spilled_bytes(kernel), "merge_spilled": spilled_bytes(merge)}))
 
 
-def _hopper_report(*args) -> dict:
-    """hopper_report(*args)'s JSON, from a fresh process."""
-    import json
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"from tests.test_tree_attention import hopper_report; hopper_report{tuple(args)!r}"
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def needs_the_compiler(test):
-    """Skipped without Triton's CUDA backend, and on a GPU machine (which runs the compiled kernels instead)."""
-    test = pytest.mark.skipif("nvidia" not in getattr(triton.backends, "backends", {}),
-                              reason="no Triton CUDA backend")(test)
-    return pytest.mark.skipif(DEVICE.type == "cuda",
-                              reason="checked on the CPU machine; a GPU run runs the compiled kernels")(test)
-
-
 @needs_the_compiler
 @pytest.mark.parametrize("paged,num_splits,cache,window_cap,packed", [
     (False, 1, "bf16", False, False), (True, 4, "bf16", False, False), (False, 1, "fp8e4nv", False, False),
@@ -448,7 +427,8 @@ def needs_the_compiler(test):
 def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache, window_cap, packed):
     """Tensor-core dots (wgmma), no register spills, and shared memory for two programs per SM
     (228 KiB per SM, 1 KiB reserved per program)."""
-    report = _hopper_report(paged, num_splits, cache, window_cap, packed)
+    report = report_from_fresh_process(f"from tests.test_tree_attention import hopper_report; "
+                                      f"hopper_report{(paged, num_splits, cache, window_cap, packed)!r}", timeout=300)
     assert report["wgmma"]
     assert report["shared"] <= 113 * 1024
     assert report["spilled"] in (0, None) and report["merge_spilled"] in (0, None)
@@ -460,7 +440,8 @@ def test_fp32_compiles_for_hopper_with_few_register_spills(head_dim, most_spille
     """fp32 q and cache (IEEE dots: FMA, no tensor cores; the shipped pair's loop runs so on a GPU) at T 16, GQA 4:
     few bytes spilled a thread (choose_config's fp32 tiles; at the 16-bit ones 8-10 KB at D 64..128) and shared
     memory for two programs per SM."""
-    report = _hopper_report(False, 1, "fp32", False, False, head_dim)
+    report = report_from_fresh_process(f"from tests.test_tree_attention import hopper_report; "
+                                      f"hopper_report(False, 1, 'fp32', False, False, {head_dim})", timeout=300)
     assert report["fma"] and not report["wgmma"] and report["shared"] <= 113 * 1024
     assert report["spilled"] is None or report["spilled"] <= most_spilled, report
     assert report["merge_spilled"] in (0, None)
