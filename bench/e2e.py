@@ -396,9 +396,8 @@ def main(argv=None):
         specs += [(f"{name} [eager]", make, run_ours, {}, False) for name, make in ours if name in EAGER]
     # the target's forward where it cannot be timed inside the steps, timed the way they run it
     context = len(prompts[0]) + args.max_new_tokens // 2
-    forward_s = forward_timer(target, context, compiled=True) if args.compile else \
-        forward_timer(target, context, graph_class=graph_class) if graphed else \
-        forward_timer(target, context) if dev.type != "cpu" else None
+    forward_s = forward_timer(target, context, compiled=args.compile, graph_class=graph_class) \
+        if args.compile or graphed or dev.type != "cpu" else None
     eager_forward_s = forward_timer(target, context) if graphed else None
     if forward_s is None:  # eager on the CPU: timed inside the steps
         timed_target(target)

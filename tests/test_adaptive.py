@@ -633,7 +633,6 @@ def test_target_costs_compiled_and_for_some_token_counts(pair):
     assert measure_target_costs(target, 3, 5, context=16, repeats=1, compiled=True, tokens=[3, 1]) is costs
 
 
-
 def test_target_costs_of_a_replayed_loop_are_graph_replays(pair, monkeypatch):
     """A loop that replays its steps as graphs gets the target's costs timed as graph replays: an eager forward's
     host work (here a sleep, as a launch-bound forward of a small model on a GPU) is not in them, and each count's
@@ -663,6 +662,7 @@ def test_target_costs_of_a_replayed_loop_are_graph_replays(pair, monkeypatch):
     SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:2"), adaptive=True,
                        cuda_graphs=ReplayGraph).generate(PROMPTS, 4)
     assert [key[-1] for key in adaptive._TARGET_COSTS][-1] is ReplayGraph
+
 
 # ----------------------------------------------------------------------------------------------
 # the loop with every kind of step: outputs, caches, laws

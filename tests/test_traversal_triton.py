@@ -12,7 +12,6 @@ compile for sm_90 without (more than negligible) spills.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import triton
@@ -21,7 +20,8 @@ import triton.language as tl
 from specdec import reference
 from specdec.kernels.accept import U_TEST, Stream, _uniform
 from specdec.sampling import pack_bitmask
-from tests.helpers import DEVICE, MemorySpy, accept_on, element_addresses, needs_the_compiler
+from tests.helpers import (DEVICE, MemorySpy, accept_on, element_addresses, needs_the_compiler,
+                           report_from_fresh_process)
 from tests.stats import assert_law, emitted_tokens, first_tokens
 from tests.test_accept_lossless import M, P_TARGET, _markov_step
 
@@ -343,7 +343,6 @@ def hopper_compile_report() -> None:
 @needs_the_compiler
 def test_traversal_compiles_for_hopper():
     """Every launch variant, traversal's included, compiles for sm_90; register spills stay negligible."""
-    from tests.helpers import report_from_fresh_process
     report = report_from_fresh_process("from tests.test_traversal_triton import hopper_compile_report; "
                                        "hopper_compile_report()")
     assert all(v is None or v <= 64 for k, v in report.items() if not k.endswith(",regs")), report
