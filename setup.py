@@ -15,7 +15,7 @@ import platform
 import shutil
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ext_modules, cmdclass = [], {}
 
@@ -55,7 +55,9 @@ setup(
     name="specdec",
     version="0.1.0",
     description="Fused Triton/C++ kernels for speculative decoding: tree attention, lossless acceptance, KV rollback",
-    packages=["specdec", "specdec.kernels", "specdec.models", "specdec.drafters"],
+    # every subpackage of specdec/ (found, not listed: a list by hand dropped specdec.integrations), and the
+    # Triton kernels of kernels/ as specdec.kernels
+    packages=[*find_packages(include=["specdec", "specdec.*"]), "specdec.kernels"],
     package_dir={"specdec": "specdec", "specdec.kernels": "kernels"},
     package_data={"specdec": ["assets/*/*"]},
     python_requires=">=3.9",
@@ -65,7 +67,7 @@ setup(
     # optional: Triton kernels (GPU, or CPU through TRITON_INTERPRET=1), progress bars, Hugging Face tokenizers
     # and the comparison rows of the end-to-end benchmark; without them those features are skipped
     extras_require={"triton": ["triton>=3.0"], "progress": ["tqdm"], "hf": ["transformers"],
-                    "test": ["pytest", "pytest-xdist", "pytest-random-order", "numpy", "scipy", "pytest-benchmark"],
+                    "test": ["pytest", "pytest-xdist", "pytest-random-order", "numpy", "scipy", "pytest-benchmark", "hypothesis"],
                     "bench": ["pytest-benchmark", "numpy", "transformers"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
