@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
-DEPS := torch==2.13.0 "triton>=3.0" numpy pytest pytest-xdist pytest-random-order pytest-benchmark scipy safetensors tqdm
+DEPS := torch==2.13.0 "triton>=3.0" numpy pytest pytest-xdist pytest-random-order pytest-benchmark scipy safetensors tqdm hypothesis
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 # the suite on both cores (one torch thread per worker), in a new shuffled order each run so that no test can
 # lean on another having run first; `make test TEST_SEED=N` repeats run N's order, PYTEST_ARGS adds options
@@ -13,7 +13,7 @@ TEST_SEED := $(shell od -An -N3 -tu4 /dev/urandom | tr -d ' ')
 endif
 PYTEST_ARGS ?=
 
-.PHONY: demo test check-install bench install clean
+.PHONY: demo test check-install bench install clean fuzz
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -48,3 +48,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf build *.egg-info specdec/_C*.so
+
+# the property-based fuzz suite (tests/test_fuzz_*.py) long: hypothesis profile "fuzz" (unbounded examples), each
+# property run in its own pytest process under a share of FUZZ_MINUTES (default 20); prints what each one found
+# and the seed that repeats the run (SPECDEC_FUZZ_SEED=N make fuzz)
+FUZZ_MINUTES ?= 20
+fuzz: $(STAMP)
+	FUZZ_MINUTES=$(FUZZ_MINUTES) $(PY) -m tests.fuzz_strategies
