@@ -5,7 +5,7 @@
 //   parents       (B, T) int32/int64
 //   draft_logits  (B, T, V) or None: the drafter's logits at each node (its children were drawn i.i.d. from
 //                 softmax(draft / t)); None means the children are given proposals
-//   temperature   (B,) float: 0 = greedy for that request
+//   temperature   (B,) float: below kGreedyBelow (0 included) = greedy for that request
 //   seeds         (B,) int64, offset int, offsets (B,) int or None: request b's random stream is
 //                 Philox4x32(seeds[b], offset + offsets[b]) only, so a request's result does not depend on
 //                 the rest of the batch
@@ -49,6 +49,10 @@
 
 namespace specdec {
 namespace {
+
+// A temperature below this is greedy (specdec.reference.GREEDY_BELOW, vLLM's _SAMPLING_EPS), compared in float as
+// temperatures arrive: 1 / t <= 1e5 for every sampled request, and greedy keeps the argmax of the masked row.
+constexpr float kGreedyBelow = 1e-5f;
 
 // Pass 1: the max of every row of a (B, T, V) logits tensor, and from it the input checks' flags: the
 // max propagates NaN (at::vec::maximum), so a row holds NaN iff its max is NaN, and +inf iff its max is
@@ -888,8 +892,8 @@ struct Accept {
       next_sibling[i] = first_child[p];
       first_child[p] = i;
     }
-    const double t = temperature[b];
-    const double inv_t = std::min(1.0 / t, static_cast<double>(std::numeric_limits<acc_t>::max()));
+    const bool greedy = temperature[b] < kGreedyBelow;
+    const double inv_t = greedy ? 1.0 : 1.0 / temperature[b];  // (<= 1e5)
     RequestRng rng(seeds[b], offset + offsets[b]);
     acc_t *r = res.r.data(), *q = res.q.data();
     std::vector<bool> scanned(lazy_target != nullptr ? T : 0, false);
@@ -923,25 +927,25 @@ struct Accept {
                      : exp_row(draft + row * V, draft_max[row], inv_t, q, nullptr);
       return std::make_tuple(r_sum, q_sum, M);
     };
-    if (block && t > 0.0) {
+    if (block && !greedy) {
       const auto [tau, drawn] = walk_block(b, n, f, rng, res, laws);
       for (int64_t i = 1; i <= tau; ++i) accepted[b * T + i] = static_cast<int32_t>(i);
       length = tau;
       token = drawn;
     }
-    if (traversal && t > 0.0) {
+    if (traversal && !greedy) {
       const auto [last, drawn] = walk_traversal(b, n, first_child, next_sibling, f, rng, res, laws);
       for (int64_t i = last; i > 0; i = parents[b * T + i]) ++length;
       for (int64_t i = last, k = length; i > 0; i = parents[b * T + i], --k) accepted[b * T + k] = static_cast<int32_t>(i);
       token = drawn;
     }
-    while (!((block || traversal) && t > 0.0)) {
+    while (!((block || traversal) && !greedy)) {
       const int64_t row = row_offsets[b] + node;
       const scalar_t* target_row = target + row * V;
       const MaskRow mask{f.mask != nullptr ? f.mask + node * words() : nullptr};
       scan(node);
       int64_t chosen = -1;
-      if (t == 0.0) {
+      if (greedy) {
         // greedy: the argmax of the masked row (top-k, top-p and min-p never remove it)
         const acc_t M = mask.words != nullptr ? masked_max(target_row, mask) : static_cast<acc_t>(target_max[row]);
         const bool empty = mask.words != nullptr && !(M > -kInf);  // nothing allowed: stop, emit 0
@@ -1012,10 +1016,10 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
   // mixed target/draft dtypes: both promoted (exactly) to a common one, so q is the drafter's own law
   auto dtype = draft_in.has_value() ? c10::promoteTypes(target_in.scalar_type(), draft_in->scalar_type())
                                     : target_in.scalar_type();
-  // probabilities: the walk runs on their logs (log 0 = -inf), taken row by row in at least float32 (a
-  // half-precision log would move the law); negative entries are reported first, NaN / +inf / empty rows by
-  // the walk's own row checks
-  if (probs) dtype = c10::promoteTypes(dtype, at::kFloat);
+  // probabilities: the walk runs on their logs (log 0 = -inf), taken in float64 as the reference takes them (a
+  // float32 log rounds probabilities one ulp apart to one value: greedy's argmax took the first of them);
+  // negative entries are reported first, NaN / +inf / empty rows by the walk's own row checks
+  if (probs) dtype = at::kDouble;
   auto laws_of = [&](const Tensor& x, const char* name) {
     if (!probs) return x.to(dtype).contiguous();
     TORCH_CHECK_VALUE(!x.lt(0).any().item<bool>(), name, ": contains a negative value");

@@ -143,6 +143,8 @@ from triton.language.standard import _elementwise_max as _MAX
 from triton.language.standard import _elementwise_min as _MIN
 from triton.language.standard import _sum_combine as _SUM
 
+from specdec.reference import GREEDY_BELOW as _GREEDY_BELOW
+
 # walk kinds (state slot KIND: the step to run next at the current node)
 STATS = tl.constexpr(0)  # argmax (greedy) or log-sum-exp of target/draft rows (sampling)
 ZPASS = tl.constexpr(1)  # Z_k = sum max(p - c q, 0) after a rejection with draft logits
@@ -168,22 +170,23 @@ TAU_P = tl.constexpr(4)
 TAU_Q = tl.constexpr(5)
 WEIGHT = tl.constexpr(6)
 W_TAU = tl.constexpr(7)
-STATE_FLOATS = tl.constexpr(8)
+SHIFT_P = tl.constexpr(8)
+SHIFT_Q = tl.constexpr(9)
+STATE_FLOATS = tl.constexpr(10)
 
 # chunk partial records (2, B, NUM_SPLITS, slots): what a split launch's program leaves for the next launch
-MAX_P = tl.constexpr(0)  # statistics: (max, sum exp(. - max)) of target/t and draft/t over the chunk
+MAX_P = tl.constexpr(0)  # statistics: (raw max M, sum exp((. - M) / t)) of target and draft over the chunk
 SUM_P = tl.constexpr(1)
 MAX_Q = tl.constexpr(2)
 SUM_Q = tl.constexpr(3)
 MASS = tl.constexpr(4)  # Z pass: sum max(p - c q, 0) over the chunk
-MAX_X = tl.constexpr(5)  # statistics with filters: the raw (not divided by t) max of target and draft
-MAX_XQ = tl.constexpr(6)
-PART_FLOATS = tl.constexpr(7)
+PART_FLOATS = tl.constexpr(5)
 ARGMAX = tl.constexpr(0)  # statistics: the chunk's first argmax of target
 CANDIDATE = tl.constexpr(1)  # candidates: the program's first accepted j (TRIALS: none)
 CANDIDATE_TOKEN = tl.constexpr(2)  # and its token
 PART_INTS = tl.constexpr(3)
 
+GREEDY_BELOW = tl.constexpr(_GREEDY_BELOW)  # a temperature below it is greedy (specdec.reference.GREEDY_BELOW)
 STREAM_U = tl.constexpr(0)  # the Philox stream of every uniform
 U_TEST = tl.constexpr(0)  # Philox counter word 1: a child's test (counter 0: the child; traversal: its emission)
 U_DRAW = tl.constexpr(1)  # the draw at a node (counter 0: the node)
@@ -208,8 +211,7 @@ LO = tl.constexpr(0)
 HI = tl.constexpr(1)
 TAU = tl.constexpr(2)
 M_X = tl.constexpr(3)
-MAX_A = tl.constexpr(4)
-SEARCH_FLOATS = tl.constexpr(5)
+SEARCH_FLOATS = tl.constexpr(4)
 F_HI = tl.constexpr(0)
 W_K = tl.constexpr(1)
 SEARCH_DOUBLES = tl.constexpr(2)
@@ -225,8 +227,8 @@ class Stream(NamedTuple):
 
 class Request(NamedTuple):
     """What one program knows of its request, read-only."""
-    greedy: tl.tensor  # temperature 0
-    inv_t: tl.tensor  # 1 / temperature (1 when greedy)
+    greedy: tl.tensor  # temperature < GREEDY_BELOW (0 included)
+    inv_t: tl.tensor  # 1 / temperature (<= 1e5; 1 when greedy)
     stream: Stream
     idx: tl.tensor  # node indices, (T_BLOCK,)
     valid: tl.tensor  # real nodes
@@ -258,6 +260,15 @@ class Request(NamedTuple):
     probs: tl.constexpr
 
 
+class RowLaw(NamedTuple):
+    """A sampling node's law of one row: p(x) = exp((x - shift) / t - lse), shift the row's largest kept raw value
+    (0 when it keeps none) and lse the log-sum-exp of (x - shift) / t. Differences are scaled, never x / t itself:
+    that overflows float32 for |x| > FLT_MAX * t, and the lse of a huge max / t would round the log-sum away (x - M
+    overflows only to -inf, a weight of 0, which is exact)."""
+    shift: tl.tensor
+    lse: tl.tensor
+
+
 class Walk(NamedTuple):
     """A walk's state (between launches: the state record's slots)."""
     kind: tl.tensor  # the step to run next at the node
@@ -266,8 +277,8 @@ class Walk(NamedTuple):
     cursor: tl.tensor  # the last child tested at the node
     c: tl.tensor  # the residual is max(p - c q, 0) / z (given proposals: p minus the rejected tokens, of mass z)
     z: tl.tensor
-    lse_p: tl.tensor  # log-sum-exp of target/t and draft/t at the node
-    lse_q: tl.tensor
+    law_p: RowLaw  # the node's target and draft laws
+    law_q: RowLaw
     sel: tl.tensor  # filtered: 0 until the node's thresholds are known, then 1 (statistics through them)
     tau_p: tl.tensor  # the thresholds of the node's target and draft rows: raw values below are dropped
     tau_q: tl.tensor
@@ -280,29 +291,26 @@ class Walk(NamedTuple):
 
 class Chunks(NamedTuple):
     """A pass's partials: one chunk's (`_chunk_pass`) or vectors over the chunks (identity past NUM_SPLITS).
-    STATS: max_p .. argmax; ZPASS: mass."""
+    STATS: max_p .. argmax (the raw maxima M of the kept values, and the sums of exp((x - M) / t)); ZPASS: mass."""
     max_p: tl.tensor
     sum_p: tl.tensor
     max_q: tl.tensor
     sum_q: tl.tensor
     argmax: tl.tensor
     mass: tl.tensor
-    max_x: tl.tensor  # with filters: the raw maxima of target and draft
-    max_xq: tl.tensor
 
 
 class Search(NamedTuple):
     """One row's threshold search (top-k, then top-p over what top-k keeps; min-p is closed-form). The
     threshold lies in the bracket [lo, hi) of raw values, whose count and mass above hi are c_hi, f_hi
-    (weights exp(x / t - max_a)); each pass narrows it at NUM_PIVOTS pivots or gathers its values."""
+    (weights exp((x - m_x) / t)); each pass narrows it at NUM_PIVOTS pivots or gathers its values."""
     goal: tl.tensor
     mode: tl.tensor
     c_hi: tl.tensor
     lo: tl.tensor
     hi: tl.tensor
     tau: tl.tensor  # the threshold so far: the max of those found (min-p's from the start)
-    m_x: tl.tensor  # the row's raw max and max of x / t
-    max_a: tl.tensor
+    m_x: tl.tensor  # the row's raw max
     f_hi: tl.tensor  # float64
     w: tl.tensor  # top-p: the mass top-k keeps (float64; < 0: unknown until the first pivot pass)
 
@@ -332,27 +340,40 @@ def _uniform_pair(stream, idx, word):
 
 
 @triton.jit
-def _lane_lse(m, s, x):
-    """Fold x into per-lane (max, sum exp(. - max)) with one exp per entry; -inf entries add nothing."""
-    t = tl.exp(-tl.abs(x - m))  # exp(min - max) of the pair; the max's own term is 1
+def _lane_lse(m, s, x, inv_t):
+    """Fold raw values x into per-lane (raw max M, sum exp((. - M) / t)) with one exp per entry; -inf entries add
+    nothing."""
+    t = tl.exp(-tl.abs(x - m) * inv_t)  # exp((min - max) / t) of the pair; the max's own term is 1
     t = tl.where(x == NEG_INF, 0.0, t)
     up = x > m
     return tl.maximum(m, x), tl.where(up, s * t + 1.0, s + t)
 
 
 @triton.jit
-def _merge_lse(m, s):
-    """(max, sum exp(. - max)) of a vector of such pairs (a tile's lanes, or a row's chunks)."""
+def _merge_lse(m, s, inv_t):
+    """(raw max M, sum exp((. - M) / t)) of a vector of such pairs (a tile's lanes, or a row's chunks)."""
     mm = tl.reduce(m, 0, _MAX)
-    return mm, tl.reduce(s * tl.exp(m - tl.where(mm == NEG_INF, 0.0, mm)), 0, _SUM)
+    return mm, tl.reduce(s * tl.exp((m - _shift(mm)) * inv_t), 0, _SUM)
 
 
 @triton.jit
-def _residual(a, b, lse_p, lse_q, c, HAS_DRAFT: tl.constexpr):
-    """r = max(p - c q, 0) (p itself when c <= 0: q is not read then), from logits already divided by t."""
-    p = tl.exp(a - lse_p)
+def _shift(m):
+    """The shift of a row whose raw max is m: m, or 0 when the row keeps nothing (m = -inf)."""
+    return tl.where(m == NEG_INF, 0.0, m)
+
+
+@triton.jit
+def _scaled(req, x, law):
+    """(x - shift) / t: raw values on the scale of the row's `RowLaw`."""
+    return (x - law.shift) * req.inv_t
+
+
+@triton.jit
+def _residual(a, b, law_p, law_q, c, HAS_DRAFT: tl.constexpr):
+    """r = max(p - c q, 0) (p itself when c <= 0: q is not read then), from values already `_scaled`."""
+    p = tl.exp(a - law_p.lse)
     if HAS_DRAFT:
-        p = tl.where(c > 0, tl.maximum(p - c * tl.exp(b - lse_q), 0.0), p)
+        p = tl.where(c > 0, tl.maximum(p - c * tl.exp(b - law_q.lse), 0.0), p)
     return p
 
 
@@ -378,6 +399,19 @@ def _row_logits(x, PROBS: tl.constexpr):
     return x
 
 
+@triton.jit
+def _target_values(x, greedy, PROBS: tl.constexpr):
+    """`_row_logits` of a statistics pass's target tile. A greedy row of probabilities keeps them as they are
+    (0 = impossible: -inf): its argmax is theirs, where a float32 log rounds probabilities an ulp apart to one
+    value (the first of them won)."""
+    if PROBS:
+        x = x.to(tl.float32)
+        x = tl.where(greedy, tl.where(x > 0.0, x, NEG_INF), tl.log(x))
+    else:
+        x = x.to(tl.float32)
+    return x
+
+
 # ----------------------------------------------------------------------------------------------
 # the request, its tree and rows
 # ----------------------------------------------------------------------------------------------
@@ -389,7 +423,7 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
     """The `Request` of this program (request program_id(0))."""
     b = tl.program_id(0)
     t = tl.load(temp_ptr + b)
-    greedy = t == 0.0
+    greedy = t < GREEDY_BELOW
     k = tl.full((), 0, tl.int32)
     top_p = tl.full((), 1.0, tl.float32)
     min_p = tl.full((), 0.0, tl.float32)
@@ -422,7 +456,7 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
         d_rows = draft_ptr + b.to(tl.int64) * stride_db
         masks = mask_ptr + b.to(tl.int64) * T * W
     u_test = tl.full((T_BLOCK,), 0.0, tl.float32)
-    if t != 0.0:  # drawn up front in one call
+    if not greedy:  # drawn up front in one call
         u_test = _uniform(stream, idx, U_TEST)
     return Request(greedy=greedy, inv_t=1.0 / tl.where(greedy, 1.0, t), stream=stream, idx=idx, valid=valid,
                    par=tl.load(par_row + idx, mask=valid, other=-2), tok=tl.load(tok_row + idx, mask=valid, other=-1),
@@ -474,10 +508,11 @@ def _kept_pair(req, node, cols, a, b, tau_a, tau_b):
 
 
 @triton.jit
-def _logit(req, row, node, x, tau):
-    """row[x] / t at node, -inf for an x outside the vocabulary or dropped by the node's processed law."""
+def _log_prob(req, row, node, x, tau, law):
+    """log p(x) of token x in the node's row of law `law`, -inf for an x outside the vocabulary or dropped by
+    the node's processed law."""
     raw = _row_logits(_load_row(row + x, (x >= 0) & (x < req.V), req.probs), req.probs)
-    return _kept(req, node, x, raw, tau) * req.inv_t
+    return _scaled(req, _kept(req, node, x, raw, tau), law) - law.lse
 
 
 @triton.jit
@@ -521,7 +556,7 @@ def _emit(req, depth, token, mask):
 @triton.jit
 def _with_kind(walk, kind):
     """The walk with its next step changed."""
-    return Walk(kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.lse_p, walk.lse_q, walk.sel, walk.tau_p,
+    return Walk(kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.law_p, walk.law_q, walk.sel, walk.tau_p,
                 walk.tau_q, walk.w, walk.tau_node, walk.w_tau, walk.final)
 
 
@@ -531,7 +566,8 @@ def _start(req, T):
     tl.store(req.path + req.idx, tl.where(req.idx == 0, 0, -1), mask=req.idx < tl.where(req.writer, T, 0))
     root = tl.full((), 0, tl.int32)
     zero = tl.full((), 0.0, tl.float32)
-    return Walk(kind=root + STATS, node=root, depth=root, cursor=root, c=zero, z=zero + 1.0, lse_p=zero, lse_q=zero,
+    return Walk(kind=root + STATS, node=root, depth=root, cursor=root, c=zero, z=zero + 1.0,
+                law_p=RowLaw(zero, zero), law_q=RowLaw(zero, zero),
                 sel=root, tau_p=zero + NEG_INF, tau_q=zero + NEG_INF, w=zero + 1.0, tau_node=root, w_tau=zero + 1.0,
                 final=root)
 
@@ -543,8 +579,10 @@ def _load_state(state_i_ptr, state_f_ptr, buf):
     si = state_i_ptr + rec * STATE_INTS
     sf = state_f_ptr + rec * STATE_FLOATS
     return Walk(kind=tl.load(si + KIND), node=tl.load(si + NODE), depth=tl.load(si + DEPTH),
-                cursor=tl.load(si + CURSOR), c=tl.load(sf + C), z=tl.load(sf + Z), lse_p=tl.load(sf + LSE_P),
-                lse_q=tl.load(sf + LSE_Q), sel=tl.load(si + SEL), tau_p=tl.load(sf + TAU_P), tau_q=tl.load(sf + TAU_Q),
+                cursor=tl.load(si + CURSOR), c=tl.load(sf + C), z=tl.load(sf + Z),
+                law_p=RowLaw(tl.load(sf + SHIFT_P), tl.load(sf + LSE_P)),
+                law_q=RowLaw(tl.load(sf + SHIFT_Q), tl.load(sf + LSE_Q)), sel=tl.load(si + SEL),
+                tau_p=tl.load(sf + TAU_P), tau_q=tl.load(sf + TAU_Q),
                 w=tl.load(sf + WEIGHT), tau_node=tl.load(si + TAU_NODE), w_tau=tl.load(sf + W_TAU),
                 final=tl.load(si + FINAL))
 
@@ -568,8 +606,10 @@ def _store_state(state_i_ptr, state_f_ptr, buf, walk, mask):
     tl.store(si + FINAL, walk.final, mask=mask)
     tl.store(sf + C, walk.c, mask=mask)
     tl.store(sf + Z, walk.z, mask=mask)
-    tl.store(sf + LSE_P, walk.lse_p, mask=mask)
-    tl.store(sf + LSE_Q, walk.lse_q, mask=mask)
+    tl.store(sf + SHIFT_P, walk.law_p.shift, mask=mask)
+    tl.store(sf + LSE_P, walk.law_p.lse, mask=mask)
+    tl.store(sf + SHIFT_Q, walk.law_q.shift, mask=mask)
+    tl.store(sf + LSE_Q, walk.law_q.lse, mask=mask)
 
 
 @triton.jit
@@ -593,9 +633,7 @@ def _load_chunks(part_f_ptr, part_i_ptr, buf, kind, NUM_SPLITS: tl.constexpr, S_
                   max_q=tl.load(pf + MAX_Q, mask=stats, other=NEG_INF),
                   sum_q=tl.load(pf + SUM_Q, mask=stats, other=0.0),
                   argmax=tl.load(pi + ARGMAX, mask=stats, other=-1),
-                  mass=tl.load(pf + MASS, mask=mass, other=0.0),
-                  max_x=tl.load(pf + MAX_X, mask=stats, other=NEG_INF),
-                  max_xq=tl.load(pf + MAX_XQ, mask=stats, other=NEG_INF))
+                  mass=tl.load(pf + MASS, mask=mass, other=0.0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -641,8 +679,9 @@ def _next_tile(row, start, hi, tile_next, tile_later, BLOCK_V: tl.constexpr, PRE
 @triton.jit
 def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
                 PREFETCH: tl.constexpr):
-    """Pass walk.kind over chunk s of the node's rows, as a `Chunks` of scalars. STATS: (max, sum exp(. - max))
-    of target/t (greedy: the max alone) and, where `use_q`, of draft/t, and the chunk's first argmax of target;
+    """Pass walk.kind over chunk s of the node's rows, as a `Chunks` of scalars. STATS: (raw max M,
+    sum exp((. - M) / t)) of target (greedy: the max alone) and, where `use_q`, of draft, and the chunk's first
+    argmax of target;
     ZPASS (draft logits only): the mass of the residual max(p - c q, 0). One loop streams the tiles for both
     passes (see below why)."""
     t_row, d_row = _rows(req, walk.node)
@@ -655,8 +694,6 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
     s_p = tl.full([BLOCK_V], 0.0, tl.float32)
     m_q = m_p
     s_q = s_p
-    x_p = m_p  # raw maxima (filtered requests only)
-    x_q = m_p
     best = tl.full([BLOCK_V], -1, tl.int32)
     a_next, a_later = _prefetch(t_row, lo, hi, BLOCK_V, PREFETCH, req.probs)
     b_next, b_later = a_next, a_later  # (the draft's tiles exist only with draft logits)
@@ -667,33 +704,27 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
         b = a
         if HAS_DRAFT:
             b, b_next, b_later = _next_tile(d_row, start, hi_q, b_next, b_later, BLOCK_V, PREFETCH, req.probs)
-        a = _row_logits(a, req.probs)
+        a = _target_values(a, req.greedy, req.probs)
         b = _row_logits(b, req.probs)
         a, b = _kept_pair(req, walk.node, start + ar, a, b, walk.tau_p, walk.tau_q)
-        if req.filtered:
-            x_p = tl.maximum(x_p, a)
-            x_q = tl.maximum(x_q, b)
-        # logits / t here, in the block before the pass's own fold: in one block, fp fusion would contract
-        # `x * inv_t - m` into one fma (another rounding: other results on a GPU than the interpreter's checks)
-        a = a * req.inv_t
-        b = b * req.inv_t
-        if stats:
+        if stats:  # on raw values (scaled inside the fold: a max / t may overflow)
             best = tl.where(a > m_p, start + ar, best)  # strictly greater: a lane keeps its first maximum
             if req.greedy:  # the argmax alone: no exp
                 m_p = tl.maximum(m_p, a)
             else:
-                m_p, s_p = _lane_lse(m_p, s_p, a)
+                m_p, s_p = _lane_lse(m_p, s_p, a, req.inv_t)
             if HAS_DRAFT:
-                m_q, s_q = _lane_lse(m_q, s_q, b)
+                m_q, s_q = _lane_lse(m_q, s_q, b, req.inv_t)
         elif HAS_DRAFT:  # ZPASS: the residual's per-lane sums, in the accumulator of target's sums
-            s_p += _residual(a, b, walk.lse_p, walk.lse_q, walk.c, True)
+            s_p += _residual(_scaled(req, a, walk.law_p), _scaled(req, b, walk.law_q), walk.law_p, walk.law_q, walk.c,
+                             True)
     if not stats:
         m_p = tl.full([BLOCK_V], 0.0, tl.float32)  # the residual's sums merge against max 0: a plain sum
-    max_p, sum_p = _merge_lse(m_p, s_p)
-    max_q, sum_q = _merge_lse(m_q, s_q)
+    max_p, sum_p = _merge_lse(m_p, s_p, tl.where(stats, req.inv_t, 1.0))
+    max_q, sum_q = _merge_lse(m_q, s_q, req.inv_t)
     argmax = tl.reduce(tl.where((m_p == max_p) & (best >= 0), best, INT_MAX), 0, _MIN)
     return Chunks(max_p=max_p, sum_p=sum_p, max_q=max_q, sum_q=sum_q, argmax=tl.where(argmax == INT_MAX, -1, argmax),
-                  mass=sum_p, max_x=tl.reduce(x_p, 0, _MAX), max_xq=tl.reduce(x_q, 0, _MAX))
+                  mass=sum_p)
 
 
 @triton.jit
@@ -708,8 +739,6 @@ def _row_pass(req, walk, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPL
     sum_q = sum_p
     argmax = tl.full((S_BLOCK,), -1, tl.int32)
     mass = sum_p
-    max_x = max_p
-    max_xq = max_p
     use_q = _uses_q(req, walk.node, T_BLOCK)
     for s in range(NUM_SPLITS):
         chunk = _chunk_pass(req, walk, s, use_q, HAS_DRAFT, SPLIT_V, BLOCK_V, PREFETCH)
@@ -720,9 +749,7 @@ def _row_pass(req, walk, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPL
         sum_q = tl.where(here, chunk.sum_q, sum_q)
         argmax = tl.where(here, chunk.argmax, argmax)
         mass = tl.where(here, chunk.mass, mass)
-        max_x = tl.where(here, chunk.max_x, max_x)
-        max_xq = tl.where(here, chunk.max_xq, max_xq)
-    return Chunks(max_p, sum_p, max_q, sum_q, argmax, mass, max_x, max_xq)
+    return Chunks(max_p, sum_p, max_q, sum_q, argmax, mass)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -764,7 +791,7 @@ def _greedy_step(req, walk, chunks, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr
     sidx = tl.arange(0, S_BLOCK)
     first = tl.reduce(tl.where(chunks.max_p == tl.reduce(chunks.max_p, 0, _MAX), sidx, S_BLOCK), 0, _MIN)
     argmax = tl.reduce(tl.where(sidx == first, chunks.argmax, 0), 0, _SUM)
-    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
+    kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
     child = _first_child(req, node, node, req.tok == argmax, T_BLOCK)
     if child < T_BLOCK:
         depth = _descend(req, child, depth)
@@ -772,39 +799,40 @@ def _greedy_step(req, walk, chunks, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr
     else:
         _emit(req, depth, argmax, req.writer)
         kind = tl.full((), DONE, tl.int32)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final)
+    return Walk(kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final)
 
 
 @triton.jit
-def _start_node(walk, chunks):
-    """Sampling, after the statistics: the node's log-sum-exps and its first residual r = p (c = 0, Z = 1),
-    whose chunk masses a draw at a leaf uses."""
-    max_p, sum_p = _merge_lse(chunks.max_p, chunks.sum_p)
-    max_q, sum_q = _merge_lse(chunks.max_q, chunks.sum_q)
-    lse_p = max_p + tl.log(sum_p)
+def _start_node(req, walk, chunks):
+    """Sampling, after the statistics: the node's laws and its first residual r = p (c = 0, Z = 1), whose chunk
+    masses a draw at a leaf uses."""
+    max_p, sum_p = _merge_lse(chunks.max_p, chunks.sum_p, req.inv_t)
+    max_q, sum_q = _merge_lse(chunks.max_q, chunks.sum_q, req.inv_t)
+    law_p = RowLaw(_shift(max_p), tl.log(sum_p))
     zero = tl.full((), 0.0, tl.float32)
     # cursor = node: no child tested yet
-    walk = Walk(walk.kind, walk.node, walk.depth, walk.node, zero, zero + 1.0, lse_p, max_q + tl.log(sum_q), walk.sel,
-                walk.tau_p, walk.tau_q, walk.w, walk.tau_node, walk.w_tau, walk.final)
-    return walk, Residual(chunks.sum_p * tl.exp(chunks.max_p - lse_p), zero)
+    walk = Walk(walk.kind, walk.node, walk.depth, walk.node, zero, zero + 1.0, law_p,
+                RowLaw(_shift(max_q), tl.log(sum_q)), walk.sel, walk.tau_p, walk.tau_q, walk.w, walk.tau_node,
+                walk.w_tau, walk.final)
+    return walk, Residual(chunks.sum_p * tl.exp(_scaled(req, chunks.max_p, law_p) - law_p.lse), zero)
 
 
 @triton.jit
 def _after_z(walk, chunks):
     """After a Z pass: Z of the residual r = max(p - c q, 0), and r's chunk masses."""
-    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
+    kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
     z = tl.reduce(chunks.mass, 0, _SUM)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), \
+    return Walk(kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), \
         Residual(chunks.mass, c)
 
 
 @triton.jit
-def _draft_accepts(req, node, x, u, c, z, lse_p, lse_q, tau_p, tau_q):
+def _draft_accepts(req, node, x, u, c, z, law_p, law_q, tau_p, tau_q):
     """Draft logits: accept x iff u * q(x) < r(x) = max(p - c q, 0)(x) / z, on the logit ratio
     rho = q(x) / p(x): iff u * z * rho < 1 - c * rho (never an x with p(x) = 0)."""
     t_row, d_row = _rows(req, node)
-    lp = _logit(req, t_row, node, x, tau_p) - lse_p
-    rho = tl.exp(_logit(req, d_row, node, x, tau_q) - lse_q - tl.where(lp == NEG_INF, 0.0, lp))
+    lp = _log_prob(req, t_row, node, x, tau_p, law_p)
+    rho = tl.exp(_log_prob(req, d_row, node, x, tau_q, law_q) - tl.where(lp == NEG_INF, 0.0, lp))
     return (lp > NEG_INF) & (u * z * rho < 1.0 - c * rho)
 
 
@@ -814,12 +842,12 @@ def _draft_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexp
     accepted (descend: STATS), or rejected (the residual's c grows by its Z: the next child's test needs Z
     of the new residual, ZPASS; after the last child only a draw from it, TRIAL), or none is left (the draw
     from `res`, LOCATE)."""
-    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
+    kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
     child = _first_child(req, node, cursor, req.valid, T_BLOCK)
     if child < T_BLOCK:
         cursor = child
         x, u = _child(req, child)
-        if _draft_accepts(req, node, x, u, c, z, lse_p, lse_q, tau_p, tau_q):
+        if _draft_accepts(req, node, x, u, c, z, law_p, law_q, tau_p, tau_q):
             depth = _descend(req, child, depth)
             node = child
             kind = tl.full((), STATS, tl.int32)
@@ -837,22 +865,22 @@ def _draft_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexp
             # logit); the draw then finds no token and the walk ends with token 0 (`_emit`).
             c = tl.full((), 0.0, tl.float32)
             kind = tl.full((), ZPASS, tl.int32)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), res
+    return Walk(kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), res
 
 
 @triton.jit
-def _proposal_accepts(req, node, child, z, lse_p, tau_p):
+def _proposal_accepts(req, node, child, z, law_p, tau_p):
     """Given proposals: accept the child's token x iff u * z < p(x), never an x an earlier sibling proposed
     (already rejected). Returns (accepted, the residual mass z after a rejection)."""
     x, u = _child(req, child)
     t_row, _ = _rows(req, node)
-    p = tl.exp(_logit(req, t_row, node, x, tau_p) - lse_p)
+    p = tl.exp(_log_prob(req, t_row, node, x, tau_p, law_p))
     dup = tl.reduce(((req.par == node) & req.valid & (req.idx < child) & (req.tok == x)).to(tl.int32), 0, _MAX) > 0
     return (dup == 0) & (u * z < p), tl.where(dup, z, tl.maximum(z - p, 0.0))
 
 
 @triton.jit
-def _rejected_masses(req, node, lse_p, tau_p, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
+def _rejected_masses(req, node, law_p, tau_p, SPLIT_V: tl.constexpr, S_BLOCK: tl.constexpr):
     """Given proposals, every child rejected: p of the node's distinct child tokens, summed per chunk."""
     child = (req.par == node) & req.valid
     dup = tl.reduce(((req.tok[:, None] == req.tok[None, :]) & child[None, :]
@@ -860,7 +888,7 @@ def _rejected_masses(req, node, lse_p, tau_p, SPLIT_V: tl.constexpr, S_BLOCK: tl
     rejected = child & (dup == 0) & (req.tok >= 0) & (req.tok < req.V)
     t_row, _ = _rows(req, node)
     raw = _row_logits(_load_row(t_row + req.tok, rejected, req.probs), req.probs)
-    p = tl.exp(_kept(req, node, req.tok, raw, tau_p) * req.inv_t - lse_p)  # (a dropped token has p = 0)
+    p = tl.exp(_scaled(req, _kept(req, node, req.tok, raw, tau_p), law_p) - law_p.lse)  # (a dropped token: p = 0)
     owner = req.tok // SPLIT_V
     return tl.reduce(tl.where(owner[:, None] == tl.arange(0, S_BLOCK)[None, :], p[:, None], 0.0), 0, _SUM)
 
@@ -871,11 +899,11 @@ def _proposal_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.const
     """Given proposals (no draft logits): every child in node order in one go (the residual's mass is
     closed-form) until one is accepted (descend: STATS), else the draw (LOCATE) from p minus the rejected
     tokens, or from p itself (c = -1) when rounding left nothing of it."""
-    kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
+    kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
     accepted = tl.full((), T_BLOCK, tl.int32)
     child = _first_child(req, node, node, req.valid, T_BLOCK)
     while (child < T_BLOCK) & (accepted == T_BLOCK):
-        ok, z = _proposal_accepts(req, node, child, z, lse_p, tau_p)
+        ok, z = _proposal_accepts(req, node, child, z, law_p, tau_p)
         accepted = tl.where(ok, child, accepted)
         child = _first_child(req, node, child, req.valid, T_BLOCK)
     if accepted < T_BLOCK:
@@ -887,13 +915,13 @@ def _proposal_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.const
         tau_q = tau_p
     else:
         kind = tl.full((), LOCATE, tl.int32)
-        mass = res.mass - _rejected_masses(req, node, lse_p, tau_p, SPLIT_V, S_BLOCK)
+        mass = res.mass - _rejected_masses(req, node, law_p, tau_p, SPLIT_V, S_BLOCK)
         if _total_mass(mass, NUM_SPLITS, S_BLOCK) > 0:
             res = Residual(mass, c)
         else:
             c = tl.full((), -1.0, tl.float32)
             res = Residual(res.mass, c)
-    return Walk(kind, node, depth, cursor, c, z, lse_p, lse_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), res
+    return Walk(kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -917,7 +945,7 @@ def _proposal_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.const
 # gathered values when the gathering covered [lo, +inf) (k <= CAP entries kept); min-p alone: statistics
 # twice. A bracket of more than CAP entries (ties of many values, or dense values) costs more pivot passes:
 # each divides its key range by NUM_PIVOTS, and a bracket of one value is the threshold itself.
-# Weights: exp(x / t - max x / t) in float32, summed in float64 (the gathered values' in float64), so top-p's
+# Weights: exp((x - max x) / t) in float32, summed in float64 (the gathered values' in float64), so top-p's
 # comparisons are those of the float64 reference unless the mass sits within ~1e-7 (relative) of top_p.
 class SelectBuffers(NamedTuple):
     """The searches' records (2, B, 2 rows, slots), double-buffered like the walk state, and a SELECT pass's
@@ -976,22 +1004,22 @@ def _idle_search():
     f = tl.full((), 0.0, tl.float32)
     d = tl.full((), 0.0, tl.float64)
     return Search(goal=zero + GOAL_DONE, mode=zero + MODE_FIRST, c_hi=zero, lo=f + FLT_LOWEST, hi=f + POS_INF,
-                  tau=f + NEG_INF, m_x=f, max_a=f, f_hi=d, w=d - 1.0)
+                  tau=f + NEG_INF, m_x=f, f_hi=d, w=d - 1.0)
 
 
 @triton.jit
-def _new_search(req, m_x, max_a, on):
-    """A row's search once the statistics pass gave its raw max m_x and max of x / t: min-p's threshold, and
-    the goal top-k (if on), else top-p (if on), over the whole row. `on`: the row's law is used (no threshold
-    for a row without a finite max: bad input, handled as without filters)."""
-    on = on & (max_a > NEG_INF) & (max_a < POS_INF)
+def _new_search(req, m_x, on):
+    """A row's search once the statistics pass gave its raw max m_x: min-p's threshold, and the goal top-k (if
+    on), else top-p (if on), over the whole row. `on`: the row's law is used (no threshold for a row without a
+    finite max: bad input, handled as without filters)."""
+    on = on & (m_x > NEG_INF) & (m_x < POS_INF)
     srch = _idle_search()
     tau = srch.tau
     if req.min_p > 0.0:
         tau = _min_p_threshold(req, m_x)
     goal = tl.where(req.k > 0, GOAL_K, tl.where(req.top_p < 1.0, GOAL_P, GOAL_DONE))
     return Search(goal=tl.where(on, goal, GOAL_DONE).to(tl.int32), mode=srch.mode, c_hi=srch.c_hi, lo=srch.lo,
-                  hi=srch.hi, tau=tl.where(on, tau, NEG_INF), m_x=m_x, max_a=max_a, f_hi=srch.f_hi, w=srch.w)
+                  hi=srch.hi, tau=tl.where(on, tau, NEG_INF), m_x=m_x, f_hi=srch.f_hi, w=srch.w)
 
 
 @triton.jit
@@ -999,17 +1027,16 @@ def _after_search(walk, sp, sq):
     """SELECT while a row's search goes on, else statistics through the thresholds found (sel 1)."""
     done = (sp.goal == GOAL_DONE) & (sq.goal == GOAL_DONE)
     return Walk(tl.where(done, STATS, SELECT).to(tl.int32), walk.node, walk.depth, walk.cursor, walk.c, walk.z,
-                walk.lse_p, walk.lse_q, done.to(tl.int32), sp.tau, sq.tau, walk.w, walk.tau_node, walk.w_tau, walk.final)
+                walk.law_p, walk.law_q, done.to(tl.int32), sp.tau, sq.tau, walk.w, walk.tau_node, walk.w_tau, walk.final)
 
 
 @triton.jit
 def _start_search(req, walk, chunks, HAS_DRAFT: tl.constexpr, T_BLOCK: tl.constexpr):
     """After a filtered node's first statistics pass: a search per row (the draft's only where q is used)."""
-    sp = _new_search(req, tl.reduce(chunks.max_x, 0, _MAX), tl.reduce(chunks.max_p, 0, _MAX), True)
+    sp = _new_search(req, tl.reduce(chunks.max_p, 0, _MAX), True)
     sq = _idle_search()
     if HAS_DRAFT:
-        sq = _new_search(req, tl.reduce(chunks.max_xq, 0, _MAX), tl.reduce(chunks.max_q, 0, _MAX),
-                         _uses_q(req, walk.node, T_BLOCK))
+        sq = _new_search(req, tl.reduce(chunks.max_q, 0, _MAX), _uses_q(req, walk.node, T_BLOCK))
     return _after_search(walk, sp, sq), sp, sq
 
 
@@ -1020,7 +1047,7 @@ def _pivots(req, srch, NUM_PIVOTS: tl.constexpr):
     the max)."""
     j = tl.arange(0, NUM_PIVOTS)
     nats = 0.125 * tl.exp2((NUM_PIVOTS - 1 - j).to(tl.float32) * (7.0 / (NUM_PIVOTS - 2)))
-    geometric = tl.maximum(srch.lo, (srch.max_a - nats) * req.t)
+    geometric = tl.maximum(srch.lo, srch.m_x - nats * req.t)
     lo_key = _key(srch.lo).to(tl.int64)
     hi_key = tl.where(srch.hi == POS_INF, _key(srch.m_x).to(tl.int64) + 1, _key(srch.hi).to(tl.int64))
     even = _from_key((lo_key + (hi_key - lo_key) * j // NUM_PIVOTS).to(tl.int32))
@@ -1046,7 +1073,7 @@ def _select_row_chunk(req, node, row, srch, s, rec, sb, NUM_PIVOTS: tl.constexpr
     for start in range(lo, hi, SELECT_BLOCK):
         cols = start + ar
         x = _kept(req, node, cols, _row_logits(_load_row(row + cols, cols < hi, req.probs), req.probs), NEG_INF)
-        weight = tl.exp(x * req.inv_t - srch.max_a)
+        weight = tl.exp((x - srch.m_x) * req.inv_t)
         if gather:
             inside = (x >= srch.lo) & (x < srch.hi)
             at = n + tl.cumsum(inside.to(tl.int32), 0) - 1
@@ -1085,7 +1112,7 @@ def _narrow(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constex
     counts = tl.reduce(tl.load(sb.pivot_counts + at, mask=have[:, None], other=0), 0, _SUM)
     masses = tl.reduce(tl.load(sb.pivot_masses + at, mask=have[:, None], other=0.0), 0, _SUM)
     pivots = _pivots(req, srch, NUM_PIVOTS)
-    goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w = srch
+    goal, mode, c_hi, lo, hi, tau, m_x, f_hi, w = srch
     if (goal == GOAL_K) & (_at(counts, 0, NUM_PIVOTS) < req.k):  # fewer than k finite entries: all kept
         goal = tl.where(req.top_p < 1.0, GOAL_P, GOAL_DONE).to(tl.int32)  # (top-p on the same pivots)
     if (goal == GOAL_P) & (mode == MODE_FIRST):  # a fresh top-p range [lo, +inf): w = what top-k keeps
@@ -1128,7 +1155,7 @@ def _narrow(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constex
             hi = new_hi
             c_hi = new_c_hi
             f_hi = new_f_hi
-    return Search(goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w)
+    return Search(goal, mode, c_hi, lo, hi, tau, m_x, f_hi, w)
 
 
 @triton.jit
@@ -1159,8 +1186,8 @@ def _resolve(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.conste
     total = tl.reduce(n, 0, _SUM)
     g = tl.arange(0, CAP)
     x, owner = _gathered(sb, recs, starts, ends, total, g, CAP)
-    weight = tl.where(g < total, tl.exp(x.to(tl.float64) / req.t.to(tl.float64) - srch.max_a.to(tl.float64)), 0.0)
-    goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w = srch
+    weight = tl.where(g < total, tl.exp((x.to(tl.float64) - srch.m_x.to(tl.float64)) / req.t.to(tl.float64)), 0.0)
+    goal, mode, c_hi, lo, hi, tau, m_x, f_hi, w = srch
     pair = tl.arange(0, PAIR_BLOCK)
     if goal == GOAL_K:
         tau_k = tl.full((), POS_INF, tl.float32)
@@ -1193,7 +1220,7 @@ def _resolve(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.conste
     sidx = tl.arange(0, S_BLOCK)
     kept = tl.load(sb.pivot_masses + recs * NUM_PIVOTS, mask=have, other=0.0)
     kept += tl.reduce(tl.where((owner[None, :] == sidx[:, None]) & (x[None, :] >= tau), weight[None, :], 0.0), 1, _SUM)
-    return Search(goal, mode, c_hi, lo, hi, tau, m_x, max_a, f_hi, w), kept.to(tl.float32), exact
+    return Search(goal, mode, c_hi, lo, hi, tau, m_x, f_hi, w), kept.to(tl.float32), exact
 
 
 @triton.jit
@@ -1207,7 +1234,7 @@ def _search_records(sb, buf, r):
 def _load_search(sb, buf, r):
     si, sf, sd = _search_records(sb, buf, r)
     return Search(goal=tl.load(si + GOAL), mode=tl.load(si + MODE), c_hi=tl.load(si + C_HI), lo=tl.load(sf + LO),
-                  hi=tl.load(sf + HI), tau=tl.load(sf + TAU), m_x=tl.load(sf + M_X), max_a=tl.load(sf + MAX_A),
+                  hi=tl.load(sf + HI), tau=tl.load(sf + TAU), m_x=tl.load(sf + M_X),
                   f_hi=tl.load(sd + F_HI), w=tl.load(sd + W_K))
 
 
@@ -1221,7 +1248,6 @@ def _store_search(sb, buf, r, srch, mask):
     tl.store(sf + HI, srch.hi, mask=mask)
     tl.store(sf + TAU, srch.tau, mask=mask)
     tl.store(sf + M_X, srch.m_x, mask=mask)
-    tl.store(sf + MAX_A, srch.max_a, mask=mask)
     tl.store(sd + F_HI, srch.f_hi, mask=mask)
     tl.store(sd + W_K, srch.w, mask=mask)
 
@@ -1261,11 +1287,9 @@ def _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, BLOCK: t
     walk = _after_search(walk, sp, sq)
     res = Residual(tl.full((S_BLOCK,), 0.0, tl.float32), walk.c)
     if (walk.kind == STATS) & exact:
-        none = tl.full((S_BLOCK,), NEG_INF, tl.float32)
         q_on = sidx < tl.where(use_q, NUM_SPLITS, 0)  # (a scalar condition through the bound, as in _load_chunks)
-        chunks = Chunks(max_p=tl.where(have, sp.max_a, NEG_INF), sum_p=kept_p, max_q=tl.where(q_on, sq.max_a, NEG_INF),
-                        sum_q=tl.where(q_on, kept_q, 0.0), argmax=tl.full((S_BLOCK,), -1, tl.int32), mass=kept_p * 0.0,
-                        max_x=none, max_xq=none)
+        chunks = Chunks(max_p=tl.where(have, sp.m_x, NEG_INF), sum_p=kept_p, max_q=tl.where(q_on, sq.m_x, NEG_INF),
+                        sum_q=tl.where(q_on, kept_q, 0.0), argmax=tl.full((S_BLOCK,), -1, tl.int32), mass=kept_p * 0.0)
         walk, res = _verify(req, walk, chunks, HAS_DRAFT, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
     return walk, res, sp, sq
 
@@ -1298,7 +1322,7 @@ def _walk_to(walk, kind, node, c, final):
     """The walk at another step: `kind` next at `node` (a new node: its thresholds not known yet), Z-pass c."""
     zero = tl.full((), 0, tl.int32)
     moved = node != walk.node
-    return Walk(tl.full((), kind, tl.int32), node, walk.depth, walk.cursor, c, walk.z, walk.lse_p, walk.lse_q,
+    return Walk(tl.full((), kind, tl.int32), node, walk.depth, walk.cursor, c, walk.z, walk.law_p, walk.law_q,
                 tl.where(moved, zero, walk.sel), tl.where(moved, NEG_INF, walk.tau_p),
                 tl.where(moved, NEG_INF, walk.tau_q), walk.w, walk.tau_node, walk.w_tau, zero + final)
 
@@ -1309,7 +1333,7 @@ def _block_draw(req, walk, res):
     chunk masses of the law to draw from): the path is written, then LOCATE."""
     tau = walk.tau_node
     tl.store(req.path + req.idx, req.idx, mask=(req.idx >= 1) & (req.idx < tl.where(req.writer, tau + 1, 0)))
-    walk = Walk(tl.full((), LOCATE, tl.int32), walk.node, tau, walk.cursor, res.c, walk.z, walk.lse_p, walk.lse_q,
+    walk = Walk(tl.full((), LOCATE, tl.int32), walk.node, tau, walk.cursor, res.c, walk.z, walk.law_p, walk.law_q,
                 walk.sel, walk.tau_p, walk.tau_q, walk.w, tau, walk.w_tau, walk.final)
     return walk, res
 
@@ -1346,11 +1370,11 @@ def _block_step(req, walk, res, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr)
             if i < gamma:
                 x, _ = _child(req, i + 1)
                 t_row, d_row = _rows(req, i)
-                lp = _logit(req, t_row, i, x, walk.tau_p) - walk.lse_p
-                lq = _logit(req, d_row, i, x, walk.tau_q) - walk.lse_q
+                lp = _log_prob(req, t_row, i, x, walk.tau_p, walk.law_p)
+                lq = _log_prob(req, d_row, i, x, walk.tau_q, walk.law_q)
                 ratio = tl.where(lq == NEG_INF, tl.where(lp > NEG_INF, POS_INF, 0.0), tl.exp(lp - tl.where(lq == NEG_INF, 0.0, lq)))
                 nxt = tl.where(w == 0.0, 0.0, tl.minimum(w * ratio, 1.0))
-            walk = Walk(walk.kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.lse_p, walk.lse_q, walk.sel,
+            walk = Walk(walk.kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.law_p, walk.law_q, walk.sel,
                         walk.tau_p, walk.tau_q, nxt, tau_node, w_tau, walk.final)
             if nxt > 0.0:
                 walk = _walk_to(walk, STATS, i + 1, 0.0, 0)
@@ -1398,8 +1422,10 @@ def _push_node(req, walk):
     tl.store(rec + C, walk.c, mask=req.writer)
     tl.store(rec + Z, walk.z, mask=req.writer)
     tl.store(rec + WEIGHT, walk.w, mask=req.writer)
-    tl.store(rec + LSE_P, walk.lse_p, mask=req.writer)
-    tl.store(rec + LSE_Q, walk.lse_q, mask=req.writer)
+    tl.store(rec + SHIFT_P, walk.law_p.shift, mask=req.writer)
+    tl.store(rec + LSE_P, walk.law_p.lse, mask=req.writer)
+    tl.store(rec + SHIFT_Q, walk.law_q.shift, mask=req.writer)
+    tl.store(rec + LSE_Q, walk.law_q.lse, mask=req.writer)
     tl.store(rec + TAU_P, walk.tau_p, mask=req.writer)
     tl.store(rec + TAU_Q, walk.tau_q, mask=req.writer)
 
@@ -1411,8 +1437,8 @@ def _child_weight(req, walk, x):
     on the logit ratio; 0 when the law has no mass at x (p(x) = 0, p(x) <= c q(x), or Z = 0), 1 when
     q(x) = 0 < p(x). Two lookups in v's rows."""
     t_row, d_row = _rows(req, walk.node)
-    lp = _logit(req, t_row, walk.node, x, walk.tau_p) - walk.lse_p
-    lq = _logit(req, d_row, walk.node, x, walk.tau_q) - walk.lse_q
+    lp = _log_prob(req, t_row, walk.node, x, walk.tau_p, walk.law_p)
+    lq = _log_prob(req, d_row, walk.node, x, walk.tau_q, walk.law_q)
     ratio = tl.exp(lp - tl.where(lq == NEG_INF, 0.0, lq))  # p(x) / q(x) (q(x) > 0)
     weight = tl.minimum(walk.w * tl.maximum(ratio - walk.c, 0.0) / tl.where(walk.z > 0, walk.z, 1.0), 1.0)
     weight = tl.where(lq == NEG_INF, 1.0, weight)
@@ -1425,7 +1451,7 @@ def _after_failed_child(walk, child):
     next (walk.z keeps Z(c) through it for the new weight, `_weight_after_z`). A law of mass 0 (Z = 0, only at a
     node of weight 1) stays as it is."""
     c = tl.where(walk.z > 0, walk.c + walk.z / walk.w, walk.c)
-    return Walk(tl.full((), ZPASS, tl.int32), walk.node, walk.depth, child, c, walk.z, walk.lse_p, walk.lse_q, walk.sel,
+    return Walk(tl.full((), ZPASS, tl.int32), walk.node, walk.depth, child, c, walk.z, walk.law_p, walk.law_q, walk.sel,
                 walk.tau_p, walk.tau_q, walk.w, walk.tau_node, walk.w_tau, walk.final)
 
 
@@ -1440,7 +1466,7 @@ def _weight_after_z(walk, z_before):
     # last failed child off the direct draw, `_try_child`'s certain)
     w = tl.where(den > 0, tl.minimum(s / tl.where(den > 0, den, 1.0), 1.0), 1.0)
     w = tl.where((walk.w == 1.0) | (walk.node == 0), 1.0, w)  # (the root's weight is 1: its visit always emits)
-    return Walk(walk.kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.lse_p, walk.lse_q, walk.sel,
+    return Walk(walk.kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.law_p, walk.law_q, walk.sel,
                 walk.tau_p, walk.tau_q, w, walk.tau_node, walk.w_tau, walk.final)
 
 
@@ -1455,7 +1481,8 @@ def _fail_to_parent(req, walk):
     tl.debug_barrier()  # (the walker's own store of the record, `_push_node`, is visible)
     # (sel 1: the parent's thresholds are known)
     back = Walk(walk.kind, parent, walk.depth - 1, walk.cursor, tl.load(rec + C), tl.load(rec + Z),
-                tl.load(rec + LSE_P), tl.load(rec + LSE_Q), tl.full((), 1, tl.int32), tl.load(rec + TAU_P),
+                RowLaw(tl.load(rec + SHIFT_P), tl.load(rec + LSE_P)),
+                RowLaw(tl.load(rec + SHIFT_Q), tl.load(rec + LSE_Q)), tl.full((), 1, tl.int32), tl.load(rec + TAU_P),
                 tl.load(rec + TAU_Q), tl.load(rec + WEIGHT), walk.tau_node, walk.w_tau, walk.final)
     return _after_failed_child(back, walk.node)
 
@@ -1477,7 +1504,7 @@ def _try_child(req, walk, child, T_BLOCK: tl.constexpr):
         depth = _descend(req, child, walk.depth)
         zero = tl.full((), 0.0, tl.float32)
         # the child's thresholds are not known yet (sel 0); cursor = node: no child of it tried yet
-        walk = Walk(tl.full((), STATS, tl.int32), child, depth, child, zero, zero + 1.0, walk.lse_p, walk.lse_q,
+        walk = Walk(tl.full((), STATS, tl.int32), child, depth, child, zero, zero + 1.0, walk.law_p, walk.law_q,
                     tl.full((), 0, tl.int32), zero + NEG_INF, zero + NEG_INF, w_c, walk.tau_node, walk.w_tau,
                     walk.final)
     else:
@@ -1531,7 +1558,7 @@ def _verify(req, walk, chunks, HAS_DRAFT: tl.constexpr, BLOCK: tl.constexpr, TRA
     verification of the tree, `_traversal_step`)."""
     z_before = walk.z  # (the Z of the residual a Z pass updated: traversal's new weight needs it)
     if walk.kind == STATS:
-        walk, res = _start_node(walk, chunks)
+        walk, res = _start_node(req, walk, chunks)
     else:
         walk, res = _after_z(walk, chunks)
     if BLOCK:
@@ -1555,7 +1582,7 @@ def _tile(row, start, hi, ar, PROBS: tl.constexpr):
 
 
 @triton.jit
-def _locate(req, node, pick, thresh, c, lse_p, lse_q, tau_p, tau_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr,
+def _locate(req, node, pick, thresh, c, law_p, law_q, tau_p, tau_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.constexpr,
             BLOCK_V: tl.constexpr):
     """The draw's second level: chunk `pick`'s scan, tile by tile until the running sum of the residual
     max(p - c q, 0) passes `thresh`: the first such entry (the last entry with r > 0 if rounding leaves the sum
@@ -1570,11 +1597,11 @@ def _locate(req, node, pick, thresh, c, lse_p, lse_q, tau_p, tau_q, HAS_DRAFT: t
     start = lo
     while (start < hi) & (token < 0):
         cols = start + ar
-        a = _kept(req, node, cols, _tile(t_row, start, hi, ar, req.probs), tau_p) * req.inv_t
+        a = _scaled(req, _kept(req, node, cols, _tile(t_row, start, hi, ar, req.probs), tau_p), law_p)
         b = a
         if HAS_DRAFT:
-            b = _kept(req, node, cols, _tile(d_row, start, hi_q, ar, req.probs), tau_q) * req.inv_t
-        r = _residual(a, b, lse_p, lse_q, c, HAS_DRAFT)
+            b = _scaled(req, _kept(req, node, cols, _tile(d_row, start, hi_q, ar, req.probs), tau_q), law_q)
+        r = _residual(a, b, law_p, law_q, c, HAS_DRAFT)
         if not HAS_DRAFT:
             if c >= 0:
                 for j in range(node + 1, req.n_real):
@@ -1599,11 +1626,11 @@ def _candidate(req, walk, res, j, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexp
     two-level inverse transform, and accepted with probability r(x) / r'(x). Returns (accepted, x)."""
     u_x, u_ok = _uniform_pair(req.stream, walk.node, j + U_CANDIDATE)
     pick, thresh = _pick_chunk(res.mass, u_x, NUM_SPLITS, S_BLOCK)
-    x = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, walk.tau_p, walk.tau_q, True, SPLIT_V,
+    x = _locate(req, walk.node, pick, thresh, res.c, walk.law_p, walk.law_q, walk.tau_p, walk.tau_q, True, SPLIT_V,
                 BLOCK_V)
     t_row, d_row = _rows(req, walk.node)
-    p = tl.exp(_logit(req, t_row, walk.node, x, walk.tau_p) - walk.lse_p)
-    q = tl.exp(_logit(req, d_row, walk.node, x, walk.tau_q) - walk.lse_q)
+    p = tl.exp(_log_prob(req, t_row, walk.node, x, walk.tau_p, walk.law_p))
+    q = tl.exp(_log_prob(req, d_row, walk.node, x, walk.tau_q, walk.law_q))
     return (x >= 0) & (u_ok * tl.maximum(p - res.c * q, 0.0) < tl.maximum(p - walk.c * q, 0.0)), x
 
 
@@ -1715,7 +1742,7 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
     if walk.kind == LOCATE:
         pick, thresh = _pick_chunk(res.mass, _uniform(req.stream, walk.node, U_DRAW), NUM_SPLITS, S_BLOCK)
         if split == pick:  # the program whose chunk holds the threshold draws and writes the outputs
-            token = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, walk.tau_p, walk.tau_q,
+            token = _locate(req, walk.node, pick, thresh, res.c, walk.law_p, walk.law_q, walk.tau_p, walk.tau_q,
                             HAS_DRAFT, SPLIT_V, BLOCK_V)
             _emit(req, walk.depth, token, True)
     elif walk.kind == TRIAL:
@@ -1738,8 +1765,6 @@ def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seed
             tl.store(pf + MAX_Q, chunk.max_q)
             tl.store(pf + SUM_Q, chunk.sum_q)
             tl.store(pi + ARGMAX, chunk.argmax)
-            tl.store(pf + MAX_X, chunk.max_x)
-            tl.store(pf + MAX_XQ, chunk.max_xq)
         else:
             tl.store(pf + MASS, chunk.mass)
 
@@ -1756,7 +1781,7 @@ def _draw_if_due(req, walk, res, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constex
             walk = _after_candidates(req, walk, first, token, TRIALS)
     elif walk.kind == LOCATE:
         pick, thresh = _pick_chunk(res.mass, _uniform(req.stream, walk.node, U_DRAW), NUM_SPLITS, S_BLOCK)
-        token = _locate(req, walk.node, pick, thresh, res.c, walk.lse_p, walk.lse_q, walk.tau_p, walk.tau_q, HAS_DRAFT,
+        token = _locate(req, walk.node, pick, thresh, res.c, walk.law_p, walk.law_q, walk.tau_p, walk.tau_q, HAS_DRAFT,
                         SPLIT_V, BLOCK_V)
         _emit(req, walk.depth, token, req.writer)
         walk = _with_kind(walk, tl.full((), DONE, tl.int32))
@@ -1850,6 +1875,21 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
                 **select)
 
 
+def _in_float32_range(rows, probs):
+    """Rows as the kernel reads them (last dim contiguous). It computes in float32, so a float64 tensor comes as
+    the same laws within float32's range: each row of logits minus its largest finite value, each row of
+    probabilities over its largest (computed in float64; a copy, of float64 rows only). A shift of the logits and
+    a scale of the probabilities change no law and no filter, and a huge finite value read as float32 would be
+    inf (other dtypes fit float32 as they are)."""
+    if rows.dtype == torch.float64:
+        finite = torch.isfinite(rows)
+        top = torch.where(finite, rows, -torch.inf).amax(-1, keepdim=True)
+        if probs:
+            return rows / torch.where(torch.isfinite(top) & (top > 0), top, 1.0)
+        return rows - torch.where(torch.isfinite(top), top, 0.0)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
            top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None, *,
            block_v=None, num_splits=None, split_steps=None, num_warps=None, prefetch=None, trials=None,
@@ -1887,9 +1927,8 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     next_tokens = torch.empty((B,), dtype=torch.int64, device=dev)
     if B == 0:
         return accepted, num_accepted, next_tokens
-    target = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
-    draft = None if draft_logits is None else (draft_logits if draft_logits.stride(-1) == 1
-                                               else draft_logits.contiguous())
+    target = _in_float32_range(target_logits, probs)
+    draft = None if draft_logits is None else _in_float32_range(draft_logits, probs)
     d = target if draft is None else draft
     S = cfg["num_splits"]
     if (cfg["block_v"] < 16 or cfg["block_v"] & (cfg["block_v"] - 1) or S < 1 or cfg["split_steps"] < 0

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from . import _validation as val
 from .ops import AcceptResult, _accept_laws
+from .reference import GREEDY_BELOW
 
 __all__ = ["VocabShard", "accept", "shard_lm_head", "shard_range"]
 
@@ -411,7 +412,7 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
             min_p, token_bitmask, method, vocab_start, vocab_size, checked):
     B, T, width = target.shape
     dev = target.device
-    sampled = temperature > 0
+    sampled = temperature >= GREEDY_BELOW  # (below: greedy, as on every backend)
     # an all-greedy batch needs only the rows' maxima (on the CPU, knowing that costs no sync)
     sampling = dev.type != "cpu" or bool(sampled.any())
     laws_in = [target] if draft is None else [target, draft]

@@ -56,7 +56,7 @@ def unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
     """(..., W) int32 -> (..., n) bool; inverse of `pack_bits` (truncated to n)."""
     shifts = torch.arange(32, dtype=torch.int64, device=mask.device)
     bits = (mask.to(torch.int64).unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(*mask.shape[:-1], -1)[..., :n].bool()
+    return bits.reshape(*mask.shape[:-1], 32 * mask.shape[-1])[..., :n].bool()  # (no -1: a batch may be empty)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,6 +177,12 @@ def children_of(parents_row: list[int], n: int) -> list[list[int]]:
 # ----------------------------------------------------------------------------------------------
 # The processed law: grammar mask, temperature, top-k, top-p, min-p (in this order)
 # ----------------------------------------------------------------------------------------------
+# A temperature below this is greedy, on every backend (vLLM's _SAMPLING_EPS, 1e-5): 1 / t stays <= 1e5, so no
+# backend's scaling of a row overflows or rounds the law away, and greedy's argmax of the masked row keeps the
+# grammar. 1e-5 as a float32, as temperatures reach the backends: the Triton and C++ comparisons are in float32.
+GREEDY_BELOW = float(torch.tensor(1e-5, dtype=torch.float32))
+
+
 def mask_disallowed(logits_row: torch.Tensor, allowed) -> torch.Tensor:
     """Step 1: the row in float64, disallowed tokens (allowed[x] False) at -inf. allowed None: all allowed."""
     row = logits_row.double().cpu()
@@ -184,8 +190,11 @@ def mask_disallowed(logits_row: torch.Tensor, allowed) -> torch.Tensor:
 
 
 def apply_temperature(row: torch.Tensor, t: float) -> torch.Tensor:
-    """Step 2: l = logits / t (t > 0)."""
-    return row / t
+    """Step 2: l = logits / t (t >= GREEDY_BELOW), computed as (logits - M) / t with M the row's largest finite
+    logit: the same law (every later step depends on differences of l only), and no overflow for huge finite
+    logits (a difference that overflows is -inf, weight 0, which is exact)."""
+    finite = row[torch.isfinite(row)]
+    return (row - finite.max()) / t if finite.numel() else row / t
 
 
 def softmax_over(l: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -232,7 +241,7 @@ def min_p_keep(l: torch.Tensor, keep: torch.Tensor, min_p: float) -> torch.Tenso
 
 def processed_keep(logits_row: torch.Tensor, t: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                    allowed=None) -> torch.Tensor:
-    """(V,) bool: the tokens the processed law keeps (steps 1-5; t > 0). Only finite l is ever kept."""
+    """(V,) bool: the tokens the processed law keeps (steps 1-5; t >= GREEDY_BELOW). Only finite l is ever kept."""
     l = apply_temperature(mask_disallowed(logits_row, allowed), t)
     keep = l > -math.inf
     keep = top_k_keep(l, keep, int(top_k))
@@ -242,9 +251,9 @@ def processed_keep(logits_row: torch.Tensor, t: float, top_k: int = 0, top_p: fl
 
 def processed_probs(logits_row: torch.Tensor, t: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                     allowed=None) -> torch.Tensor:
-    """(V,) float64: the processed law of one row at temperature t > 0, step 6: the softmax of l = logits / t
-    renormalized over the kept tokens (processed_keep). All zeros when the mask leaves no finite logit.
-    With every parameter off this is softmax(logits / t)."""
+    """(V,) float64: the processed law of one row at temperature t >= GREEDY_BELOW, step 6: the softmax of
+    l = logits / t renormalized over the kept tokens (processed_keep). All zeros when the mask leaves no finite
+    logit. With every parameter off this is softmax(logits / t)."""
     l = apply_temperature(mask_disallowed(logits_row, allowed), t)
     return softmax_over(l, processed_keep(logits_row, t, top_k, top_p, min_p, allowed))
 
@@ -377,9 +386,9 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     At node i, the target's law p and (with draft logits) the drafter's law q are the processed laws of
     rows target_logits[b, i] and draft_logits[b, i] (processed_probs: node i's row of token_bitmask, then
     temperature, top_k[b], top_p[b], min_p[b]; None = off for every request).
-    Greedy (temperature 0): descend into the first child (node order) whose token is the argmax of the
-    masked target row. Sampling: at each node the residual r starts as p; children are tried in node order.
-    With draft logits (children drawn i.i.d. from q), child x is accepted iff u * q(x) < r(x), else
+    Greedy (temperature < GREEDY_BELOW, 0 included): descend into the first child (node order) whose token is the
+    argmax of the masked target row. Sampling: at each node the residual r starts as p; children are tried in node
+    order. With draft logits (children drawn i.i.d. from q), child x is accepted iff u * q(x) < r(x), else
     r <- max(r - q, 0). Without draft logits (given proposals), x is accepted iff u < r(x) / sum(r), else
     r(x) <- 0. The next token is drawn from r (normalized).
     A node whose masked target row has no finite logit (bad input, rejected by the value checks) accepts no
@@ -411,7 +420,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
         t = float(temperature[b])
         k, p_top, p_min = request_filters(b, top_k, top_p, min_p)
         gen = request_generator(int(seeds[b]), offset + (0 if offsets is None else int(offsets[b])))
-        if method != "token" and t > 0.0:
+        if method != "token" and t >= GREEDY_BELOW:
             rows = [None if allowed is None else allowed[b, i] for i in range(n)]
             P = [processed_probs(target_logits[b, i], t, k, p_top, p_min, rows[i]) for i in range(n)]
             Q = [processed_probs(draft_logits[b, i], t, k, p_top, p_min, rows[i]) for i in range(n)]
@@ -428,7 +437,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
         while True:
             mask = None if allowed is None else allowed[b, node]
             chosen = None
-            if t == 0.0:
+            if t < GREEDY_BELOW:
                 token = greedy_token(target_logits[b, node], mask)
                 if token is None:  # nothing allowed: stop here
                     token = 0

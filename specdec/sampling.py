@@ -1,15 +1,17 @@
 """The processed law of `specdec.accept`, vectorized in PyTorch: for engines and drafters that must sample from
 exactly the law accept verifies against, and for launchers that mask the logits before a kernel.
 
-At temperature t > 0 a row of logits is processed in this order (specdec/reference.py spells out each step):
+At temperature t >= GREEDY_BELOW (1e-5 as a float32) a row of logits is processed in this order
+(specdec/reference.py spells out each step):
   1. mask: tokens the grammar disallows get -inf;
-  2. temperature: l = logits / t;
+  2. temperature: l = logits / t (computed as (logits - the row's finite max) / t: no overflow);
   3. top-k: x is kept iff fewer than k allowed tokens have a strictly larger l (ties at the k-th value kept);
   4. top-p: with p the softmax of the kept tokens, x is kept iff the mass of the tokens with a strictly larger p
      is < top_p (the top token and the ties at the boundary are kept);
   5. min-p: x is kept iff p(x) >= min_p * max p;
   6. renormalize.
-Greedy rows (t = 0) are only masked: top-k, top-p and min-p never remove the argmax.
+Greedy rows (t < GREEDY_BELOW, as in specdec.accept) are only masked: top-k, top-p and min-p never remove the
+argmax.
 
 Every kept set is an upper set of l (steps 3-5 keep the tokens at or above a threshold), so `keep_mask` is
 `allowed & (logits >= threshold)` per row, and `processed_logits` (the dropped entries at -inf, the others
@@ -28,7 +30,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .reference import pack_bits, unpack_bits
+from .reference import GREEDY_BELOW, pack_bits, unpack_bits
 
 Param = Union[None, int, float, torch.Tensor]
 
@@ -56,8 +58,8 @@ def _per_row(x: Param, N: int, dtype, device) -> Optional[torch.Tensor]:
 def keep_mask(logits: torch.Tensor, temperature: Union[float, torch.Tensor], top_k: Param = None,
               top_p: Param = None, min_p: Param = None, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(N, V) bool: the tokens the processed law keeps, for logits (N, V), temperature (N,) (or a float) and the
-    per-row parameters. allowed: (N, V) bool (e.g. unpack_bitmask) or None. Rows with t = 0 (greedy) keep every
-    allowed finite entry; rows left with no finite allowed entry keep nothing."""
+    per-row parameters. allowed: (N, V) bool (e.g. unpack_bitmask) or None. Greedy rows (t < GREEDY_BELOW) keep
+    every allowed finite entry; rows left with no finite allowed entry keep nothing."""
     N, V = logits.shape
     dev = logits.device
     x = logits.double()
@@ -69,23 +71,26 @@ def keep_mask(logits: torch.Tensor, temperature: Union[float, torch.Tensor], top
     if k is None and tp is None and mp is None:
         return finite
     t = _per_row(temperature, N, torch.float64, dev).double()
+    sampling = t >= GREEDY_BELOW
+    # l = (x - the row's finite max) / t: logits / t up to a constant per row, which no filter sees, without overflow
+    top = torch.where(torch.isfinite(x), x, -math.inf).amax(-1, keepdim=True)
+    l = (x - torch.where(top > -math.inf, top, 0.0)) / torch.where(sampling, t, 1.0).unsqueeze(1)
     rows = max(1, _CHUNK_ELEMENTS // max(V, 1))
-    thresholds = [_thresholds(x[i:i + rows], t[i:i + rows], *(None if a is None else a[i:i + rows] for a in (k, tp, mp)))
+    thresholds = [_thresholds(l[i:i + rows], sampling[i:i + rows],
+                              *(None if a is None else a[i:i + rows] for a in (k, tp, mp)))
                   for i in range(0, N, rows)]
-    threshold = torch.cat(thresholds).unsqueeze(1)  # in l = logits / t; -inf for greedy rows
-    l = x / torch.where(t > 0, t, 1.0).unsqueeze(1)
+    threshold = torch.cat(thresholds).unsqueeze(1)  # in l; -inf for greedy rows
     return finite & (l >= threshold)
 
 
-def _thresholds(x, t, k, tp, mp) -> torch.Tensor:
-    """(n,) the smallest kept l of each row (-inf: no filter, or a greedy row). x: (n, V) float64 masked."""
-    n, V = x.shape
-    sampling = t > 0
-    l = x / torch.where(sampling, t, 1.0).unsqueeze(1)
+def _thresholds(l, sampling, k, tp, mp) -> torch.Tensor:
+    """(n,) the smallest kept l of each row (-inf: no filter, or a greedy row). l: (n, V) float64, the masked
+    logits scaled as keep_mask scales them; sampling (n,) bool: the rows with t >= GREEDY_BELOW."""
+    n, V = l.shape
     s = torch.sort(l, dim=-1, descending=True).values  # -inf last
     finite = s > -math.inf
-    cols = torch.arange(V, device=x.device)
-    thr = torch.full((n,), -math.inf, dtype=torch.float64, device=x.device)
+    cols = torch.arange(V, device=l.device)
+    thr = torch.full((n,), -math.inf, dtype=torch.float64, device=l.device)
     if k is not None:  # top-k: the k-th largest value (ties at it kept)
         on = sampling & (k > 0) & (k < V)
         kth = s.gather(1, (k.clamp(1, V) - 1).unsqueeze(1)).squeeze(1)
@@ -144,11 +149,13 @@ def chain_acceptance_probs(target_logits: torch.Tensor, tokens: torch.Tensor, dr
     draft drawn from the drafter's law q there (draft_logits), sum_x min(p(x), q(x)) (the mean over the draw of
     min(1, p(x) / q(x)), accept's chance for the token drawn); for a given proposal x (no draft_logits), p(x). The
     accept/reject outcome has the same mean, with more chance in it: the adaptive policy learns sampled requests'
-    rates from these. Rows of greedy requests (temperature 0) are meaningless."""
-    t = temperature.clamp(min=1e-6).view(-1, 1, 1)
+    rates from these. Rows of greedy requests (temperature < GREEDY_BELOW) are meaningless."""
+    t = temperature.clamp(min=GREEDY_BELOW).view(-1, 1, 1)
 
     def law(logits):
-        return torch.softmax(params.process(logits[:, :-1].float(), temperature) / t, -1)
+        x = params.process(logits[:, :-1].float(), temperature)
+        top = x.amax(-1, keepdim=True)  # (subtracted first: huge logits / t overflow)
+        return torch.softmax((x - torch.where(torch.isfinite(top), top, 0.0)) / t, -1)
 
     p = law(target_logits)
     if draft_logits is None:
