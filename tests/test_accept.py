@@ -839,3 +839,27 @@ def test_triton_fuses_the_bitmask(monkeypatch, schedule):
         for node in res.accepted_nodes[b, : int(res.num_accepted[b]) + 1].tolist():
             walked |= set(words[b, node].tolist())
     assert read == walked
+
+
+# Temperatures below reference.GREEDY_BELOW (1e-5 as a float32) are greedy on every backend: at t ~ 1e-12 the
+# Triton kernel's logits / t rounded the argmax away and drew a token the bitmask forbids, with top-k or top-p
+# for t in ~[1e-18, 1e-10], at 1e-20, and with any setting at a subnormal t (~1e-40).
+TINY_FILTERS = {"none": {}, "top_k": dict(top_k=2), "top_p": dict(top_p=0.5)}
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+@pytest.mark.parametrize("filters", list(TINY_FILTERS))
+@pytest.mark.parametrize("probs", [False, True], ids=["logits", "probs"])
+@pytest.mark.parametrize("t", [1e-12, 1e-20, 1e-40, 0.99e-5], ids=str)
+def test_temperature_below_greedy_below_is_greedy(backend, filters, probs, t):
+    """log([.2, .3, .5]) at every node of a chain, tokens {1, 2} allowed: every request (8 seeds) takes the
+    greedy path, the masked argmax 2 at each node, as with temperature 0."""
+    B = 8
+    rows = torch.tensor([0.2, 0.3, 0.5]).expand(B, 3, 3)
+    allowed = torch.tensor([False, True, True]).expand(B, 3, 3)
+    laws = dict(target_probs=rows) if probs else dict(target_logits=rows.log())
+    batch = dict(laws, tokens=torch.tensor([0, 2, 1]).expand(B, 3), parents=torch.tensor([-1, 0, 1]).expand(B, 3),
+                 token_bitmask=pack_bitmask(allowed), seeds=torch.arange(B), **TINY_FILTERS[filters])
+    res = accept_on(backend, **batch, temperature=torch.full((B,), t))
+    assert res.num_accepted.tolist() == [1] * B and res.next_tokens.tolist() == [2] * B, res
+    assert _same(res, accept_on(backend, **batch, temperature=0.0))
