@@ -3,9 +3,13 @@
 // ValueError = TORCH_CHECK_VALUE, TypeError = TORCH_CHECK_TYPE.
 #include "specdec.h"
 
+#include <ATen/ops/aminmax.h>
+
 #include <cstdio>
 #include <cmath>
+#include <algorithm>
 #include <initializer_list>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -85,12 +89,21 @@ void check_shape(const std::string& name, const Tensor& x, c10::IntArrayRef expe
                     shape_str(x.sizes()));
 }
 
-Tensor int32_contiguous(const Tensor& x) { return x.to(at::kInt).contiguous(); }
+// An int index tensor as int32, contiguous; an int64 one must hold int32 values (narrowing would wrap them).
+Tensor int32_contiguous(const std::string& name, const Tensor& x) {
+  if (x.scalar_type() == ScalarType::Long && x.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(x);
+    TORCH_CHECK_VALUE(lo.item<int64_t>() >= std::numeric_limits<int32_t>::min() &&
+                      hi.item<int64_t>() <= std::numeric_limits<int32_t>::max(),
+                      name, ": int64 values must fit in int32");
+  }
+  return x.to(at::kInt).contiguous();
+}
 
 Tensor normalize_num_nodes(const Tensor& num_nodes, int64_t B, const c10::Device& device) {
   check_tensor("num_nodes", num_nodes, 1, kInt, &device);
   check_shape("num_nodes", num_nodes, {B});
-  return int32_contiguous(num_nodes);
+  return int32_contiguous("num_nodes", num_nodes);
 }
 
 void check_num_nodes_range(const Tensor& num_nodes, int64_t T) {
@@ -169,6 +182,9 @@ void check_positions(c10::IntArrayRef cache_shape, const Tensor& cache_lens, con
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_VALUE(lens[b] + extent(b) <= cap, "cache_lens: no room for ", what,
                       ": cache_lens + count exceeds the capacity ", cap);
+    // (cache_lens is int32: the op advances it to at most the end)
+    TORCH_CHECK_VALUE(lens[b] + extent(b) <= std::numeric_limits<int32_t>::max(), "cache_lens: no room for ", what,
+                      ": cache_lens + count exceeds 2**31 - 1 (int32)");
   }
   if (!block_table.has_value()) return;
   const int64_t num_blocks = cache_shape[cache_shape.size() - 4];
@@ -182,11 +198,58 @@ void check_positions(c10::IntArrayRef cache_shape, const Tensor& cache_lens, con
   }
 }
 
+// _validation.self_overlapping: two elements of t may share memory (a stride-0 dimension, or strides that do
+// not nest: sorted, each larger than the extent of the smaller ones).
+bool self_overlapping(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions of size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 0;
+  for (const auto& [stride, n] : dims) {
+    if (stride <= extent) return true;
+    extent += (n - 1) * stride;
+  }
+  return false;
+}
+
+// (first, last + 1) byte addresses of t's elements.
+std::pair<uintptr_t, uintptr_t> byte_span(const Tensor& t) {
+  int64_t extent = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {first, first + (extent + 1) * t.element_size()};
+}
+
+// _validation.shares_memory: an element in common (exact for one layout at two offsets: the offset written in
+// the layout's nested strides, digit by digit; other pairs whose address ranges intersect count as sharing).
+bool shares_memory(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.storage().data() != b.storage().data()) return false;
+  const auto [a_lo, a_hi] = byte_span(a);
+  const auto [b_lo, b_hi] = byte_span(b);
+  if (a_hi <= b_lo || b_hi <= a_lo) return false;
+  const int64_t size = a.element_size();
+  const int64_t offset = static_cast<int64_t>(b_lo) - static_cast<int64_t>(a_lo);
+  if (a.sizes() != b.sizes() || a.strides() != b.strides() || b.element_size() != size || offset % size != 0) {
+    return true;
+  }
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1) dims.emplace_back(a.stride(d), a.size(d));
+  }
+  std::sort(dims.rbegin(), dims.rend());
+  int64_t rest = offset / size;
+  for (const auto& [stride, n] : dims) rest -= std::clamp(rest / stride, -(n - 1), n - 1) * stride;
+  return rest == 0;
+}
+
 }  // namespace
 
 TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes) {
   check_tensor("parents", parents, 2, kInt);
-  TreeInputs in{int32_contiguous(parents), normalize_num_nodes(num_nodes, parents.size(0), parents.device())};
+  Tensor nn = normalize_num_nodes(num_nodes, parents.size(0), parents.device());
+  TreeInputs in{int32_contiguous("parents", parents), nn};
   check_parents(in.parents, in.num_nodes);
   return in;
 }
@@ -211,6 +274,8 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
                    dtype_name(q.scalar_type()), " (a cache holds q's dtype or float8)");
   check_scales(k_cache.scalar_type(), k_scale, v_scale);
   TORCH_CHECK_VALUE(Dk == D, "k_cache: head dim ", Dk, " differs from q head dim ", D);
+  TORCH_CHECK_VALUE(Hkv >= 1 && D >= 1, "k_cache: needs at least one KV head and a head dim >= 1, got shape ",
+                    shape_str(k_cache.sizes()));
   TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "q: ", Hq, " query heads is not a multiple of the ", Hkv, " KV heads");
   check_cache_lens(cache_lens, B, device);
   check_block_table(block_table, B, device);
@@ -278,6 +343,8 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   // (padded: the shapes follow target_logits; packed: the nodes' (B, T) follow tokens)
   const int64_t B = packed ? tokens.size(0) : target_logits.size(0);
   const int64_t T = packed ? tokens.size(1) : target_logits.size(1), V = target_logits.size(-1);
+  TORCH_CHECK_VALUE(V >= 1, target_name, ": needs a vocabulary of at least one token, got shape ",
+                    shape_str(target_logits.sizes()));
   std::vector<int64_t> rows_shape = packed ? std::vector<int64_t>{target_logits.size(0)} : std::vector<int64_t>{B, T};
   auto with_last = [&](int64_t last) {
     std::vector<int64_t> shape = rows_shape;
@@ -324,7 +391,16 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
     if (!x.has_value()) continue;
     check_tensor(name, *x, 1, kFloat, &device);
     check_shape(name, *x, {B});
-    out = x->to(at::kFloat).contiguous();
+    // checked as given, then narrowed so that valid values stay valid (_validation.to_float32_fraction)
+    const bool is_top_p = std::string(name) == "top_p";
+    const Tensor given = x->to(at::kDouble).contiguous();
+    const double* p = given.data_ptr<double>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK_VALUE(is_top_p ? (p[b] > 0 && p[b] <= 1) : (p[b] >= 0 && p[b] < 1), name,
+                        is_top_p ? ": must be in (0, 1] (1: off)" : ": must be in [0, 1) (0: off)");
+    }
+    const double tiny = std::numeric_limits<float>::denorm_min(), below_one = 1.0 - std::ldexp(1.0, -24);
+    out = (is_top_p ? given.clamp_min(tiny) : given.clamp_max(below_one)).to(at::kFloat).contiguous();
   }
   if (token_bitmask.has_value()) {
     check_tensor("token_bitmask", *token_bitmask, packed ? 2 : 3, {}, &device);
@@ -337,7 +413,7 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_VALUE(off[b] >= 0 && off[b] < kMaxOffset - offset, "offset: must be in [0, 2**60)");
   }
-  in.parents = int32_contiguous(parents);
+  in.parents = int32_contiguous("parents", parents);
   check_parents(in.parents, in.num_nodes);
   if (packed) {
     in.row_offsets = row_offsets->to(at::kLong).contiguous();
@@ -364,7 +440,7 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
     }
   }
 
-  in.tokens = int32_contiguous(tokens);
+  in.tokens = int32_contiguous("tokens", tokens);
   const int32_t* tok = in.tokens.data_ptr<int32_t>();
   const int32_t* nn = in.num_nodes.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -379,14 +455,6 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   if (top_k_values.defined()) {
     const int64_t* k = top_k_values.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) TORCH_CHECK_VALUE(k[b] >= 0, "top_k: must be >= 0 (0 or >= V: off)");
-  }
-  if (in.top_p.defined()) {
-    const float* p = in.top_p.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) TORCH_CHECK_VALUE(p[b] > 0 && p[b] <= 1, "top_p: must be in (0, 1] (1: off)");
-  }
-  if (in.min_p.defined()) {
-    const float* p = in.min_p.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) TORCH_CHECK_VALUE(p[b] >= 0 && p[b] < 1, "min_p: must be in [0, 1) (0: off)");
   }
   if (in.token_bitmask.defined()) {  // every real node's row allows some token of [0, V)
     const int64_t W = (V + 31) / 32;
@@ -476,6 +544,24 @@ PathInputs check_kv_rollback(at::TensorList k_caches, at::TensorList v_caches, c
     TORCH_CHECK_VALUE(same_layer && k.scalar_type() == k_caches[0].scalar_type(), "k_cache", suffix,
                       ": every layer must share the first layer's shape and dtype");
   }
+  // memory shared by two caches or two elements of one would have its rows moved twice (_validation)
+  std::vector<std::pair<std::string, Tensor>> caches;
+  for (const auto& [name, list] :
+       {std::pair<const char*, at::TensorList>{"k_cache", k_caches}, {"v_cache", v_caches}}) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      caches.emplace_back(name + (list.size() == 1 ? std::string() : "[" + std::to_string(i) + "]"), list[i]);
+    }
+  }
+  for (const auto& [name, c] : caches) {
+    TORCH_CHECK_VALUE(!self_overlapping(c), name, ": its elements overlap (a stride-0 or overlapping view); every "
+                      "row must be memory of its own");
+  }
+  for (size_t j = 1; j < caches.size(); ++j) {
+    for (size_t i = 0; i < j; ++i) {
+      TORCH_CHECK_VALUE(!shares_memory(caches[i].second, caches[j].second), caches[j].first, ": shares memory with ",
+                        caches[i].first, "; every K and V layer must be memory of its own");
+    }
+  }
   check_tensor("accepted_nodes", accepted_nodes, 2, kInt, &device);
   TORCH_CHECK_VALUE(accepted_nodes.size(0) == B, "accepted_nodes: expected ", B, " rows, got shape ",
                     shape_str(accepted_nodes.sizes()));
@@ -483,7 +569,7 @@ PathInputs check_kv_rollback(at::TensorList k_caches, at::TensorList v_caches, c
   check_shape("num_accepted", num_accepted, {B});
   check_block_table(block_table, B, device);
 
-  PathInputs in{int32_contiguous(accepted_nodes), int32_contiguous(num_accepted)};
+  PathInputs in{int32_contiguous("accepted_nodes", accepted_nodes), int32_contiguous("num_accepted", num_accepted)};
   const int64_t P = accepted_nodes.size(1);
   const int32_t* path = in.accepted_nodes.data_ptr<int32_t>();
   const int32_t* na = in.num_accepted.data_ptr<int32_t>();

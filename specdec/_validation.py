@@ -32,6 +32,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # KV caches only, dequant
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INT_DTYPES = (torch.int32, torch.int64)
 MAX_OFFSET = 2**60  # accept's random-stream offsets (Philox counter words: 31 + 29 bits)
+INT32_MAX = 2**31 - 1  # index tensors are int32 on every backend; positions and ids must fit
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32 (subnormal)
+FLOAT32_BELOW_ONE = 1 - 2**-24  # the largest float32 below 1
 
 
 def set_value_checks(enabled: bool) -> None:
@@ -101,6 +105,14 @@ def _fail_if(name, cond, message):
         raise ValueError(f"{name}: {message}")
 
 
+def check_int32_values(name, x):
+    """Value check (on whatever the backend: the ops narrow index tensors to int32 before any kernel sees them,
+    the C++ op included): an int64 index tensor holds int32 values, else narrowing would wrap them (2**32 + 5
+    would become 5)."""
+    if x.dtype == torch.int64 and value_checks_enabled():
+        _fail_if(name, (x < -INT32_MAX - 1) | (x > INT32_MAX), "int64 values must fit in int32")
+
+
 # ----------------------------------------------------------------------------------------------
 # trees
 # ----------------------------------------------------------------------------------------------
@@ -124,6 +136,7 @@ def normalize_num_nodes(num_nodes, B, T, device, *, name="num_nodes"):
         return torch.full((B,), T, dtype=torch.int32, device=device)
     _tensor(name, num_nodes, dim=1, dtypes=INT_DTYPES, device=device)
     _shape(name, num_nodes, (B,))
+    check_int32_values(name, num_nodes)
     return num_nodes.to(torch.int32)
 
 
@@ -131,6 +144,7 @@ def check_build_tree(parents, num_nodes, values=True):
     _tensor("parents", parents, dim=2, dtypes=INT_DTYPES)
     B, T = parents.shape
     num_nodes = normalize_num_nodes(num_nodes, B, T, parents.device)
+    check_int32_values("parents", parents)
     check_parents(parents, num_nodes, values and value_checks_enabled())
     return num_nodes
 
@@ -203,6 +217,8 @@ def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T
     _fail_if("cache_lens", lens < 0, "must be >= 0")
     end = lens + extent
     _fail_if("cache_lens", end > cap, f"no room for {what}: cache_lens + count exceeds the capacity {cap}")
+    # (cache_lens is int32: the op advances it to at most `end`)
+    _fail_if("cache_lens", end > INT32_MAX, f"no room for {what}: cache_lens + count exceeds 2**31 - 1 (int32)")
     if block_table is not None:
         block_size = cache_shape[-3]
         used = (end + block_size - 1) // block_size  # blocks covering [0, end)
@@ -232,6 +248,8 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
     k_scale, v_scale = check_scales(k_cache.dtype, k_scale, v_scale)
     if Dk != D:
         raise ValueError(f"k_cache: head dim {Dk} differs from q head dim {D}")
+    if Hkv < 1 or D < 1:
+        raise ValueError(f"k_cache: needs at least one KV head and a head dim >= 1, got shape {tuple(k_cache.shape)}")
     if Hq % Hkv != 0:
         raise ValueError(f"q: {Hq} query heads is not a multiple of the {Hkv} KV heads")
     check_cache_lens(cache_lens, B, dev)
@@ -321,6 +339,56 @@ def _layer_suffix(ks, i):
     return "" if len(ks) == 1 else f"[{i}]"
 
 
+def _span(t):
+    """(first, last + 1) byte addresses of t's elements (strides are >= 0)."""
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
+
+
+def self_overlapping(t) -> bool:
+    """Whether two elements of t may share memory: a stride-0 dimension, or strides that do not nest (sorted,
+    each larger than the extent of the smaller ones; when they nest, distinct indices are distinct addresses)."""
+    extent = 0
+    for stride, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= extent:
+            return True
+        extent += (n - 1) * stride
+    return False
+
+
+def shares_memory(a, b) -> bool:
+    """Whether tensors a and b (neither self-overlapping) have an element in common. Exact for views of one
+    layout at two offsets (the K and V halves of an interleaved buffer, slices of one stack): the offset is
+    written in the layout's nested strides, digit by digit; any other pair whose address ranges intersect
+    counts as sharing."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    size = a.element_size()
+    if a.shape != b.shape or a.stride() != b.stride() or b.element_size() != size or (b_lo - a_lo) % size:
+        return True
+    rest = (b_lo - a_lo) // size
+    for stride, n in sorted(((st, n) for n, st in zip(a.shape, a.stride()) if n > 1), reverse=True):
+        digit = max(-(n - 1), min(n - 1, int(rest / stride)))  # (toward zero, within the dimension)
+        rest -= digit * stride
+    return rest == 0
+
+
+def overlapping_pairs(tensors):
+    """The pairs (i, j), i < j, of tensors that share memory (shares_memory; only pairs in one storage whose
+    address ranges intersect are compared)."""
+    order = sorted(range(len(tensors)), key=lambda i: (tensors[i].untyped_storage().data_ptr(), _span(tensors[i])))
+    for pos, i in enumerate(order):
+        for j in order[pos + 1:]:
+            if (tensors[j].untyped_storage().data_ptr() != tensors[i].untyped_storage().data_ptr()
+                    or _span(tensors[j])[0] >= _span(tensors[i])[1]):
+                break
+            if shares_memory(tensors[i], tensors[j]):
+                yield min(i, j), max(i, j)
+
+
 def check_rollback_caches(k_caches, v_caches, block_table):
     """The metadata of kv_rollback's caches, which stay the same from step to step (RollbackPlan checks them
     once): every layer on one device, of one shape and dtype. Returns the caches as lists (ks, vs)."""
@@ -335,18 +403,29 @@ def check_rollback_caches(k_caches, v_caches, block_table):
         check_cache_pair(k, v, block_table, None, k_name=f"k_cache{suffix}", v_name=f"v_cache{suffix}")
         if k.shape[-4:] != ks[0].shape[-4:] or k.dtype != ks[0].dtype:
             raise ValueError(f"k_cache{suffix}: every layer must share the first layer's shape and dtype")
-    # a tensor listed twice (K and V one tensor, or a layer twice) would have its rows moved twice: a row moved
-    # onto a later one's source is moved again (and on a GPU, two programs move the same rows at once)
-    first = {}
-    for name, caches in (("k_cache", ks), ("v_cache", vs)):
-        for i, c in enumerate(caches):
-            where = (c.data_ptr(), c.stride())
-            if where in first:
-                raise ValueError(f"{name}{_layer_suffix(caches, i)}: the same memory as {first[where]}; every K and V "
-                                 f"layer must be a tensor of its own")
-            first[where] = f"{name}{_layer_suffix(caches, i)}"
+    # memory shared by two caches (K and V one tensor, a layer twice, overlapping views) or by two elements of one
+    # (a stride-0 expand) would have its rows moved twice: a row moved onto a later one's source is moved again
+    # (and on a GPU, two programs move the same rows at once). (Not while torch.compile traces: addresses are not
+    # known there; the eager calls checked the same caches.)
+    if not torch.compiler.is_compiling():
+        check_memory_of_its_own(ks, vs)
     check_block_table(block_table, None, dev)
     return ks, vs
+
+
+def check_memory_of_its_own(ks, vs):
+    """No element of a K or V layer shares memory with another element of any of them."""
+    names = [f"{name}{_layer_suffix(caches, i)}" for name, caches in (("k_cache", ks), ("v_cache", vs))
+             for i in range(len(caches))]
+    tensors = ks + vs
+    for name, c in zip(names, tensors):
+        if self_overlapping(c):
+            raise ValueError(f"{name}: its elements overlap (a stride-0 or overlapping view); every row must be "
+                             "memory of its own")
+    shared = next(overlapping_pairs(tensors), None)
+    if shared is not None:
+        raise ValueError(f"{names[shared[1]]}: shares memory with {names[shared[0]]}; every K and V layer must be "
+                         "memory of its own")
 
 
 def check_rollback_step(ks, block_table, cache_lens, accepted_nodes, num_accepted, values=True):
@@ -363,6 +442,8 @@ def check_rollback_step(ks, block_table, cache_lens, accepted_nodes, num_accepte
     _tensor("num_accepted", num_accepted, dim=1, dtypes=INT_DTYPES, device=dev)
     _shape("num_accepted", num_accepted, (B,))
     check_block_table(block_table, B, dev)
+    check_int32_values("accepted_nodes", accepted_nodes)
+    check_int32_values("num_accepted", num_accepted)
     if values and value_checks_enabled():
         check_path(accepted_nodes, num_accepted)
         # the furthest row read is L + path[num_accepted]; its block must exist
@@ -453,6 +534,9 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     # (padded: the shapes follow target_logits; packed: the nodes' (B, T) follow tokens)
     B, T = tokens.shape if packed else target_logits.shape[:2]
     V = target_logits.shape[-1]
+    if V < 1:
+        raise ValueError(f"{target_name}: needs a vocabulary of at least one token, got shape "
+                         f"{tuple(target_logits.shape)}")
     rows_shape = tuple(target_logits.shape[:1]) if packed else (B, T)
     _shape("tokens", tokens, (B, T))
     _tensor("parents", parents, dim=2, dtypes=INT_DTYPES, device=dev)
@@ -464,6 +548,8 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
         _tensor("row_offsets", row_offsets, dim=1, dtypes=INT_DTYPES, device=dev)
         _shape("row_offsets", row_offsets, (B,))
     num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
+    check_int32_values("tokens", tokens)
+    check_int32_values("parents", parents)
     temperature = normalize_temperature(temperature, B, dev)
     seeds = normalize_seeds(seeds, B, dev)
     offsets = None
@@ -598,20 +684,33 @@ def normalize_fraction(name, x, B, device, *, off):
         ok = 0 < x <= 1 if name == "top_p" else 0 <= x < 1
         if not ok:  # (NaN fails both)
             raise ValueError(f"{name}: {rule}, got {x}")
-        return None if x == off else torch.full((B,), float(x), dtype=torch.float32, device=device)
+        return None if x == off else to_float32_fraction(name, torch.full((B,), float(x), dtype=torch.float64,
+                                                                           device=device))
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected None, a float or a (B,) float tensor, got {type(x).__name__}")
     _tensor(name, x, dim=1, dtypes=FLOAT_DTYPES, device=device)
     _shape(name, x, (B,))
-    return x.to(torch.float32)
+    if value_checks_enabled():  # on the values as given (rounding may make a valid value invalid, or the reverse)
+        valid = (x > 0) & (x <= 1) if name == "top_p" else (x >= 0) & (x < 1)
+        _fail_if(name, ~valid, rule)
+    return to_float32_fraction(name, x)
+
+
+def to_float32_fraction(name, x):
+    """top_p / min_p as float32, valid values staying valid: a top_p below float32's smallest positive value becomes
+    that value (either keeps only the top tokens), a min_p that would round up to 1 becomes the float32 below 1."""
+    if name == "top_p":
+        return x.to(torch.float64).clamp(min=FLOAT32_TINY).to(torch.float32)
+    return x.to(torch.float64).clamp(max=FLOAT32_BELOW_ONE).to(torch.float32)
 
 
 def normalize_temperature(temperature, B, device):
     if temperature is None:
         return torch.zeros(B, dtype=torch.float32, device=device)
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-        if not temperature >= 0 or temperature == float("inf"):
-            raise ValueError(f"temperature: must be finite and >= 0, got {temperature}")
+        if not 0 <= temperature <= FLOAT32_MAX:  # (NaN fails too)
+            raise ValueError(f"temperature: must be finite and >= 0 (at most float32's largest, 3.4e38), got "
+                             f"{temperature}")
         return torch.full((B,), float(temperature), dtype=torch.float32, device=device)
     _tensor("temperature", temperature, dim=1, dtypes=FLOAT_DTYPES, device=device)
     _shape("temperature", temperature, (B,))

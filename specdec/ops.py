@@ -258,6 +258,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if cu_num_nodes is not None:
         if num_nodes is not None:
             raise TypeError("num_nodes: with cu_num_nodes the counts are its differences; give one of them")
+        val._tensor("q", q, dim=3, dtypes=val.FLOAT_DTYPES)  # (before its rows are counted)
         num_nodes, row_offsets = val.packed_rows(cu_num_nodes, max_nodes, q.shape[0])
     num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap = OPS["tree_attention"].check(
         q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale, v_scale, window_left,
@@ -330,6 +331,8 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     if tokens is None or parents is None:
         raise TypeError(f"{'tokens' if tokens is None else 'parents'}: required")
     values = _python_value_checks(backend, target_logits)
+    val._tensor("target_probs" if probs else "target_logits", target_logits, dim=3 if cu_num_nodes is None else 2,
+                dtypes=val.FLOAT_DTYPES)  # (before its rows are counted)
     # (the packed offsets' checks run on every backend: the op sees only the rows they give)
     tokens, parents, num_nodes, row_offsets = val.accept_nodes(cu_num_nodes, max_nodes, num_nodes, tokens, parents,
                                                                target_logits.shape[0])

@@ -311,6 +311,14 @@ def bad_cases():
     def rollback(ks=(x["k"],), vs=(x["v"],), lens=x["lens"], path=x["path"], na=x["num_accepted"], table=None):
         return "kv_rollback", val.check_kv_rollback, (list(ks), list(vs), lens, path, na, table)
 
+    # a paged cache of blocks of 2**16 positions whose table addresses 2**31 + 2**16 positions (8 MB in all): a
+    # request can reach positions past int32
+    Hkv, D = x["k"].shape[-2:]
+    huge_k, huge_v = torch.zeros(1, 2**16, Hkv, D), torch.zeros(1, 2**16, Hkv, D)
+    huge_table = torch.zeros(2, 2**15 + 1, dtype=torch.int32)
+    near_int32_max = torch.tensor([2**31 - 2, 0], dtype=torch.int32)
+    kv = torch.randn(2, 17, Hkv, D)  # rows 0..15 and 1..16 of one buffer: K and V overlap
+
     return {
         "tree/dtype": tree(parents=x["parents"].float()),
         "tree/dim": tree(parents=x["parents"].view(-1)),
@@ -318,6 +326,8 @@ def bad_cases():
         "tree/num_nodes_range": tree(num_nodes=torch.tensor([0, 3], dtype=torch.int32)),
         "tree/root": tree(parents=with_(x["parents"], (1, 0), 0)),
         "tree/parent_after_child": tree(parents=with_(x["parents"], (0, 2), 2)),
+        "tree/parents_int64": tree(parents=with_(x["parents"].long(), (0, 1), 2**32)),
+        "tree/num_nodes_int64": tree(num_nodes=torch.tensor([2**32 + 2, 3])),
         "attn/q_dtype": attention(q=x["q"].int()),
         "attn/k_dtype": attention(k=x["k"].half(), v=x["v"].half()),
         "attn/v_dtype": attention(v=x["v"].double()),
@@ -346,6 +356,10 @@ def bad_cases():
         "attn/window_negative": attention(window_left=-5),
         "attn/cap_negative": attention(cap=-0.5),
         "attn/cap_nan": attention(cap=float("nan")),
+        "attn/no_kv_heads": attention(k=x["k"][:, :, :0], v=x["v"][:, :, :0]),
+        "attn/no_head_dim": attention(q=x["q"][..., :0], k=x["k"][..., :0], v=x["v"][..., :0]),
+        "attn/num_nodes_int64": attention(nn=torch.tensor([2**32 + 2, 3])),
+        "attn/positions_past_int32": attention(k=huge_k, v=huge_v, table=huge_table, lens=near_int32_max),
         "accept/logits_dim": accept(logits=x["logits"][0]),
         "accept/method_name": accept(method="blocks"),
         "accept/method_block_without_draft": accept(draft=None, method="block"),
@@ -365,6 +379,12 @@ def bad_cases():
         "accept/offsets_negative": accept(offsets=torch.tensor([0, -1])),
         "accept/offsets_range": accept(offsets=torch.tensor([2**60, 0])),
         "accept/parents_values": accept(parents=with_(x["parents"], (0, 3), 3)),
+        "accept/parents_int64": accept(parents=with_(x["parents"].long(), (1, 2), 2**32)),
+        "accept/tokens_int64": accept(tokens=with_(x["tokens"].long(), (0, 1), 2**32 + 5)),
+        "accept/num_nodes_int64": accept(nn=torch.tensor([2**32 + 2, 3])),
+        "accept/no_vocabulary": accept(logits=x["logits"][..., :0], draft=x["draft"][..., :0]),
+        "accept/temperature_past_float32": accept(temperature=torch.tensor([0.0, 1e39], dtype=torch.float64)),
+        "accept/top_p_rounds_to_one": accept(top_p=torch.tensor([1 + 1e-12, 0.5], dtype=torch.float64)),
         "accept/token_range": accept(tokens=with_(x["tokens"], (1, 2), 10)),
         "accept/temperature_negative": accept(temperature=torch.tensor([0.0, -1.0])),
         "accept/temperature_nan": accept(temperature=torch.tensor([float("nan"), 1.0])),
@@ -428,6 +448,13 @@ def bad_cases():
         "rollback/increasing": rollback(path=with_(x["path"], (0, 2), 1)),
         "rollback/capacity": rollback(lens=torch.tensor([2, 14], dtype=torch.int32)),
         "rollback/block_id": rollback(ks=(x["paged_k"],), vs=(x["paged_v"],), table=with_(x["table"], (1, 0), 9)),
+        "rollback/path_int64": rollback(path=with_(x["path"].long(), (0, 1), 2**32 + 1)),
+        "rollback/num_accepted_int64": rollback(na=torch.tensor([2**32 + 1, 1])),
+        "rollback/k_is_v": rollback(vs=(x["k"],)),
+        "rollback/overlapping_views": rollback(ks=(kv[:, :16],), vs=(kv[:, 1:],)),
+        "rollback/layer_twice": rollback(ks=(x["k"], x["k"]), vs=(x["v"], x["v"].clone())),
+        "rollback/expanded": rollback(ks=(x["k"][:1].expand(2, -1, -1, -1),)),
+        "rollback/positions_past_int32": rollback(ks=(huge_k,), vs=(huge_v,), table=huge_table, lens=near_int32_max),
     }
 
 

@@ -293,3 +293,54 @@ def test_sglang_repeated_siblings_stay_lossless():
     theirs = torch.tensor([_sglang_rule_first_token(p, [4, 4, 4], float(coins[b, 0]), float(final[b]))
                            for b in range(bs)])
     assert chi_square_pvalue(theirs, p) < 1e-6  # the peer's rule is biased here: the test can tell
+
+
+def _with(x, index, value):
+    x = x.clone()
+    x[index] = value
+    return x
+
+
+SGLANG_BAD_LINKS = [  # (argument named, message, changes to the greedy example's arguments)
+    ("retrive_next_token", r"every link must be -1 or a node in \[1, 6\)", dict(next_token=_with(NEXT_TOKEN, (0, 1), 6))),
+    ("retrive_next_sibling", r"every link must be -1 or a node in \[1, 6\)", dict(next_sibling=_with(NEXT_SIBLING, (1, 4), 0))),
+    ("retrive_next_sibling", r"every link must be -1 or a node in \[1, 6\)", dict(next_sibling=_with(NEXT_SIBLING, (1, 4), -2))),
+    ("retrive_next_token", "a node is linked to twice", dict(next_token=_with(NEXT_TOKEN, (0, 3), 2))),
+    ("retrive_next_token", "reachable from the root", dict(next_token=_with(NEXT_TOKEN, (0, 3), -1))),  # 4, 5 cut off
+    ("retrive_next_token", "come after its parent", dict(next_token=_with(_with(NEXT_TOKEN, (0, 0), 3), (0, 3), 1),
+                                                        next_sibling=_with(NEXT_SIBLING, (0, 1), -1))),  # 3 -> 1
+    ("retrive_index", r"flat indices must be in \[0, 12\)", dict(retrive_index=_with(RETRIVE_INDEX, (1, 5), 12))),
+    ("retrive_index", r"flat indices must be in \[0, 12\)", dict(retrive_index=_with(RETRIVE_INDEX, (0, 0), -1))),
+    ("accept_index", r"expected \(2, K\) with K >= 1", dict(accept_index=torch.zeros(2, 0, dtype=torch.int32))),
+    ("candidates", "expected 2 dimensions", dict(candidates=CANDIDATES[0])),
+    ("retrive_next_sibling", "expected shape", dict(next_sibling=NEXT_SIBLING[:, :5])),
+    ("predicts", "dtype float32 not supported", dict(predicts=torch.zeros(12))),
+]
+
+
+@pytest.mark.parametrize("name,message,changes", SGLANG_BAD_LINKS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(SGLANG_BAD_LINKS)])
+def test_sglang_entry_points_check_links_and_indices(name, message, changes):
+    """Malformed links and indices: a ValueError / TypeError naming SGLang's argument, outputs untouched (an index
+    out of range used to fail deep inside a scatter, a cut-off node as specdec's `parents`)."""
+    predicts, accept_index, accept_num = _sglang_outputs()
+    args = dict(predicts=predicts, accept_index=accept_index, accept_num=accept_num, candidates=CANDIDATES,
+                retrive_index=RETRIVE_INDEX, next_token=NEXT_TOKEN, next_sibling=NEXT_SIBLING)
+    args.update(changes)
+    outputs = [args[k].clone() for k in ("predicts", "accept_index", "accept_num")]
+    probs = torch.softmax(torch.randn(2, 6, 20), -1)
+    for verify, extra in ((sglang.verify_tree_greedy, (TARGET_PREDICT,)),
+                          (sglang.tree_speculative_sampling_target_only,
+                           (torch.rand(2, 6), torch.rand(2), probs, torch.zeros_like(probs)))):
+        with pytest.raises((ValueError, TypeError), match=f"^{name}: .*{message}"):
+            verify(*args.values(), *extra)
+        assert all(torch.equal(args[k], o) for k, o in zip(("predicts", "accept_index", "accept_num"), outputs))
+
+
+def test_sglang_sampled_checks_draft_tokens_against_the_vocabulary():
+    predicts, accept_index, accept_num = _sglang_outputs()
+    probs = torch.softmax(torch.randn(2, 6, 12), -1)  # V = 12: candidate 12 of request 1 is out of range
+    with pytest.raises(ValueError, match=r"^candidates: draft tokens must be in \[0, 12\)"):
+        sglang.tree_speculative_sampling_target_only(predicts, accept_index, accept_num, CANDIDATES, RETRIVE_INDEX,
+                                                     NEXT_TOKEN, NEXT_SIBLING, torch.rand(2, 6), torch.rand(2), probs,
+                                                     torch.zeros_like(probs))

@@ -420,11 +420,165 @@ def test_kv_rollback_rejects_a_tensor_listed_twice(backend):
     num = torch.tensor([1, 1], dtype=torch.int32)
     stack = torch.randn(3, B, 8, Hkv, D)
     before = stack.clone()
-    for k, v, message in ((stack, stack, r"^v_cache: the same memory as k_cache;"),
-                          (list(stack), [stack[0], stack[1], stack[0]], r"^v_cache\[0\]: the same memory as k_cache\[0\]"),
+    for k, v, message in ((stack, stack, r"^v_cache: shares memory with k_cache;"),
+                          (list(stack), [stack[0], stack[1], stack[0]], r"^v_cache\[0\]: shares memory with k_cache\[0\]"),
                           (list(stack[:2]) + [stack[0]], list(torch.randn(3, B, 8, Hkv, D)),
-                           r"^k_cache\[2\]: the same memory as k_cache\[0\]")):
+                           r"^k_cache\[2\]: shares memory with k_cache\[0\]")):
         with pytest.raises(ValueError, match=message):
             specdec.kv_rollback(k, v, lens, path, num, backend=backend)
     assert torch.equal(stack, before) and lens.tolist() == [1, 0]
     specdec.kv_rollback(stack[:, :, :4], stack[:, :, 4:], lens, path, num, backend=backend)  # (other rows: fine)
+
+
+# ----------------------------------------------------------------------------------------------
+# hostile input: int64 ids past int32, positions past int32, shared memory, empty dimensions, extreme floats
+# ----------------------------------------------------------------------------------------------
+INT64_CASES = [  # (argument, op call on valid arguments with that argument replaced by an int64 tensor past int32)
+    ("tokens", lambda be: specdec.accept(**dict(accept_args(), tokens=torch.tensor([[0, 2**32 + 5, 1, 2]] * B)),
+                                         backend=be)),
+    ("parents", lambda be: specdec.accept(**dict(accept_args(), parents=torch.tensor([[-1, 2**32, 1, 2]] * B)),
+                                          backend=be)),
+    ("num_nodes", lambda be: specdec.accept(**accept_args(), num_nodes=torch.tensor([2**32 + 2, 2]), backend=be)),
+    ("num_nodes", lambda be: specdec.build_tree(torch.tensor([[-1, 0, 1]]), torch.tensor([2**32 + 2]), backend=be)),
+    ("parents", lambda be: specdec.build_tree(torch.tensor([[-1, 0, 2**32 + 1]]), backend=be)),
+    ("num_nodes", lambda be: call_attention(dict(attention_args(), num_nodes=torch.tensor([2**32 + 2, 4])), be)),
+]
+
+
+@pytest.mark.parametrize("backend", CHECKED_BY)
+@pytest.mark.parametrize("name,call", INT64_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(INT64_CASES)])
+def test_int64_values_past_int32_are_refused_not_wrapped(name, call, backend):
+    """Narrowed to int32, 2**32 + 5 would be token 5 and 2**32 + 2 nodes would be 2 (the C++ op once took them so)."""
+    with pytest.raises(ValueError, match=f"^{name}: int64 values must fit in int32"):
+        call(backend)
+
+
+def huge_paged_cache():
+    """A paged cache of blocks of 2**16 positions whose table addresses 2**31 + 2**16 positions per request (8 MB in
+    all): positions past int32 are within its capacity."""
+    k, v = torch.randn(2, 2**16, Hkv, D), torch.randn(2, 2**16, Hkv, D)
+    return k, v, torch.zeros(B, 2**15 + 1, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("backend", CHECKED_BY)
+def test_positions_past_int32_are_refused(backend):
+    """cache_lens is int32: a rollback from 2**31 - 2 that keeps 2 rows would wrap it to -2**31 (it did, silently)."""
+    k, v, table = huge_paged_cache()
+    k0, v0 = k.clone(), v.clone()
+    lens = torch.tensor([2**31 - 2, 0], dtype=torch.int32)
+    path, num = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^cache_lens: no room for the tree rows: cache_lens \+ count exceeds 2\*\*31 - 1"):
+        specdec.kv_rollback(k, v, lens, path, num, block_table=table, backend=backend)
+    assert lens.tolist() == [2**31 - 2, 0] and torch.equal(k, k0) and torch.equal(v, v0)
+    with pytest.raises(ValueError, match=r"^cache_lens: no room for the T new tokens: cache_lens \+ count exceeds 2\*\*31"):
+        specdec.kv_append(k, v, torch.randn(B, 2, Hkv, D), torch.randn(B, 2, Hkv, D), lens, block_table=table,
+                          backend=backend)
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    args = dict(attention_args(), k_cache=k, v_cache=v, block_table=table, cache_lens=lens)
+    with pytest.raises(ValueError, match=r"^cache_lens: no room for the T new tokens: cache_lens \+ count exceeds 2\*\*31"):
+        call_attention(args, backend)
+    # the last position that fits: a rollback from 2**31 - 3 keeping 2 rows leaves cache_lens at 2**31 - 1
+    lens = torch.tensor([2**31 - 3, 0], dtype=torch.int32)
+    specdec.kv_rollback(k, v, lens, path, num, block_table=table, backend=backend)
+    assert lens.tolist() == [2**31 - 1, 1]
+
+
+@pytest.mark.parametrize("backend", CHECKED_BY)
+def test_kv_rollback_rejects_caches_that_share_memory(backend):
+    """Overlapping views (K rows 0..7, V rows 1..8 of one buffer) and a stride-0 stack of layers: rows would be moved
+    twice. Checked by memory overlap, not by equal pointers."""
+    lens, path = torch.tensor([1, 0], dtype=torch.int32), torch.tensor([[0, 2], [0, 1]], dtype=torch.int32)
+    num = torch.tensor([1, 1], dtype=torch.int32)
+    buf = torch.randn(B, 9, Hkv, D)
+    one_layer = torch.randn(1, B, 8, Hkv, D)
+    before = buf.clone(), one_layer.clone()
+    with pytest.raises(ValueError, match="^v_cache: shares memory with k_cache"):
+        specdec.kv_rollback(buf[:, :8], buf[:, 1:], lens, path, num, backend=backend)
+    stack = torch.randn(4, B, 8, Hkv, D)
+    with pytest.raises(ValueError, match="^v_cache: shares memory with k_cache"):
+        specdec.kv_rollback(stack[0:2], stack[1:3], lens, path, num, backend=backend)
+    with pytest.raises(ValueError, match="^k_cache: its elements overlap"):
+        specdec.kv_rollback(one_layer.expand(3, -1, -1, -1, -1), torch.randn(3, B, 8, Hkv, D), lens, path, num,
+                            backend=backend)
+    assert torch.equal(buf, before[0]) and torch.equal(one_layer, before[1]) and lens.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("backend", CHECKED_BY)
+def test_kv_rollback_takes_interleaved_halves_of_one_buffer(backend):
+    """K and V interleaved in one buffer (K|V per block, or per head) share a storage and an address range but no
+    element: valid, and moved as the reference moves separate tensors."""
+    path, num = torch.tensor([[0, 2], [0, 1]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32)
+    for split in (1, 3):  # K|V along the rows' axis (vLLM's (blocks, 2, ...) layout) or along the heads' axis
+        kv = torch.randn(3, B, 8, 2, Hkv, D).movedim(3, split + 1) if split == 1 else torch.randn(3, B, 8, Hkv, 2, D)
+        k, v = kv.select(split + 1, 0), kv.select(split + 1, 1)
+        k_ref, v_ref = k.clone(), v.clone()
+        lens, lens_ref = torch.tensor([1, 0], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)
+        specdec.kv_rollback(k, v, lens, path, num, backend=backend)
+        specdec.kv_rollback(k_ref, v_ref, lens_ref, path, num, backend="torch")
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref) and torch.equal(lens, lens_ref)
+
+
+EMPTY_DIM_CASES = [
+    ("k_cache", lambda be: call_attention(dict(attention_args(), k_cache=torch.randn(B, CAP, 0, D),
+                                               v_cache=torch.randn(B, CAP, 0, D)), be)),  # Hkv = 0
+    ("k_cache", lambda be: call_attention(dict(attention_args(), q=torch.randn(B, T, Hq, 0),
+                                               k_cache=torch.randn(B, CAP, Hkv, 0), v_cache=torch.randn(B, CAP, Hkv, 0)),
+                                          be)),  # D = 0
+    ("target_logits", lambda be: specdec.accept(**dict(accept_args(), target_logits=torch.randn(B, T, 0)), backend=be)),
+    ("target_logits", lambda be: specdec.accept(torch.tensor(1.0), torch.zeros(B, T, dtype=torch.long),
+                                                torch.tensor([[-1, 0, 1, 2]] * B), backend=be)),
+]
+
+
+@pytest.mark.parametrize("backend", CHECKED_BY)
+@pytest.mark.parametrize("name,call", EMPTY_DIM_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(EMPTY_DIM_CASES)])
+def test_empty_and_missing_dimensions_are_value_errors(name, call, backend):
+    """No ZeroDivisionError (Hkv = 0, D = 0) or IndexError (V = 0, a 0-dim tensor)."""
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        call(backend)
+
+
+def test_non_tensors_are_type_errors_in_every_form():
+    """The packed forms count rows before the other checks: a list there was an AttributeError."""
+    cu = torch.tensor([0, 2])
+    with pytest.raises(TypeError, match="^target_logits: expected a torch.Tensor"):
+        specdec.accept([[0.0]], torch.zeros(2, dtype=torch.long), torch.tensor([-1, 0]), cu_num_nodes=cu, max_nodes=2)
+    with pytest.raises(TypeError, match="^target_logits: expected a torch.Tensor"):
+        specdec.accept([[0.0]], torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-1, 0]]))
+    with pytest.raises(TypeError, match="^q: expected a torch.Tensor"):
+        specdec.tree_attention([1.0], torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16), torch.zeros(1, dtype=torch.int32),
+                               torch.ones(2, 1, dtype=torch.int32), cu_num_nodes=cu, max_nodes=2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", None])
+def test_paged_attention_of_an_empty_batch(backend):
+    """B = 0 with a block table: empty results (the reference's mask unpacking and the Triton launch heuristic failed)."""
+    k, v = torch.randn(4, 8, 1, 16), torch.randn(4, 8, 1, 16)
+    out, lse = specdec.tree_attention(torch.randn(0, 2, 2, 16), k, v, torch.zeros(0, dtype=torch.int32),
+                                      torch.zeros(0, 2, 1, dtype=torch.int32), block_table=torch.zeros(0, 2, dtype=torch.int32),
+                                      return_lse=True, backend=backend)
+    assert out.shape == (0, 2, 2, 16) and lse.shape == (0, 2, 2)
+
+
+def test_temperature_past_float32_is_a_value_error():
+    with pytest.raises(ValueError, match=r"^temperature: must be finite and >= 0 \(at most float32's largest"):
+        specdec.accept(**accept_args(), temperature=1e39)
+    for backend in CHECKED_BY:
+        with pytest.raises(ValueError, match="^temperature: must be finite and >= 0"):
+            specdec.accept(**accept_args(), temperature=torch.tensor([1.0, 1e39], dtype=torch.float64), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", None])
+def test_fractions_valid_in_the_callers_dtype_are_taken(backend):
+    """top_p = 1e-50 (0 in float32) keeps the top token only; a float64 min_p of 1 - 1e-12 (1 in float32) keeps the
+    tokens within 1e-12 of the top one: both were refused as their float32 roundings. A top_p of 1 + 1e-12, which
+    rounds to a valid 1, is still refused."""
+    logits = torch.tensor([[[0.0, 2.0, 1.0, 1.5]]]).expand(B, 1, 4).contiguous()
+    args = dict(target_logits=logits, tokens=torch.zeros(B, 1, dtype=torch.long), parents=torch.full((B, 1), -1),
+                temperature=1.0, seeds=torch.arange(B), backend=backend)
+    for key, value in (("top_p", torch.tensor([1e-50] * B, dtype=torch.float64)), ("top_p", 1e-50),
+                       ("min_p", torch.tensor([1 - 1e-12] * B, dtype=torch.float64)), ("min_p", 1 - 1e-12)):
+        res = specdec.accept(**args, **{key: value})
+        assert res.next_tokens.tolist() == [1] * B, (key, value)
+    with pytest.raises(ValueError, match=r"^top_p: must be in \(0, 1\]"):
+        specdec.accept(**args, top_p=torch.tensor([1 + 1e-12] * B, dtype=torch.float64))

@@ -11,6 +11,10 @@ correction or bonus token after the last one); other entries of predicts are unt
 accept_index.shape[1] - 1 levels are SGLang's caller's error, as there.
 
 The links are turned into parents on the device by pointer jumping (log2 N rounds, no host sync).
+Inputs are checked as specdec's ops check theirs (ValueError / TypeError naming the argument, before any output is
+written; the value checks only while specdec's value checks are on): a link is -1 or another node of the request
+(never the root), no node is linked to twice, every node is reachable from the root and comes after its parent
+(SGLang's trees are in that order), and every flat index lies in predicts (and in target_predict).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import math
 import torch
 
 import specdec
+from specdec import _validation as val
 
 
 def _jumps(N: int) -> int:
@@ -49,6 +54,43 @@ def _links(retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor)
     return parents, rank
 
 
+def _check_outputs_and_links(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                             retrive_next_sibling):
+    """The metadata checks both verifiers share; returns (bs, N)."""
+    val._tensor("candidates", candidates, dim=2, dtypes=val.INT_DTYPES)
+    bs, N = candidates.shape
+    if N < 1:
+        raise ValueError(f"candidates: needs at least one node (the root), got shape {tuple(candidates.shape)}")
+    dev = candidates.device
+    for name, x in (("retrive_index", retrive_index), ("retrive_next_token", retrive_next_token),
+                    ("retrive_next_sibling", retrive_next_sibling)):
+        val._tensor(name, x, dim=2, dtypes=val.INT_DTYPES, device=dev)
+        val._shape(name, x, (bs, N))
+    val._tensor("predicts", predicts, dim=1, dtypes=val.INT_DTYPES, device=dev)
+    val._tensor("accept_index", accept_index, dim=2, dtypes=val.INT_DTYPES, device=dev)
+    if accept_index.shape[0] != bs or accept_index.shape[1] < 1:
+        raise ValueError(f"accept_index: expected ({bs}, K) with K >= 1, got shape {tuple(accept_index.shape)}")
+    val._tensor("accept_token_num", accept_token_num, dim=1, dtypes=val.INT_DTYPES, device=dev)
+    val._shape("accept_token_num", accept_token_num, (bs,))
+    return bs, N
+
+
+def _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, parents, flat_rows):
+    """Value checks of the links (after _links: parents) and of the flat indices (< flat_rows)."""
+    bs, N = retrive_index.shape
+    for name, x in (("retrive_next_token", retrive_next_token), ("retrive_next_sibling", retrive_next_sibling)):
+        val._fail_if(name, (x != -1) & ((x < 1) | (x >= N)), f"every link must be -1 or a node in [1, {N})")
+    targets = torch.cat((retrive_next_token, retrive_next_sibling), 1).long()
+    linked = torch.zeros(bs, N + 1, dtype=torch.int64, device=targets.device)
+    linked.scatter_add_(1, torch.where(targets >= 1, targets, N), torch.ones_like(targets))
+    val._fail_if("retrive_next_token", linked[:, :N] > 1, "a node is linked to twice (as a first child or a sibling)")
+    idx = torch.arange(N, device=parents.device)
+    val._fail_if("retrive_next_token", (idx > 0) & ((parents < 0) | (parents >= idx)),
+                 "every node i > 0 must be reachable from the root and come after its parent")
+    val._fail_if("retrive_index", (retrive_index < 0) | (retrive_index >= flat_rows),
+                 f"flat indices must be in [0, {flat_rows})")
+
+
 def _walk_outputs(path, n, predicts, accept_index, accept_token_num, retrive_index, candidates, last_token):
     """Write SGLang's outputs in place from the accepted path (bs, K) (node indices, -1 past n), n (bs,) and the
     token emitted after the last node (bs,)."""
@@ -74,9 +116,14 @@ def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accep
     levels; the final token is the argmax at the last accepted node. predicts (>= bs * N,) int32, accept_index
     (bs, K) int32, accept_token_num (bs,) int32: outputs in place; candidates, retrive_* (bs, N) int64;
     target_predict (bs, N) int64. Exactly SGLang's result, sibling order included (it needs no rows)."""
-    bs, N = candidates.shape
+    bs, N = _check_outputs_and_links(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                     retrive_next_token, retrive_next_sibling)
+    val._tensor("target_predict", target_predict, dtypes=val.INT_DTYPES, device=candidates.device)
     K = accept_index.shape[1]
     parents, rank = _links(retrive_next_token, retrive_next_sibling)
+    if val.value_checks_enabled():
+        _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, parents,
+                           min(predicts.numel(), target_predict.numel()))
     pred = target_predict.reshape(-1).long()[retrive_index.long()]  # (bs, N): the argmax after each node
     match = (parents >= 0) & (candidates.long() == pred.gather(1, parents.clamp(min=0)))
     key = torch.where(match, rank + 1, 0)  # the matching child that comes first in its list has the largest key
@@ -122,9 +169,24 @@ def tree_speculative_sampling_target_only(predicts: torch.Tensor, accept_index: 
     if threshold_single != 1.0 or threshold_acc != 1.0:
         raise ValueError("threshold_single, threshold_acc: only 1.0 (exact verification); SGLang's relaxed "
                          "thresholds change the output law and are not implemented")
-    bs, N = candidates.shape
+    bs, N = _check_outputs_and_links(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                     retrive_next_token, retrive_next_sibling)
+    val._tensor("uniform_samples", uniform_samples, dim=2, dtypes=val.FLOAT_DTYPES, device=candidates.device)
+    if uniform_samples.shape[0] != bs or uniform_samples.shape[1] < 1:
+        raise ValueError(f"uniform_samples: expected ({bs}, N), got shape {tuple(uniform_samples.shape)}")
+    val._tensor("uniform_samples_for_final_sampling", uniform_samples_for_final_sampling, dtypes=val.FLOAT_DTYPES,
+                device=candidates.device)
+    if uniform_samples_for_final_sampling.numel() != bs:
+        raise ValueError(f"uniform_samples_for_final_sampling: expected {bs} values, got shape "
+                         f"{tuple(uniform_samples_for_final_sampling.shape)}")
     K = accept_index.shape[1]
     parents, _ = _links(retrive_next_token, retrive_next_sibling)
+    val._tensor("target_probs", target_probs, dim=3, dtypes=val.FLOAT_DTYPES, device=candidates.device)
+    if val.value_checks_enabled():
+        _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, parents, predicts.numel())
+        V = target_probs.shape[-1]
+        drafted = torch.arange(N, device=candidates.device) > 0  # (the root's candidate is the last verified token)
+        val._fail_if("candidates", drafted & ((candidates < 0) | (candidates >= V)), f"draft tokens must be in [0, {V})")
     bits = lambda u: u.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF  # noqa: E731
     seeds = ((bits(uniform_samples[:, 0]) << 31) ^ bits(uniform_samples_for_final_sampling.reshape(bs))) & (2**62 - 1)
     res = specdec.accept(tokens=candidates, parents=parents, target_probs=target_probs, temperature=1.0, seeds=seeds)
