@@ -22,6 +22,13 @@
 #   tests-backends  the backend test files (kv_cache, layouts, accept, accept_lossless, tree_attention, then the
 #                   accept variants' and packed attention's) on CUDA, one pytest run each
 #                   (SPECDEC_TEST_DEVICE=cuda, TRITON_INTERPRET=0), last, with what the budget has left
+#   sanitize        not in the default steps: compute-sanitizer over the backend tests on CUDA, memcheck (every
+#                   out-of-bounds or misaligned access of every kernel) of SPECDEC_SANITIZE_TESTS, then racecheck
+#                   (shared-memory hazards: the kernels' block-wide reductions) of SPECDEC_RACECHECK_TESTS; a
+#                   sanitizer's launch costs 10-100x, so these are the small cases (SPECDEC_SANITIZE_K filters).
+#                   compute-sanitizer works on Firecracker machines and refuses gVisor's ("Device not supported"):
+#                   the step's log says which. Its own call, after the first:
+#                     SPECDEC_GPU_STEPS="env sanitize" SPECDEC_GPU_BUDGET=300 bash bench/gpu.sh DIR
 #   summary         merged results + PASS/FAIL against the targets, then the sweep's ranking
 # RESULTS_DIR ends up with summary.md, bench-<date>-<device>.json/.md (merged results), sweep.json/.md and
 # steps.tar.gz (every log and per-step result); SPECDEC_GPU_PACK=0 keeps the steps/ folder unpacked instead.
@@ -100,7 +107,7 @@ test_outcome() {
   local log=$STEPS/$1.log
   [ -f "$log" ] || return 0
   grep -E '^(FAILED|ERROR) ' "$log" | head -20 | cut -c1-200
-  grep -E '^### |[0-9]+ (passed|failed|error|skipped)' "$log"
+  grep -E '^### |[0-9]+ (passed|failed|error|skipped)|ERROR SUMMARY' "$log"
 }
 
 env_probe() {
@@ -201,6 +208,29 @@ backend_tests() {
 export -f backend_tests
 step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-150}" env SPECDEC_TEST_DEVICE=cuda bash -c backend_tests
 
+# sanitize: memcheck, then racecheck, each test file in its own sanitized pytest (a sanitizer error fails the file:
+# --error-exitcode); every Triton kernel launched by those tests runs under the tool
+export SANITIZE_TESTS="${SPECDEC_SANITIZE_TESTS:-tests/test_kv_cache.py tests/test_tree_attention.py \
+tests/test_packed_attention.py tests/test_accept.py tests/test_accept_packed.py tests/test_layouts.py}"
+export RACECHECK_TESTS="${SPECDEC_RACECHECK_TESTS:-tests/test_tree_attention.py tests/test_accept.py}"
+export SANITIZE_K="${SPECDEC_SANITIZE_K:-not hopper and not compiles}"
+sanitize_tests() {
+  local rc=0 file tool
+  command -v compute-sanitizer >/dev/null || { echo "compute-sanitizer: not on the PATH"; return 1; }
+  for tool in memcheck racecheck; do
+    local files=$SANITIZE_TESTS
+    [ "$tool" = racecheck ] && files=$RACECHECK_TESTS
+    for file in $files; do
+      echo "### $tool $file"
+      compute-sanitizer --tool "$tool" --error-exitcode 86 --target-processes all --print-limit 20 \
+        "$PY" -m pytest $PYTEST_FLAGS -k "$SANITIZE_K" "$file" || rc=1
+    done
+  done
+  return $rc
+}
+export -f sanitize_tests
+step sanitize "${SPECDEC_SANITIZE_TIMEOUT:-280}" env SPECDEC_TEST_DEVICE=cuda bash -c sanitize_tests
+
 
 # summary: merged results and the table (also on stdout)
 SUMMARY_RESERVE=0
@@ -212,7 +242,7 @@ step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --n
   echo
   echo "## steps (total ${SECONDS}s)"
   printf '%s\n' "${STATUS[@]}"
-  for t in tests-cuda tests-backends; do
+  for t in tests-cuda tests-backends sanitize; do
     [ -f "$STEPS/$t.log" ] && { echo; echo "## $t"; test_outcome "$t"; }
   done
   if [ -f "$STEPS/loop.log" ]; then
