@@ -94,7 +94,7 @@ def sglang_links(parents, num_nodes, N):
 
 @st.composite
 def sglang_cases(draw):
-    parents, num_nodes = draw(trees(max_T=6))
+    parents, num_nodes = draw(trees(max_T=6, ragged=False))  # (SGLang's N nodes are all the tree's)
     bs, N = parents.shape
     V = draw(st.integers(1, 12))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))

@@ -35,9 +35,13 @@ def zero_dim(draw, args):
                          if args[name].numel() else args[name].new_zeros(())}), (name,)
 
 
+# the arguments whose shapes follow another's: a wrong rank of one may be reported as the other's mismatch
+SHAPE_PARTNERS = {"k_cache": ("v_cache",), "v_cache": ("k_cache",), "k_new": ("v_new", "k_cache"), "v_new": ("k_new",)}
+
+
 def extra_dim(draw, args):
     name = draw(st.sampled_from(tensor_names(args)))
-    return dict(args, **{name: args[name].unsqueeze(0)}), (name,)
+    return dict(args, **{name: args[name].unsqueeze(0)}), (name, *SHAPE_PARTNERS.get(name, ()))
 
 
 def wrong_dtype(draw, args):
