@@ -305,3 +305,73 @@ def test_negative_control_rejects_misdeclared_draft():
     result = accept_on("torch", **batch)
     p_value = chi_square_pvalue(first_tokens(result, batch["tokens"]), target_law(TARGET_ROOT, cfg["t"]))
     assert p_value < ALPHA * 1e-6, f"the chi-square test fails to reject a misdeclared drafter (p = {p_value:.3g})"
+
+
+# ----------------------------------------------------------------------------------------------
+# huge finite logits and the smallest sampling temperature: the law depends on differences only
+# ----------------------------------------------------------------------------------------------
+# Each case: (target row, draft row, temperature, probabilities?, dtype), V = 5. float32 3e38 at t = 0.5 (x / t
+# overflows: the Triton kernel always emitted token 0 where the law is 1/2, 1/2); float64 1.7e308 at t = 1e-5 (the
+# reference's row / t overflowed; the Triton kernel read it as float32 inf); three live tokens one ulp apart at
+# 3e38 with t = that ulp (x / t is exact there, but a log-sum-exp of ~1.5e7 rounds its log-sum away); logits ~ 1e-5
+# at t = 1e-5 (the smallest sampling temperature, reference.GREEDY_BELOW); probabilities ~ 1e-30 apart by factors
+# exp(1e-5 k) at t = 1e-5 (their logs ~ -69 divided by t ~ -6.9e6, where float32 rounds by 0.5).
+_ULP = float(torch.tensor(3e38) - torch.nextafter(torch.tensor(3e38), torch.tensor(0.0)))
+_BIG = float(torch.tensor(3e38))
+_SCALED = torch.tensor([1.0, 0.0, -1.0, -3.0, -30.0])
+_SCALED_DRAFT = torch.tensor([0.0, 1.0, -1.0, 0.0, -30.0])
+EXTREME_ROWS = {
+    "huge_two_live": ([3e38, 3e38, 0.0, -3e38, 1e30], [3e38, -3e38, 3e38, 0.0, 3e38], 0.5, False, torch.float32),
+    "huge_float64": ([1.7e308, 1.7e308, 0.0, -1.7e308, 1e300], [1.7e308, -1.7e308, 1.7e308, 0.0, 1.7e308], 1e-5,
+                     False, torch.float64),
+    "huge_three_live": ([_BIG, _BIG - _ULP, _BIG - 2 * _ULP, -3e38, 0.0],
+                        [_BIG - 2 * _ULP, _BIG, _BIG - _ULP, 0.0, _BIG - _ULP], _ULP, False, torch.float32),
+    "logits_at_greedy_below": ((1e-5 * _SCALED).tolist(), (1e-5 * _SCALED_DRAFT).tolist(), 1e-5, False,
+                               torch.float32),
+    "tiny_probs_at_greedy_below": ((1e-30 * (1e-5 * _SCALED).exp()).tolist(),
+                                   (1e-30 * (1e-5 * _SCALED_DRAFT).exp()).tolist(), 1e-5, True, torch.float32),
+}
+# verifier: (parents, given proposals' tokens or None for children drawn from the draft law, method)
+EXTREME_VERIFIERS = {"given": ([-1, 0, 0], [0, 1, 2], "token"), "draft": ([-1, 0, 0, 1], None, "token"),
+                     "block": ([-1, 0, 1], None, "block"), "traversal": ([-1, 0, 0, 1], None, "traversal")}
+EXTREME_FILTERS = dict(top_k=3, top_p=0.8, min_p=0.05)
+
+
+def _extreme_batch(case: str, verifier: str, filtered: bool, n: int, seed: int):
+    """n requests of one case on one tree (every node's rows the case's), children drawn i.i.d. from the processed
+    draft law; and the processed target law of the root, the reference's (float64, on the float32 inputs)."""
+    target, draft, t, probs, dtype = EXTREME_ROWS[case]
+    parents, given, method = EXTREME_VERIFIERS[verifier]
+    filters = EXTREME_FILTERS if filtered else {}
+    T, V = len(parents), len(target)
+    rows = {"target": torch.tensor(target, dtype=dtype), "draft": torch.tensor(draft, dtype=dtype)}
+    t32 = float(torch.tensor(t, dtype=torch.float32))
+
+    def law(row):
+        logits = row.double().log() if probs else row
+        return reference.processed_probs(logits, t32, filters.get("top_k", 0), filters.get("top_p", 1.0),
+                                         filters.get("min_p", 0.0))
+
+    gen = torch.Generator().manual_seed(seed)
+    if given is None:
+        tokens = torch.multinomial(law(rows["draft"]).expand(n, -1), T, replacement=True, generator=gen)
+    else:
+        tokens = torch.tensor(given).expand(n, T)
+    names = ("target_probs", "draft_probs") if probs else ("target_logits", "draft_logits")
+    batch = {names[0]: rows["target"].expand(n, T, V), "tokens": tokens, "parents": torch.tensor(parents).expand(n, T),
+             "temperature": t, "seeds": torch.arange(n) + 104729 * seed, "method": method, **filters}
+    if given is None:
+        batch[names[1]] = rows["draft"].expand(n, T, V)
+    return batch, law(rows["target"])
+
+
+@pytest.mark.parametrize("backend", LOSSLESS_BACKENDS)
+@pytest.mark.parametrize("case", list(EXTREME_ROWS))
+@pytest.mark.parametrize("verifier,filtered", [(v, False) for v in EXTREME_VERIFIERS] + [("draft", True)],
+                         ids=list(EXTREME_VERIFIERS) + ["draft_filtered"])
+def test_extreme_rows_follow_the_target(backend, case, verifier, filtered):
+    """The first token emitted follows the root's processed law, computed exactly from the differences."""
+    n = 120 if backend == "triton" and DEVICE.type == "cpu" else 1000
+    batch, law = _extreme_batch(case, verifier, filtered, n, seed=list(EXTREME_ROWS).index(case))
+    assert int((law > 0).sum()) >= 2  # (a law with a choice: a point mass would pass a greedy sampler)
+    assert_law(first_tokens(accept_on(backend, **batch), batch["tokens"]), law, f"{case}, {verifier} on {backend}")

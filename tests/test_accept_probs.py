@@ -245,3 +245,16 @@ def test_triton_probabilities_are_read_as_their_logs(monkeypatch, case, schedule
     _valid(from_probs, batch)
     assert all(torch.equal(x, y) for x, y in zip(from_probs, from_logits)), (from_probs, from_logits)
     assert int(from_probs.num_accepted.max()) >= 1
+
+
+@pytest.mark.parametrize("backend", CHEAP_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_greedy_separates_probabilities_an_ulp_apart(backend, dtype):
+    """Greedy's argmax is that of the probabilities (the reference's, on float64 logs): 0.0010000003 beats
+    0.0010000002 one float32 ulp below it (their float32 logs are one value: the first index won), at the root and
+    at the node below it, whose token is that argmax."""
+    rows = torch.tensor([[0.0010000002, 0.0010000003, 0.0005]] * 2, dtype=torch.float32).to(dtype)
+    assert float(rows[0, 0]) < float(rows[0, 1]) and float(rows[0, :2].float().log().diff().abs()) == 0.0
+    res = accept_on(backend, target_probs=rows.view(1, 2, 3), tokens=torch.tensor([[0, 1]]),
+                    parents=torch.tensor([[-1, 0]]), temperature=0.0)
+    assert res.accepted_nodes.tolist() == [[0, 1]] and res.next_tokens.tolist() == [1], res

@@ -32,7 +32,7 @@ def reference_keep(logits, t, top_k, top_p, min_p, allowed):
     rows = []
     for i in range(logits.shape[0]):
         a = None if allowed is None else allowed[i]
-        if float(t[i]) == 0:
+        if float(t[i]) < ref.GREEDY_BELOW:
             rows.append(ref.mask_disallowed(logits[i], a) > -INF)
         else:
             k = 0 if top_k is None else int(top_k[i])
@@ -253,3 +253,33 @@ def test_chain_acceptance_probs_average_to_what_accept_accepts(draft_logits):
                               seeds=torch.arange(N)).num_accepted.double()
     torch.testing.assert_close(probs, torch.full((N, 1), exact, dtype=torch.float32))
     assert 0.2 < exact < 0.8 and abs(float(accepted.mean()) - exact) < 4 * math.sqrt(exact * (1 - exact) / N)
+
+
+def test_greedy_below_on_the_drafter_side():
+    """The drafter's processed law switches to greedy where accept does: below reference.GREEDY_BELOW (1e-5 as a
+    float32) a row is only masked, at 1e-5 it is filtered; logits ~ 1e-5 so that the filters bite at t = 1e-5."""
+    logits = (1e-5 * torch.tensor([2.0, 1.0, 0.0, -1.0, -INF])).expand(4, -1)
+    t = torch.tensor([0.99e-5, 1e-12, 1e-40, 1e-5])
+    allowed = torch.tensor([True, True, True, False, True]).expand(4, -1)
+    args = dict(top_k=torch.full((4,), 2, dtype=torch.int32), top_p=torch.full((4,), 0.7), min_p=None, allowed=allowed)
+    got = sampling.keep_mask(logits, t, **args)
+    assert torch.equal(got, reference_keep(logits, t, **args))
+    assert got.tolist() == [[True, True, True, False, False]] * 3 + [[True, False, False, False, False]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_huge_logits_keep_their_law(dtype):
+    """Rows near the dtype's largest finite value: the kept sets are those of the differences (t = 0.5: two tied
+    tokens of mass 1/2 each, the rest 0), as the reference's, and chain_acceptance_probs' p is 1/2, not NaN."""
+    big = torch.finfo(dtype).max
+    logits = torch.tensor([[big, big, 0.0, -big, 1.0]], dtype=dtype)
+    for filters in (dict(top_k=1), dict(top_p=0.4), dict(min_p=0.9)):
+        got = sampling.keep_mask(logits, 0.5, **filters)
+        assert torch.equal(got[0], ref.processed_keep(logits[0], 0.5, **filters)), filters
+        assert got.tolist() == [[True, True, False, False, False]], filters
+    assert ref.processed_probs(logits[0], 0.5).tolist() == [0.5, 0.5, 0.0, 0.0, 0.0]
+    if dtype == torch.float32:
+        chain = logits.view(1, 1, 5).expand(1, 2, 5)
+        p = sampling.chain_acceptance_probs(chain, torch.tensor([[0, 1]]), None, torch.tensor([0.5]),
+                                            sampling.SamplingParams())
+        assert p.tolist() == [[0.5]]
