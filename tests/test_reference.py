@@ -348,3 +348,17 @@ def test_accept_with_filters_by_hand():
             res = specdec.accept(logits, tokens, parents, temperature=t, token_bitmask=pack_bitmask(allowed),
                                  seeds=torch.tensor([5]), backend="torch")
             assert res.accepted_nodes.tolist() == [[0, 1, -1]] and res.next_tokens.tolist() == [0]
+
+
+def test_huge_finite_logits_keep_their_law():
+    """The law depends on differences of logits only: rows near float64's max at t = 0.5 and 1e-5 (row / t
+    overflowed to inf, and the softmax to NaN), kept sets included; below GREEDY_BELOW (t = 1e-30) accept is greedy,
+    the first of the tied maxima."""
+    row = torch.tensor([1e300, 1e300, 0.0, -1e300, 1.7e308, 1.7e308], dtype=torch.float64)
+    for t in (0.5, 1e-5):
+        assert ref.processed_probs(row, t).tolist() == [0.0] * 4 + [0.5] * 2
+        assert ref.processed_probs(row[:4], t).tolist() == [0.5, 0.5, 0.0, 0.0]
+        assert kept(row.tolist(), t, top_k=1) == kept(row.tolist(), t, top_p=0.3) == [4, 5]
+    args = dict(tokens=torch.zeros(1, 1, dtype=torch.long), parents=torch.full((1, 1), -1), draft_logits=None,
+                seeds=torch.tensor([3]), num_nodes=torch.tensor([1]), offset=0)
+    assert int(ref.accept(row[:4].view(1, 1, 4), temperature=torch.tensor([1e-30]), **args)[2]) == 0
