@@ -1,11 +1,12 @@
 """specdec.accept, backend="triton": greedy and exactly lossless rejection sampling over draft chains
 and trees, fused from logits.
 
-Shapes: target_logits (B, T, V) and draft_logits (B, T, V) or None (any float dtype, last dim
-contiguous), tokens/parents (B, T) int32, temperature (B,) float32 (0 = greedy), seeds (B,) int64,
-num_nodes (B,) int32, offset int >= 0 and offsets (B,) int or None (request b's stream offset is
-offset + offsets[b], read on the device), top_k / top_p / min_p (B,) or None and token_bitmask
-(B, T, ceil(V/32)) int32 or None (all applied in the kernel: `_allowed`, and the "filters" section).
+Shapes: target_logits (B, T, V) and draft_logits (B, T, V) or None (any float dtype, computed in float32: float64
+rows come shifted into its range, `_in_float32_range`; last dim contiguous), tokens/parents (B, T) int32,
+temperature (B,) float32 (below GREEDY_BELOW, 1e-5: greedy), seeds (B,) int64, num_nodes (B,) int32, offset
+int >= 0 and offsets (B,) int or None (request b's stream offset is offset + offsets[b], read on the device),
+top_k / top_p / min_p (B,) or None and token_bitmask (B, T, ceil(V/32)) int32 or None (all applied in the
+kernel: `_allowed`, and the "filters" section).
 Returns accepted_nodes (B, T) int32 (the path from node 0, padded with -1), num_accepted (B,) int32,
 next_tokens (B,) int64. Semantics are those of reference.accept.
 Two switches of the input form (constexprs; everything below is unchanged by them):
@@ -98,7 +99,8 @@ Code layout. Both kernels start alike: `_request` gathers the request's read-onl
 partials the previous launch left (`_decide`). Then the split kernel stores the new state and runs its part
 of the next step; the walker loops over whole-row passes (`_row_pass`), decisions and the draw
 (`_draw_if_due`) until the walk is done. The kinds of step:
-  STATS   `_chunk_pass`: (max, sum exp) of target/t and draft/t per chunk, and the first argmax;
+  STATS   `_chunk_pass`: (raw max M, sum exp((x - M) / t)) of target and draft per chunk, and the first argmax
+          (a node's law is then a `RowLaw`: every value is scaled as (x - M) / t, never x / t, which overflows);
   ZPASS   `_chunk_pass`: the mass of the residual max(p - c q, 0) per chunk (draft logits only; traversal:
           after a failed child, or c = 0 for a draw from p after a residual of mass 0 by rounding, final 1);
   TRIAL   `_first_accepted`: the candidates after a last rejection (draft logits only);
@@ -404,11 +406,9 @@ def _target_values(x, greedy, PROBS: tl.constexpr):
     """`_row_logits` of a statistics pass's target tile. A greedy row of probabilities keeps them as they are
     (0 = impossible: -inf): its argmax is theirs, where a float32 log rounds probabilities an ulp apart to one
     value (the first of them won)."""
+    x = x.to(tl.float32)
     if PROBS:
-        x = x.to(tl.float32)
         x = tl.where(greedy, tl.where(x > 0.0, x, NEG_INF), tl.log(x))
-    else:
-        x = x.to(tl.float32)
     return x
 
 
@@ -720,7 +720,7 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
                              True)
     if not stats:
         m_p = tl.full([BLOCK_V], 0.0, tl.float32)  # the residual's sums merge against max 0: a plain sum
-    max_p, sum_p = _merge_lse(m_p, s_p, tl.where(stats, req.inv_t, 1.0))
+    max_p, sum_p = _merge_lse(m_p, s_p, req.inv_t)
     max_q, sum_q = _merge_lse(m_q, s_q, req.inv_t)
     argmax = tl.reduce(tl.where((m_p == max_p) & (best >= 0), best, INT_MAX), 0, _MIN)
     return Chunks(max_p=max_p, sum_p=sum_p, max_q=max_q, sum_q=sum_q, argmax=tl.where(argmax == INT_MAX, -1, argmax),

@@ -438,15 +438,21 @@ def _accept(ex, target, draft, probs, names, tokens, parents, num_nodes, tempera
         at = l[:, torch.arange(B, device=dev).view(B, 1), up, local.clamp(0, width - 1)]
         return torch.where(mine, at, -math.inf).double()
 
-    # round 1: per row, the max and first argmax (the target's), and when sampling the log-sum-exp and the tokens' l
+    # round 1: per row, the max and first argmax (the target's), and when sampling the log-sum-exp and the tokens' l;
+    # with probabilities also the max of greedy's key, the probabilities themselves for greedy rows (their float32
+    # logs round probabilities an ulp apart to one value)
     m = l.amax(-1)
-    first = (l[0].argmax(-1) + vocab_start).double().unsqueeze(0).expand_as(m)
-    if sampling:
-        g = ex.gather(torch.stack([m.double(), first, torch.logsumexp(l, -1).double(), token_values(l)]))
-    else:
-        g = ex.gather(torch.stack([m.double(), first]))
+    greedy_key = l[0]
+    if probs:
+        greedy_key = torch.where(sampled.view(B, 1, 1) | (l[0] == -math.inf), l[0], target.float())
+    first = (greedy_key.argmax(-1) + vocab_start).double().unsqueeze(0).expand_as(m)
+    stats = [m.double(), first] + ([torch.logsumexp(l, -1).double(), token_values(l)] if sampling else [])
+    if probs:
+        stats.append(greedy_key.amax(-1).double().unsqueeze(0).expand_as(m))
+    g = ex.gather(torch.stack(stats))
     top = g[:, 0].amax(0)
-    argmax = torch.where(g[:, 0, 0] == top[0], g[:, 1, 0], math.inf).amin(0)
+    key_max = g[:, -1 if probs else 0, 0]  # (ranks, B, T)
+    argmax = torch.where(key_max == key_max.amax(0), g[:, 1, 0], math.inf).amin(0)
     greedy = torch.where(torch.isfinite(top[0]), argmax, 0.0).long()  # (B, T); 0: a row with no finite logit
     if checked:
         what = ("0 on every token token_bitmask allows" if probs else "-inf on every token token_bitmask allows"

@@ -75,7 +75,7 @@ def _greedy_batches():
     compare)."""
     gen = torch.Generator().manual_seed(7)
     out = []
-    for name in ("trees", "mask", "packed", "probs", "mixed"):
+    for name in ("trees", "mask", "packed", "probs", "mixed", "near_ties"):
         B, T, V = 6, 7, 301
         parents, num_nodes = random_trees(B, T, gen)
         logits = torch.randn(B, T, V, generator=gen) * 2
@@ -89,15 +89,23 @@ def _greedy_batches():
             allowed = torch.rand(B, T, V, generator=gen) < 0.3
             allowed[..., 0] = True
             args["token_bitmask"] = specdec.sampling.pack_bitmask(allowed)
-        if name == "mixed":
-            t = torch.tensor([0.0, 0.9, 0.0, 1.3, 0.0, 0.7])
+        if name == "mixed":  # (t < GREEDY_BELOW is greedy: a subnormal t overflowed logits / t)
+            t = torch.tensor([0.0, 0.9, 1e-40, 1.3, 0.99e-5, 0.7])
             args.update(temperature=t, seeds=torch.arange(B), top_k=torch.tensor([0, 3, 5, 0, 2, 9]), top_p=0.8,
                         draft_logits=torch.randn(B, T, V, generator=gen))
-            rows = t == 0
-        ref = specdec.accept(target_logits=logits, backend="torch", **args)
+            rows = t < specdec.reference.GREEDY_BELOW
+        if name == "near_ties":  # probabilities a float32 ulp apart at the top, the larger one second: argmax 1
+            probs = torch.softmax(logits, -1)
+            top = probs.amax(-1)
+            probs[..., 0], probs[..., 1] = torch.nextafter(top, torch.zeros(())), top
+            args["tokens"] = torch.where(take, 1, tokens)
+            ref = specdec.accept(target_probs=probs, backend="torch", **args)
+            args["target_probs"] = probs
+        else:
+            ref = specdec.accept(target_logits=logits, backend="torch", **args)
         if name == "probs":
             args["target_probs"] = torch.softmax(logits, -1) * 3.0
-        else:
+        elif name != "near_ties":
             args["target_logits"] = logits
         if name == "packed":
             keep = torch.arange(T) < num_nodes.unsqueeze(1)
