@@ -30,6 +30,8 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
   * Online softmax in fp32 (exp2 with log2(e) folded into the scale); dots accumulate in fp32 from
     fp16/bf16 operands on GPU (fp32 operands in IEEE precision, not TF32). The CPU interpreter upcasts
     every tile to fp32 right after the load (its bf16 arithmetic is wrong).
+  * The index tensors (cache_lens, num_nodes, row_offsets, block_table, tree_mask) are read through their
+    strides: views need no copy.
   * Sliding windows (window_left >= 0): a row's window ends at its node's position cache_lens + depth, depth
     = its mask bits below T - 1 (popcount in-kernel: no extra input); the splits partition the window only,
     from position cache_lens - window_left, so older keys are never read (their blocks may be freed) and the
@@ -180,6 +182,7 @@ def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_lens_ptr, tree_mask_ptr, block_table_ptr, num_nodes_ptr, row_offsets_ptr,
     out_ptr, lse_ptr,  # final outputs (NUM_SPLITS == 1) or per-split partials (out: partial dtype; lse: fp32)
     qk_scale, v_scale, cap, window_left, T, block_size,
+    stride_cache_lens, stride_num_nodes, stride_row_offsets,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_vn, stride_vp, stride_vh, stride_vd,
@@ -195,14 +198,15 @@ def _tree_attention_kernel(
     kv_head = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
     b = tl.program_id(2).to(tl.int64)
-    prefix_len = tl.load(cache_lens_ptr + b)
-    real_nodes = tl.minimum(tl.load(num_nodes_ptr + b), T)  # (unchecked input: never past the T rows of a request)
+    prefix_len = tl.load(cache_lens_ptr + b * stride_cache_lens)
+    # (unchecked input: never past the T rows of a request)
+    real_nodes = tl.minimum(tl.load(num_nodes_ptr + b * stride_num_nodes), T)
 
     rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     node = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     if PACKED:  # node i of request b is row row_offsets[b] + i of q, tree_mask (and the final out, lse)
-        row0 = tl.load(row_offsets_ptr + b).to(tl.int64)
+        row0 = tl.load(row_offsets_ptr + b * stride_row_offsets).to(tl.int64)
         q_base = row0 * stride_qt
         mask_base = row0 * stride_mt
         row_ok = node < real_nodes  # (the rows after a request's nodes are the next request's)
@@ -287,7 +291,7 @@ def _tree_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes_ptr, row_offsets_ptr,
-                         stride_pb, stride_ps, stride_pt, stride_ph, stride_pd,
+                         stride_num_nodes, stride_row_offsets, stride_pb, stride_ps, stride_pt, stride_ph, stride_pd,
                          stride_qb, stride_qs, stride_qt, stride_qh,
                          stride_ob, stride_ot, stride_oh, stride_od,
                          stride_lb, stride_lt, stride_lh,
@@ -300,10 +304,11 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes
     node = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     if PACKED:
-        if node >= tl.load(num_nodes_ptr + b):
+        if node >= tl.load(num_nodes_ptr + b * stride_num_nodes):
             return
-        out_base = tl.load(row_offsets_ptr + b).to(tl.int64) * stride_ot
-        lse_base = tl.load(row_offsets_ptr + b).to(tl.int64) * stride_lt
+        row0 = tl.load(row_offsets_ptr + b * stride_row_offsets).to(tl.int64)
+        out_base = row0 * stride_ot
+        lse_base = row0 * stride_lt
     else:
         out_base = b * stride_ob
         lse_base = b * stride_lb
@@ -361,6 +366,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     identity_table = block_table is None
     # the kernel never reads the table of a contiguous cache: any int32 tensor stands in, with strides 0
     table, table_strides = (cache_lens, (0, 0)) if identity_table else (block_table, block_table.stride())
+    offsets = row_offsets if packed else num_nodes  # (padded: any int tensor stands in, never read)
     # (the heuristics read shapes only: a padded batch's, packed or not)
     shaped = torch.empty((B, T, Hq, D), dtype=q.dtype, device="meta") if packed else q
     config = config or default_config(shaped, k_cache)
@@ -384,9 +390,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         att_lse = torch.empty((B, num_splits, T, Hq), dtype=torch.float32, device=q.device)
 
     _tree_attention_kernel[(row_tiles, Hkv * num_splits, B)](
-        q, k_cache, v_cache, cache_lens, tree_mask, table, num_nodes, row_offsets if packed else num_nodes,
-        att_out, att_lse,
+        q, k_cache, v_cache, cache_lens, tree_mask, table, num_nodes, offsets, att_out, att_lse,
         scale * k_scale * LOG2E, v_scale, logits_soft_cap * LOG2E, window_left, T, block_size,
+        cache_lens.stride(0), num_nodes.stride(0), offsets.stride(0),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *table_strides,
         *att_out.stride(), *att_lse.stride(),
         GROUP=group, HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
@@ -397,7 +403,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     )
     if num_splits > 1:
         _merge_splits_kernel[(Hq, T, B)](
-            att_out, att_lse, final_out, final_lse, num_nodes, row_offsets if packed else num_nodes,
+            att_out, att_lse, final_out, final_lse, num_nodes, offsets, num_nodes.stride(0), offsets.stride(0),
             *att_out.stride(), *att_lse.stride(), *final_out.stride(), *final_lse.stride(),
             NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=D, PACKED=packed,
         )

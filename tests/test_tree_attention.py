@@ -407,12 +407,13 @@ def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap:
                       NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q == "fp32" else "tf32", IDENTITY_TABLE=not paged,
                       COMPUTE_DTYPE=triton.language.float32 if q == "fp32" else triton.language.bfloat16,
                       WINDOW=window_cap, SOFT_CAP=window_cap, PACKED=packed,
-                      stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1)
+                      stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1,
+                      stride_cache_lens=1, stride_num_nodes=1, stride_row_offsets=1)
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
     merge_types = {"part_out_ptr": f"*{q}", "part_lse_ptr": "*fp32", "out_ptr": f"*{q}", "lse_ptr": "*fp32",
                    "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64"}
     merge_constexprs = dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-                            PACKED=packed, stride_pd=1, stride_od=1)
+                            PACKED=packed, stride_pd=1, stride_od=1, stride_num_nodes=1, stride_row_offsets=1)
     merge = compile_for_hopper(ta._merge_splits_kernel, merge_types, merge_constexprs)
     print(json.dumps({"wgmma": "wgmma" in kernel.asm["ptx"], "fma": "fma.rn.f32" in kernel.asm["ptx"],
                       "shared": kernel.metadata.shared,
