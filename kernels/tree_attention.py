@@ -30,6 +30,9 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
   * Online softmax in fp32 (exp2 with log2(e) folded into the scale); dots accumulate in fp32 from
     fp16/bf16 operands on GPU (fp32 operands in IEEE precision, not TF32). The CPU interpreter upcasts
     every tile to fp32 right after the load (its bf16 arithmetic is wrong).
+  * Positions reach 2**31 - 1 (cache_lens + T <= 2**31 - 1, a window near the end of a huge paged table): a
+    split's first position and the tree's are int64, the keys int32 offsets from them, so the loop over tiles
+    does no int64 division; element offsets into the caches are int64 (a cache may exceed 2**31 elements).
   * The index tensors (cache_lens, num_nodes, row_offsets, block_table, tree_mask) are read through their
     strides: views need no copy.
   * Sliding windows (window_left >= 0): a row's window ends at its node's position cache_lens + depth, depth
@@ -128,21 +131,42 @@ def default_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_table: Opti
 
 
 @triton.jit
-def _load_kv_tile(k_ptr, v_ptr, table_row_ptr, stride_table, request, pos, key_ok, block_size,
+def _tile_origin(table_row_ptr, stride_table, position, block_size, IDENTITY_TABLE: tl.constexpr):
+    """Where a run of KV tiles starts, logical position `position` (int64: positions reach 2**31 - 1), as the
+    table entry of its block and its row there (contiguous: the position itself); the tiles address their keys at
+    int32 offsets from it (_load_kv_tile), so the int64 arithmetic is done once, outside the loop over the tiles."""
+    if IDENTITY_TABLE:  # contiguous cache: request b's one block (of L_max rows) is block b, its rows the positions
+        return table_row_ptr, position
+    else:
+        return table_row_ptr + (position // block_size) * stride_table, position % block_size
+
+
+@triton.jit
+def _load_kv_tile(k_ptr, v_ptr, origin_table_ptr, stride_table, request, origin_row, offset, key_ok, block_size,
                   stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
                   HEAD_DIM: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, IDENTITY_TABLE: tl.constexpr):
-    """K^T (D, BLOCK_N) and V (BLOCK_N, D) of logical positions `pos` (k_ptr/v_ptr already at the KV head).
+    """K^T (D, BLOCK_N) and V (BLOCK_N, D) of request `request`'s keys `offset` (int32, >= 0) positions after the
+    origin (_tile_origin's table entry and row; k_ptr/v_ptr already at the KV head).
     Masked-off keys read as 0 (never garbage: a NaN in V would survive a zero softmax weight)."""
     d = tl.arange(0, HEAD_DIM)
-    if IDENTITY_TABLE:  # contiguous cache: request b's one block (of L_max rows) is block b
+    if IDENTITY_TABLE:
         page = request
+        first_row = origin_row
+        row = offset
     else:
-        page = tl.load(table_row_ptr + (pos // block_size) * stride_table, mask=key_ok, other=0).to(tl.int64)
-    row = (pos % block_size).to(tl.int64)
-    k_t = tl.load(k_ptr + (page * stride_kn + row * stride_kp)[None, :] + d[:, None] * stride_kd,
-                  mask=key_ok[None, :], other=0.0)
-    v = tl.load(v_ptr + (page * stride_vn + row * stride_vp)[:, None] + d[None, :] * stride_vd,
-                mask=key_ok[:, None], other=0.0)
+        # a key's place from the origin block's start, < block_size + offset < 2**32 (the launcher takes
+        # block_size < 2**31): uint32 division, as cheap as int32's; the blocks after the origin's, < 2**31
+        size = tl.cast(block_size, tl.uint32)
+        in_page = origin_row.to(tl.uint32) + offset.to(tl.uint32)
+        page = tl.load(origin_table_ptr + (in_page // size).to(tl.int32) * stride_table, mask=key_ok,
+                       other=0).to(tl.int64)
+        first_row = 0
+        row = (in_page % size).to(tl.int32)
+    # int64 element offsets: a cache may hold more than 2**31 elements
+    k_rows = page * stride_kn + first_row * stride_kp + row.to(tl.int64) * stride_kp
+    v_rows = page * stride_vn + first_row * stride_vp + row.to(tl.int64) * stride_vp
+    k_t = tl.load(k_ptr + k_rows[None, :] + d[:, None] * stride_kd, mask=key_ok[None, :], other=0.0)
+    v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
     # the dots' operand dtype: q's (float8 caches are widened to it, exactly), fp32 in the interpreter
     return k_t.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)
 
@@ -198,7 +222,7 @@ def _tree_attention_kernel(
     kv_head = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
     b = tl.program_id(2).to(tl.int64)
-    prefix_len = tl.load(cache_lens_ptr + b * stride_cache_lens)
+    prefix_len = tl.load(cache_lens_ptr + b * stride_cache_lens).to(tl.int64)
     # (unchecked input: never past the T rows of a request)
     real_nodes = tl.minimum(tl.load(num_nodes_ptr + b * stride_num_nodes), T)
 
@@ -220,8 +244,8 @@ def _tree_attention_kernel(
                 mask=row_ok[:, None], other=0.0)
     q = q.to(COMPUTE_DTYPE)
 
-    k_head_ptr = k_ptr + kv_head * stride_kh
-    v_head_ptr = v_ptr + kv_head * stride_vh
+    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh  # (a head-major cache's head stride is its layer's size)
+    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_vh
     table_row_ptr = block_table_ptr + b * stride_tb
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -244,16 +268,22 @@ def _tree_attention_kernel(
     per_split = (prefix_len - first + NUM_SPLITS - 1) // NUM_SPLITS
     chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = first + split * chunk
-    hi = tl.minimum(lo + chunk, prefix_len)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        key_ok = pos < hi
-        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, b, pos, key_ok, block_size,
-                               stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
+    # The split's keys are lo + offset, offset in [0, count), count <= prefix_len < 2**31: int32 offsets from an
+    # int64 origin (positions reach 2**31 - 1, and a tile's lanes run past its last key). The loop counts up to 0,
+    # not to count: its last step then stays in int32 (count + BLOCK_N may not).
+    count = (tl.minimum(lo + chunk, prefix_len) - lo).to(tl.int32)
+    origin_table_ptr, origin_row = _tile_origin(table_row_ptr, stride_tc, lo, block_size, IDENTITY_TABLE)
+    if WINDOW:  # row (i, h) sees the offsets from row_first - lo on
+        row_first = tl.minimum(tl.maximum(row_first - lo, 0), count).to(tl.int32)
+    for start_from_end in range(-count, 0, BLOCK_N):  # (the tile's first offset - count)
+        offset = (start_from_end + count) + offs_n
+        key_ok = offset < count
+        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, origin_table_ptr, stride_tc, b, origin_row, offset,
+                               key_ok, block_size, stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
                                HEAD_DIM, COMPUTE_DTYPE, IDENTITY_TABLE)
         allowed = key_ok[None, :]
         if WINDOW:
-            allowed = allowed & (pos[None, :] >= row_first[:, None])
+            allowed = allowed & (offset[None, :] >= row_first[:, None])
         m_i, l_i, acc = _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_PRECISION,
                                              SOFT_CAP)
 
@@ -261,10 +291,11 @@ def _tree_attention_kernel(
     # visible to row (i, h) iff bit j % 32 of word j // 32 of tree_mask[b, i] is set. Last split only.
     tree_end = tl.minimum(real_nodes, tl.minimum((row_tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1, T))
     tree_end = tl.where(split == NUM_SPLITS - 1, tree_end, 0)
+    origin_table_ptr, origin_row = _tile_origin(table_row_ptr, stride_tc, prefix_len, block_size, IDENTITY_TABLE)
     for j0 in tl.range(0, tree_end, BLOCK_N, num_stages=1):  # 1-2 tiles: pipeline buffers would only cost smem
         j = j0 + offs_n
         key_ok = j < tree_end
-        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, table_row_ptr, stride_tc, b, prefix_len + j, key_ok,
+        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, origin_table_ptr, stride_tc, b, origin_row, j, key_ok,
                                block_size, stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
                                HEAD_DIM, COMPUTE_DTYPE, IDENTITY_TABLE)
         words = tl.load(tree_mask_ptr + mask_base + node[:, None] * stride_mt + (j // 32)[None, :] * stride_mw,
@@ -364,6 +395,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     group = Hq // Hkv
     block_size = k_cache.shape[1]  # contiguous: one block of L_max rows per request
     identity_table = block_table is None
+    if not identity_table and block_size >= 2**31:  # (the kernel finds a position's block in uint32)
+        raise ValueError(f"k_cache: block size {block_size} not supported by the triton backend (at most 2**31 - 1)")
     # the kernel never reads the table of a contiguous cache: any int32 tensor stands in, with strides 0
     table, table_strides = (cache_lens, (0, 0)) if identity_table else (block_table, block_table.stride())
     offsets = row_offsets if packed else num_nodes  # (padded: any int tensor stands in, never read)

@@ -351,3 +351,72 @@ def test_kernels_compile_to_vectorized_copies(elem):
     assert found["rollback"]["bar.sync"]  # sources read before destinations are written
     # a float8 cache fed 16-bit rows: hardware conversion, round to nearest even, saturating
     assert found["append_fp8"]["cvt.rn.satfinite.e4m3x2.f32"] and found["append_fp8"]["ld.global.v4.b32"]
+
+
+# ----------------------------------------------------------------------------------------------
+# positions near 2**31 and caches over 2**31 elements (positions and element offsets in int64)
+# ----------------------------------------------------------------------------------------------
+def append_then_rollback(backend, k, v, lens, table, paths, num_accepted, rows):
+    """kv_append of rows (B, T, H, D) (K; V their negation) at cache_lens, then kv_rollback of the paths, on `backend`
+    (on copies); (new lengths, K, V) on the CPU."""
+    k, v, lens, table, paths, num_accepted, rows = for_backend(backend, k.clone(), v.clone(), lens.clone(), table,
+                                                               paths, num_accepted, rows)
+    specdec.kv_append(k, v, rows, rows.neg(), lens, block_table=table, backend=backend)
+    specdec.kv_rollback(k, v, lens, paths, num_accepted, block_table=table, backend=backend)
+    return lens.cpu(), k.cpu(), v.cpu()
+
+
+NEAR_LIMIT_BLOCK = 8176  # divides 2**31 - 16: a block boundary among the rows written
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_append_and_rollback_near_int32_limit(backend):
+    """Rows written and moved up to position 2**31 - 2 (request 0) and across the block boundary at 2**31 - 16
+    (request 1), in a paged cache holding only the blocks touched (the table's other entries are -1)."""
+    gen = torch.Generator().manual_seed(41)
+    T, H, D = 6, 2, 4
+    lens = torch.tensor([2**31 - 1 - T, 2**31 - 16 - 3], dtype=torch.int32)
+    table = torch.full((2, -(-2**31 // NEAR_LIMIT_BLOCK)), -1, dtype=torch.int32)
+    owned = [(b, column) for b in range(2)
+             for column in range(int(lens[b]) // NEAR_LIMIT_BLOCK, (int(lens[b]) + T - 1) // NEAR_LIMIT_BLOCK + 1)]
+    for block, (b, column) in enumerate(owned):
+        table[b, column] = block
+    k = torch.randn(len(owned) + 2, NEAR_LIMIT_BLOCK, H, D, generator=gen)
+    v = torch.randn(len(owned) + 2, NEAR_LIMIT_BLOCK, H, D, generator=gen)
+    rows = torch.randn(2, T, H, D, generator=gen)
+    paths = torch.tensor([[0, 2, 3, 5, -1, -1], [0, 1, 4, -1, -1, -1]], dtype=torch.int32)
+    num_accepted = torch.tensor([3, 2], dtype=torch.int32)
+    outs = {name: append_then_rollback(name, k, v, lens, table, paths, num_accepted, rows)
+            for name in (backend, "torch")}
+    assert torch.equal(outs[backend][0], outs["torch"][0]) and torch.equal(outs["torch"][0], lens + num_accepted + 1)
+    assert same_bits(outs[backend][1], outs["torch"][1]) and same_bits(outs[backend][2], outs["torch"][2])
+    assert not same_bits(outs["torch"][1], k)  # (the rows were written)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_append_and_rollback_head_major_cache_over_2_31_elements(backend):
+    """A contiguous cache stored head-major, (Hkv, 1, L_max, D) viewed as (1, L_max, Hkv, D): head 2 starts 2**31
+    elements in. Allocated but never filled (the pages stay virtual) save the rows compared; float8, 3 GiB a
+    tensor."""
+    gen = torch.Generator().manual_seed(42)
+    T, H, L_max = 6, 3, 2**26
+    L = L_max - T - 2
+    rows = torch.randn(1, T, H, 16, generator=gen)
+    paths, num_accepted = torch.tensor([[0, 2, 3, 5, -1, -1]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    tail = [torch.randn(1, T + 4, H, 16, generator=gen).to(torch.float8_e4m3fn) for _ in range(2)]  # rows L - 2 on
+    results = {}
+    for name in (backend, "torch"):
+        device = "cpu" if name == "torch" else DEVICE
+        k, v = (torch.empty((H, 1, L_max, 16), dtype=torch.float8_e4m3fn, device=device).permute(1, 2, 0, 3)
+                for _ in range(2))
+        assert k.stride(2) * 2 >= 2**31 > k.stride(2)
+        for cache, values in zip((k, v), tail):
+            cache[:, L - 2:] = values.to(device)
+        lens = torch.tensor([L], dtype=torch.int32, device=device)
+        specdec.kv_append(k, v, rows.to(device), rows.neg().to(device), lens, backend=name)
+        specdec.kv_rollback(k, v, lens, paths.to(device), num_accepted.to(device), backend=name)
+        results[name] = lens.cpu(), k[:, L - 2:].cpu(), v[:, L - 2:].cpu()
+    assert torch.equal(results[backend][0], results["torch"][0])
+    assert same_bits(results[backend][1], results["torch"][1]) and same_bits(results[backend][2], results["torch"][2])
+    # independent of the reference: the accepted path's new rows, compacted at L (row 2 of the rows compared)
+    assert same_bits(results["torch"][1][0, 2:6], rows[0, paths[0, :4].long()].to(torch.float8_e4m3fn))

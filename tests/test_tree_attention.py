@@ -446,3 +446,92 @@ def test_fp32_compiles_for_hopper_with_few_register_spills(head_dim, most_spille
     assert report["fma"] and not report["wgmma"] and report["shared"] <= 113 * 1024
     assert report["spilled"] is None or report["spilled"] <= most_spilled, report
     assert report["merge_spilled"] in (0, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# positions near 2**31 and caches over 2**31 elements: int64 arithmetic where int32 overflows
+# ----------------------------------------------------------------------------------------------
+HUGE_BLOCK = 8176  # divides 2**31 - 16: a block boundary inside the windows below
+
+
+def window_near_int32_limit(gen, T=5, window_left=40):
+    """Two requests whose windows end near 2**31 (the last node of request 0's chain at 2**31 - 3, request 1's tree
+    across the block boundary at 2**31 - 16), in a paged cache that holds only the blocks the windows read: the
+    block table's earlier entries are -1 (blocks freed: the window never reads them), positions outside the windows
+    are NaN (a read of them shows)."""
+    lens = [2**31 - 3 - (T - 1), 2**31 - 16 - 3]
+    columns = -(-2**31 // HUGE_BLOCK)
+    table = torch.full((2, columns), -1, dtype=torch.int32)
+    owned = []  # (request, column) of each real block
+    for b, L in enumerate(lens):
+        for column in range((L - window_left) // HUGE_BLOCK, (L + T - 1) // HUGE_BLOCK + 1):
+            table[b, column] = len(owned)
+            owned.append((b, column))
+    kv = torch.full((len(owned) + 2, HUGE_BLOCK, 2, 16), float("nan"))  # K and V heads side by side; 2 spare blocks
+    for block, (b, column) in enumerate(owned):
+        positions = torch.arange(column * HUGE_BLOCK, (column + 1) * HUGE_BLOCK)
+        read = (positions >= lens[b] - window_left) & (positions < lens[b] + T)
+        kv[block, read] = torch.randn(int(read.sum()), 2, 16, generator=gen)
+    parents = torch.tensor([helpers.random_parents(T, kind, gen) for kind in ("chain", "random")])
+    tree = specdec.build_tree(parents)
+    return dict(q=torch.randn(2, T, 2, 16, generator=gen), k_cache=kv[:, :, :1], v_cache=kv[:, :, 1:],
+                cache_lens=torch.tensor(lens, dtype=torch.int32), tree_mask=tree.mask, block_table=table,
+                num_nodes=tree.num_nodes)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_ending_near_int32_limit(backend):
+    """Windows ending at position 2**31 - 3 (Triton: positions in int64, tiles at int32 offsets from them; its tiles
+    ran past 2**31 - 1 in int32 and read wrapped positions)."""
+    case = window_near_int32_limit(torch.Generator().manual_seed(31))
+    check_against_reference(run(case, backend, window_left=40), case, window_left=40)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_window_ending_near_int32_limit_small_tiles(num_splits):
+    """Tiles of 16 keys and split windows: tiles start on both sides of the block boundary and end past 2**31."""
+    case = window_near_int32_limit(torch.Generator().manual_seed(32))
+    config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    result = triton_call(case, 1.0, 1.0, 40, num_splits=num_splits, config=config)
+    check_against_reference(result, case, window_left=40)
+
+
+def test_triton_rejects_blocks_of_2_31_rows():
+    """A paged cache's block of 2**31 rows or more (the kernel finds a key's block in uint32): a ValueError naming
+    k_cache (the cache a stride-0 view: nothing allocated)."""
+    gen = torch.Generator().manual_seed(33)
+    case = make_case(gen, B=2, T=4, Hkv=1, group=1, D=16, lens=(3, 9))
+    rows = torch.randn(3, 1, 1, 16, generator=gen).expand(3, 2**31, 1, 16)
+    case.update(k_cache=rows, v_cache=rows, block_table=torch.tensor([[0], [1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="^k_cache: block size 2147483648 not supported by the triton backend"):
+        run(case, "triton")
+
+
+def head_major_report(backend: str) -> None:
+    """test_head_major_cache_over_2_31_elements's check on `backend`, in a process of its own (a kernel that gets the
+    offsets wrong reads far outside the cache and crashes); prints an empty JSON object when the results are right.
+    A contiguous cache stored head-major, (2 Hkv, 1, L_max, D) viewed as (1, L_max, 2 Hkv, D): KV head 2 starts
+    2**31 elements in. Allocated but never filled (the pages stay virtual) save the rows a window reads; a float8
+    cache keeps that to 6 GiB."""
+    T, Hkv, L_max, window_left = 4, 3, 2**26, 20
+    L = L_max - T - 7
+    storage = torch.empty((2 * Hkv, 1, L_max, 16), dtype=torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(34)
+    storage[:, :, L - window_left:L + T] = torch.randn(2 * Hkv, 1, window_left + T, 16, generator=gen).to(
+        torch.float8_e4m3fn)
+    kv = storage.permute(1, 2, 0, 3)
+    assert kv.stride(2) * 2 >= 2**31 > kv.stride(2)
+    parents = torch.tensor([helpers.random_parents(T, "random", gen)])
+    case = dict(q=torch.randn(1, T, Hkv, 16, generator=gen), k_cache=kv[:, :, :Hkv], v_cache=kv[:, :, Hkv:],
+                cache_lens=torch.tensor([L], dtype=torch.int32), tree_mask=specdec.build_tree(parents).mask,
+                block_table=None, num_nodes=torch.tensor([T], dtype=torch.int32))
+    check_against_reference(run(case, backend, window_left=window_left), case, window_left=window_left)
+    print("{}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_head_major_cache_over_2_31_elements(backend):
+    """Element offsets past 2**31 (Triton computes them in int64; kv_head * head stride was int32, and read before
+    the cache)."""
+    report_from_fresh_process(f"import tests.conftest; from tests.test_tree_attention import head_major_report; "
+                              f"head_major_report({backend!r})", timeout=300)
