@@ -143,8 +143,8 @@ TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes);
 
 Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             const Tensor& cache_lens, const Tensor& tree_mask,
-                            const std::optional<Tensor>& block_table, const Tensor& num_nodes, double k_scale,
-                            double v_scale, int64_t window_left, double logits_soft_cap,
+                            const std::optional<Tensor>& block_table, const Tensor& num_nodes, double scale,
+                            double k_scale, double v_scale, int64_t window_left, double logits_soft_cap,
                             const std::optional<Tensor>& row_offsets, int64_t max_nodes);
 
 struct AcceptInputs {

@@ -368,7 +368,8 @@ std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& 
                                               double logits_soft_cap, const std::optional<Tensor>& row_offsets_in,
                                               int64_t max_nodes) {
   Tensor num_nodes = check_tree_attention(q_in, k_in, v_in, cache_lens, tree_mask_in, block_table, num_nodes_in,
-                                          k_scale, v_scale, window_left, logits_soft_cap, row_offsets_in, max_nodes);
+                                          scale, k_scale, v_scale, window_left, logits_soft_cap, row_offsets_in,
+                                          max_nodes);
   const bool packed = row_offsets_in.has_value();
   const Tensor q = q_in.contiguous(), tree_mask = tree_mask_in.contiguous(), lens = cache_lens.contiguous();
   // rows are read as D contiguous values; any other layout is copied once

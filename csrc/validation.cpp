@@ -3,7 +3,6 @@
 // ValueError = TORCH_CHECK_VALUE, TypeError = TORCH_CHECK_TYPE.
 #include "specdec.h"
 
-#include <ATen/ops/aminmax.h>
 
 #include <cstdio>
 #include <cmath>
@@ -90,12 +89,20 @@ void check_shape(const std::string& name, const Tensor& x, c10::IntArrayRef expe
 }
 
 // An int index tensor as int32, contiguous; an int64 one must hold int32 values (narrowing would wrap them).
-Tensor int32_contiguous(const std::string& name, const Tensor& x) {
+// With num_nodes (int32 (B,)), x is (B, T) per node and only the real nodes' values count (padding is never read).
+Tensor int32_contiguous(const std::string& name, const Tensor& x, const Tensor& num_nodes = Tensor()) {
   if (x.scalar_type() == ScalarType::Long && x.numel() > 0) {
-    const auto [lo, hi] = at::aminmax(x);
-    TORCH_CHECK_VALUE(lo.item<int64_t>() >= std::numeric_limits<int32_t>::min() &&
-                      hi.item<int64_t>() <= std::numeric_limits<int32_t>::max(),
-                      name, ": int64 values must fit in int32");
+    const Tensor values = x.contiguous();
+    const int64_t* v = values.data_ptr<int64_t>();
+    const int64_t rows = num_nodes.defined() ? x.size(0) : 1, T = num_nodes.defined() ? x.size(1) : x.numel();
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t n = num_nodes.defined() ? num_nodes.data_ptr<int32_t>()[b] : T;
+      for (int64_t i = 0; i < std::min(n, T); ++i) {
+        TORCH_CHECK_VALUE(v[b * T + i] >= std::numeric_limits<int32_t>::min() &&
+                          v[b * T + i] <= std::numeric_limits<int32_t>::max(), name,
+                          ": int64 values must fit in int32");
+      }
+    }
   }
   return x.to(at::kInt).contiguous();
 }
@@ -249,15 +256,16 @@ bool shares_memory(const Tensor& a, const Tensor& b) {
 TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes) {
   check_tensor("parents", parents, 2, kInt);
   Tensor nn = normalize_num_nodes(num_nodes, parents.size(0), parents.device());
-  TreeInputs in{int32_contiguous("parents", parents), nn};
+  TreeInputs in{int32_contiguous("parents", parents, nn), nn};
   check_parents(in.parents, in.num_nodes);
   return in;
 }
 
 Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& cache_lens,
                             const Tensor& tree_mask, const std::optional<Tensor>& block_table,
-                            const Tensor& num_nodes, double k_scale, double v_scale, int64_t window_left,
-                            double logits_soft_cap, const std::optional<Tensor>& row_offsets, int64_t max_nodes) {
+                            const Tensor& num_nodes, double scale, double k_scale, double v_scale,
+                            int64_t window_left, double logits_soft_cap, const std::optional<Tensor>& row_offsets,
+                            int64_t max_nodes) {
   // packed (row_offsets given): q (N, Hq, D) and tree_mask (N, W) rows, node i of request b at row_offsets[b] + i
   const bool packed = row_offsets.has_value();
   check_tensor("q", q, packed ? 3 : 4, kFloat);
@@ -283,7 +291,8 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
   const int64_t words = (T + 31) / 32;
   check_shape("tree_mask", tree_mask, packed ? std::vector<int64_t>{q.size(0), words} : std::vector<int64_t>{B, T, words});
   Tensor nn = normalize_num_nodes(num_nodes, B, device);
-  // (scale: any float the schema accepts; the Python TypeErrors for non-numbers cannot happen here)
+  // (scale: any finite float; the Python TypeErrors for non-numbers cannot happen here)
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale: must be a finite number, got ", format_g(scale));
   TORCH_CHECK_VALUE(window_left == -1 || window_left >= T - 1, "window_left: must be -1 (no window) or >= T - 1 = ",
                     T - 1, " (a node always sees its ancestors), got ", window_left);
   TORCH_CHECK_VALUE(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0,
@@ -413,7 +422,7 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_VALUE(off[b] >= 0 && off[b] < kMaxOffset - offset, "offset: must be in [0, 2**60)");
   }
-  in.parents = int32_contiguous("parents", parents);
+  in.parents = int32_contiguous("parents", parents, in.num_nodes);
   check_parents(in.parents, in.num_nodes);
   if (packed) {
     in.row_offsets = row_offsets->to(at::kLong).contiguous();
@@ -440,7 +449,7 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
     }
   }
 
-  in.tokens = int32_contiguous("tokens", tokens);
+  in.tokens = int32_contiguous("tokens", tokens, in.num_nodes);
   const int32_t* tok = in.tokens.data_ptr<int32_t>();
   const int32_t* nn = in.num_nodes.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {

@@ -105,12 +105,16 @@ def _fail_if(name, cond, message):
         raise ValueError(f"{name}: {message}")
 
 
-def check_int32_values(name, x):
+def check_int32_values(name, x, num_nodes=None):
     """Value check (on whatever the backend: the ops narrow index tensors to int32 before any kernel sees them,
     the C++ op included): an int64 index tensor holds int32 values, else narrowing would wrap them (2**32 + 5
-    would become 5)."""
+    would become 5). With num_nodes, x is (B, T) per node and only the real nodes' values count (padding is
+    never read)."""
     if x.dtype == torch.int64 and value_checks_enabled():
-        _fail_if(name, (x < -INT32_MAX - 1) | (x > INT32_MAX), "int64 values must fit in int32")
+        outside = (x < -INT32_MAX - 1) | (x > INT32_MAX)
+        if num_nodes is not None:
+            outside &= torch.arange(x.shape[1], device=x.device) < num_nodes.to(x.device).long().unsqueeze(1)
+        _fail_if(name, outside, "int64 values must fit in int32")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,7 +148,7 @@ def check_build_tree(parents, num_nodes, values=True):
     _tensor("parents", parents, dim=2, dtypes=INT_DTYPES)
     B, T = parents.shape
     num_nodes = normalize_num_nodes(num_nodes, B, T, parents.device)
-    check_int32_values("parents", parents)
+    check_int32_values("parents", parents, num_nodes)
     check_parents(parents, num_nodes, values and value_checks_enabled())
     return num_nodes
 
@@ -260,6 +264,8 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
     if scale is None:
         scale = D ** -0.5
     scale = _number("scale", scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: must be a finite number, got {scale:g}")
     if not isinstance(window_left, int) or isinstance(window_left, bool):
         raise TypeError(f"window_left: expected an int, got {type(window_left).__name__}")
     if window_left != -1 and window_left < T - 1:
@@ -548,8 +554,8 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
         _tensor("row_offsets", row_offsets, dim=1, dtypes=INT_DTYPES, device=dev)
         _shape("row_offsets", row_offsets, (B,))
     num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
-    check_int32_values("tokens", tokens)
-    check_int32_values("parents", parents)
+    check_int32_values("tokens", tokens, num_nodes)
+    check_int32_values("parents", parents, num_nodes)
     temperature = normalize_temperature(temperature, B, dev)
     seeds = normalize_seeds(seeds, B, dev)
     offsets = None

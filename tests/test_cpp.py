@@ -286,9 +286,9 @@ def bad_cases():
         return "build_tree", val.check_build_tree, (parents, num_nodes)
 
     def attention(q=x["q"], k=x["k"], v=x["v"], lens=x["lens"], mask=x["mask"], table=None, nn=x["num_nodes"],
-                  scales=(1.0, 1.0), window_left=-1, cap=0.0):
+                  scales=(1.0, 1.0), window_left=-1, cap=0.0, scale=0.5):
         return ("tree_attention", val.check_tree_attention,
-                (q, k, v, lens, mask, table, nn, 0.5, *scales, window_left, cap))
+                (q, k, v, lens, mask, table, nn, scale, *scales, window_left, cap))
 
     def accept(logits=x["logits"], tokens=x["tokens"], parents=x["parents"], draft=x["draft"],
                temperature=x["temperature"], seeds=x["seeds"], nn=x["num_nodes"], offset=0, offsets=None,
@@ -359,6 +359,8 @@ def bad_cases():
         "attn/no_kv_heads": attention(k=x["k"][:, :, :0], v=x["v"][:, :, :0]),
         "attn/no_head_dim": attention(q=x["q"][..., :0], k=x["k"][..., :0], v=x["v"][..., :0]),
         "attn/num_nodes_int64": attention(nn=torch.tensor([2**32 + 2, 3])),
+        "attn/scale_nan": attention(scale=float("nan")),
+        "attn/scale_inf": attention(scale=float("-inf")),
         "attn/positions_past_int32": attention(k=huge_k, v=huge_v, table=huge_table, lens=near_int32_max),
         "accept/logits_dim": accept(logits=x["logits"][0]),
         "accept/method_name": accept(method="blocks"),
@@ -381,6 +383,7 @@ def bad_cases():
         "accept/parents_values": accept(parents=with_(x["parents"], (0, 3), 3)),
         "accept/parents_int64": accept(parents=with_(x["parents"].long(), (1, 2), 2**32)),
         "accept/tokens_int64": accept(tokens=with_(x["tokens"].long(), (0, 1), 2**32 + 5)),
+        "accept/tokens_int64_real_node": accept(tokens=with_(with_(x["tokens"].long(), (1, 3), 2**40), (1, 2), -2**40)),
         "accept/num_nodes_int64": accept(nn=torch.tensor([2**32 + 2, 3])),
         "accept/no_vocabulary": accept(logits=x["logits"][..., :0], draft=x["draft"][..., :0]),
         "accept/temperature_past_float32": accept(temperature=torch.tensor([0.0, 1e39], dtype=torch.float64)),

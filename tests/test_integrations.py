@@ -193,10 +193,11 @@ def test_vllm_forward_samples_at_temperature_with_top_k_and_seeded_requests_repe
                                           _sampled_metadata(B, t, top_k=torch.full((B,), 2))).sampled_token_ids
     allowed = set(torch.topk(target_logits, 2).indices.tolist())
     assert set(top[top >= 0].tolist()) <= allowed  # (the accepted drafts as well as the drawn tokens)
-    small = SimpleNamespace(**{**vars(metadata), "num_draft_tokens": [k] * 8, "cu_num_draft_tokens":
-                               metadata.cu_num_draft_tokens[:8], "bonus_logits_indices": idx[:8, k]})
+    small = SimpleNamespace(draft_token_ids=metadata.draft_token_ids[:8 * k], num_draft_tokens=[k] * 8,
+                            cu_num_draft_tokens=metadata.cu_num_draft_tokens[:8],
+                            target_logits_indices=idx[:8, :k].reshape(-1), bonus_logits_indices=idx[:8, k])
     runs = [vllm.RejectionSampler().forward(
-        small, q.float().expand(B * k, V).contiguous(), logits,
+        small, q.float().expand(8 * k, V).contiguous(), logits,
         _sampled_metadata(8, 1.0, {i: torch.Generator().manual_seed(100 + i) for i in range(0, 8, 2)}))
         .sampled_token_ids for _ in range(6)]
     assert all(torch.equal(r[::2], runs[0][::2]) for r in runs)  # the seeded requests repeat

@@ -61,6 +61,8 @@ ATTENTION_CASES = [
     ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([0, 4], dtype=torch.int32))),
     ("num_nodes", ValueError, lambda a: a.update(num_nodes=torch.tensor([5, 4], dtype=torch.int32))),
     ("scale", TypeError, lambda a: a.update(scale="big")),
+    ("scale", ValueError, lambda a: a.update(scale=float("nan"))),
+    ("scale", ValueError, lambda a: a.update(scale=float("inf"))),
     ("window_left", ValueError, lambda a: a.update(window_left=T - 2)),  # a node could not see its parent
     ("window_left", ValueError, lambda a: a.update(window_left=-2)),
     ("window_left", TypeError, lambda a: a.update(window_left=4.0)),
@@ -443,6 +445,16 @@ INT64_CASES = [  # (argument, op call on valid arguments with that argument repl
     ("parents", lambda be: specdec.build_tree(torch.tensor([[-1, 0, 2**32 + 1]]), backend=be)),
     ("num_nodes", lambda be: call_attention(dict(attention_args(), num_nodes=torch.tensor([2**32 + 2, 4])), be)),
 ]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", None])
+def test_int64_padding_past_int32_is_not_read(backend):
+    """Only the real nodes' ids must fit in int32: padding is never read (an engine's buffers may hold anything)."""
+    tokens = torch.tensor([[0, 2**40, 2**40], [0, 3, 2**40]])
+    parents = torch.tensor([[-1, 2**40, 2**40], [-1, 0, 2**40]])
+    res = specdec.accept(torch.randn(2, 3, V), tokens, parents, num_nodes=torch.tensor([1, 2]), backend=backend)
+    assert res.num_accepted.tolist()[0] == 0
+    specdec.build_tree(parents, torch.tensor([1, 2]), backend=backend)
 
 
 @pytest.mark.parametrize("backend", CHECKED_BY)

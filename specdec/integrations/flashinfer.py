@@ -16,6 +16,7 @@ from typing import Optional, Union
 import torch
 
 import specdec
+from specdec import _validation as val
 from . import seeds_from
 
 _GOLDEN = 0x9E3779B97F4A7C15  # row b's key: seed + b * golden ratio (mod 2^63), so rows never share a stream
@@ -38,20 +39,27 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     Returns (output_token_ids (B, S + 1) int32: the accepted drafts, then the correction or bonus token, then
     -1; the two counters).
     """
+    val._tensor("draft_token_ids", draft_token_ids, dim=2, dtypes=val.INT_DTYPES)
     B, S = draft_token_ids.shape
-    if draft_probs.dim() != 3 or draft_probs.shape[:2] != (B, S):
+    dev = draft_token_ids.device
+    val._tensor("draft_probs", draft_probs, dim=3, dtypes=val.FLOAT_DTYPES, device=dev)
+    if draft_probs.shape[:2] != (B, S):
         raise ValueError(f"draft_probs: expected shape ({B}, {S}, V), got {tuple(draft_probs.shape)}")
     V = draft_probs.shape[2]
+    val._tensor("target_probs", target_probs, dim=3, dtypes=val.FLOAT_DTYPES, device=dev)
     if target_probs.shape != (B, S + 1, V):
         raise ValueError(f"target_probs: expected shape ({B}, {S + 1}, {V}), got {tuple(target_probs.shape)}")
+    if val.value_checks_enabled():
+        val._fail_if("draft_token_ids", (draft_token_ids < 0) | (draft_token_ids >= V), f"must be in [0, {V})")
     counters = []
     for name, counter in (("maybe_output_accepted_token_num", maybe_output_accepted_token_num),
                           ("maybe_output_emitted_draft_token_num", maybe_output_emitted_draft_token_num)):
         if counter is None:
             counter = torch.zeros(B, dtype=torch.int32, device=target_probs.device)
-        elif counter.dtype != torch.int32 or counter.shape != (B,):
+        elif not isinstance(counter, torch.Tensor) or counter.dtype != torch.int32 or counter.shape != (B,):
             # (FlashInfer would add into an int32 copy and leave the caller's tensor unchanged)
-            raise TypeError(f"{name}: expected a ({B},) int32 tensor, got {tuple(counter.shape)} {counter.dtype}")
+            got = f"{tuple(counter.shape)} {counter.dtype}" if isinstance(counter, torch.Tensor) else type(counter).__name__
+            raise TypeError(f"{name}: expected a ({B},) int32 tensor, got {got}")
         counters.append(counter)
     dev = target_probs.device
     if (seed is None) != (offset is None):

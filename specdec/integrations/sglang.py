@@ -75,8 +75,8 @@ def _check_outputs_and_links(predicts, accept_index, accept_token_num, candidate
     return bs, N
 
 
-def _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, parents, flat_rows):
-    """Value checks of the links (after _links: parents) and of the flat indices (< flat_rows)."""
+def _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, flat_rows):
+    """Value checks of the links and of the flat indices (< flat_rows), before anything follows them."""
     bs, N = retrive_index.shape
     for name, x in (("retrive_next_token", retrive_next_token), ("retrive_next_sibling", retrive_next_sibling)):
         val._fail_if(name, (x != -1) & ((x < 1) | (x >= N)), f"every link must be -1 or a node in [1, {N})")
@@ -84,11 +84,15 @@ def _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, 
     linked = torch.zeros(bs, N + 1, dtype=torch.int64, device=targets.device)
     linked.scatter_add_(1, torch.where(targets >= 1, targets, N), torch.ones_like(targets))
     val._fail_if("retrive_next_token", linked[:, :N] > 1, "a node is linked to twice (as a first child or a sibling)")
-    idx = torch.arange(N, device=parents.device)
-    val._fail_if("retrive_next_token", (idx > 0) & ((parents < 0) | (parents >= idx)),
-                 "every node i > 0 must be reachable from the root and come after its parent")
     val._fail_if("retrive_index", (retrive_index < 0) | (retrive_index >= flat_rows),
                  f"flat indices must be in [0, {flat_rows})")
+
+
+def _check_tree_order(parents):
+    """Value check of the tree the links make (_links' parents)."""
+    idx = torch.arange(parents.shape[1], device=parents.device)
+    val._fail_if("retrive_next_token", (idx > 0) & ((parents < 0) | (parents >= idx)),
+                 "every node i > 0 must be reachable from the root and come after its parent")
 
 
 def _walk_outputs(path, n, predicts, accept_index, accept_token_num, retrive_index, candidates, last_token):
@@ -118,12 +122,17 @@ def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accep
     target_predict (bs, N) int64. Exactly SGLang's result, sibling order included (it needs no rows)."""
     bs, N = _check_outputs_and_links(predicts, accept_index, accept_token_num, candidates, retrive_index,
                                      retrive_next_token, retrive_next_sibling)
-    val._tensor("target_predict", target_predict, dtypes=val.INT_DTYPES, device=candidates.device)
+    val._tensor("target_predict", target_predict, dim=2, dtypes=val.INT_DTYPES, device=candidates.device)
+    val._shape("target_predict", target_predict, (bs, N))
     K = accept_index.shape[1]
+    checks = val.value_checks_enabled()
+    if checks:
+        _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, predicts.numel())
     parents, rank = _links(retrive_next_token, retrive_next_sibling)
-    if val.value_checks_enabled():
-        _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, parents,
-                           min(predicts.numel(), target_predict.numel()))
+    if checks:
+        _check_tree_order(parents)
+        val._fail_if("candidates", candidates < 0, "token ids must be >= 0")
+        val._fail_if("target_predict", target_predict < 0, "token ids must be >= 0")
     pred = target_predict.reshape(-1).long()[retrive_index.long()]  # (bs, N): the argmax after each node
     match = (parents >= 0) & (candidates.long() == pred.gather(1, parents.clamp(min=0)))
     key = torch.where(match, rank + 1, 0)  # the matching child that comes first in its list has the largest key
@@ -180,13 +189,17 @@ def tree_speculative_sampling_target_only(predicts: torch.Tensor, accept_index: 
         raise ValueError(f"uniform_samples_for_final_sampling: expected {bs} values, got shape "
                          f"{tuple(uniform_samples_for_final_sampling.shape)}")
     K = accept_index.shape[1]
-    parents, _ = _links(retrive_next_token, retrive_next_sibling)
     val._tensor("target_probs", target_probs, dim=3, dtypes=val.FLOAT_DTYPES, device=candidates.device)
-    if val.value_checks_enabled():
-        _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, parents, predicts.numel())
+    checks = val.value_checks_enabled()
+    if checks:
+        _check_link_values(retrive_index, retrive_next_token, retrive_next_sibling, predicts.numel())
+    parents, _ = _links(retrive_next_token, retrive_next_sibling)
+    if checks:
+        _check_tree_order(parents)
         V = target_probs.shape[-1]
         drafted = torch.arange(N, device=candidates.device) > 0  # (the root's candidate is the last verified token)
-        val._fail_if("candidates", drafted & ((candidates < 0) | (candidates >= V)), f"draft tokens must be in [0, {V})")
+        val._fail_if("candidates", candidates < 0, "token ids must be >= 0")
+        val._fail_if("candidates", drafted & (candidates >= V), f"draft tokens must be in [0, {V})")
     bits = lambda u: u.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF  # noqa: E731
     seeds = ((bits(uniform_samples[:, 0]) << 31) ^ bits(uniform_samples_for_final_sampling.reshape(bs))) & (2**62 - 1)
     res = specdec.accept(tokens=candidates, parents=parents, target_probs=target_probs, temperature=1.0, seeds=seeds)

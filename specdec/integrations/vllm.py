@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import specdec
+from specdec import _validation as val
 from ..sampling import processed_tree_logits
 from . import seeds_from
 
@@ -42,6 +43,39 @@ class _Chains(NamedTuple):
     lengths: torch.Tensor  # (B,) int64: n_b
     tokens: torch.Tensor  # (B, S + 1) int64
     parents: torch.Tensor  # (B, S + 1) int64
+
+
+def _check_drafts(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, V):
+    """vLLM's packed drafts, checked as specdec's ops check theirs (a ValueError / TypeError naming the argument;
+    the value checks while they are on); returns num_draft_tokens as a list."""
+    val._tensor("draft_token_ids", draft_token_ids, dim=1, dtypes=val.INT_DTYPES)
+    dev = draft_token_ids.device
+    if not isinstance(num_draft_tokens, (list, tuple)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in num_draft_tokens):
+        raise TypeError("num_draft_tokens: expected a list of ints >= 0 (the drafts of each request)")
+    num = list(num_draft_tokens)
+    if sum(num) != draft_token_ids.shape[0]:
+        raise ValueError(f"num_draft_tokens: they add up to {sum(num)}, but draft_token_ids holds "
+                         f"{draft_token_ids.shape[0]}")
+    if not isinstance(max_spec_len, int) or isinstance(max_spec_len, bool) or max_spec_len < max(num, default=0):
+        raise ValueError(f"max_spec_len: expected an int >= every request's drafts ({max(num, default=0)}), got "
+                         f"{max_spec_len!r}")
+    val._tensor("cu_num_draft_tokens", cu_num_draft_tokens, dim=1, dtypes=val.INT_DTYPES, device=dev)
+    val._shape("cu_num_draft_tokens", cu_num_draft_tokens, (len(num),))
+    if val.value_checks_enabled():
+        expected = torch.tensor(num, dtype=torch.int64, device=dev).cumsum(0)
+        val._fail_if("cu_num_draft_tokens", cu_num_draft_tokens.long() != expected,
+                     "must be the inclusive cumulative sum of num_draft_tokens")
+        val._fail_if("draft_token_ids", (draft_token_ids < 0) | (draft_token_ids >= V), f"must be in [0, {V})")
+    return num
+
+
+def _check_rows(name, rows, num_rows, device, V=None):
+    """(num_rows, V) float rows of probabilities or logits; returns V."""
+    val._tensor(name, rows, dim=2, dtypes=val.FLOAT_DTYPES, device=device)
+    if rows.shape[0] != num_rows or rows.shape[1] < 1 or (V is not None and rows.shape[1] != V):
+        raise ValueError(f"{name}: expected shape ({num_rows}, {'V' if V is None else V}), got {tuple(rows.shape)}")
+    return rows.shape[1]
 
 
 def _chains(draft_token_ids, num_draft_tokens: Sequence[int], max_spec_len: int, cu_num_draft_tokens) -> _Chains:
@@ -90,7 +124,17 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: list, max_
     [batch] inclusive cumsum; draft_probs [num_tokens, V] or None; target_probs [num_tokens, V] (the processed
     target law, temperature and top-k/top-p applied, as vLLM passes it); bonus_token_ids [batch, 1] (or
     [batch]). Returns [batch, max_spec_len + 1] int32, -1 padded."""
+    val._tensor("draft_token_ids", draft_token_ids, dim=1, dtypes=val.INT_DTYPES)
+    V = _check_rows("target_probs", target_probs, draft_token_ids.shape[0], draft_token_ids.device)
+    num_draft_tokens = _check_drafts(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, V)
+    if draft_probs is not None:
+        _check_rows("draft_probs", draft_probs, draft_token_ids.shape[0], draft_token_ids.device, V)
     B, T, dev = len(num_draft_tokens), max_spec_len + 1, target_probs.device
+    val._tensor("bonus_token_ids", bonus_token_ids, dtypes=val.INT_DTYPES, device=dev)
+    if bonus_token_ids.numel() != B or bonus_token_ids.dim() not in (1, 2):
+        raise ValueError(f"bonus_token_ids: expected ({B}, 1) or ({B},), got shape {tuple(bonus_token_ids.shape)}")
+    if val.value_checks_enabled():
+        val._fail_if("bonus_token_ids", (bonus_token_ids < 0) | (bonus_token_ids >= V), f"must be in [0, {V})")
     chains = _chains(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens)
     bonus = bonus_token_ids.reshape(B).long()
     if target_probs.shape[0] == 0:  # no drafts anywhere: the bonus tokens alone
@@ -130,9 +174,19 @@ class RejectionSampler(nn.Module):
 
     def forward(self, metadata, draft_probs: Optional[torch.Tensor], logits: torch.Tensor,
                 sampling_metadata) -> SamplerOutput:
-        num_draft = list(metadata.num_draft_tokens)
+        val._tensor("logits", logits, dim=2, dtypes=val.FLOAT_DTYPES)
+        num_draft = _check_drafts(metadata.draft_token_ids, list(metadata.num_draft_tokens),
+                                  max(metadata.num_draft_tokens, default=0), metadata.cu_num_draft_tokens,
+                                  logits.shape[1])
         B, max_spec_len = len(num_draft), max(num_draft, default=0)
         T, dev = max_spec_len + 1, logits.device
+        if draft_probs is not None and draft_probs.numel() > 0:
+            _check_rows("draft_probs", draft_probs, len(metadata.draft_token_ids), dev, logits.shape[1])
+        for name, index in (("target_logits_indices", metadata.target_logits_indices),
+                            ("bonus_logits_indices", metadata.bonus_logits_indices)):
+            val._tensor(name, index, dim=1, dtypes=val.INT_DTYPES, device=dev)
+            if val.value_checks_enabled():
+                val._fail_if(name, (index < 0) | (index >= logits.shape[0]), f"must be in [0, {logits.shape[0]})")
         chains = _chains(metadata.draft_token_ids, num_draft, max_spec_len, metadata.cu_num_draft_tokens)
         positions = _draft_positions(chains, T)
         i = torch.arange(T, device=dev)
