@@ -13,7 +13,7 @@ TEST_SEED := $(shell od -An -N3 -tu4 /dev/urandom | tr -d ' ')
 endif
 PYTEST_ARGS ?=
 
-.PHONY: demo test check-install bench install clean fuzz
+.PHONY: demo test check-install bench install clean fuzz engine-envs test-engines
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,7 +32,7 @@ install: $(STAMP)
 test: $(STAMP)
 	@echo "test order: shuffled with TEST_SEED=$(TEST_SEED) (make test TEST_SEED=$(TEST_SEED) repeats it)"
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests bench/test_bench_ops.py \
-		--benchmark-disable --random-order-bucket=global --random-order-seed=$(TEST_SEED) $(PYTEST_ARGS)
+		--ignore=tests/engines --benchmark-disable --random-order-bucket=global --random-order-seed=$(TEST_SEED) $(PYTEST_ARGS)
 
 # a regular install and a wheel build in a new venv, each checked from outside the checkout (CI runs it too)
 check-install:
@@ -55,3 +55,18 @@ clean:
 FUZZ_MINUTES ?= 20
 fuzz: $(STAMP)
 	FUZZ_MINUTES=$(FUZZ_MINUTES) $(PY) -m tests.fuzz_strategies
+
+# the tests against the engines as they ship (tests/engines/): each peer's pinned release in a virtualenv of its own
+# (scripts/engine_envs.sh: .venv-engines/<peer>-<version>, several GB each), and each test file run by the venv
+# its docstring names ("venv: <name>")
+ENGINE_ENVS ?= vllm-0.34.0 vllm-0.33.0 sglang-0.5.23
+engine-envs:
+	bash scripts/engine_envs.sh $(ENGINE_ENVS)
+
+test-engines: engine-envs
+	@rc=0; for env in $(ENGINE_ENVS); do \
+	  files=$$(grep -l "^venv: $$env$$" tests/engines/test_*.py 2>/dev/null); \
+	  [ -n "$$files" ] || continue; \
+	  echo "### $$env: $$files"; \
+	  TRITON_INTERPRET=1 .venv-engines/$$env/bin/python -m pytest -q -p no:cacheprovider $$files $(PYTEST_ARGS) || rc=1; \
+	done; exit $$rc
