@@ -1,5 +1,7 @@
-"""SGLang's tree verifiers (`sgl_kernel.verify_tree_greedy`, `sgl_kernel.tree_speculative_sampling_target_only`)
-on specdec, with SGLang's signatures, dtypes and in-place outputs, without importing sgl_kernel.
+"""SGLang's verifiers on specdec, with SGLang 0.5.23's signatures, dtypes and in-place outputs, without importing
+SGLang: the tree verifiers `verify_tree_greedy`, `verify_tree_greedy_cpu` (its CPU op) and
+`tree_speculative_sampling_target_only` (sgl_kernel / sglang.kernels.ops.speculative), and the chain verifier
+`chain_speculative_sampling_triton` (sglang.kernels.ops.speculative.reject_sampling).
 
 Trees come as SGLang links them: node i of request b (i = 0 the root, the last verified token) has its draft
 token candidates[b, i], its first child retrive_next_token[b, i] and its next sibling retrive_next_sibling[b, i]
@@ -156,6 +158,46 @@ def verify_tree_greedy(predicts: torch.Tensor, accept_index: torch.Tensor, accep
                   pred.gather(1, cur)[:, 0])
 
 
+def _check_coins(uniform_samples, uniform_samples_for_final_sampling, bs, dev):
+    val._tensor("uniform_samples", uniform_samples, dim=2, dtypes=val.FLOAT_DTYPES, device=dev)
+    if uniform_samples.shape[0] != bs or uniform_samples.shape[1] < 1:
+        raise ValueError(f"uniform_samples: expected ({bs}, N), got shape {tuple(uniform_samples.shape)}")
+    val._tensor("uniform_samples_for_final_sampling", uniform_samples_for_final_sampling, dtypes=val.FLOAT_DTYPES,
+                device=dev)
+    if uniform_samples_for_final_sampling.numel() != bs:
+        raise ValueError(f"uniform_samples_for_final_sampling: expected {bs} values, got shape "
+                         f"{tuple(uniform_samples_for_final_sampling.shape)}")
+
+
+def _check_thresholds(threshold_single, threshold_acc):
+    if threshold_single != 1.0 or threshold_acc != 1.0:
+        raise ValueError("threshold_single, threshold_acc: only 1.0 (exact verification); SGLang's relaxed "
+                         "thresholds change the output law and are not implemented")
+
+
+def _seeds_from_coins(uniform_samples, uniform_samples_for_final_sampling):
+    """(bs,) specdec seeds keyed by the bits of uniform_samples[b, 0] and uniform_samples_for_final_sampling[b]:
+    the caller's uniforms still decide the result, deterministically."""
+    bs = uniform_samples.shape[0]
+    bits = lambda u: u.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF  # noqa: E731
+    return ((bits(uniform_samples[:, 0]) << 31) ^ bits(uniform_samples_for_final_sampling.reshape(bs))) & (2**62 - 1)
+
+
+def _check_draft_tokens(candidates, V):
+    drafted = torch.arange(candidates.shape[1], device=candidates.device) > 0  # (the root is the last verified token)
+    val._fail_if("candidates", candidates < 0, "token ids must be >= 0")
+    val._fail_if("candidates", drafted & (candidates >= V), f"draft tokens must be in [0, {V})")
+
+
+def _write_result(res, predicts, accept_index, accept_token_num, retrive_index, candidates):
+    """SGLang's outputs from accept's result (node indices of an N-node tree, K = accept_index.shape[1])."""
+    bs, N = candidates.shape
+    K = accept_index.shape[1]
+    path = torch.cat((res.accepted_nodes.long(), res.accepted_nodes.new_full((bs, max(0, K - N)), -1).long()), 1)
+    _walk_outputs(path[:, :K], res.num_accepted.long(), predicts, accept_index, accept_token_num, retrive_index,
+                  candidates, res.next_tokens)
+
+
 def tree_speculative_sampling_target_only(predicts: torch.Tensor, accept_index: torch.Tensor,
                                           accept_token_num: torch.Tensor, candidates: torch.Tensor,
                                           retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
@@ -171,24 +213,19 @@ def tree_speculative_sampling_target_only(predicts: torch.Tensor, accept_index: 
     verify_tree_greedy. Lossless also when sibling tokens repeat (SGLang's kernel adds a repeated sibling's
     probability twice); siblings are tried in node order, which does not change the output law.
 
+    The draft is treated as one-hot (given proposals): SGLang 0.5.23 passes zeros as draft_probs here (its
+    EAGLE verify, without --speculative-use-rejection-sampling), so draft_probs is neither read nor written. That
+    keeps the target's law but accepts less than rejection sampling against the drafter's real law would: with
+    real draft probabilities, SGLang (and specdec) verify chains with chain_speculative_sampling_triton.
+
     Randomness: request b's specdec stream is keyed by the bits of uniform_samples[b, 0] and
     uniform_samples_for_final_sampling[b] (so the caller's uniforms still decide the result, deterministically),
-    not by those numbers as SGLang's coins. draft_probs (SGLang's scratch of zeros) is neither read nor written.
-    threshold_single / threshold_acc below 1 are SGLang's relaxed, lossy acceptance: refused (ValueError)."""
-    if threshold_single != 1.0 or threshold_acc != 1.0:
-        raise ValueError("threshold_single, threshold_acc: only 1.0 (exact verification); SGLang's relaxed "
-                         "thresholds change the output law and are not implemented")
+    not by those numbers as SGLang's coins. threshold_single / threshold_acc below 1 are SGLang's relaxed, lossy
+    acceptance: refused (ValueError naming them)."""
+    _check_thresholds(threshold_single, threshold_acc)
     bs, N = _check_outputs_and_links(predicts, accept_index, accept_token_num, candidates, retrive_index,
                                      retrive_next_token, retrive_next_sibling)
-    val._tensor("uniform_samples", uniform_samples, dim=2, dtypes=val.FLOAT_DTYPES, device=candidates.device)
-    if uniform_samples.shape[0] != bs or uniform_samples.shape[1] < 1:
-        raise ValueError(f"uniform_samples: expected ({bs}, N), got shape {tuple(uniform_samples.shape)}")
-    val._tensor("uniform_samples_for_final_sampling", uniform_samples_for_final_sampling, dtypes=val.FLOAT_DTYPES,
-                device=candidates.device)
-    if uniform_samples_for_final_sampling.numel() != bs:
-        raise ValueError(f"uniform_samples_for_final_sampling: expected {bs} values, got shape "
-                         f"{tuple(uniform_samples_for_final_sampling.shape)}")
-    K = accept_index.shape[1]
+    _check_coins(uniform_samples, uniform_samples_for_final_sampling, bs, candidates.device)
     val._tensor("target_probs", target_probs, dim=3, dtypes=val.FLOAT_DTYPES, device=candidates.device)
     checks = val.value_checks_enabled()
     if checks:
@@ -196,13 +233,67 @@ def tree_speculative_sampling_target_only(predicts: torch.Tensor, accept_index: 
     parents, _ = _links(retrive_next_token, retrive_next_sibling)
     if checks:
         _check_tree_order(parents)
-        V = target_probs.shape[-1]
-        drafted = torch.arange(N, device=candidates.device) > 0  # (the root's candidate is the last verified token)
-        val._fail_if("candidates", candidates < 0, "token ids must be >= 0")
-        val._fail_if("candidates", drafted & (candidates >= V), f"draft tokens must be in [0, {V})")
-    bits = lambda u: u.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF  # noqa: E731
-    seeds = ((bits(uniform_samples[:, 0]) << 31) ^ bits(uniform_samples_for_final_sampling.reshape(bs))) & (2**62 - 1)
-    res = specdec.accept(tokens=candidates, parents=parents, target_probs=target_probs, temperature=1.0, seeds=seeds)
-    path = torch.cat((res.accepted_nodes.long(), res.accepted_nodes.new_full((bs, max(0, K - N)), -1).long()), 1)
-    _walk_outputs(path[:, :K], res.num_accepted.long(), predicts, accept_index, accept_token_num, retrive_index,
-                  candidates, res.next_tokens)
+        _check_draft_tokens(candidates, target_probs.shape[-1])
+    res = specdec.accept(tokens=candidates, parents=parents, target_probs=target_probs, temperature=1.0,
+                         seeds=_seeds_from_coins(uniform_samples, uniform_samples_for_final_sampling))
+    _write_result(res, predicts, accept_index, accept_token_num, retrive_index, candidates)
+
+
+def chain_speculative_sampling_triton(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                      retrive_next_token, retrive_next_sibling, uniform_samples,
+                                      uniform_samples_for_final_sampling, target_probs, draft_probs, threshold_single,
+                                      threshold_acc, deterministic, *, block_verification: bool = False):
+    """SGLang 0.5.23's chain verifier (`sglang.kernels.ops.speculative.reject_sampling`, used with
+    --speculative-use-rejection-sampling, and --speculative-use-block-verification for block_verification=True),
+    with its signature and in-place outputs.
+
+    Request b's chain: node 0 the root (the last verified token), node i (1 <= i < N) the draft token
+    candidates[b, i], drawn from draft_probs[b, i - 1] (bs, >= N - 1, V: the drafter's real law; rows past N - 2
+    are not read); target_probs (bs, N, V): the target's law after each node. Node i's parent is i - 1:
+    retrive_next_token / retrive_next_sibling are not read (SGLang's kernel does not read them either), only their
+    shapes are checked. Outputs as verify_tree_greedy's: accept_token_num[b] = the accepted draft tokens,
+    accept_index[b, j] = retrive_index[b, j] for j <= accept_token_num[b] (later entries untouched; K >= N),
+    predicts[retrive_index[b, j]] = the token after node j (the next draft, then the correction or bonus token).
+
+    Lossless: block_verification=False is token-wise rejection sampling (accept x with probability
+    min(1, p(x) / q(x)); after a rejection the final token is drawn from relu(p - q) normalized, after the last
+    node from p); True is block verification (Sun et al., arXiv 2403.10444; specdec.accept(method="block")),
+    the same output law with at least as many accepted tokens on average. Both as SGLang's kernel decides them.
+
+    Randomness: as tree_speculative_sampling_target_only (request b's specdec stream keyed by the bits of
+    uniform_samples[b, 0] and uniform_samples_for_final_sampling[b]). threshold_single / threshold_acc: only 1.0;
+    other values are refused (ValueError naming them). SGLang's kernel ignores them, and SGLang refuses
+    --speculative-use-rejection-sampling with thresholds other than 1 at startup, so its relaxed mode is never
+    combined with this verifier there. deterministic is accepted and has no effect (specdec is deterministic).
+    """
+    _check_thresholds(threshold_single, threshold_acc)
+    bs, N = _check_outputs_and_links(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                     retrive_next_token, retrive_next_sibling)
+    dev = candidates.device
+    if accept_index.shape[1] < N:
+        raise ValueError(f"accept_index: expected ({bs}, K) with K >= {N} (a chain of {N} nodes), got shape "
+                         f"{tuple(accept_index.shape)}")
+    _check_coins(uniform_samples, uniform_samples_for_final_sampling, bs, dev)
+    val._tensor("target_probs", target_probs, dim=3, dtypes=val.FLOAT_DTYPES, device=dev)
+    if target_probs.shape[:2] != (bs, N):
+        raise ValueError(f"target_probs: expected shape ({bs}, {N}, V), got {tuple(target_probs.shape)}")
+    V = target_probs.shape[2]
+    val._tensor("draft_probs", draft_probs, dim=3, dtypes=val.FLOAT_DTYPES, device=dev)
+    if draft_probs.shape[0] != bs or draft_probs.shape[1] < N - 1 or draft_probs.shape[2] != V:
+        raise ValueError(f"draft_probs: expected shape ({bs}, S, {V}) with S >= {N - 1}, got "
+                         f"{tuple(draft_probs.shape)}")
+    if val.value_checks_enabled():
+        val._fail_if("retrive_index", (retrive_index < 0) | (retrive_index >= predicts.numel()),
+                     f"flat indices must be in [0, {predicts.numel()})")
+        _check_draft_tokens(candidates, V)
+    # the last node's draft row is never read (nothing is drawn below it); the target's last row stands in for it
+    draft = torch.cat((draft_probs[:, :N - 1], target_probs[:, N - 1:]), 1)
+    res = specdec.accept(tokens=candidates, parents=torch.arange(-1, N - 1, device=dev).expand(bs, N),
+                         target_probs=target_probs, draft_probs=draft.to(target_probs.dtype), temperature=1.0,
+                         seeds=_seeds_from_coins(uniform_samples, uniform_samples_for_final_sampling),
+                         method="block" if block_verification else "token")
+    _write_result(res, predicts, accept_index, accept_token_num, retrive_index, candidates)
+
+
+# SGLang's name on CPU (sgl_kernel.verify_tree_greedy_cpu, what its EAGLE verify calls there): the same op
+verify_tree_greedy_cpu = verify_tree_greedy
