@@ -102,6 +102,47 @@ def test_flashinfer_follows_the_target_law():
     assert_law(pairs[:, 0] * V + pairs[:, 1], (p[:, None] * p).flatten(), "flashinfer, two tokens")
 
 
+def test_flashinfer_reads_seed_and_offset_per_row():
+    """(B,) seed and offset tensors: row b's result is the one an int (seed[b], offset[b]) gives that row (it used
+    to be keyed by element 0 for every row); a length-1 tensor broadcasts."""
+    gen = torch.Generator().manual_seed(4)
+    B, S, V = 16, 4, 8
+    target = torch.rand(B, S + 1, V, generator=gen) ** 3
+    draft = torch.rand(B, S, V, generator=gen) ** 3
+    ids = torch.multinomial(draft.reshape(-1, V), 1, generator=gen).view(B, S).int()
+    seed, offset = torch.arange(100, 100 + B), torch.arange(B) * 3
+    out, acc, emi = flashinfer.chain_speculative_sampling(draft, ids, target, seed=seed, offset=offset)
+    for b in range(B):
+        one = flashinfer.chain_speculative_sampling(draft, ids, target, seed=int(seed[b]), offset=int(offset[b]))
+        assert [out[b].tolist(), int(acc[b]), int(emi[b])] == [one[0][b].tolist(), int(one[1][b]), int(one[2][b])]
+    first_only = flashinfer.chain_speculative_sampling(draft, ids, target, seed=100, offset=0)[0]
+    assert not torch.equal(out, first_only)  # (what reading element 0 gave)
+    broadcast = flashinfer.chain_speculative_sampling(draft, ids, target, seed=seed[:1], offset=offset[:1])
+    assert all(torch.equal(x, y) for x, y in zip(broadcast, flashinfer.chain_speculative_sampling(
+        draft, ids, target, seed=100, offset=0)))
+    for kwargs, message in ((dict(seed=seed[:2], offset=offset), "^seed: expected length 1 or 16"),
+                            (dict(seed=seed, offset=offset.int()), "^offset: dtype"),
+                            (dict(seed=seed, offset=3), "^seed, offset: both tensors or both ints"),
+                            (dict(seed=3), "^seed, offset: give both or neither")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            flashinfer.chain_speculative_sampling(draft, ids, target, **kwargs)
+
+
+def test_flashinfer_accepted_counter_skips_the_first_rejected_position():
+    """FlashInfer's accepted counter re-tests only the positions after the first rejected one. Position 0
+    is accepted with probability 1/2, every later one surely: accepted = S - 1 after a rejection (the re-test of
+    position 0 that used to be counted made it S half of the time), S when all are accepted."""
+    B, S, V = 64, 3, 4
+    ids = torch.tensor([[1, 2, 3]]).expand(B, S).int()
+    draft = torch.nn.functional.one_hot(ids.long(), V).float()
+    target = torch.cat((draft, torch.full((B, 1, V), 0.25)), 1)
+    target[:, 0] = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    out, acc, emi = flashinfer.chain_speculative_sampling(draft, ids, target, seed=9, offset=0)
+    assert set(emi.tolist()) == {0, S}
+    assert acc.tolist() == torch.where(emi == S, S, S - 1).tolist()
+    assert (out[emi == 0, 0] == 0).all()  # the correction: relu(p - q) leaves token 0
+
+
 # ----------------------------------------------------------------------------------------------
 # vLLM
 # ----------------------------------------------------------------------------------------------
@@ -345,3 +386,108 @@ def test_sglang_sampled_checks_draft_tokens_against_the_vocabulary():
         sglang.tree_speculative_sampling_target_only(predicts, accept_index, accept_num, CANDIDATES, RETRIVE_INDEX,
                                                      NEXT_TOKEN, NEXT_SIBLING, torch.rand(2, 6), torch.rand(2), probs,
                                                      torch.zeros_like(probs))
+
+
+# SGLang's chain verifier (chain_speculative_sampling_triton): a root and two drafts, the target's law after the
+# first draft depends on it, the drafts are drawn from the drafter's law
+def sglang_chain_case(gen, n, V=4):
+    """n requests of a 3-node chain with context-dependent laws: p0 (V,) and P1[x1] (V,) the target's law for the
+    first and second token, q0 and Q1[x1] the drafter's; x1 ~ q0, x2 ~ Q1[x1]. Returns (laws, SGLang's arguments
+    as a dict, the outputs' factory)."""
+    def law(*shape):
+        w = torch.rand(*shape, V, generator=gen, dtype=torch.float64) ** 2 + 0.02
+        return w / w.sum(-1, keepdim=True)
+    p0, P1, q0, Q1 = law(), law(V), law(), law(V)
+    x1 = torch.multinomial(q0, n, replacement=True, generator=gen)
+    x2 = torch.multinomial(Q1[x1], 1, generator=gen)[:, 0]
+    N = 3
+    args = dict(candidates=torch.stack((torch.zeros_like(x1), x1, x2), 1),
+                retrive_index=torch.arange(n * N).view(n, N),
+                retrive_next_token=torch.tensor([1, 2, -1]).expand(n, N).contiguous(),
+                retrive_next_sibling=torch.full((n, N), -1),
+                uniform_samples=torch.rand(n, N, generator=gen), uniform_samples_for_final_sampling=torch.rand(n, generator=gen),
+                target_probs=torch.stack((p0.expand(n, V), P1[x1], torch.full((n, V), 1.0 / V, dtype=torch.float64)), 1).float(),
+                draft_probs=torch.stack((q0.expand(n, V), Q1[x1]), 1).float())
+    outputs = lambda: (torch.full((n * N,), -1, dtype=torch.int32), torch.full((n, N), -1, dtype=torch.int32),  # noqa: E731
+                       torch.zeros(n, dtype=torch.int32))
+    return SimpleNamespace(p0=p0, P1=P1, q0=q0, Q1=Q1), args, outputs
+
+
+def sglang_chain_two_tokens(gen, laws, predicts, accept_num):
+    """(n,) the first two emitted tokens as one cell y1 * V + y2; a request that emitted one token continues with a
+    draw from the target's law after it (what the next step gives)."""
+    n, V = accept_num.shape[0], laws.p0.numel()
+    rows = predicts.view(n, -1).long()
+    second = torch.where(accept_num > 0, rows[:, 1], torch.multinomial(laws.P1[rows[:, 0]], 1, generator=gen)[:, 0])
+    return rows[:, 0] * V + second
+
+
+def sglang_chain_expected_accepted(laws):
+    """The token-wise verifier's expected accepted drafts: P(x1 accepted) + P(x1 and x2 accepted)."""
+    first = torch.minimum(laws.p0, laws.q0)
+    return float(first.sum() + (first * torch.minimum(laws.P1, laws.Q1).sum(1)).sum())
+
+
+def _sglang_chain(args, outputs, block, **changes):
+    predicts, accept_index, accept_num = outputs()
+    call = dict(args, threshold_single=1.0, threshold_acc=1.0, deterministic=True)
+    call.update(changes)
+    sglang.chain_speculative_sampling_triton(predicts, accept_index, accept_num, **call, block_verification=block)
+    return predicts, accept_index, accept_num
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["token", "block"])
+def test_sglang_chain_follows_the_target_law(block):
+    """The first two emitted tokens follow p0(y1) P1[y1](y2) (chi-square over the V^2 pairs); the token-wise
+    verifier accepts as expected, block verification at least as much. Negative control: draft_probs claiming
+    the target's law (every draft accepted) emits the drafter's law."""
+    gen = torch.Generator().manual_seed(21)
+    n = 4000
+    laws, args, outputs = sglang_chain_case(gen, n)
+    exact = (laws.p0[:, None] * laws.P1).flatten()
+    predicts, _, accept_num = _sglang_chain(args, outputs, block)
+    assert_law(sglang_chain_two_tokens(gen, laws, predicts, accept_num), exact, f"sglang chain, block={block}")
+    expected, spread = sglang_chain_expected_accepted(laws), 4 * float(accept_num.float().std()) / n ** 0.5
+    mean = float(accept_num.float().mean())
+    assert (mean >= expected - spread) if block else (abs(mean - expected) < spread)
+    predicts, _, accept_num = _sglang_chain(args, outputs, block, draft_probs=args["target_probs"][:, :2])
+    assert chi_square_pvalue(sglang_chain_two_tokens(gen, laws, predicts, accept_num), exact) < 1e-6
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["token", "block"])
+def test_sglang_chain_one_hot_target_layout(block):
+    """One-hot target rows (greedy-like, decided whatever the coins): request 0 accepts both drafts and takes the
+    bonus, request 1 rejects its second draft; outputs at SGLang's flat indices, later accept_index untouched."""
+    V = 6
+    target = torch.nn.functional.one_hot(torch.tensor([[1, 2, 5], [3, 4, 0]]), V).float()
+    args = dict(candidates=torch.tensor([[0, 1, 2], [9, 3, 5]]), retrive_index=torch.tensor([[3, 4, 5], [0, 1, 2]]),
+                retrive_next_token=torch.tensor([[1, 2, -1]] * 2), retrive_next_sibling=torch.full((2, 3), -1),
+                uniform_samples=torch.rand(2, 3), uniform_samples_for_final_sampling=torch.rand(2),
+                target_probs=target, draft_probs=torch.softmax(torch.randn(2, 2, V), -1))
+    outputs = lambda: (torch.full((6,), -1, dtype=torch.int32), torch.full((2, 4), -7, dtype=torch.int32),  # noqa: E731
+                       torch.zeros(2, dtype=torch.int32))
+    predicts, accept_index, accept_num = _sglang_chain(args, outputs, block)
+    assert predicts.tolist() == [3, 4, -1, 1, 2, 5]
+    assert accept_index.tolist() == [[3, 4, 5, -7], [0, 1, -7, -7]] and accept_num.tolist() == [2, 1]
+
+
+SGLANG_CHAIN_BAD = [  # (message, changes to sglang_chain_case's arguments)
+    ("^threshold_single, threshold_acc: only 1.0", dict(threshold_single=0.5)),
+    ("^threshold_single, threshold_acc: only 1.0", dict(threshold_acc=0.9)),
+    (r"^draft_probs: expected shape \(5, S, 4\) with S >= 2", dict(draft_probs=torch.zeros(5, 1, 4))),
+    (r"^target_probs: expected shape \(5, 3, V\)", dict(target_probs=torch.zeros(5, 2, 4))),
+    (r"^retrive_index: flat indices must be in \[0, 15\)", dict(retrive_index=torch.arange(1, 16).view(5, 3))),
+    (r"^candidates: draft tokens must be in \[0, 4\)", dict(candidates=torch.full((5, 3), 4))),
+    ("^uniform_samples_for_final_sampling: expected 5 values", dict(uniform_samples_for_final_sampling=torch.rand(4))),
+]
+
+
+@pytest.mark.parametrize("message,changes", SGLANG_CHAIN_BAD, ids=[str(i) for i in range(len(SGLANG_CHAIN_BAD))])
+def test_sglang_chain_checks_its_arguments(message, changes):
+    """SGLang's relaxed thresholds stay refused (its chain kernel ignores them and its server refuses them with
+    rejection sampling); bad shapes and values name the argument; outputs untouched."""
+    _, args, outputs = sglang_chain_case(torch.Generator().manual_seed(0), 5)
+    fresh = outputs()
+    with pytest.raises(ValueError, match=message):
+        _sglang_chain(args, lambda: fresh, False, **changes)
+    assert all(torch.equal(x, y) for x, y in zip(fresh, outputs()))

@@ -1,13 +1,14 @@
-"""FlashInfer's chain verifier, `flashinfer.sampling.chain_speculative_sampling`, on specdec.accept.
+"""FlashInfer's chain verifier, `flashinfer.sampling.chain_speculative_sampling` (FlashInfer 0.7.4), on
+specdec.accept.
 
 Same signature, dtypes, outputs and counters; the acceptance rule is FlashInfer's (accept draft x iff
 u * q(x) < p(x), else draw from relu(p - q), the bonus from the last target row), so the output law is the
-same. Randomness: FlashInfer keys a Philox stream per row with (seed, offset) or the generator's state. Here
-request b's stream is specdec's, keyed by a seed derived from (seed, b) with `offset` as the stream offset, or
-by a seed drawn from `generator` (or torch's default generator): deterministic for a given (seed, offset),
-independent across rows, but not FlashInfer's numbers. The accepted-token counter's re-tests draw from
-`generator`, or from a generator keyed by int (seed, offset), else from torch's default one. `deterministic` is
-accepted and has no effect (specdec is always deterministic).
+same. Randomness: FlashInfer keys row b's Philox stream with (seed[b], b, offset[b]) (seed / offset: ints, or 1-D
+int64/uint64 tensors of length 1 or B, read per row) or with the generator's state. Here row b's stream is
+specdec's, keyed by seed[b] and b with offset[b] as the stream offset (0 <= offset < 2**60), or by a seed drawn
+from `generator` (or torch's default generator): deterministic for a given (seed[b], offset[b], b), independent
+across rows, but not FlashInfer's numbers. The accepted-token counter's re-tests use uniforms hashed from the
+same key. `deterministic` is accepted and has no effect (specdec is always deterministic).
 """
 from __future__ import annotations
 
@@ -17,9 +18,35 @@ import torch
 
 import specdec
 from specdec import _validation as val
+from specdec.distributed import _GOLDEN, _mix, _signed, _uniform
 from . import seeds_from
 
-_GOLDEN = 0x9E3779B97F4A7C15  # row b's key: seed + b * golden ratio (mod 2^63), so rows never share a stream
+
+def _per_row(name, x, B, dev) -> torch.Tensor:
+    """(B,) int64: an int, or FlashInfer's 1-D int64/uint64 tensor of length 1 (broadcast) or B (one per row);
+    uint64 values keep their bits."""
+    if isinstance(x, torch.Tensor):
+        val._tensor(name, x, dim=1, dtypes=(torch.int64, torch.uint64), device=dev)
+        if x.shape[0] not in (1, B):
+            raise ValueError(f"{name}: expected length 1 or {B} (one value per row), got {x.shape[0]}")
+        return x.view(torch.int64).expand(B)
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name}: expected an int or a 1-D int64 tensor, got {type(x).__name__}")
+    return torch.full((B,), _signed(x % 2**64), dtype=torch.int64, device=dev)
+
+
+def _row_streams(generator, seed, offset, B, dev):
+    """(seeds (B,), offsets (B,)) int64: row b's specdec stream, keyed by (seed[b], offset[b]) and the row index
+    (as FlashInfer's Philox subsequence is), or by a seed drawn from generator (torch's default one if None)."""
+    if (seed is None) != (offset is None):
+        raise ValueError("seed, offset: give both or neither")
+    if seed is None:
+        return seeds_from(generator, B, dev), torch.zeros(B, dtype=torch.int64, device=dev)
+    if isinstance(seed, torch.Tensor) != isinstance(offset, torch.Tensor):
+        raise ValueError("seed, offset: both tensors or both ints, as FlashInfer requires")
+    rows = torch.arange(B, device=dev, dtype=torch.int64)
+    seeds = (_per_row("seed", seed, B, dev) + rows * _GOLDEN) & (2**63 - 1)  # rows never share a stream
+    return seeds, _per_row("offset", offset, B, dev)
 
 
 def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
@@ -34,8 +61,10 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     (B, S + 1, V): the target's law at each position and after the last draft. Rows need not be normalized.
     maybe_output_accepted_token_num / maybe_output_emitted_draft_token_num: (B,) int32 counters ADDED to in
     place (None: new zeros): emitted = the accepted prefix length (the emitted draft tokens, without the final
-    token); accepted = emitted plus how many of the later positions, each tested on its own with a fresh
-    uniform, would have been accepted (FlashInfer's measure of draft/target agreement, >= emitted).
+    token); accepted = emitted plus how many of the positions after the first rejected one, each tested on its
+    own with a fresh uniform, would have been accepted (FlashInfer's measure of draft/target agreement, >=
+    emitted; the first rejected position is not tested again, as in FlashInfer's kernel). seed / offset: ints or
+    (1,) / (B,) int64 (or uint64) tensors, both or neither (see the module docstring).
     Returns (output_token_ids (B, S + 1) int32: the accepted drafts, then the correction or bonus token, then
     -1; the two counters).
     """
@@ -62,19 +91,7 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
             raise TypeError(f"{name}: expected a ({B},) int32 tensor, got {got}")
         counters.append(counter)
     dev = target_probs.device
-    if (seed is None) != (offset is None):
-        raise ValueError("seed, offset: give both or neither")
-    rows = torch.arange(B, device=dev, dtype=torch.int64)
-    retest = generator  # the re-tests' uniforms (a statistic, not accept's stream)
-    if seed is None:
-        seeds, stream_offset = seeds_from(generator, B, dev), 0
-    else:
-        if not isinstance(seed, torch.Tensor) and not isinstance(offset, torch.Tensor):
-            retest = torch.Generator(device=dev).manual_seed((int(seed) * 1000003 + int(offset)) % 2**63)
-        key = seed.reshape(-1)[:1].to(device=dev, dtype=torch.int64) if isinstance(seed, torch.Tensor) else int(seed)
-        seeds = (rows * _GOLDEN + key) & (2**63 - 1)
-        stream_offset = offset.reshape(-1)[:1].to(device=dev, dtype=torch.int64).expand(B) \
-            if isinstance(offset, torch.Tensor) else int(offset)
+    seeds, stream_offset = _row_streams(generator, seed, offset, B, dev)
     tokens = torch.cat((draft_token_ids.new_zeros(B, 1), draft_token_ids), 1)
     # the leaf's draft row is never read (nothing is drawn below it); the target's last row stands in for it
     draft = torch.cat((draft_probs, target_probs[:, S:]), 1)
@@ -87,8 +104,8 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     x = draft_token_ids.long().unsqueeze(-1)
     p = target_probs[:, :S].gather(2, x)[..., 0].double() / target_probs[:, :S].double().sum(-1)
     q = draft_probs.gather(2, x)[..., 0].double() / draft_probs.double().sum(-1)
-    u = torch.rand(B, S, dtype=torch.float64, device=dev, generator=retest)
-    later = torch.arange(S, device=dev) >= emitted.unsqueeze(1)
+    u = _uniform(_mix(seeds ^ _mix(stream_offset))[:, None], torch.arange(S, device=dev))
+    later = torch.arange(S, device=dev) > emitted.unsqueeze(1)  # (the first rejected position is not retested)
     counters[0] += emitted + (later & (u * q < p)).sum(1, dtype=torch.int32)
     counters[1] += emitted
     return output, counters[0], counters[1]
