@@ -26,9 +26,8 @@ ALL_BACKENDS = ["torch"] + BACKENDS
 def as_view(values: torch.Tensor, gap: int, layout: str, device) -> torch.Tensor:
     """`values` (1-D or 2-D) as a view on `device`: "gaps": storage offset 1 and `gap` after every element (2-D: a
     gap row first, and a gap after every entry of a row); "column-major": 2-D with strides (1, rows)."""
-    if layout == "column-major":
-        column_major = values.T.contiguous().T
-        return column_major if device == "cpu" else to_device(column_major)
+    if layout == "column-major":  # (dense: a copy to another device keeps the strides)
+        return values.T.contiguous().T.to(device)
     if values.dim() == 1:
         storage = torch.full((2 * values.numel() + 1,), gap, dtype=values.dtype)
         storage[1::2] = values
@@ -37,6 +36,15 @@ def as_view(values: torch.Tensor, gap: int, layout: str, device) -> torch.Tensor
     storage = torch.full((rows + 1, 2 * cols), gap, dtype=values.dtype)
     storage[1:, ::2] = values
     return storage.to(device)[1:, ::2]
+
+
+def device_of(backend: str) -> torch.device:
+    """Where `backend` takes its inputs: the reference the CPU, the others DEVICE."""
+    return torch.device("cpu") if backend == "torch" else DEVICE
+
+
+def view_id(name, dtype, layout, *_) -> str:
+    return f"{name}-{str(dtype).removeprefix('torch.')}-{layout}"
 
 
 def spare_block(table: torch.Tensor, num_blocks: int) -> int:
@@ -61,7 +69,7 @@ def attention_gap(case, name):
 
 
 @pytest.mark.parametrize("window_left", [-1, 12], ids=["no-window", "window"])
-@pytest.mark.parametrize("name,dtype,layout", ATTENTION_VIEWS, ids=[f"{n}-{str(d)[6:]}-{l}" for n, d, l in ATTENTION_VIEWS])
+@pytest.mark.parametrize("name,dtype,layout", ATTENTION_VIEWS, ids=[view_id(*v) for v in ATTENTION_VIEWS])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_tree_attention_index_views(backend, name, dtype, layout, window_left):
     gen = torch.Generator().manual_seed(ATTENTION_VIEWS.index((name, dtype, layout)))
@@ -71,9 +79,9 @@ def test_tree_attention_index_views(backend, name, dtype, layout, window_left):
     if name == "tree_mask":  # (B, T, W): a gap after every word, as a slice of a wider mask
         storage = torch.full((*values.shape[:2], 2 * values.shape[2] + 1), -1, dtype=dtype)
         storage[..., 1::2] = values
-        view = storage.to(DEVICE if backend != "torch" else "cpu")[..., 1::2]
+        view = storage.to(device_of(backend))[..., 1::2]
     else:
-        view = as_view(values, attention_gap(case, name), layout, DEVICE if backend != "torch" else "cpu")
+        view = as_view(values, attention_gap(case, name), layout, device_of(backend))
     assert not view.is_contiguous()
     args[name] = view
     actual = specdec.tree_attention(**args, window_left=window_left, return_lse=True, backend=backend)
@@ -85,17 +93,17 @@ CPP_PACKED_VIEW = pytest.mark.xfail(strict=True, reason="csrc: row_offsets view 
 
 
 @pytest.mark.parametrize("backend,dtype", [
-    pytest.param(backend, dtype, id=f"{backend}-{str(dtype)[6:]}",
+    pytest.param(backend, dtype, id=f"{backend}-{str(dtype).removeprefix('torch.')}",
                  marks=CPP_PACKED_VIEW if (backend, dtype) == ("cpp", torch.int64) else ())
     for backend in ALL_BACKENDS for dtype in (torch.int32, torch.int64)])
 def test_packed_tree_attention_offsets_view(backend, dtype):
     """cu_num_nodes as a view (int64: row_offsets, its first B entries, reach the kernels as a view too); gaps 0."""
     gen = torch.Generator().manual_seed(5)
     case = make_case(gen, B=3, T=5, Hkv=1, group=2, D=16, lens=(40, 3, 17))
-    packed, rows = _packed(case)
+    packed, _ = _packed(case)
     expected = specdec.tree_attention(**packed, return_lse=True, backend="torch")
     args = on_backend(backend, packed)
-    args["cu_num_nodes"] = as_view(packed["cu_num_nodes"].to(dtype), 0, "gaps", DEVICE if backend != "torch" else "cpu")
+    args["cu_num_nodes"] = as_view(packed["cu_num_nodes"].to(dtype), 0, "gaps", device_of(backend))
     out, lse = specdec.tree_attention(**args, return_lse=True, backend=backend)
     torch.testing.assert_close(out.cpu(), expected[0], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse.cpu(), expected[1], atol=2e-5, rtol=2e-5)
@@ -110,7 +118,7 @@ def test_triton_packed_split_merge_reads_views(num_splits):
 
     gen = torch.Generator().manual_seed(6)
     case = make_case(gen, B=3, T=5, Hkv=1, group=2, D=16, lens=(40, 3, 17))
-    packed, rows = _packed(case)
+    packed, _ = _packed(case)
     expected = specdec.tree_attention(**packed, return_lse=True, backend="torch")
     N, Hq, D = packed["q"].shape
     out, lse = poison_(torch.empty(N, Hq, D, device=DEVICE)), poison_(torch.empty(N, Hq, device=DEVICE))
@@ -140,7 +148,7 @@ def test_kv_append_index_views(backend, name, layout):
     k_new, v_new = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
     expected_k, expected_v = k.clone(), v.clone()
     reference.kv_append(expected_k, expected_v, k_new, v_new, lens, table)
-    device = DEVICE if backend != "torch" else "cpu"
+    device = device_of(backend)
     args = dict(cache_lens=lens, block_table=table)
     gap = 1 if name == "cache_lens" else spare_block(table, k.shape[0])
     args = {n: as_view(x, gap, layout, device) if n == name else x.to(device) for n, x in args.items()}
@@ -157,8 +165,7 @@ ROLLBACK_VIEWS = [("cache_lens", torch.int32, "gaps", 1), ("accepted_nodes", tor
 
 
 @pytest.mark.parametrize("plan", [False, True], ids=["kv_rollback", "RollbackPlan"])
-@pytest.mark.parametrize("name,dtype,layout,gap", ROLLBACK_VIEWS,
-                         ids=[f"{n}-{str(d)[6:]}-{l}" for n, d, l, _ in ROLLBACK_VIEWS])
+@pytest.mark.parametrize("name,dtype,layout,gap", ROLLBACK_VIEWS, ids=[view_id(*v) for v in ROLLBACK_VIEWS])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_kv_rollback_index_views(backend, name, dtype, layout, gap, plan):
     """The rolled-back caches equal the reference's; cache_lens, a view, holds the new lengths, its gaps untouched."""
@@ -168,7 +175,7 @@ def test_kv_rollback_index_views(backend, name, dtype, layout, gap, plan):
     paths, num_accepted = random_paths(B, T, gen)
     expected_k, expected_v, expected_lens = k.clone(), v.clone(), lens.clone()
     reference.kv_rollback([expected_k], [expected_v], expected_lens, paths, num_accepted, table)
-    device = DEVICE if backend != "torch" else "cpu"
+    device = device_of(backend)
     gap = spare_block(table, k.shape[1]) if gap is None else gap
     args = dict(cache_lens=lens, accepted_nodes=paths, num_accepted=num_accepted, block_table=table)
     args = {n: as_view(x.to(dtype), gap, layout, device) if n == name else x.to(device) for n, x in args.items()}
