@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from specdec.integrations import flashinfer, sglang, vllm
+from specdec.sampling import processed_logits
 from tests.stats import assert_law, chi_square_pvalue
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -146,6 +147,25 @@ def test_flashinfer_accepted_counter_skips_the_first_rejected_position():
 # ----------------------------------------------------------------------------------------------
 # vLLM
 # ----------------------------------------------------------------------------------------------
+class _BonusSampler:
+    """vLLM's Sampler as its rejection sampler calls it for the bonus tokens (duck-typed): the argmax of greedy
+    requests, else a draw from the processed law (temperature, top-k, top-p) of the bonus rows; it records its
+    calls."""
+    logprobs_mode = "raw_logprobs"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+        self.calls.append((logits.clone(), sampling_metadata.max_num_logprobs, predict_bonus_token))
+        if sampling_metadata.all_greedy:
+            return vllm.SamplerOutput(logits.argmax(-1, keepdim=True))
+        t = sampling_metadata.temperature.view(-1, 1)
+        kept = processed_logits(logits.float(), sampling_metadata.temperature, sampling_metadata.top_k,
+                                sampling_metadata.top_p)
+        return vllm.SamplerOutput(torch.multinomial(torch.softmax(kept / t, -1), 1))
+
+
 def _vllm_inputs(spec_tokens, target_ids, bonus_ids, V=20):
     """vLLM's model-runner layout: per request its draft rows then its bonus row in `logits`; metadata and a
     greedy SamplingMetadata, duck-typed. target_ids[b][i]: the argmax at request b's position i."""
@@ -159,13 +179,25 @@ def _vllm_inputs(spec_tokens, target_ids, bonus_ids, V=20):
         rows.append(bonus_ids[b])
     logits = torch.full((len(rows), V), -100.0)
     logits[torch.arange(len(rows)), torch.tensor(rows)] = 100.0
-    metadata = SimpleNamespace(draft_token_ids=torch.tensor([t for s in spec_tokens for t in s], dtype=torch.int32),
-                               num_draft_tokens=num, cu_num_draft_tokens=torch.tensor(num).cumsum(0).int(),
-                               target_logits_indices=torch.tensor(target_idx, dtype=torch.int64),
-                               bonus_logits_indices=torch.tensor(bonus_idx, dtype=torch.int64))
-    greedy = SimpleNamespace(temperature=None, all_greedy=True, all_random=False, top_k=None, top_p=None,
-                             generators={})
-    return metadata, logits, greedy
+    metadata = _vllm_metadata(torch.tensor([t for s in spec_tokens for t in s], dtype=torch.int32), num,
+                              torch.tensor(target_idx, dtype=torch.int64), torch.tensor(bonus_idx, dtype=torch.int64))
+    return metadata, logits, _sampled_metadata(len(num), None)
+
+
+def _vllm_metadata(draft, num, target_idx, bonus_idx):
+    """vLLM's SpecDecodeMetadata, duck-typed."""
+    return SimpleNamespace(draft_token_ids=draft, num_draft_tokens=num, max_spec_len=max(num, default=0),
+                           cu_num_draft_tokens=torch.tensor(num, dtype=torch.int64).cumsum(0).int(),
+                           cu_num_sampled_tokens=(torch.tensor(num, dtype=torch.int64) + 1).cumsum(0).int(),
+                           target_logits_indices=target_idx, bonus_logits_indices=bonus_idx)
+
+
+def _sampled_metadata(B, temperature, generators=None, **filters):
+    """vLLM's SamplingMetadata, duck-typed (temperature None: all greedy)."""
+    return SimpleNamespace(temperature=None if temperature is None else torch.full((B,), float(temperature)),
+                           all_greedy=temperature is None, all_random=temperature is not None,
+                           top_k=filters.get("top_k"), top_p=filters.get("top_p"), generators=generators or {},
+                           max_num_logprobs=None)
 
 
 @pytest.mark.parametrize("spec,target,bonus,expected", [
@@ -174,21 +206,40 @@ def _vllm_inputs(spec_tokens, target_ids, bonus_ids, V=20):
     ([[1, 2], [3]], [[1, 2], [3]], [5, 4], [[1, 2, 5], [3, 4, -1]]),  # several sequences
     ([[]], [[]], [5], [[5]]),  # no drafts: the bonus alone
     ([[1, 2, 3], [4, 5]], [[1, 2, 7], [4, 8]], [6, 9], [[1, 2, 7, -1], [4, 8, -1, -1]]),  # several mismatches
+    ([[1, -1, 3], [4, 5]], [[1, 2, 3], [4, 5]], [6, 9], [[1, 2, -1, -1], [4, 5, 9, -1]]),  # a placeholder is rejected
 ])
 def test_vllm_greedy_cases(spec, target, bonus, expected):
     metadata, logits, greedy = _vllm_inputs(spec, target, bonus)
-    out = vllm.RejectionSampler().forward(metadata, None, logits, greedy).sampled_token_ids
-    assert out.dtype == torch.int32 and out.tolist() == expected
-    # the module-level function, with the bonus given and the target's probabilities
-    probs = torch.softmax(logits[metadata.target_logits_indices], -1)
+    sampler = _BonusSampler()
+    output = vllm.RejectionSampler(sampler).forward(metadata, None, logits, greedy)
+    out = output.sampled_token_ids
+    assert out.dtype == torch.int32 and out.tolist() == expected and output.logprobs_tensors is None
+    # the bonus comes from the sampler, asked as vLLM asks it: the bonus rows, no logprobs, predict_bonus_token
+    (bonus_rows, max_num_logprobs, predict_bonus_token), = sampler.calls
+    assert torch.equal(bonus_rows, logits[metadata.bonus_logits_indices])
+    assert max_num_logprobs == -1 and predict_bonus_token
+    # the module-level function, with the bonus given and the target's (processed) logits
     got = vllm.rejection_sample(metadata.draft_token_ids, metadata.num_draft_tokens, max(map(len, spec)),
-                                metadata.cu_num_draft_tokens, None, probs, torch.tensor(bonus).view(-1, 1), greedy)
+                                metadata.cu_num_draft_tokens, None, logits[metadata.target_logits_indices],
+                                torch.tensor(bonus).view(-1, 1), greedy)
     assert got.tolist() == expected
+    assert vllm.RejectionSampler.parse_output(out, 20, [0]) == ([[]] + [[t for t in row if t >= 0]
+                                                                       for row in expected[1:]], None)
 
 
-def _sampled_metadata(B, temperature, generators=None, **filters):
-    return SimpleNamespace(temperature=torch.full((B,), temperature), all_greedy=False, all_random=True,
-                           top_k=filters.get("top_k"), top_p=filters.get("top_p"), generators=generators or {})
+def test_vllm_sampled_placeholder_is_rejected_and_its_token_follows_the_target():
+    """A placeholder draft (-1) ends the request's accepted drafts at its position; the token there follows p."""
+    gen = torch.Generator().manual_seed(3)
+    B, V = 4000, 6
+    p, q = _laws(gen, V)
+    draft = torch.tensor([int(torch.multinomial(q.float(), 1, generator=gen)), -1] * B, dtype=torch.int32)
+    for draft_probs in (None, q.float().expand(2 * B, V).contiguous()):
+        out = vllm.rejection_sample(draft, [2] * B, 2, torch.arange(1, B + 1).int() * 2, draft_probs,
+                                    p.float().log().expand(2 * B, V).contiguous(), torch.zeros(B, 1, dtype=torch.int64),
+                                    _sampled_metadata(B, 1.0))
+        accepted = out[:, 1] >= 0
+        assert (out[accepted, 2] == -1).all() and (out[~accepted, 1] == -1).all()
+        assert_law(out[accepted, 1], p, f"vllm, token at a placeholder, draft_probs {draft_probs is not None}")
 
 
 def test_vllm_rejection_sample_follows_the_target_law():
@@ -201,7 +252,8 @@ def test_vllm_rejection_sample_follows_the_target_law():
             draft = torch.multinomial(q.float(), B * k, replacement=True, generator=gen).int()
             bonus = torch.multinomial(p.float(), B, replacement=True, generator=gen).view(B, 1)
             return vllm.rejection_sample(draft, [k] * B, k, torch.arange(1, B + 1).int() * k, draft_probs,
-                                         p.float().expand(B * k, V).contiguous(), bonus, _sampled_metadata(B, 1.0))
+                                         p.float().log().expand(B * k, V).contiguous(), bonus,
+                                         _sampled_metadata(B, 1.0))
 
         pairs = _two_tokens(step)
         assert_law(pairs[:, 0] * V + pairs[:, 1], (p[:, None] * p).flatten(),
@@ -216,33 +268,48 @@ def test_vllm_forward_samples_at_temperature_with_top_k_and_seeded_requests_repe
     logits = target_logits.float().expand(B * (k + 1), V).contiguous()
     idx = torch.arange(B * (k + 1)).view(B, k + 1)
 
-    def metadata_of(draft):
-        return SimpleNamespace(draft_token_ids=draft, num_draft_tokens=[k] * B,
-                               cu_num_draft_tokens=torch.arange(1, B + 1).int() * k,
-                               target_logits_indices=idx[:, :k].reshape(-1), bonus_logits_indices=idx[:, k])
+    def metadata_of(draft, rows=B):
+        return _vllm_metadata(draft[:rows * k], [k] * rows, idx[:rows, :k].reshape(-1), idx[:rows, k])
 
     def step(_):
         draft = torch.multinomial(q.float(), B * k, replacement=True, generator=gen).int()
-        return vllm.RejectionSampler().forward(metadata_of(draft), q.float().expand(B * k, V).contiguous(), logits,
-                                               _sampled_metadata(B, t)).sampled_token_ids
+        return vllm.RejectionSampler(_BonusSampler()).forward(
+            metadata_of(draft), q.float().expand(B * k, V).contiguous(), logits,
+            _sampled_metadata(B, t)).sampled_token_ids
 
     pairs = _two_tokens(step)
     p = torch.softmax(target_logits / t, -1)
     assert_law(pairs[:, 0] * V + pairs[:, 1], (p[:, None] * p).flatten(), "vllm forward, two tokens")
-    metadata = metadata_of(torch.multinomial(q.float(), B * k, replacement=True, generator=gen).int())
-    top = vllm.RejectionSampler().forward(metadata, q.float().expand(B * k, V).contiguous(), logits,
-                                          _sampled_metadata(B, t, top_k=torch.full((B,), 2))).sampled_token_ids
-    allowed = set(torch.topk(target_logits, 2).indices.tolist())
-    assert set(top[top >= 0].tolist()) <= allowed  # (the accepted drafts as well as the drawn tokens)
-    small = SimpleNamespace(draft_token_ids=metadata.draft_token_ids[:8 * k], num_draft_tokens=[k] * 8,
-                            cu_num_draft_tokens=metadata.cu_num_draft_tokens[:8],
-                            target_logits_indices=idx[:8, :k].reshape(-1), bonus_logits_indices=idx[:8, k])
-    runs = [vllm.RejectionSampler().forward(
-        small, q.float().expand(8 * k, V).contiguous(), logits,
+    draft = torch.multinomial(q.float(), B * k, replacement=True, generator=gen).int()
+    for draft_probs in (q.float().expand(B * k, V).contiguous(), None):
+        top = vllm.RejectionSampler(_BonusSampler()).forward(
+            metadata_of(draft), draft_probs, logits, _sampled_metadata(B, t, top_k=torch.full((B,), 2))
+        ).sampled_token_ids
+        allowed = set(torch.topk(target_logits, 2).indices.tolist())
+        assert set(top[top >= 0].tolist()) <= allowed  # (the accepted drafts as well as the drawn tokens)
+    runs = [vllm.RejectionSampler(_BonusSampler()).forward(
+        metadata_of(draft, 8), q.float().expand(8 * k, V).contiguous(), logits,
         _sampled_metadata(8, 1.0, {i: torch.Generator().manual_seed(100 + i) for i in range(0, 8, 2)}))
-        .sampled_token_ids for _ in range(6)]
+        .sampled_token_ids[:, :k] for _ in range(6)]  # (the bonus is the sampler's draw)
     assert all(torch.equal(r[::2], runs[0][::2]) for r in runs)  # the seeded requests repeat
     assert any(not torch.equal(r[1::2], runs[0][1::2]) for r in runs)  # the others are random
+
+
+@pytest.mark.parametrize("method", ["fly", "synthetic"])
+def test_vllm_lossy_methods_are_refused_by_name(method):
+    with pytest.raises(ValueError, match=f"^spec_config: rejection_sample_method '{method}'"):
+        vllm.RejectionSampler(_BonusSampler(), SimpleNamespace(rejection_sample_method=method))
+    vllm.RejectionSampler(_BonusSampler(), SimpleNamespace(rejection_sample_method="standard"))
+
+
+def test_vllm_draft_ids_other_than_the_placeholder_are_refused():
+    metadata, logits, greedy = _vllm_inputs([[1, -2]], [[1, 2]], [3])
+    with pytest.raises(ValueError, match=r"^draft_token_ids: must be in \[0, 20\) or the placeholder -1"):
+        vllm.RejectionSampler(_BonusSampler()).forward(metadata, None, logits, greedy)
+    metadata.draft_token_ids = torch.tensor([1, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^draft_token_ids: "):
+        vllm.rejection_sample(metadata.draft_token_ids, [2], 2, metadata.cu_num_draft_tokens, None,
+                              logits[:2], torch.tensor([[3]]), greedy)
 
 
 # ----------------------------------------------------------------------------------------------
