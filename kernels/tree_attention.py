@@ -107,7 +107,7 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, capacity: int, sm_count: int) -> int:
     """Number of prefix splits: enough programs to fill the GPU, from shapes only (never cache_lens)."""
-    programs = batch * kv_heads * row_tiles
+    programs = max(1, batch * kv_heads * row_tiles)  # (an empty batch launches nothing)
     wanted = PROGRAMS_PER_SM * sm_count // programs  # the most splits that still fit in one wave
     return max(1, min(wanted, triton.cdiv(capacity, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
 
