@@ -12,7 +12,7 @@ same key. `deterministic` is accepted and has no effect (specdec is always deter
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -49,12 +49,13 @@ def _row_streams(generator, seed, offset, B, dev):
     return seeds, _per_row("offset", offset, B, dev)
 
 
-def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
+def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
                                maybe_output_accepted_token_num: Optional[torch.Tensor] = None,
                                maybe_output_emitted_draft_token_num: Optional[torch.Tensor] = None,
                                deterministic: bool = True, generator: Optional[torch.Generator] = None,
                                seed: Optional[Union[int, torch.Tensor]] = None,
-                               offset: Optional[Union[int, torch.Tensor]] = None):
+                               offset: Optional[Union[int, torch.Tensor]] = None
+                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify B chains of S draft tokens.
 
     draft_probs (B, S, V): the drafter's law at each draft position. draft_token_ids (B, S) int. target_probs
