@@ -308,8 +308,9 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
   const int32_t* mask = mask_rows.data_ptr<int32_t>();
   const int32_t* n = nn.data_ptr<int32_t>();
   std::vector<int64_t> first_row(B);
+  const Tensor offsets = packed ? row_offsets->to(at::kLong).contiguous() : Tensor();  // (a view: read by index)
   for (int64_t b = 0; b < B; ++b) {
-    first_row[b] = packed ? row_offsets->to(at::kLong).data_ptr<int64_t>()[b] : b * T;
+    first_row[b] = packed ? offsets.data_ptr<int64_t>()[b] : b * T;
     TORCH_CHECK_VALUE(!packed || (first_row[b] >= 0 && first_row[b] + n[b] <= q.size(0)), "row_offsets: request "
                       "b's rows row_offsets[b] .. + num_nodes[b] - 1 must be in [0, ", q.size(0), ")");
   }

@@ -88,13 +88,8 @@ def test_tree_attention_index_views(backend, name, dtype, layout, window_left):
     check_against_reference(actual, case, window_left=window_left)
 
 
-# the C++ op reads an int64 cu_num_nodes view's offsets as if contiguous (its tree_mask check then fails)
-CPP_PACKED_VIEW = pytest.mark.xfail(strict=True, reason="csrc: row_offsets view read without its stride")
-
-
 @pytest.mark.parametrize("backend,dtype", [
-    pytest.param(backend, dtype, id=f"{backend}-{str(dtype).removeprefix('torch.')}",
-                 marks=CPP_PACKED_VIEW if (backend, dtype) == ("cpp", torch.int64) else ())
+    pytest.param(backend, dtype, id=f"{backend}-{str(dtype).removeprefix('torch.')}")
     for backend in ALL_BACKENDS for dtype in (torch.int32, torch.int64)])
 def test_packed_tree_attention_offsets_view(backend, dtype):
     """cu_num_nodes as a view (int64: row_offsets, its first B entries, reach the kernels as a view too); gaps 0."""
