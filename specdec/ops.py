@@ -119,14 +119,30 @@ SCHEMAS = {name: spec.schema for name, spec in OPS.items()}
 # registration
 # ----------------------------------------------------------------------------------------------
 def _load_cpp() -> bool:
+    """Loads the C++ ops (loading the library runs TORCH_LIBRARY(specdec, ...)): specdec._C as built at
+    install, else the one compiled on first use from the sources a wheel built without torch ships (cached;
+    SPECDEC_JIT=0 skips it). Without them CPU tensors use the reference backend, with a warning."""
     try:
-        importlib.import_module("specdec._C")  # loading the library runs TORCH_LIBRARY(specdec, ...)
+        importlib.import_module("specdec._C")
+        return True
     except ImportError as exc:
-        reason = "not built" if getattr(exc, "name", None) == "specdec._C" else f"failed to load: {exc}"
-        warnings.warn(f"specdec: C++ extension specdec._C {reason}; CPU tensors use the PyTorch reference "
-                      "backend. Reinstall with `pip install --no-build-isolation -e .` to build it.", stacklevel=3)
-        return False
-    return True
+        from . import _cpp_build
+        if getattr(exc, "name", None) != "specdec._C":
+            reason = f"failed to load: {exc}"
+        elif not _cpp_build.sources(_cpp_build.SHIPPED_SOURCES):
+            reason = "not built"
+        elif os.environ.get("SPECDEC_JIT") == "0":
+            reason = "not built (SPECDEC_JIT=0 skips compiling it on first use)"
+        else:
+            try:
+                _cpp_build.load()
+                return True
+            except Exception as build_error:  # no compiler, no Python headers, a read-only cache: any of them
+                reason = f"could not be compiled on first use: {str(build_error)[-2000:]}"
+    warnings.warn(f"specdec: C++ extension specdec._C {reason}; CPU tensors use the PyTorch reference backend. "
+                  "Build it ahead of time with `pip install --no-build-isolation .` (`-e .` in a checkout).",
+                  stacklevel=3)
+    return False
 
 
 HAS_CPP = _load_cpp()
@@ -284,7 +300,8 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     i's draft token (tokens[:, 0], the root, is unused). parents: (B, T) int. draft_logits: (B, T, V) or
     None: the drafter's logits at each node, whose softmax at the same temperature is the law node's
     children were drawn from (i.i.d.); None means the children are given proposals. temperature: None/0
-    (greedy), a float, or (B,) floats, 0 = greedy per request. seeds: (B,) int64 (None draws seeds from
+    (greedy), a float, or (B,) floats, finite and >= 0; below 1e-5 (reference.GREEDY_BELOW: 0, tiny and
+    subnormal values) a request is greedy, as vLLM's, so the mask's guarantee holds at every temperature. seeds: (B,) int64 (None draws seeds from
     torch's generator). offset: the position in the request's random stream, an int for the whole batch
     or a (B,) int tensor on the device, one per request (e.g. each request's own step counter: an
     engine updates it in place, so a captured CUDA graph draws fresh numbers at every replay, and a
