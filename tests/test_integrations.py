@@ -3,8 +3,9 @@
 Behaviours pinned by the peers' own tests (rewritten here, not copied): FlashInfer's docstring example, its
 one-hot and -1 layout checks and its counters; vLLM's greedy cases (perfect match, early mismatch, several
 sequences, an empty one), seeded determinism, top-k; SGLang's greedy tree example and its sampled twin. Then
-what the peers do not test: the output law (chi-square) of every sampled entry point, SGLang's repeated siblings
-(where its own kernel is biased: a simulation of its rule fails the same test), and the errors.
+what the peers do not test: the output law (chi-square) of every sampled entry point (SGLang's chain verifier
+token-wise and block, with a negative control), FlashInfer's per-row seeds and its counter, SGLang's repeated
+siblings (where its own kernel is biased: a simulation of its rule fails the same test), and the errors.
 """
 from __future__ import annotations
 
@@ -472,11 +473,14 @@ def sglang_chain_case(gen, n, V=4):
                 retrive_index=torch.arange(n * N).view(n, N),
                 retrive_next_token=torch.tensor([1, 2, -1]).expand(n, N).contiguous(),
                 retrive_next_sibling=torch.full((n, N), -1),
-                uniform_samples=torch.rand(n, N, generator=gen), uniform_samples_for_final_sampling=torch.rand(n, generator=gen),
-                target_probs=torch.stack((p0.expand(n, V), P1[x1], torch.full((n, V), 1.0 / V, dtype=torch.float64)), 1).float(),
+                uniform_samples=torch.rand(n, N, generator=gen),
+                uniform_samples_for_final_sampling=torch.rand(n, generator=gen),
+                target_probs=torch.stack((p0.expand(n, V), P1[x1], torch.full_like(P1[x1], 1.0 / V)), 1).float(),
                 draft_probs=torch.stack((q0.expand(n, V), Q1[x1]), 1).float())
-    outputs = lambda: (torch.full((n * N,), -1, dtype=torch.int32), torch.full((n, N), -1, dtype=torch.int32),  # noqa: E731
-                       torch.zeros(n, dtype=torch.int32))
+
+    def outputs():
+        return (torch.full((n * N,), -1, dtype=torch.int32), torch.full((n, N), -1, dtype=torch.int32),
+                torch.zeros(n, dtype=torch.int32))
     return SimpleNamespace(p0=p0, P1=P1, q0=q0, Q1=Q1), args, outputs
 
 
