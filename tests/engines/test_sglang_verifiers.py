@@ -116,9 +116,9 @@ def test_chain_laws_and_accepted_length_against_sglangs_kernel(block):
         assert all(abs(m - expected) < 4 * v ** 0.5 for m, v in means.values()), (means, expected)
 
 
-def _random_trees(gen, bs, N, V, K):
+def _random_links(gen, bs, N, K):
     """SGLang-linked trees of N nodes and depth <= K - 1 (node i's parent among the earlier nodes, sibling lists in
-    a random order), flat indices b * N + i, small vocabulary so that tokens match often."""
+    a random order), flat indices b * N + i."""
     next_token = torch.full((bs, N), -1)
     next_sibling = torch.full((bs, N), -1)
     for b in range(bs):
@@ -134,15 +134,59 @@ def _random_trees(gen, bs, N, V, K):
                 next_token[b, v] = order[0]
             for a, c in zip(order, order[1:]):
                 next_sibling[b, a] = c
-    return (torch.randint(0, V, (bs, N), generator=gen), torch.arange(bs * N).view(bs, N), next_token, next_sibling,
-            torch.randint(0, V, (bs, N), generator=gen))
+    return torch.randint(0, 8, (bs, N), generator=gen), torch.arange(bs * N).view(bs, N), next_token, next_sibling
 
 
-def test_verify_tree_greedy_cpu_equals_sglangs_on_random_trees():
+def _eagle_links(gen, bs, N, K, monkeypatch):
+    """Trees as SGLang's EAGLE worker builds them: select_top_k_tokens over K - 1 draft steps of top-3 proposals
+    from random draft laws, organize_draft_results, then build_tree_kernel_efficient (routed to SGLang's Triton
+    tree builder, its XPU path: the CUDA and CPU builders cannot run here)."""
+    from sglang.kernels.ops.speculative import spec_tree
+    from sglang.srt.speculative import eagle_utils
+    from sglang.srt.speculative.spec_utils import select_top_k_tokens
+    monkeypatch.setattr(spec_tree, "_is_xpu", True)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # (its top-k selection is torch.compile'd)
+    V, topk, steps = 8, 3, K - 1
+    lists = ([], [], [])  # scores, tokens, parents per step
+    topk_p, topk_index = torch.softmax(torch.randn(bs, V, generator=gen) * 2, -1).topk(topk, -1)
+    hidden, scores = None, None
+    for i in range(steps):
+        _, hidden, scores, tree_info = select_top_k_tokens(i, topk_p, topk_index, hidden, scores, topk)
+        for collected, x in zip(lists, tree_info):
+            collected.append(x)
+        topk_p, topk_index = torch.softmax(torch.randn(bs * topk, V, generator=gen) * 2, -1).topk(topk, -1)
+    parent_list, top_scores_index, draft_tokens = eagle_utils.organize_draft_results(*lists, N)
+    seq_lens = torch.full((bs,), 5)
+    _, _, retrive_index, next_token, next_sibling, candidates = eagle_utils.build_tree_kernel_efficient(
+        torch.randint(0, V, (bs,), generator=gen), parent_list, top_scores_index, draft_tokens, seq_lens,
+        int(seq_lens.sum()), topk, steps, N)
+    return candidates.view(bs, N), retrive_index, next_token, next_sibling
+
+
+def _target_predict(gen, candidates, next_token, next_sibling):
+    """The target's argmax after each node: often the token of its first or second child (long accepted paths),
+    else a random token."""
+    bs, N = candidates.shape
+    target = torch.randint(0, 8, (bs, N), generator=gen)
+    for b in range(bs):
+        for i in range(N):
+            child, coin = int(next_token[b, i]), float(torch.rand(1, generator=gen))
+            if child >= 0 and coin < 0.7:
+                second = int(next_sibling[b, child])
+                target[b, i] = candidates[b, second if second >= 0 and coin > 0.45 else child]
+    return target
+
+
+@pytest.mark.parametrize("trees", ["random links", "EAGLE-built"])
+def test_verify_tree_greedy_cpu_equals_sglangs(trees, monkeypatch):
+    """Our verify_tree_greedy_cpu against SGLang's Triton greedy tree verifier (spec_tree.verify_tree_greedy_triton,
+    the walk of its CUDA and CPU ops) and sgl_kernel's CPU op where this build has it: every output equal."""
     from sglang.kernels.ops.speculative import spec_tree
     gen = torch.Generator().manual_seed(17)
-    bs, N, V, K = 40, 8, 3, 5
-    candidates, retrive_index, next_token, next_sibling, target_predict = _random_trees(gen, bs, N, V, K)
+    bs, N, K = 40, 8, 5
+    make = _random_links if trees == "random links" else lambda *a: _eagle_links(*a, monkeypatch)
+    candidates, retrive_index, next_token, next_sibling = make(gen, bs, N, K)
+    target_predict = _target_predict(gen, candidates, next_token, next_sibling)
     theirs = [("spec_tree.verify_tree_greedy_triton", spec_tree.verify_tree_greedy_triton)]
     if hasattr(torch.ops.sgl_kernel, "verify_tree_greedy_cpu"):
         theirs.append(("sgl_kernel.verify_tree_greedy_cpu", _sgl_kernel_speculative().verify_tree_greedy_cpu))
