@@ -5,8 +5,9 @@ Signatures equal SGLang's; the chain verifier is compared with SGLang's Triton c
 anything imports triton): equal outputs where the target rows are one-hot (the kernel has no greedy path; one-hot
 rows decide every test whatever the coins), both sampled laws equal the exact law (chi-square), and our mean
 accepted length is at least SGLang's, token-wise against token-wise and block against block. verify_tree_greedy_cpu
-is compared on random trees with SGLang's Triton greedy tree verifier (spec_tree.verify_tree_greedy_triton, the
-same walk as its CUDA and CPU ops) and with sgl_kernel's CPU op where this sgl_kernel build has it.
+is compared with SGLang's Triton greedy tree verifier (spec_tree.verify_tree_greedy_triton, the same walk as its CUDA
+and CPU ops; sgl_kernel's CPU op too where this sgl_kernel build has it: the CUDA wheel does not) on random links and
+on trees SGLang's own EAGLE code builds.
 """
 from __future__ import annotations
 
