@@ -10,9 +10,6 @@ The contract the properties check, for every op, backend and entry point (README
 Profiles (SPECDEC_FUZZ_PROFILE): "ci" (default: a few examples per property, `make test`) and "fuzz" (`make fuzz`,
 main() below: each property gets as many examples as its share of FUZZ_MINUTES allows). The seed is
 SPECDEC_FUZZ_SEED (tests/conftest.py draws one per session and prints it; set it to repeat a run).
-
-KNOWN_DEFECT[n]: the xfail marks of the properties that find known defect n (see the suite's report); remove one
-when its fix lands.
 """
 from __future__ import annotations
 
@@ -24,9 +21,8 @@ import pickle
 import struct
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Optional
 
-import pytest
 import torch
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
@@ -49,18 +45,6 @@ PROFILE = os.environ.get("SPECDEC_FUZZ_PROFILE", "ci")
 settings.load_profile(PROFILE)
 SEED = int(os.environ.get("SPECDEC_FUZZ_SEED", "0"))  # conftest sets it per session before the workers start
 
-DEFECTS = {
-    1: "Triton tree_attention ignores the strides of cache_lens / int32 num_nodes",
-    2: "Triton accept emits a masked token at tiny temperatures (t < 1e-5 is to mean greedy everywhere)",
-    3: "huge finite logits (fp32 3e38, fp64 1e300) break the sampling law",
-    4: "cpp truncates int64 index tensors (tokens, accepted_nodes) before its checks",
-    5: "num_nodes 2**32 + 2 (int64) is read as 2",
-    6: "greedy on fp32 target_probs picks the smaller of two close probabilities (cpp, Triton)",
-    7: "kv_rollback's aliasing check misses overlapping views and stride-0 expands",
-    8: "int32 overflow of positions near 2**31 (kv_rollback's cache_lens, Triton's window)",
-    9: "wrong exception types (ZeroDivisionError, AttributeError, IndexError, RuntimeError) or valid input refused",
-}
-KNOWN_DEFECT = {n: pytest.mark.xfail(strict=False, reason=f"defect {n}: {what}") for n, what in DEFECTS.items()}
 
 
 def fuzz(test):
@@ -69,7 +53,7 @@ def fuzz(test):
 
 
 BACKENDS = ["torch", "cpp", "triton"] if specdec.ops.HAS_CPP else ["torch", "triton"]
-GREEDY_BELOW = 1e-5  # a temperature below this is greedy on every backend (the decision of defect 2)
+GREEDY_BELOW = specdec.reference.GREEDY_BELOW  # a temperature below this (1e-5 as a float32) is greedy everywhere
 
 # ----------------------------------------------------------------------------------------------
 # the sandbox: the backends under test in a process of their own

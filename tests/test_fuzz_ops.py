@@ -13,7 +13,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from specdec import reference
-from tests.fuzz_strategies import (BACKENDS, GREEDY_BELOW, KNOWN_DEFECT, accept_cases, append_cases, assert_storages_equal,
+from tests.fuzz_strategies import (BACKENDS, GREEDY_BELOW, accept_cases, append_cases, assert_storages_equal,
                                    assert_untouched, assert_well_formed_error, attention_cases, build_tree_cases,
                                    first_word, fuzz, is_root_path, op_argument_names, rollback_cases, run_on)
 from tests.helpers import TOL
