@@ -20,7 +20,7 @@ $(PY):
 
 # the newest pip, setuptools and wheel, as a user's environment has them (a new venv brings old ones), so that
 # the install takes the path users take; then the package, its C++ ops compiled against the torch present
-$(STAMP): $(PY) setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
+$(STAMP): $(PY) setup.py pyproject.toml specdec/_cpp_build.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PIP) --upgrade pip setuptools wheel
 	$(PIP) $(DEPS)
 	$(PIP) --no-build-isolation -e .

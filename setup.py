@@ -1,55 +1,76 @@
 """Build and install specdec: the Python package, the Triton kernels (as specdec.kernels) and the
-C++ CPU ops (specdec._C). Build against the torch already installed:
+C++ CPU ops (specdec._C, compiled from csrc/).
 
-    pip install --no-build-isolation -e .
+    pip install .                            # any environment with torch (an engine's): torch is kept as is
+    pip install --no-build-isolation -e .    # development: the C++ ops built now, against the installed torch
 
-The build fails when torch cannot be imported (an isolated build environment has none): install torch
-first and build with --no-build-isolation, or set SPECDEC_NO_CPP=1 to skip the C++ extension on purpose
-(the package then runs on the PyTorch reference backend on CPU).
-The extension is compiled for the build machine's CPU (-march=native); SPECDEC_CPU_ARCH=<arch> (e.g.
-x86-64-v3) builds for another target, SPECDEC_CPU_ARCH= (empty) for the compiler's default.
+Where torch can be imported at build time (--no-build-isolation), the C++ ops are compiled now, against it.
+In pip's default isolated build there is no torch (and none is fetched: it would be another multi-GB build,
+not the one the package loads), so the wheel is pure Python and carries csrc/ as specdec/csrc/: the package
+compiles the C++ ops against the torch in use on first import, once, into a cache (specdec/_cpp_build.py).
+SPECDEC_BUILD_CPP=1 requires the build now (it fails without torch); SPECDEC_NO_CPP=1 skips it (the wheel
+then compiles on first use like an isolated build's). The flags: specdec/_cpp_build.py (-march=native by
+default; SPECDEC_CPU_ARCH=<arch>, e.g. x86-64-v3, for another target, SPECDEC_CPU_ARCH= for none).
 """
-import glob
+import importlib.util
 import os
-import platform
 import shutil
 import sys
+from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
-ext_modules, cmdclass = [], {}
-
-
-def cpu_arch_flags():
-    """-march for the C++ ops: the build machine's own ISA by default (the extension is compiled where
-    it is installed), so at::vec uses AVX2/AVX-512 where present. SPECDEC_CPU_ARCH=<arch> picks another
-    target (e.g. x86-64-v3 for a portable AVX2 build); SPECDEC_CPU_ARCH= (empty) adds no flag."""
-    arch = os.environ.get("SPECDEC_CPU_ARCH", "native")
-    if not arch or platform.machine().lower() not in ("x86_64", "amd64", "aarch64") or os.name == "nt":
-        return []
-    return [f"-march={arch}"]
+ROOT = Path(__file__).resolve().parent
 
 
-if os.environ.get("SPECDEC_NO_CPP") != "1":
+def _cpp_build():
+    """specdec/_cpp_build.py (the compiler flags), loaded by path: importing specdec needs torch."""
+    spec = importlib.util.spec_from_file_location("_specdec_cpp_build", ROOT / "specdec" / "_cpp_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildPyWithSources(build_py):
+    """Also copies csrc/ into the built package as specdec/csrc/, the sources of the build on first use. An
+    editable install maps specdec/ to the checkout, which builds the C++ ops ahead of time instead."""
+
+    def run(self):
+        super().run()
+        if not self.editable_mode:
+            target = Path(self.build_lib) / "specdec" / "csrc"
+            target.mkdir(parents=True, exist_ok=True)
+            for path in sorted(ROOT.glob("csrc/*.cpp")) + sorted(ROOT.glob("csrc/*.h")):
+                shutil.copyfile(path, target / path.name)
+
+
+def cpp_extension():
+    """(ext_modules, build_ext command) of the C++ ops compiled now, or ([], None) when they are left to the
+    first use: torch cannot be imported here (pip's isolated build) or SPECDEC_NO_CPP=1."""
+    if os.environ.get("SPECDEC_NO_CPP") == "1":
+        return [], None
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError as exc:
-        sys.exit(f"setup.py: the C++ ops (specdec._C) are compiled against the installed torch, but torch cannot be "
-                 f"imported here ({exc}). Install torch first, then build without isolation: "
-                 "`pip install --no-build-isolation -e .` (or `.`). SPECDEC_NO_CPP=1 builds without the C++ ops.")
-    else:
-        sources = sorted(glob.glob("csrc/*.cpp"))
-        if sources:
-            openmp = ["-fopenmp"]  # without it at::parallel_for silently runs on one thread
-            # -Wno-*: noise from ATen's vec headers (CUDA/clang pragmas, GCC 12 on AVX-512 intrinsics)
-            quiet = ["-Wno-unknown-pragmas", "-Wno-maybe-uninitialized"]
-            ext_modules.append(CppExtension(
-                "specdec._C", sources,
-                depends=sorted(glob.glob("csrc/*.h")),
-                extra_compile_args=["-O3", "-g0", *quiet, *openmp, *cpu_arch_flags()],
-                extra_link_args=openmp))
-            # ninja compiles the translation units in parallel and only the changed ones
-            cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
+        if os.environ.get("SPECDEC_BUILD_CPP") == "1":
+            sys.exit(f"setup.py: SPECDEC_BUILD_CPP=1 compiles the C++ ops (specdec._C) against the installed torch, "
+                     f"but torch cannot be imported here ({exc}). Install torch first, then build without "
+                     "isolation: `pip install --no-build-isolation .`")
+        print("setup.py: torch is not importable in this build environment (pip's build isolation): the C++ ops "
+              "ship as sources and compile on first use", file=sys.stderr)
+        return [], None
+    flags = _cpp_build()
+    sources = [str(Path(p).relative_to(ROOT)) for p in flags.sources(ROOT / "csrc")]
+    extension = CppExtension("specdec._C", sources,
+                             depends=[str(Path(p).relative_to(ROOT)) for p in flags.headers(ROOT / "csrc")],
+                             extra_compile_args=flags.compile_args(), extra_link_args=list(flags.OPENMP))
+    # ninja compiles the translation units in parallel and only the changed ones
+    return [extension], BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
+
+
+ext_modules, build_ext = cpp_extension()
+cmdclass = {"build_py": BuildPyWithSources, **({"build_ext": build_ext} if build_ext else {})}
 
 setup(
     name="specdec",
@@ -62,8 +83,8 @@ setup(
     package_data={"specdec": ["assets/*/*"]},
     python_requires=">=3.9",
     # every import of the package at run time (the CLI loads safetensors checkpoints)
-    # (numpy: torch warns at every start without it)
-    install_requires=["torch>=2.4", "safetensors>=0.4", "numpy"],
+    # (numpy: torch warns at every start without it; ninja: torch's builder of the C++ ops on first use)
+    install_requires=["torch>=2.4", "safetensors>=0.4", "numpy", "ninja"],
     # optional: Triton kernels (GPU, or CPU through TRITON_INTERPRET=1), progress bars, Hugging Face tokenizers
     # and the comparison rows of the end-to-end benchmark; without them those features are skipped
     extras_require={"triton": ["triton>=3.0"], "progress": ["tqdm"], "hf": ["transformers"],
