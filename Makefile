@@ -65,7 +65,7 @@ engine-envs:
 
 test-engines: engine-envs
 	@rc=0; for env in $(ENGINE_ENVS); do \
-	  files=$$(grep -l "^venv: $$env$$" tests/engines/test_*.py 2>/dev/null); \
+	  files=$$(grep -lw "venv: $$env" tests/engines/test_*.py 2>/dev/null); \
 	  [ -n "$$files" ] || continue; \
 	  echo "### $$env: $$files"; \
 	  TRITON_INTERPRET=1 .venv-engines/$$env/bin/python -m pytest -q -p no:cacheprovider $$files $(PYTEST_ARGS) || rc=1; \

@@ -1,10 +1,11 @@
 """Drop-in entry points with the peers' own signatures, argument order, dtypes, in-place outputs and return
 layouts: swapping the import is the integration.
 
-  specdec.integrations.flashinfer.chain_speculative_sampling       (flashinfer.sampling)
-  specdec.integrations.sglang.verify_tree_greedy,
-  specdec.integrations.sglang.tree_speculative_sampling_target_only (sgl_kernel)
-  specdec.integrations.vllm.RejectionSampler, rejection_sample      (vllm.v1.sample.rejection_sampler)
+  specdec.integrations.flashinfer.chain_speculative_sampling       (flashinfer.sampling, 0.7.4)
+  specdec.integrations.sglang.chain_speculative_sampling_triton,
+  specdec.integrations.sglang.verify_tree_greedy, verify_tree_greedy_cpu,
+  specdec.integrations.sglang.tree_speculative_sampling_target_only (SGLang 0.5.23's speculative ops)
+  specdec.integrations.vllm.RejectionSampler, rejection_sample      (vllm.v1.sample.rejection_sampler, 0.33)
 
 None of them imports its peer. Each maps the peer's layout onto `specdec.accept` (probabilities in, the same
 output law); where the peer takes its randomness from outside (uniform samples, a torch.Generator), the entry
