@@ -1,0 +1,287 @@
+"""vLLM 0.34's model-runner-v2 rejection sampler (`vllm.v1.worker.gpu.spec_decode.rejection_sampler`) on
+specdec.accept. The module imports without vllm; vllm is imported when a RejectionSampler is built.
+
+`RejectionSampler(sampler, spec_config, device, *, watermark_key=None)` and
+`__call__(logits, input_batch, draft_logits=None) -> SamplerOutput` are vLLM's (same signatures, vLLM's own
+SamplerOutput, the same sampled / num_sampled / num_rejected / logprobs layouts), so the model runner can build
+it in place of its own (specdec.integrations.vllm_plugin does that).
+
+What changes is the verification. vLLM first materializes every request's processed fp32 logits
+(`sampler.apply_sampling_params`, chunked at 1 GB) and then runs its rejection kernels on them. Here accept
+reads the model's logits rows in place (packed form, `cu_num_nodes`) and fuses temperature, top-k, top-p and
+min-p, for every request whose law they define. The vLLM sampler it was given processes, on those requests'
+rows only, the requests that need more:
+  - requests that one of the sampler's logits processors modifies (logit bias, penalties, bad words, custom
+    processors) or that a thinking budget can force: recorded as the sampler admits them
+    (`Sampler.add_request`; the runner builds its rejection sampler before any request arrives);
+  - sampled requests with both min-p and top-p: vLLM applies min-p before top-k / top-p, accept after them,
+    and with top-p the two orders keep different sets;
+  - sampled requests with a filter (top-k, top-p, min-p) when draft logits are given: vLLM's drafter draws
+    from softmax(draft_logits / t), unfiltered, while accept would filter the draft's law like the target's.
+Those rows are then verified at temperature 1 against draft_logits / t: vLLM's law exactly.
+The grammar bitmask is not the sampler's in vLLM 0.34: the runner applies it to the logits in place before
+this call, so the rows read here are already masked.
+
+The rules are vLLM's: greedy requests (temperature 0; vLLM maps t < 1e-5 to 0, as specdec does) keep drafts
+while they equal the target's argmax; sampled ones use token-wise rejection sampling ("standard") or block
+verification ("block"), against the cached draft logits (`DraftLogitsCache`, pre-temperature) when given, else
+against the proposals as one-hot drafts. A draft id of -1 (a placeholder, `gather_draft_sampled`) is rejected at
+its position. num_sampled / num_rejected are vLLM's (`get_num_sampled_and_rejected`), and logprobs are
+computed by vLLM's own `_get_logprobs_tensors` on the logits vLLM would use (the raw ones, or the processed ones
+for the processed modes, materialized only then).
+Randomness: request b draws from specdec's stream (sampling_states.seeds[b], pos of its first logits row), so
+its draws are deterministic per (seed, position), as vLLM's are; they are not vLLM's numbers.
+
+Refused (a ValueError naming the setting): rejection_sample_method "synthetic" and "fly" (lossy),
+watermark_key, enable_adaptive_verification, and a batch-sharded DraftLogitsCache.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+import specdec
+
+LOSSLESS_METHODS = {"standard": "token", "block": "block"}
+LOSSY_METHODS = ("synthetic", "fly")
+
+
+class RejectionSampler:
+    """vLLM MRv2's RejectionSampler, verifying with specdec.accept (see the module docstring)."""
+
+    def __init__(self, sampler, spec_config, device: torch.device, *, watermark_key: Optional[int] = None):
+        method = spec_config.rejection_sample_method
+        if method in LOSSY_METHODS:
+            raise ValueError(f"spec_config.rejection_sample_method: {method!r} is not supported: 'synthetic' and "
+                             "'fly' are lossy (they change the output law); use 'standard' or 'block'")
+        if method not in LOSSLESS_METHODS:
+            raise ValueError(f"spec_config.rejection_sample_method: expected one of 'standard', 'block', got "
+                             f"{method!r}")
+        if watermark_key is not None:
+            raise ValueError("watermark_key: watermarked verification is not supported; use vLLM's "
+                             "RejectionSampler with watermarking")
+        if spec_config.enable_adaptive_verification:
+            raise ValueError("spec_config.enable_adaptive_verification: not supported (it compacts the logits "
+                             "rows behind cu_num_logits_np)")
+        self.sampler = sampler
+        self.watermark_key = watermark_key
+        self.num_speculative_steps = spec_config.num_speculative_tokens
+        self.enable_adaptive_verification = False
+        self.method = LOSSLESS_METHODS[method]
+        self.device = device
+        # per request state: whether a logits processor or the thinking budget modifies its logits
+        max_num_reqs = sampler.sampling_states.max_num_reqs
+        self._processor_active = []
+        for processor in (*sampler.logits_processors, sampler.thinking_budget_state):
+            active = np.zeros(max_num_reqs, dtype=bool)
+            processor.add_request = _recording(processor.add_request, active)
+            self._processor_active.append(active)
+
+    def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None):
+        from vllm.config.model import PROCESSED_LOGPROBS_MODES
+        from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+        from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput, SamplingMaskTensors
+        from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler as VllmRejectionSampler
+        from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
+
+        sampler = self.sampler
+        # (before any processing, as vLLM counts them)
+        num_nans = get_num_nans(logits) if sampler.compute_nans else None
+        draft_sampled, pos = gather_draft_sampled(
+            input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
+            input_batch.expanded_idx_mapping, input_batch.expanded_local_pos, sampler.req_states.prefill_len.gpu)
+        batch = _Batch(self, logits, input_batch, draft_logits, draft_sampled, pos)
+
+        B, T = input_batch.num_reqs, self.num_speculative_steps + 1
+        sampled = torch.full((B, T), -1, dtype=torch.int64, device=logits.device)
+        num_sampled = torch.zeros(B, dtype=torch.int32, device=logits.device)
+        fused = ~batch.routed
+        if fused.any():
+            self._verify(batch, logits, batch.all_rows, fused, processed=False, out=(sampled, num_sampled))
+        if batch.routed.any():
+            routed_reqs = np.flatnonzero(batch.routed)
+            rows = batch.rows_of(routed_reqs)
+            processed = batch.processed_logits(routed_reqs, rows)
+            self._verify(batch, processed, rows, batch.routed, processed=True, out=(sampled, num_sampled))
+        if sampler.trace_replay_state is not None:
+            sampler.trace_replay_state.apply_trace_to_verified(
+                sampled, num_sampled, draft_sampled, input_batch.cu_num_logits, input_batch.idx_mapping)
+
+        logprobs_dims = sampler.get_logprobs_dims(input_batch.idx_mapping_np)
+        wants_processed = (logprobs_dims is not None and sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES
+                           or sampler.return_sampling_mask)
+        all_processed = batch.processed_logits(np.arange(B), batch.all_rows) if wants_processed else None
+        logprobs_tensors = VllmRejectionSampler._get_logprobs_tensors(
+            self, sampled, num_sampled,
+            all_processed if sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES else logits,
+            input_batch.cu_num_logits, input_batch.cu_num_logits_np, input_batch.expanded_idx_mapping,
+            logprobs_dims)
+        sampling_mask_tensors = None
+        if sampler.return_sampling_mask:
+            max_num_kept = int(np.max(sampler.sampling_states.top_k.np[input_batch.idx_mapping_np]))
+            sampling_mask_tensors = SamplingMaskTensors.from_logits(
+                all_processed, input_batch.cu_num_logits, num_sampled, max_num_kept, T)
+
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping,
+            sampler.req_states.prefill_len.gpu)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors, num_nans=num_nans,
+                             num_sampled=num_sampled, num_rejected=num_rejected,
+                             sampling_mask_tensors=sampling_mask_tensors)
+
+    def _verify(self, batch: "_Batch", target: torch.Tensor, rows: np.ndarray, reqs: np.ndarray, *,
+                processed: bool, out) -> None:
+        """Verify the requests `reqs` (a (B,) bool mask) with one accept call on `target`, whose row r is the
+        batch's logits row rows[r] (the rows of whole requests, in batch order), and write their sampled tokens
+        and counts into out = (sampled (B, T), num_sampled (B,)).
+
+        The call's requests (accept's segments) are the batch's requests, each cut after its first row when
+        its drafts are placeholders (vLLM emits then one token, from that row); the cut-off rows and the
+        requests not in `reqs` ride along as greedy segments whose results are dropped. With processed rows
+        (vLLM's processing applied, temperature included) a sampled request is verified at temperature 1,
+        unfiltered, against draft_logits / t."""
+        dev = target.device
+        seg = batch.segments(rows, reqs)
+        seg_req = torch.from_numpy(seg.req).to(dev)
+        real = torch.from_numpy(seg.real).to(dev)
+        rows_t = torch.from_numpy(rows).to(dev)
+        tokens = batch.draft_sampled[rows_t].clamp(min=0)  # placeholders lie only in dropped segments
+        temperature = batch.temperature[seg_req]
+        sampling = real & (temperature != 0)
+        if processed:
+            temperature = sampling.float()  # (the processed rows carry the temperature)
+            filters = {}
+        else:
+            temperature = torch.where(real, temperature, 0.0)
+            filters = batch.filters(seg_req, seg.req)
+        draft = batch.draft_rows(rows_t, tokens, seg, dev)
+        if draft is not None and processed:
+            row_temperature = batch.temperature[seg_req].repeat_interleave(torch.from_numpy(seg.length).to(dev))
+            draft = draft.float() / torch.where(row_temperature > 0, row_temperature, 1.0).unsqueeze(1)
+        res = specdec.accept(target, tokens, torch.from_numpy(seg.parents).to(dev), draft_logits=draft,
+                             temperature=temperature, seeds=batch.seeds[seg_req], offset=batch.pos[rows_t][
+                                 torch.from_numpy(seg.start).to(dev)], method=self.method,
+                             cu_num_nodes=torch.from_numpy(seg.cu).to(dev), max_nodes=self.num_speculative_steps + 1,
+                             **filters)
+        # emitted tokens of a chain: the accepted drafts (rows start + 1 ..), then the next token
+        T = self.num_speculative_steps + 1
+        i = torch.arange(T, device=dev)
+        num = res.num_accepted.long().unsqueeze(1)
+        draft_rows = (torch.from_numpy(seg.start).to(dev).unsqueeze(1) + 1 + i).clamp(max=len(rows) - 1)
+        emitted = torch.where(i < num, tokens[draft_rows], torch.where(i == num, res.next_tokens.unsqueeze(1), -1))
+        keep = torch.from_numpy(np.flatnonzero(seg.real)).to(dev)
+        out[0][seg_req[keep]] = emitted[keep]
+        out[1][seg_req[keep]] = (res.num_accepted[keep] + 1).to(out[1].dtype)
+
+
+def _recording(add_request, active: np.ndarray):
+    """A processor's add_request that also records, per request state, whether the processor modifies it."""
+    def add_request_recorded(req_idx, sampling_params):
+        active[req_idx] = modifies = add_request(req_idx, sampling_params)
+        return modifies
+    return add_request_recorded
+
+
+class _Segments:
+    """accept's requests over some rows: per segment its request (batch index), whether its results are kept,
+    its first row and length (host); cu (segments + 1,) and parents (rows,) within the segment."""
+
+    def __init__(self, req, real, start, length):
+        self.req, self.real, self.start, self.length = req, real, start, length
+        self.cu = np.concatenate([[0], np.cumsum(length)]).astype(np.int64)
+        self.parents = np.arange(int(self.cu[-1]), dtype=np.int64) - np.repeat(start, length) - 1
+
+
+class _Batch:
+    """One call's requests, as vLLM's runner gives them, with their sampling parameters."""
+
+    def __init__(self, rs: RejectionSampler, logits, input_batch, draft_logits, draft_sampled, pos):
+        sampler, states = rs.sampler, rs.sampler.sampling_states
+        self.sampler, self.input_batch, self.draft_sampled, self.pos = sampler, input_batch, draft_sampled, pos
+        self.logits, self.method = logits, rs.method
+        self.vocab_size = logits.shape[1]
+        idx_np = input_batch.idx_mapping_np
+        idx = input_batch.idx_mapping
+        self.cu_np = input_batch.cu_num_logits_np.astype(np.int64)
+        self.all_rows = np.arange(int(self.cu_np[-1]), dtype=np.int64)
+        self.temperature = states.temperature.gpu[idx].float()
+        self.seeds = states.seeds.gpu[idx]
+        self.top_k_np, self.top_p_np = states.top_k.np[idx_np], states.top_p.np[idx_np]
+        self.min_p_np = states.min_p.np[idx_np]
+        self.top_k, self.top_p, self.min_p = states.top_k.gpu[idx], states.top_p.gpu[idx], states.min_p.gpu[idx]
+        self.draft_logits = draft_logits
+        if draft_logits is not None:
+            if draft_logits.row_mapping is not None:
+                raise ValueError("draft_logits: a batch-sharded DraftLogitsCache is not supported")
+            if draft_logits.values.shape[-1] != self.vocab_size:
+                raise ValueError(f"draft_logits: vocabulary {draft_logits.values.shape[-1]} differs from the "
+                                 f"target's {self.vocab_size}")
+        sampling = states.temperature.np[idx_np] != 0
+        filtered = (self.top_k_np < states.vocab_size) | (self.top_p_np < 1) | (self.min_p_np > 0)
+        by_processor = np.zeros(len(idx_np), dtype=bool)
+        for active in rs._processor_active:
+            by_processor |= active[idx_np]
+        self.routed = (by_processor | sampling & (self.min_p_np > 0) & (self.top_p_np < 1)
+                       | sampling & filtered & (draft_logits is not None))
+        # Placeholders (-1 drafts) only fill the steps of requests still in their prefill: read them (a host
+        # sync) only for batches that have some.
+        self.placeholder = np.zeros(len(idx_np), dtype=bool)
+        if input_batch.has_prefill:
+            row_placeholder = (draft_sampled < 0).cpu().numpy()
+            self.placeholder = np.logical_or.reduceat(row_placeholder, self.cu_np[:-1]) & (np.diff(self.cu_np) > 0)
+
+    def rows_of(self, reqs: np.ndarray) -> np.ndarray:
+        return np.concatenate([np.arange(self.cu_np[b], self.cu_np[b + 1]) for b in reqs])
+
+    def segments(self, rows: np.ndarray, reqs: np.ndarray) -> _Segments:
+        """The segments over `rows` (whole requests, batch order), keeping the requests of the mask `reqs`."""
+        req, real, start, length = [], [], [], []
+        pos = 0
+        for b in np.unique(np.searchsorted(self.cu_np, rows, side="right") - 1):
+            n = int(self.cu_np[b + 1] - self.cu_np[b])
+            head = 1 if self.placeholder[b] else n
+            for part_start, part_len, kept in ((pos, head, reqs[b]), (pos + head, n - head, False)):
+                if part_len:
+                    req.append(b), real.append(kept), start.append(part_start), length.append(part_len)
+            pos += n
+        return _Segments(np.array(req, dtype=np.int64), np.array(real, dtype=bool), np.array(start, dtype=np.int64),
+                         np.array(length, dtype=np.int64))
+
+    def filters(self, seg_req: torch.Tensor, seg_req_np: np.ndarray) -> dict:
+        """accept's top_k / top_p / min_p per segment, each left out when off for all of them."""
+        out = {}
+        if np.any(self.top_k_np[seg_req_np] < self.vocab_size):
+            out["top_k"] = self.top_k[seg_req]
+        if np.any(self.top_p_np[seg_req_np] < 1):
+            out["top_p"] = self.top_p[seg_req]
+        if np.any(self.min_p_np[seg_req_np] > 0):
+            out["min_p"] = self.min_p[seg_req]
+        return out
+
+    def draft_rows(self, rows_t: torch.Tensor, tokens: torch.Tensor, seg: _Segments, dev) -> Optional[torch.Tensor]:
+        """accept's draft_logits for the rows: the cached pre-temperature draft logits of each row's step, or, for
+        block verification without them, the proposals as one-hot logits (0 at the next row's token)."""
+        ib = self.input_batch
+        if self.draft_logits is not None:
+            values = self.draft_logits.values
+            step = ib.expanded_local_pos[rows_t].long().clamp(max=values.shape[1] - 1)  # (a last row has no draft)
+            return values[ib.expanded_idx_mapping[rows_t].long(), step]
+        if self.method != "block":
+            return None
+        next_token = torch.roll(tokens, -1)  # (the last row's entry is unused; it only keeps the row finite)
+        one_hot = torch.full((len(tokens), self.vocab_size), float("-inf"), device=dev)
+        return one_hot.scatter_(1, next_token.unsqueeze(1), 0.0)
+
+    def processed_logits(self, reqs: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        """vLLM's processed fp32 logits (its sampler's apply_sampling_params) of the requests reqs, whose rows
+        are `rows`."""
+        ib, rows_t = self.input_batch, torch.from_numpy(rows).to(self.logits.device)
+        reqs_t = torch.from_numpy(reqs).to(self.logits.device)
+        processed = self.sampler.apply_sampling_params(
+            self.logits[rows_t], ib.expanded_idx_mapping[rows_t], ib.idx_mapping[reqs_t], ib.idx_mapping_np[reqs],
+            self.pos[rows_t], self.draft_sampled[rows_t], ib.expanded_local_pos[rows_t],
+            ib.seq_lens_cpu_upper_bound.numpy()[reqs])
+        return processed.float()

@@ -1,0 +1,361 @@
+"""specdec.integrations.vllm_mrv2.RejectionSampler against vLLM 0.34's own model-runner-v2 RejectionSampler,
+on vLLM's real objects (SpeculativeConfig, Sampler with its states, InputBatch, DraftLogitsCache, SamplerOutput),
+vLLM's Triton kernels running under TRITON_INTERPRET=1. venv: vllm-0.34.0.
+
+vLLM's kernels are slow under the interpreter (about 0.1 s per request), so its sampled runs are small; the laws
+of both are checked against the exact law, and the mean accepted lengths against each other with a statistical
+margin (the two implement the same verifier, so their means are equal in expectation).
+
+On a machine without a GPU: vLLM's Triton kernels run under TRITON_INTERPRET=1 with the NVIDIA driver marked
+active before vllm is imported (vLLM switches Triton off otherwise), and vLLM's host-to-device buffers use
+their explicit-copy fallback without pinned memory, top-k / top-p masking takes its PyTorch path (vLLM's own on
+CPUs), and libdevice.log1p, a stub under the interpreter, is tl.log(1 + x).
+"""
+import importlib.util
+import inspect
+import math
+import os
+import sys
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # (not importorskip: vllm is imported below, after the driver is marked active)
+    pytest.skip("vllm is not installed (venv: vllm-0.34.0)", allow_module_level=True)
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    from triton.backends import backends
+
+    backends["nvidia"].driver.is_active = staticmethod(lambda: True)
+
+import vllm.v1.worker.gpu.buffer_utils as buffer_utils  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+
+if not torch.cuda.is_available():
+    buffer_utils.is_uva_available = lambda: False
+    buffer_utils.is_pin_memory_available = lambda: False
+    current_platform.device_type = "cpu"
+    import vllm.utils.torch_utils as torch_utils
+
+    torch_utils.PIN_MEMORY = False
+    # vLLM's Triton top-k/top-p kernel does not run under the interpreter: its PyTorch path (vLLM's on CPUs)
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp_sampler
+
+    topk_topp_sampler.HAS_TRITON = False
+    # libdevice's functions are stubs under the interpreter; the rejection kernels' one, log1p, from tl.log
+    import triton.language as tl
+    import triton.language.extra.libdevice as libdevice
+
+    libdevice.log1p = lambda x: tl.log(1.0 + x)
+
+from vllm.config import SpeculativeConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.worker.gpu.input_batch import InputBatch  # noqa: E402
+from vllm.v1.worker.gpu.sample.sampler import Sampler  # noqa: E402
+from vllm.v1.worker.gpu.sample.output import SamplerOutput  # noqa: E402
+from vllm.v1.worker.gpu.spec_decode import rejection_sampler as vllm_rs  # noqa: E402
+from vllm.v1.worker.gpu.spec_decode.draft_logits import DraftLogitsCache  # noqa: E402
+from vllm.v1.worker.gpu.states import RequestState  # noqa: E402
+
+from specdec.integrations import vllm_mrv2, vllm_plugin  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from stats import assert_law, chi_square_pvalue  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PREFILL_LEN = 4
+
+
+def make_spec_config(num_drafts: int, method: str = "standard") -> SpeculativeConfig:
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=num_drafts, prompt_lookup_max=3,
+                             prompt_lookup_min=1, rejection_sample_method=method)
+
+
+def make_sampler(num_reqs: int, vocab_size: int, num_drafts: int) -> Sampler:
+    """The runner's Sampler (load_model's arguments) over its own RequestState."""
+    req_states = RequestState(num_reqs, 64, num_reqs * (num_drafts + 1), num_drafts, vocab_size, DEVICE)
+    return Sampler(VllmConfig(), num_reqs, vocab_size, DEVICE, req_states, num_speculative_tokens=num_drafts + 1)
+
+
+def admit(sampler: Sampler, params: list) -> None:
+    """Admit requests 0.. with these SamplingParams, past their prefill of PREFILL_LEN tokens, as the runner
+    does (add_request, then the staged writes)."""
+    for i, p in enumerate(params):
+        sampler.add_request(i, p)
+        sampler.req_states.prefill_len.np[i] = PREFILL_LEN
+    sampler.req_states.prefill_len.copy_to_uva()
+    sampler.apply_staged_writes()
+
+
+def decode_batch(last_tokens: torch.Tensor, drafts: torch.Tensor, start: int = PREFILL_LEN) -> InputBatch:
+    """A decode step's InputBatch as the runner builds it: request b (request state b) feeds its last sampled
+    token then its drafts at positions start, start + 1, ...; every token is a logits row. A start below
+    PREFILL_LEN makes the drafts placeholders (the batch then has a prefill)."""
+    B, k = drafts.shape
+    n = k + 1
+    N = B * n
+    input_ids = torch.cat([last_tokens.view(B, 1), drafts], 1).reshape(-1).to(torch.int32).to(DEVICE)
+    positions = (start + torch.arange(n)).repeat(B).to(torch.int64).to(DEVICE)
+    idx_np = np.arange(B, dtype=np.intp)
+    cu_np = np.arange(0, N + 1, n, dtype=np.int32)
+    seq_lens_np = np.full(B, start + n, dtype=np.int32)
+    prefilling = np.full(B, start < PREFILL_LEN)
+    query_start_loc = torch.from_numpy(cu_np).to(DEVICE)
+    return InputBatch(
+        req_ids=[f"req{b}" for b in range(B)], num_reqs=B, num_reqs_after_padding=B,
+        idx_mapping=torch.arange(B, device=DEVICE), idx_mapping_np=idx_np,
+        expanded_idx_mapping=torch.arange(B, device=DEVICE).repeat_interleave(n),
+        expanded_local_pos=torch.arange(n, dtype=torch.int32).repeat(B).to(DEVICE),
+        num_scheduled_tokens=np.full(B, n, dtype=np.int32), num_tokens=N, num_tokens_after_padding=N,
+        num_draft_tokens=B * k, num_draft_tokens_per_req=np.full(B, k, dtype=np.int32),
+        query_start_loc=query_start_loc, query_start_loc_np=cu_np.copy(),
+        seq_lens=torch.from_numpy(seq_lens_np).to(DEVICE), seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens_np),
+        dcp_local_seq_lens=None, num_computed_tokens_np=np.full(B, start, dtype=np.int32),
+        prefill_len_np=np.full(B, PREFILL_LEN, dtype=np.int32),
+        num_computed_prefill_tokens_np=np.full(B, min(start, PREFILL_LEN), dtype=np.int32),
+        is_prefilling_np=prefilling, has_prefill=bool(prefilling.any()), decode_graph_eligible=True,
+        input_ids=input_ids, positions=positions, is_padding=torch.zeros(N, dtype=torch.bool, device=DEVICE),
+        logits_indices=torch.arange(N, device=DEVICE), cu_num_logits=torch.from_numpy(cu_np).to(DEVICE),
+        cu_num_logits_np=cu_np, has_structured_output_reqs=False, prompt_lens=None)
+
+
+def draft_cache(draft_logits: torch.Tensor) -> DraftLogitsCache:
+    """A replicated DraftLogitsCache holding request b's pre-temperature draft logits of step j at [b, j]."""
+    B, k, V = draft_logits.shape
+    cache = DraftLogitsCache(B, k, V, dtype=torch.float32, fill=0.0, device=DEVICE)
+    cache.values.copy_(draft_logits)
+    return cache
+
+
+def _unannotated(sig: inspect.Signature) -> inspect.Signature:
+    """A signature's names, kinds and defaults (vLLM annotates with its own classes, which specdec cannot name
+    without importing vllm)."""
+    return sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+                       return_annotation=inspect.Signature.empty)
+
+
+@pytest.mark.parametrize("method", ["__init__", "__call__"])
+def test_signature_is_vllms(method):
+    ours = inspect.signature(getattr(vllm_mrv2.RejectionSampler, method))
+    theirs = inspect.signature(getattr(vllm_rs.RejectionSampler, method))
+    assert _unannotated(ours) == _unannotated(theirs)
+
+
+def _pair(num_reqs, vocab_size, num_drafts, params, method="standard"):
+    """(ours, vLLM's) rejection samplers over one real Sampler, built as the runner builds them (before any
+    request is admitted), then the requests admitted."""
+    sampler = make_sampler(num_reqs, vocab_size, num_drafts)
+    config = make_spec_config(num_drafts, method)
+    ours = vllm_mrv2.RejectionSampler(sampler, config, DEVICE)
+    theirs = vllm_rs.RejectionSampler(sampler, config, DEVICE)
+    admit(sampler, params)
+    return ours, theirs, sampler
+
+
+def _assert_same_output(ours, theirs):
+    """Same num_sampled / num_rejected, and the same tokens up to num_sampled (vLLM leaves the rest unwritten)."""
+    assert isinstance(ours, SamplerOutput)
+    assert torch.equal(ours.num_sampled, theirs.num_sampled)
+    assert torch.equal(ours.num_rejected, theirs.num_rejected)
+    valid = torch.arange(ours.sampled_token_ids.shape[1]) < ours.num_sampled.long().unsqueeze(1)
+    assert torch.equal(ours.sampled_token_ids[valid], theirs.sampled_token_ids[valid])
+
+
+def _greedy_batch(B, k, V, match):
+    """Logits and drafts where request b's first match[b] drafts equal the target's argmax."""
+    logits = torch.randn(B * (k + 1), V)
+    argmax = logits.view(B, k + 1, V).argmax(-1)
+    drafts = torch.randint(0, V, (B, k))
+    for b, m in enumerate(match):
+        drafts[b, :m] = argmax[b, :m]
+        if m < k:
+            drafts[b, m] = (argmax[b, m] + 1) % V
+    return logits, drafts
+
+
+def test_greedy_equals_vllm_with_filters_penalties_and_logprobs():
+    B, k, V = 4, 3, 16
+    params = [SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.0, top_k=3, top_p=0.9, logprobs=2),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7),
+              SamplingParams(temperature=0.0, logit_bias={5: 4.0, 7: -3.0})]
+    ours, theirs, _ = _pair(B, V, k, params)
+    for match in ([0, 1, 2, 3], [3, 3, 1, 0]):
+        logits, drafts = _greedy_batch(B, k, V, match)
+        batch = decode_batch(torch.randint(0, V, (B,)), drafts)
+        mine, vllms = ours(logits, batch), theirs(logits, batch)
+        _assert_same_output(mine, vllms)
+        for a, b in zip(mine.logprobs_tensors[:3], vllms.logprobs_tensors[:3]):
+            assert torch.equal(a, b)
+        assert mine.logprobs_tensors.cu_num_generated_tokens == vllms.logprobs_tensors.cu_num_generated_tokens
+
+
+def test_penalties_change_the_greedy_result_as_in_vllm():
+    """Negative control of the routing: the bias moves the argmax, so verifying without vLLM's processing
+    would differ."""
+    B, k, V = 1, 2, 8
+    ours, theirs, _ = _pair(B, V, k, [SamplingParams(temperature=0.0, logit_bias={3: 50.0})])
+    logits, drafts = _greedy_batch(B, k, V, [2])
+    batch = decode_batch(torch.zeros(B, dtype=torch.long), drafts)
+    mine = ours(logits, batch)
+    _assert_same_output(mine, theirs(logits, batch))
+    assert mine.sampled_token_ids[0, 0] == 3
+
+
+def test_placeholder_drafts_are_rejected_as_in_vllm():
+    """A step that starts inside the prefill (P/D's first step): its drafts are placeholders (-1), rejected at
+    their position; the request emits the target's token at its first row."""
+    B, k, V = 3, 2, 8
+    ours, theirs, _ = _pair(B, V, k, [SamplingParams(temperature=0.0)] * B)
+    logits, drafts = _greedy_batch(B, k, V, [2, 2, 2])
+    batch = decode_batch(torch.zeros(B, dtype=torch.long), drafts, start=PREFILL_LEN - 1)
+    mine = ours(logits, batch)
+    _assert_same_output(mine, theirs(logits, batch))
+    assert mine.num_sampled.tolist() == [1, 1, 1]
+
+
+def _sampled_run(rejection_sampler, B, base, draft_base, temperature, with_draft_logits, seed):
+    """One call over B copies of one request: target logits `base` (k + 1, V) and drafts drawn from
+    softmax(draft_base / t) (the drafter's law; draft_base (k, V)). Returns the SamplerOutput and the drafts."""
+    k, V = draft_base.shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(draft_base / temperature, -1)
+    drafts = torch.stack([torch.multinomial(q[j], B, replacement=True, generator=g) for j in range(k)], 1)
+    batch = decode_batch(torch.zeros(B, dtype=torch.long), drafts)
+    cache = draft_cache(draft_base.expand(B, k, V).contiguous()) if with_draft_logits else None
+    return rejection_sampler(base.repeat(B, 1), batch, cache), drafts
+
+
+def _assert_chain_law(out, drafts, laws, what):
+    """The emitted chain follows the target: token 1 ~ laws[0]; token j + 1 ~ laws[j] given the first j
+    emitted tokens are the drafts. Returns the p-values."""
+    tokens, num = out.sampled_token_ids, out.num_sampled.long()
+    pvalues = []
+    given = torch.ones(len(num), dtype=torch.bool)
+    for j, law in enumerate(laws):
+        rows = given & (num > j)
+        assert_law(tokens[rows, j], law, f"{what}: token {j + 1}")
+        pvalues.append(chi_square_pvalue(tokens[rows, j], law))
+        if j < drafts.shape[1]:
+            given = rows & (tokens[:, j] == drafts[:, j])
+    return pvalues
+
+
+def _mean_and_se(out):
+    n = out.num_sampled.double()
+    return n.mean().item(), n.std().item() / math.sqrt(len(n))
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_sampled_laws_and_acceptance_against_vllm(method, capsys):
+    """Temperature sampling against the cached draft logits: both laws are the exact law, and our mean number
+    of emitted tokens is at least vLLM's (within 4 standard errors: same verifier)."""
+    k, V, t = 2, 4, 0.8
+    base = torch.randn(k + 1, V) * 1.5
+    draft_base = base[:k] + torch.randn(k, V) * 0.8  # (a drafter close to the target)
+    laws = torch.softmax(base.double() / t, -1)
+    B_vllm, B_ours = 240, 4000
+    params = [SamplingParams(temperature=t, seed=1000 + i) for i in range(B_ours)]
+    ours, _, _ = _pair(B_ours, V, k, params, method)
+    _, theirs, _ = _pair(B_vllm, V, k, params[:B_vllm], method)
+    mine, my_drafts = _sampled_run(ours, B_ours, base, draft_base, t, True, seed=1)
+    vllms, vllm_drafts = _sampled_run(theirs, B_vllm, base, draft_base, t, True, seed=2)
+    p_ours = _assert_chain_law(mine, my_drafts, laws, f"specdec {method}")
+    p_vllm = _assert_chain_law(vllms, vllm_drafts, laws, f"vLLM {method}")
+    (m_ours, se_ours), (m_vllm, se_vllm) = _mean_and_se(mine), _mean_and_se(vllms)
+    assert m_ours >= m_vllm - 4 * math.hypot(se_ours, se_vllm)
+    if method == "standard":  # the exact mean: 1 + a1 + a1 a2, a_j = sum min(p_j, q_j)
+        q = torch.softmax(draft_base.double() / t, -1)
+        a = torch.minimum(laws[:k], q).sum(-1)
+        exact = 1 + a[0] + a[0] * a[1]
+        assert abs(m_ours - exact) < 4 * se_ours
+        assert abs(m_vllm - exact) < 4 * se_vllm
+    with capsys.disabled():
+        print(f"\n{method}: mean emitted specdec {m_ours:.3f} +- {se_ours:.3f} (B={B_ours}), vLLM {m_vllm:.3f} +- "
+              f"{se_vllm:.3f} (B={B_vllm}); p-values specdec {[f'{p:.3g}' for p in p_ours]}, vLLM "
+              f"{[f'{p:.3g}' for p in p_vllm]}")
+
+
+def _processed_law(sampler, base, params):
+    """vLLM's law of each row: softmax of its own processed logits (Sampler.apply_sampling_params) for a
+    request with these parameters."""
+    k = base.shape[0] - 1
+    idx = torch.zeros(1, dtype=torch.long)
+    processed = sampler.apply_sampling_params(
+        base.clone(), idx.repeat(k + 1), idx, np.zeros(1, dtype=np.intp), torch.arange(k + 1) + PREFILL_LEN,
+        torch.zeros(k + 1, dtype=torch.int32), torch.arange(k + 1, dtype=torch.int32),
+        np.array([PREFILL_LEN + k + 1], dtype=np.int32))
+    return torch.softmax(processed.double(), -1)
+
+
+@pytest.mark.parametrize("case", ["top_k_top_p_fused", "min_p_top_p_routed", "top_k_with_draft_logits_routed"])
+def test_sampled_law_with_filters_is_vllms(case):
+    """The filters: fused into accept (given proposals), or processed by vLLM's sampler where accept's law would
+    differ (min-p with top-p: vLLM applies min-p first; filters with draft logits: vLLM's drafter draws
+    unfiltered). The emitted chain follows vLLM's processed law."""
+    k, V, t = 2, 6, 0.9
+    param = {"top_k_top_p_fused": dict(top_k=4, top_p=0.8),
+             "min_p_top_p_routed": dict(min_p=0.2, top_p=0.7),
+             "top_k_with_draft_logits_routed": dict(top_k=3)}[case]
+    base, draft_base = torch.randn(k + 1, V) * 2, torch.randn(k, V) * 2
+    B = 3000 if case.endswith("fused") else 600  # (vLLM's processing runs under the interpreter)
+    ours, _, sampler = _pair(B, V, k, [SamplingParams(temperature=t, seed=i, **param) for i in range(B)])
+    laws = _processed_law(sampler, base, param)
+    mine, drafts = _sampled_run(ours, B, base, draft_base, t, case.endswith("draft_logits_routed"), seed=3)
+    _assert_chain_law(mine, drafts, laws, case)
+
+
+def test_min_p_with_top_p_keeps_vllms_set_not_accepts():
+    """Negative control of the min-p/top-p routing: on this row the two orders keep different sets."""
+    base = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    param = dict(min_p=0.6, top_p=0.5)
+    _, _, sampler = _pair(1, 4, 1, [SamplingParams(temperature=1.0, **param)])
+    vllm_kept = _processed_law(sampler, base.repeat(2, 1), param)[0] > 0
+    from specdec.sampling import keep_mask
+    accept_kept = keep_mask(base, 1.0, top_p=0.5, min_p=0.6)[0]
+    assert vllm_kept.tolist() == [True, False, False, False]
+    assert accept_kept.tolist() != vllm_kept.tolist()
+
+
+@pytest.mark.parametrize("method", ["synthetic", "fly"])
+def test_lossy_methods_are_refused(method):
+    extra = {"synthetic": dict(synthetic_acceptance_rates=[0.8, 0.6]), "fly": dict(fly_window_size=1)}[method]
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3,
+                                     prompt_lookup_min=1, rejection_sample_method=method, **extra)
+    with pytest.raises(ValueError, match=r"^spec_config\.rejection_sample_method: .*'synthetic' and 'fly'"):
+        vllm_mrv2.RejectionSampler(make_sampler(1, 8, 2), config, DEVICE)
+
+
+def test_watermark_key_is_refused():
+    with pytest.raises(ValueError, match="^watermark_key: "):
+        vllm_mrv2.RejectionSampler(make_sampler(1, 8, 2), make_spec_config(2), DEVICE, watermark_key=7)
+
+
+def test_module_imports_without_vllm():
+    import subprocess
+    code = ("import sys; sys.modules['vllm'] = None; import specdec.integrations.vllm_mrv2, "
+            "specdec.integrations.vllm_plugin as p; p.register(); print('ok')")
+    env = dict(os.environ, SPECDEC_VLLM_REJECTION_SAMPLER="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("setting", ["1", "0", None])
+def test_plugin_switches_the_runners_sampler(setting, monkeypatch):
+    """register() rebinds the name the runner's load_model builds its rejection sampler from, only with the
+    setting on."""
+    from vllm.v1.worker.gpu import model_runner
+    monkeypatch.setattr(model_runner, "RejectionSampler", vllm_rs.RejectionSampler)  # (restored afterwards)
+    if setting is None:
+        monkeypatch.delenv(vllm_plugin.ENV_SETTING, raising=False)
+    else:
+        monkeypatch.setenv(vllm_plugin.ENV_SETTING, setting)
+    vllm_plugin.register()
+    load_model = model_runner.GPUModelRunner.load_model
+    assert "RejectionSampler" in load_model.__code__.co_names  # load_model looks the name up at run time
+    built = load_model.__globals__["RejectionSampler"]
+    assert built is (vllm_mrv2.RejectionSampler if setting == "1" else vllm_rs.RejectionSampler)
