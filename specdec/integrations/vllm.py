@@ -142,7 +142,7 @@ def _chains(draft_token_ids, num_draft_tokens: Sequence[int], max_spec_len: int,
     tokens = torch.where(drafted, draft_token_ids.long()[flat] if draft_token_ids.numel() else 0, 0)
     placeholder = drafted & (tokens == PLACEHOLDER_TOKEN_ID)
     # (node i + 1 holds draft i: the chain stops before the first placeholder)
-    lengths = torch.where(placeholder, i - 1, num_drafts.unsqueeze(1)).amin(1) if T > 0 else num_drafts
+    lengths = torch.where(placeholder, i - 1, num_drafts.unsqueeze(1)).amin(1)
     return _Chains(starts, lengths, num_drafts, tokens.clamp(min=0),
                    torch.arange(-1, T - 1, device=dev).expand(B, T))
 
@@ -323,7 +323,7 @@ class RejectionSampler(nn.Module):
         logprobs_tensors = None
         if getattr(sampling_metadata, "max_num_logprobs", None) is not None:
             if self.is_processed_logprobs_mode:
-                target_logits = self._constrained(target_logits, temperature, top_k, top_p, num_draft)
+                target_logits = self._constrained(target_logits, sampling_metadata, temperature, num_draft)
             logprobs_tensors = self._get_logprobs_tensors(
                 sampling_metadata.max_num_logprobs, metadata, logits,
                 target_logits if self.is_processed_logprobs_mode else raw_target_logits,
@@ -331,16 +331,17 @@ class RejectionSampler(nn.Module):
         return _sampler_output(output_token_ids, logprobs_tensors)
 
     @staticmethod
-    def _constrained(target_logits, temperature, top_k, top_p, num_draft):
+    def _constrained(target_logits, sampling_metadata, temperature, num_draft):
         """vLLM's apply_sampling_constraints, materialized only for processed logprobs: logits / t (greedy rows
-        by 1), then vLLM's own top-k/top-p masking."""
+        by 1), then vLLM's own top-k/top-p masking; all-greedy batches keep their logits."""
         from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-        if temperature.eq(GREEDY_TEMPERATURE).all():
+        if sampling_metadata.all_greedy:
             return target_logits
         counts = torch.tensor(num_draft, device=target_logits.device)
-        per_token = [None if x is None else x.repeat_interleave(counts) for x in (temperature, top_k, top_p)]
-        t = torch.where(per_token[0] == GREEDY_TEMPERATURE, 1.0, per_token[0])
-        return apply_top_k_top_p(target_logits / t.unsqueeze(-1), per_token[1], per_token[2])
+        t, top_k, top_p = (None if x is None else x.repeat_interleave(counts)
+                           for x in (temperature, sampling_metadata.top_k, sampling_metadata.top_p))
+        return apply_top_k_top_p(target_logits / torch.where(t == GREEDY_TEMPERATURE, 1.0, t).unsqueeze(-1),
+                                 top_k, top_p)
 
     def _get_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits,
                               sampled_token_ids):
