@@ -250,10 +250,11 @@ def _mean_and_se(out):
     return n.mean().item(), n.std().item() / math.sqrt(len(n))
 
 
-@pytest.mark.parametrize("method", ["standard", "block"])
-def test_sampled_laws_and_acceptance_against_vllm(method, capsys):
-    """Temperature sampling against the cached draft logits: both laws are the exact law, and our mean number
-    of emitted tokens is at least vLLM's (within 4 standard errors: same verifier)."""
+@pytest.mark.parametrize("method,with_draft_logits", [("standard", True), ("block", True), ("block", False)])
+def test_sampled_laws_and_acceptance_against_vllm(method, with_draft_logits, capsys):
+    """Temperature sampling against the cached draft logits (or the proposals alone, one-hot): both laws are the
+    exact law, and our mean number of emitted tokens is at least vLLM's (within 4 standard errors: same
+    verifier)."""
     k, V, t = 2, 4, 0.8
     base = torch.randn(k + 1, V) * 1.5
     draft_base = base[:k] + torch.randn(k, V) * 0.8  # (a drafter close to the target)
@@ -262,22 +263,22 @@ def test_sampled_laws_and_acceptance_against_vllm(method, capsys):
     params = [SamplingParams(temperature=t, seed=1000 + i) for i in range(B_ours)]
     ours, _, _ = _pair(B_ours, V, k, params, method)
     _, theirs, _ = _pair(B_vllm, V, k, params[:B_vllm], method)
-    mine, my_drafts = _sampled_run(ours, B_ours, base, draft_base, t, True, seed=1)
-    vllms, vllm_drafts = _sampled_run(theirs, B_vllm, base, draft_base, t, True, seed=2)
+    mine, my_drafts = _sampled_run(ours, B_ours, base, draft_base, t, with_draft_logits, seed=1)
+    vllms, vllm_drafts = _sampled_run(theirs, B_vllm, base, draft_base, t, with_draft_logits, seed=2)
     p_ours = _assert_chain_law(mine, my_drafts, laws, f"specdec {method}")
     p_vllm = _assert_chain_law(vllms, vllm_drafts, laws, f"vLLM {method}")
     (m_ours, se_ours), (m_vllm, se_vllm) = _mean_and_se(mine), _mean_and_se(vllms)
     assert m_ours >= m_vllm - 4 * math.hypot(se_ours, se_vllm)
-    if method == "standard":  # the exact mean: 1 + a1 + a1 a2, a_j = sum min(p_j, q_j)
+    if method == "standard" and with_draft_logits:  # the exact mean: 1 + a1 + a1 a2, a_j = sum min(p_j, q_j)
         q = torch.softmax(draft_base.double() / t, -1)
         a = torch.minimum(laws[:k], q).sum(-1)
         exact = 1 + a[0] + a[0] * a[1]
         assert abs(m_ours - exact) < 4 * se_ours
         assert abs(m_vllm - exact) < 4 * se_vllm
     with capsys.disabled():
-        print(f"\n{method}: mean emitted specdec {m_ours:.3f} +- {se_ours:.3f} (B={B_ours}), vLLM {m_vllm:.3f} +- "
-              f"{se_vllm:.3f} (B={B_vllm}); p-values specdec {[f'{p:.3g}' for p in p_ours]}, vLLM "
-              f"{[f'{p:.3g}' for p in p_vllm]}")
+        print(f"\n{method}, draft logits {with_draft_logits}: mean emitted specdec {m_ours:.3f} +- {se_ours:.3f} "
+              f"(B={B_ours}), vLLM {m_vllm:.3f} +- {se_vllm:.3f} (B={B_vllm}); p-values specdec "
+              f"{[f'{p:.3g}' for p in p_ours]}, vLLM {[f'{p:.3g}' for p in p_vllm]}")
 
 
 def _processed_law(sampler, base, params):
@@ -296,12 +297,22 @@ def _processed_law(sampler, base, params):
 def test_sampled_law_with_filters_is_vllms(case):
     """The filters: fused into accept (given proposals), or processed by vLLM's sampler where accept's law would
     differ (min-p with top-p: vLLM applies min-p first; filters with draft logits: vLLM's drafter draws
-    unfiltered). The emitted chain follows vLLM's processed law."""
-    k, V, t = 2, 6, 0.9
-    param = {"top_k_top_p_fused": dict(top_k=4, top_p=0.8),
-             "min_p_top_p_routed": dict(min_p=0.2, top_p=0.7),
-             "top_k_with_draft_logits_routed": dict(top_k=3)}[case]
-    base, draft_base = torch.randn(k + 1, V) * 2, torch.randn(k, V) * 2
+    unfiltered). The emitted chain follows vLLM's processed law. The routed cases' rows are chosen so that
+    accept's own processing would give another law: min-p 0.5 then top-p 0.6 keeps tokens {0, 1} of
+    (.3, .25, .2, .15, .07, .03), top-p then min-p keeps {0, 1, 2}; with top-k 2 and the drafter's
+    (.25, .05, .34, .33, .02, .01), accept filtering the draft too would emit token 0 with probability .63, not
+    .3 / .55."""
+    k, V = 2, 6
+    base = torch.randn(k + 1, V) * 2
+    if case == "top_k_top_p_fused":
+        t, param, draft_base = 0.9, dict(top_k=4, top_p=0.8), torch.randn(k, V) * 2
+    elif case == "min_p_top_p_routed":
+        t, param, draft_base = 1.0, dict(min_p=0.5, top_p=0.6), torch.randn(k, V)
+        base = torch.log(torch.tensor([0.3, 0.25, 0.2, 0.15, 0.07, 0.03])).repeat(k + 1, 1)
+    else:
+        t, param = 1.0, dict(top_k=2)
+        base = torch.log(torch.tensor([0.3, 0.25, 0.2, 0.15, 0.07, 0.03])).repeat(k + 1, 1)
+        draft_base = torch.log(torch.tensor([0.25, 0.05, 0.34, 0.33, 0.02, 0.01])).repeat(k, 1)
     B = 3000 if case.endswith("fused") else 600  # (vLLM's processing runs under the interpreter)
     ours, _, sampler = _pair(B, V, k, [SamplingParams(temperature=t, seed=i, **param) for i in range(B)])
     laws = _processed_law(sampler, base, param)
