@@ -171,3 +171,47 @@ def test_sampled_laws_and_accepted_length_against_vllm(with_draft_probs):
         accepted[name] = ((first >= 0).sum(1) - 1).double()
     se = (accepted["vllm"].var() / B + accepted["specdec"].var() / B).sqrt()
     assert accepted["specdec"].mean() >= accepted["vllm"].mean() - 4 * se, accepted
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs", "raw_logits"])
+def test_logprobs_and_parse_output_equal_vllms(logprobs_mode, sampled, monkeypatch):
+    """vLLM's real Sampler supplies the bonus tokens from the bonus rows of the runner's layout (each request's
+    draft rows, then its bonus row). Greedy: the outputs, the logprobs of every output position and
+    parse_output's lists equal vLLM's. Sampled (temperature and top-k; the draws differ): every position's top
+    logprobs, which do not depend on the draw, equal vLLM's."""
+    # vLLM's Triton top-k/top-p asks the platform for its SM count, which a machine without a GPU lacks: vLLM's
+    # PyTorch top-k/top-p (the same masks) for both samplers
+    monkeypatch.setattr("vllm.v1.sample.ops.topk_topp_sampler.HAS_TRITON", False)
+    gen = torch.Generator().manual_seed(5)
+    spec, target_logits, _ = _greedy_batch(gen, B=8, V=16, k=3)
+    B, V = len(spec), 16
+    metadata = SpecDecodeMetadata.make_dummy(spec, device=target_logits.device)
+    logits = torch.randn(target_logits.shape[0] + B, V, generator=gen)
+    ends = metadata.cu_num_sampled_tokens.long()
+    metadata.bonus_logits_indices = (ends - 1).int()
+    metadata.target_logits_indices = torch.tensor(
+        [i for b, n in enumerate(metadata.num_draft_tokens) for i in range(int(ends[b]) - 1 - n, int(ends[b]) - 1)],
+        dtype=torch.int32)
+    logits[metadata.target_logits_indices.long()] = target_logits
+    filters = dict(temperature=torch.full((B,), 0.7), top_k=torch.full((B,), 5)) if sampled else {}
+    sampling = _sampling_metadata(B, max_num_logprobs=2, **filters)
+    got = ours.RejectionSampler(Sampler(logprobs_mode)).forward(metadata, None, logits.clone(), sampling)
+    want = vllm_rs.RejectionSampler(Sampler(logprobs_mode)).forward(metadata, None, logits.clone(), sampling)
+    if sampled:
+        for name in ("logprob_token_ids", "logprobs"):
+            assert torch.equal(getattr(got.logprobs_tensors, name)[:, 1:], getattr(want.logprobs_tensors, name)[:, 1:])
+        return
+    assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+    for name in ("logprob_token_ids", "logprobs", "selected_token_ranks"):
+        assert torch.equal(getattr(got.logprobs_tensors, name), getattr(want.logprobs_tensors, name)), name
+    discard = [1]
+    ours_lists, ours_logprobs = ours.RejectionSampler.parse_output(got.sampled_token_ids, V, discard,
+                                                                   got.logprobs_tensors)
+    vllm_lists, vllm_logprobs = vllm_rs.RejectionSampler.parse_output(want.sampled_token_ids, V, discard,
+                                                                      want.logprobs_tensors)
+    assert ours_lists == vllm_lists and type(ours_logprobs) is type(vllm_logprobs)
+    for a, b in zip(ours_logprobs, vllm_logprobs):
+        assert (a == b).all() if hasattr(a, "all") else a == b
+    assert ours.RejectionSampler.parse_output(got.sampled_token_ids, V) == (
+        vllm_rs.RejectionSampler.parse_output(want.sampled_token_ids, V))
