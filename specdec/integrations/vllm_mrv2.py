@@ -70,7 +70,6 @@ class RejectionSampler:
         self.num_speculative_steps = spec_config.num_speculative_tokens
         self.enable_adaptive_verification = False
         self.method = LOSSLESS_METHODS[method]
-        self.device = device
         # per request state: whether a logits processor or the thinking budget modifies its logits
         max_num_reqs = sampler.sampling_states.max_num_reqs
         self._processor_active = []
@@ -161,16 +160,16 @@ class RejectionSampler:
         if draft is not None and processed:
             row_temperature = batch.temperature[seg_req].repeat_interleave(torch.from_numpy(seg.length).to(dev))
             draft = draft.float() / torch.where(row_temperature > 0, row_temperature, 1.0).unsqueeze(1)
+        start = torch.from_numpy(seg.start).to(dev)
+        T = self.num_speculative_steps + 1
         res = specdec.accept(target, tokens, torch.from_numpy(seg.parents).to(dev), draft_logits=draft,
-                             temperature=temperature, seeds=batch.seeds[seg_req], offset=batch.pos[rows_t][
-                                 torch.from_numpy(seg.start).to(dev)], method=self.method,
-                             cu_num_nodes=torch.from_numpy(seg.cu).to(dev), max_nodes=self.num_speculative_steps + 1,
+                             temperature=temperature, seeds=batch.seeds[seg_req], offset=batch.pos[rows_t][start],
+                             method=self.method, cu_num_nodes=torch.from_numpy(seg.cu).to(dev), max_nodes=T,
                              **filters)
         # emitted tokens of a chain: the accepted drafts (rows start + 1 ..), then the next token
-        T = self.num_speculative_steps + 1
         i = torch.arange(T, device=dev)
         num = res.num_accepted.long().unsqueeze(1)
-        draft_rows = (torch.from_numpy(seg.start).to(dev).unsqueeze(1) + 1 + i).clamp(max=len(rows) - 1)
+        draft_rows = (start.unsqueeze(1) + 1 + i).clamp(max=len(rows) - 1)
         emitted = torch.where(i < num, tokens[draft_rows], torch.where(i == num, res.next_tokens.unsqueeze(1), -1))
         keep = torch.from_numpy(np.flatnonzero(seg.real)).to(dev)
         out[0][seg_req[keep]] = emitted[keep]
@@ -238,17 +237,17 @@ class _Batch:
 
     def segments(self, rows: np.ndarray, reqs: np.ndarray) -> _Segments:
         """The segments over `rows` (whole requests, batch order), keeping the requests of the mask `reqs`."""
-        req, real, start, length = [], [], [], []
-        pos = 0
-        for b in np.unique(np.searchsorted(self.cu_np, rows, side="right") - 1):
-            n = int(self.cu_np[b + 1] - self.cu_np[b])
-            head = 1 if self.placeholder[b] else n
-            for part_start, part_len, kept in ((pos, head, reqs[b]), (pos + head, n - head, False)):
-                if part_len:
-                    req.append(b), real.append(kept), start.append(part_start), length.append(part_len)
-            pos += n
-        return _Segments(np.array(req, dtype=np.int64), np.array(real, dtype=bool), np.array(start, dtype=np.int64),
-                         np.array(length, dtype=np.int64))
+        batch_reqs = np.unique(np.searchsorted(self.cu_np, rows, side="right") - 1)
+        n = self.cu_np[batch_reqs + 1] - self.cu_np[batch_reqs]
+        head = np.where(self.placeholder[batch_reqs], 1, n)
+        start = np.cumsum(n) - n
+        # per request: its head (kept if in reqs), then the rest of its rows (dropped), where not empty
+        req = np.stack([batch_reqs, batch_reqs], 1).ravel()
+        real = np.stack([reqs[batch_reqs], np.zeros_like(batch_reqs, dtype=bool)], 1).ravel()
+        starts = np.stack([start, start + head], 1).ravel()
+        length = np.stack([head, n - head], 1).ravel()
+        nonempty = length > 0
+        return _Segments(req[nonempty], real[nonempty], starts[nonempty], length[nonempty])
 
     def filters(self, seg_req: torch.Tensor, seg_req_np: np.ndarray) -> dict:
         """accept's top_k / top_p / min_p per segment, each left out when off for all of them."""

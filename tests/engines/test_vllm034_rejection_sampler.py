@@ -19,7 +19,8 @@ import sys
 
 import pytest
 
-if importlib.util.find_spec("vllm") is None:  # (not importorskip: vllm is imported below, after the driver is marked active)
+# (not importorskip: vllm is imported below, once the NVIDIA driver is marked active)
+if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (venv: vllm-0.34.0)", allow_module_level=True)
 
 os.environ["TRITON_INTERPRET"] = "1"
