@@ -13,8 +13,9 @@ logprobs_mode_override=...)`), applies vLLM's logits processors to the target ro
 mask, bad words with the drafts, min-tokens, thinking budget: vLLM's own functions), verifies, and returns
 logprobs when `sampling_metadata.max_num_logprobs` is set (through the sampler's `compute_logprobs` and
 `gather_logprobs`). The rest of vLLM's `apply_sampling_constraints` (temperature, top-k, top-p) is not
-materialized: it is fused into one accept call. vLLM 0.33 applies min-p to the bonus token only (its sampler
-does; the draft positions' law is temperature, top-k, top-p), and so does this module.
+materialized: it is fused into one accept call. vLLM 0.33's min-p and logit bias are logits processors that its
+rejection sampler leaves to the Sampler, so they reach the bonus token only (the draft positions' law is the
+processors above, then temperature, top-k, top-p); the same here.
 
 The rules are vLLM's: a greedy request (all_greedy, or temperature 0) keeps drafts while they equal the
 target's argmax, then emits the argmax (or the bonus); a sampled one accepts draft x with probability
