@@ -7,9 +7,9 @@ venv: vllm-0.33.0
 The shim: vLLM's test module imports RejectionSampler from vllm.v1.sample.rejection_sampler; that attribute is
 specdec's class while the module is imported (and vLLM's again after); vLLM's helper module
 tests.v1.sample.utils is the vendored copy; and, for a machine without a GPU, the tests' DEVICE_TYPE is "cpu"
-where vLLM finds no platform and vLLM's penalties do not pin memory. Everything else in the file is vLLM's: its Mock(spec=Sampler) that
-supplies the bonus tokens, SpecDecodeMetadata.make_dummy, SamplingMetadata, LogitsProcessors, and its Triton
-kernels (sample_recovered_tokens) under TRITON_INTERPRET=1.
+where vLLM finds no platform and vLLM's penalties do not pin memory. Everything else in the file is vLLM's:
+its Mock(spec=Sampler) that supplies the bonus tokens, SpecDecodeMetadata.make_dummy, SamplingMetadata,
+LogitsProcessors, and its Triton kernels (sample_recovered_tokens) under TRITON_INTERPRET=1.
 
 Expected failures (refused, each named at construction): the FLy tests (lossy "fly" verification) and the
 synthetic-rate tests (lossy "synthetic" mode).
