@@ -356,10 +356,54 @@ def test_module_imports_without_vllm():
     assert out.stdout.strip() == "ok", out.stderr
 
 
+class _Built(Exception):
+    """Stops the runner's load_model right after it built its samplers."""
+
+
+def _rejection_sampler_built_by_load_model(monkeypatch):
+    """Run vLLM's own GPUModelRunner.load_model, with a stand-in runner (a given model, no loader, no memory
+    profiling, a plain model state), up to the construction of its rejection sampler; returns what it built."""
+    from unittest.mock import MagicMock
+
+    from vllm.v1.worker.gpu import model_runner
+
+    class NoProfiler:
+        consumed_memory = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def stop(*args, **kwargs):
+        raise _Built
+
+    model_state = MagicMock(num_new_sampled_tokens_per_step=1)
+    model_state.custom_sampler.return_value = None
+    monkeypatch.setattr(model_runner, "DeviceMemoryProfiler", NoProfiler)
+    monkeypatch.setattr(model_runner, "get_model_loader", MagicMock())
+    monkeypatch.setattr(model_runner, "init_model_state", lambda *args: model_state)
+    monkeypatch.setattr(model_runner, "PromptLogprobsWorker", stop)  # (the next thing load_model builds)
+    sampler = make_sampler(4, 16, 2)
+    runner = MagicMock(lora_config=None, use_aux_hidden_state_outputs=False, speculator=None,
+                       num_speculative_steps=2, is_last_pp_rank=True, is_pooling_model=False, max_num_reqs=4,
+                       vocab_size=16, device=DEVICE, req_states=sampler.req_states, vllm_config=VllmConfig(),
+                       speculative_config=make_spec_config(2))
+    runner.parallel_config.enable_batch_sharded_sampling = False
+    runner.model_config.logits_processors = None
+    runner.model_config.logprobs_mode = "raw_logprobs"
+    runner.model_config.use_fp64_gumbel = runner.model_config.enable_trace_replay = False
+    runner.model_config.return_sampling_mask = False
+    with pytest.raises(_Built):
+        model_runner.GPUModelRunner.load_model(runner, model=torch.nn.Module())
+    return runner.rejection_sampler
+
+
 @pytest.mark.parametrize("setting", ["1", "0", None])
 def test_plugin_switches_the_runners_sampler(setting, monkeypatch):
-    """register() rebinds the name the runner's load_model builds its rejection sampler from, only with the
-    setting on."""
+    """With SPECDEC_VLLM_REJECTION_SAMPLER=1, vLLM's own load_model builds specdec's rejection sampler; with it
+    off or unset, vLLM's."""
     from vllm.v1.worker.gpu import model_runner
     monkeypatch.setattr(model_runner, "RejectionSampler", vllm_rs.RejectionSampler)  # (restored afterwards)
     if setting is None:
@@ -367,7 +411,25 @@ def test_plugin_switches_the_runners_sampler(setting, monkeypatch):
     else:
         monkeypatch.setenv(vllm_plugin.ENV_SETTING, setting)
     vllm_plugin.register()
-    load_model = model_runner.GPUModelRunner.load_model
-    assert "RejectionSampler" in load_model.__code__.co_names  # load_model looks the name up at run time
-    built = load_model.__globals__["RejectionSampler"]
-    assert built is (vllm_mrv2.RejectionSampler if setting == "1" else vllm_rs.RejectionSampler)
+    built = _rejection_sampler_built_by_load_model(monkeypatch)
+    assert type(built) is (vllm_mrv2.RejectionSampler if setting == "1" else vllm_rs.RejectionSampler)
+
+
+def test_plugin_loads_through_vllms_entry_points(monkeypatch):
+    """vLLM's plugin loader, given specdec's entry point (group vllm.general_plugins, as setup.py declares it),
+    calls register(), selected by VLLM_PLUGINS=specdec."""
+    import importlib.metadata
+
+    import vllm.plugins
+    from vllm.v1.worker.gpu import model_runner
+    entry_point = importlib.metadata.EntryPoint(name="specdec", value="specdec.integrations.vllm_plugin:register",
+                                                group=vllm.plugins.DEFAULT_PLUGINS_GROUP)
+    entry_points = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None, **kw: importlib.metadata.EntryPoints(
+        [entry_point]) if group == vllm.plugins.DEFAULT_PLUGINS_GROUP else entry_points(group=group, **kw))
+    monkeypatch.setattr(model_runner, "RejectionSampler", vllm_rs.RejectionSampler)
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.setenv("VLLM_PLUGINS", "specdec")
+    monkeypatch.setenv(vllm_plugin.ENV_SETTING, "1")
+    vllm.plugins.load_general_plugins()
+    assert model_runner.RejectionSampler is vllm_mrv2.RejectionSampler
