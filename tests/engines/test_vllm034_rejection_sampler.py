@@ -76,10 +76,11 @@ def make_spec_config(num_drafts: int, method: str = "standard") -> SpeculativeCo
                              prompt_lookup_min=1, rejection_sample_method=method)
 
 
-def make_sampler(num_reqs: int, vocab_size: int, num_drafts: int) -> Sampler:
+def make_sampler(num_reqs: int, vocab_size: int, num_drafts: int, logprobs_mode: str = "raw_logprobs") -> Sampler:
     """The runner's Sampler (load_model's arguments) over its own RequestState."""
     req_states = RequestState(num_reqs, 64, num_reqs * (num_drafts + 1), num_drafts, vocab_size, DEVICE)
-    return Sampler(VllmConfig(), num_reqs, vocab_size, DEVICE, req_states, num_speculative_tokens=num_drafts + 1)
+    return Sampler(VllmConfig(), num_reqs, vocab_size, DEVICE, req_states, logprobs_mode=logprobs_mode,
+                   num_speculative_tokens=num_drafts + 1)
 
 
 def admit(sampler: Sampler, params: list) -> None:
@@ -146,10 +147,10 @@ def test_signature_is_vllms(method):
     assert _unannotated(ours) == _unannotated(theirs)
 
 
-def _pair(num_reqs, vocab_size, num_drafts, params, method="standard"):
+def _pair(num_reqs, vocab_size, num_drafts, params, method="standard", logprobs_mode="raw_logprobs"):
     """(ours, vLLM's) rejection samplers over one real Sampler, built as the runner builds them (before any
     request is admitted), then the requests admitted."""
-    sampler = make_sampler(num_reqs, vocab_size, num_drafts)
+    sampler = make_sampler(num_reqs, vocab_size, num_drafts, logprobs_mode)
     config = make_spec_config(num_drafts, method)
     ours = vllm_mrv2.RejectionSampler(sampler, config, DEVICE)
     theirs = vllm_rs.RejectionSampler(sampler, config, DEVICE)
@@ -178,13 +179,14 @@ def _greedy_batch(B, k, V, match):
     return logits, drafts
 
 
-def test_greedy_equals_vllm_with_filters_penalties_and_logprobs():
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs"])
+def test_greedy_equals_vllm_with_filters_penalties_and_logprobs(logprobs_mode):
     B, k, V = 4, 3, 16
     params = [SamplingParams(temperature=0.0, logprobs=2),
               SamplingParams(temperature=0.0, top_k=3, top_p=0.9, logprobs=2),
-              SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7, logprobs=1),
               SamplingParams(temperature=0.0, logit_bias={5: 4.0, 7: -3.0})]
-    ours, theirs, _ = _pair(B, V, k, params)
+    ours, theirs, _ = _pair(B, V, k, params, logprobs_mode=logprobs_mode)
     for match in ([0, 1, 2, 3], [3, 3, 1, 0]):
         logits, drafts = _greedy_batch(B, k, V, match)
         batch = decode_batch(torch.randint(0, V, (B,)), drafts)
@@ -340,6 +342,15 @@ def test_lossy_methods_are_refused(method):
                                      prompt_lookup_min=1, rejection_sample_method=method, **extra)
     with pytest.raises(ValueError, match=r"^spec_config\.rejection_sample_method: .*'synthetic' and 'fly'"):
         vllm_mrv2.RejectionSampler(make_sampler(1, 8, 2), config, DEVICE)
+
+
+def test_batch_sharded_draft_logits_are_refused():
+    ours, _, _ = _pair(1, 8, 2, [SamplingParams(temperature=1.0)])
+    cache = draft_cache(torch.zeros(1, 2, 8))
+    cache.row_mapping = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^draft_logits: a batch-sharded DraftLogitsCache"):
+        ours(torch.zeros(3, 8), decode_batch(torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long)),
+             cache)
 
 
 def test_watermark_key_is_refused():
