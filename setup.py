@@ -33,15 +33,22 @@ def _cpp_build():
 
 
 class BuildPyWithSources(build_py):
-    """Also copies csrc/ into the built package as specdec/csrc/, the sources of the build on first use. An
-    editable install maps specdec/ to the checkout, which builds the C++ ops ahead of time instead."""
+    """Also copies csrc/ into the built package as specdec/csrc/, the sources of the build on first use, and
+    lists it among the package's sources (so an sdist carries it). An editable install maps specdec/ to the
+    checkout, which builds the C++ ops ahead of time instead."""
+
+    def cpp_sources(self):
+        return sorted(ROOT.glob("csrc/*.cpp")) + sorted(ROOT.glob("csrc/*.h"))
+
+    def get_source_files(self):
+        return [*super().get_source_files(), *(str(p.relative_to(ROOT)) for p in self.cpp_sources())]
 
     def run(self):
         super().run()
         if not self.editable_mode:
             target = Path(self.build_lib) / "specdec" / "csrc"
             target.mkdir(parents=True, exist_ok=True)
-            for path in sorted(ROOT.glob("csrc/*.cpp")) + sorted(ROOT.glob("csrc/*.h")):
+            for path in self.cpp_sources():
                 shutil.copyfile(path, target / path.name)
 
 
