@@ -1875,18 +1875,21 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
                 **select)
 
 
-def _in_float32_range(rows, probs):
+def _in_float32_range(rows, as_logits=False):
     """Rows as the kernel reads them (last dim contiguous). It computes in float32, so a float64 tensor comes as
-    the same laws within float32's range: each row of logits minus its largest finite value, each row of
-    probabilities over its largest (computed in float64; a copy, of float64 rows only). A shift of the logits and
-    a scale of the probabilities change no law and no filter, and a huge finite value read as float32 would be
-    inf (other dtypes fit float32 as they are)."""
+    the same law within float32's range: each row of logits minus its largest finite value (computed in float64;
+    a copy, of float64 rows only). A shift changes no law and no filter, a huge finite value read as float32
+    would be inf, and after it the row's max is 0 and a value below it stays below it in float32 unless their
+    difference is below float32's smallest subnormal, 1.4e-45 (float32 keeps a float64 difference's sign and
+    magnitude down to there): greedy's argmax is then the float64 one. Other dtypes fit float32 as they are. as_logits: the rows are probabilities, returned as
+    their float64 logs (the law they mean; 0 is -inf), shifted the same way, for rows that hold float64
+    probabilities (1 - 2**-53 and 1, a float32 tie, stay apart as logs)."""
+    if as_logits:
+        rows = rows.double().log()
     if rows.dtype == torch.float64:
         finite = torch.isfinite(rows)
         top = torch.where(finite, rows, -torch.inf).amax(-1, keepdim=True)
-        if probs:
-            return rows / torch.where(torch.isfinite(top) & (top > 0), top, 1.0)
-        return rows - torch.where(torch.isfinite(top), top, 0.0)
+        rows = rows - torch.where(torch.isfinite(top), top, 0.0)  # (keeps a column-major row's strides)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
@@ -1927,8 +1930,11 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     next_tokens = torch.empty((B,), dtype=torch.int64, device=dev)
     if B == 0:
         return accepted, num_accepted, next_tokens
-    target = _in_float32_range(target_logits, probs)
-    draft = None if draft_logits is None else _in_float32_range(draft_logits, probs)
+    # float64 probabilities come as their logs (both laws alike: the launch has one PROBS switch)
+    logs = probs and any(x is not None and x.dtype == torch.float64 for x in (target_logits, draft_logits))
+    probs = probs and not logs
+    target = _in_float32_range(target_logits, logs)
+    draft = None if draft_logits is None else _in_float32_range(draft_logits, logs)
     d = target if draft is None else draft
     S = cfg["num_splits"]
     if (cfg["block_v"] < 16 or cfg["block_v"] & (cfg["block_v"] - 1) or S < 1 or cfg["split_steps"] < 0

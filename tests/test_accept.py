@@ -863,3 +863,27 @@ def test_temperature_below_greedy_below_is_greedy(backend, filters, probs, t):
     res = accept_on(backend, **batch, temperature=torch.full((B,), t))
     assert res.num_accepted.tolist() == [1] * B and res.next_tokens.tolist() == [2] * B, res
     assert _same(res, accept_on(backend, **batch, temperature=0.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_rows_greedy_in_float64(backend):
+    """Float64 rows on every backend: greedy takes the float64 argmax. The Triton kernel computes in float32, so
+    its wrapper shifts float64 logits by their max and turns float64 probabilities into shifted logs: 0.3 and the
+    next float64 up stay apart (as probabilities divided by their max they were a float32 tie, token 0 won), and
+    a column-major view of float64 rows is read as rows (the shifted copy kept its strides and was misread: the
+    masked argmax 13 came out as 5)."""
+    near = torch.tensor([0.3, 0.3]).double()
+    near[1] = torch.nextafter(near[1], torch.tensor(1.0, dtype=torch.float64))
+    res = accept_on(backend, target_probs=near.view(1, 1, 2), tokens=torch.zeros(1, 1, dtype=torch.long),
+                    parents=torch.full((1, 1), -1))
+    assert res.next_tokens.tolist() == [1]
+    logits = torch.linspace(0.0, 1.0, 16, dtype=torch.float64).flip(0).reshape(1, 16).expand(3, 16)
+    columns = torch.empty(16, 3, dtype=torch.float64).copy_(logits.T).T  # (3, 16), strides (1, 3)
+    allowed = torch.zeros(3, 16, dtype=torch.bool)
+    allowed[:, [5, 13]] = True
+    for packed in (dict(cu_num_nodes=torch.arange(4), max_nodes=1, target_logits=columns, tokens=torch.zeros(3),
+                        parents=torch.full((3,), -1), token_bitmask=pack_bitmask(allowed)),
+                   dict(target_logits=columns.unsqueeze(1), tokens=torch.zeros(3, 1), parents=torch.full((3, 1), -1),
+                        token_bitmask=pack_bitmask(allowed.unsqueeze(1)))):
+        args = {k: v.long() if k in ("tokens", "parents") else v for k, v in packed.items()}
+        assert accept_on(backend, **args).next_tokens.tolist() == [5, 5, 5]

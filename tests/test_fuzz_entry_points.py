@@ -151,7 +151,7 @@ def vllm_cases(draw):
             draft_ids[j] = int(torch.argmax(target[j]))
     return dict(draft_token_ids=draft_ids.to(draw(st.sampled_from([torch.int32, torch.int64]))), num_draft_tokens=num,
                 max_spec_len=max_spec_len, cu_num_draft_tokens=torch.tensor(num, dtype=torch.int64).cumsum(0).int(),
-                draft_probs=None, target_probs=torch.softmax(target, -1),
+                draft_probs=None, target_logits=target,
                 bonus_token_ids=torch.randint(0, V, (B, 1), generator=gen),
                 sampling_metadata=SimpleNamespace(temperature=None, all_greedy=True, all_random=False, top_k=None,
                                                   top_p=None, generators={}))
@@ -168,14 +168,14 @@ def test_vllm_greedy_rejection_sample_is_accept(backend, data):
     num, T = args["num_draft_tokens"], args["max_spec_len"] + 1
     B = len(num)
     starts = [sum(num[:b]) for b in range(B)]
-    V = args["target_probs"].shape[1]
+    V = args["target_logits"].shape[1]
     expected = torch.full((B, T), -1, dtype=torch.int64)
     for b in range(B):
         n = num[b]
         if n == 0:
             expected[b, 0] = args["bonus_token_ids"][b, 0]
             continue
-        rows = args["target_probs"][starts[b]:starts[b] + n]
+        rows = torch.softmax(args["target_logits"][starts[b]:starts[b] + n], -1)
         tokens = torch.cat((torch.zeros(1, dtype=torch.int64), args["draft_token_ids"][starts[b]:starts[b] + n].long()))
         res = accept_direct(backend, target_probs=torch.cat((rows, torch.full((1, V), 1.0 / V))).unsqueeze(0),
                             tokens=tokens.unsqueeze(0), parents=torch.arange(-1, n).unsqueeze(0))
@@ -206,7 +206,7 @@ def mutate_tensor(draw, args, names):
     if y.numel() == 0:
         return dict(args, **{name: y.unsqueeze(0)}), name, True
     value = draw(st.sampled_from([-5, 2**31, 2**32 + 1, 10**6] if not y.is_floating_point()
-                                 else [float("nan"), -1.0, float("inf")]))
+                                 else [float("nan"), float("inf")] + ([-1.0] if "probs" in name else [])))
     if not y.is_floating_point() and not -(2**31) <= value < 2**31:
         y = y.long()  # (an int64 index tensor: what an int32 one cannot hold)
     y.view(-1)[draw(st.integers(0, y.numel() - 1))] = value
@@ -230,7 +230,7 @@ def bad_entry_point_calls(draw):
         args, name, must = mutate_tensor(draw, args, SGLANG_INPUTS)
         return "sglang.verify_tree_greedy", args, name, must
     args = draw(vllm_cases())
-    args, name, must = mutate_tensor(draw, args, ("draft_token_ids", "target_probs", "bonus_token_ids",
+    args, name, must = mutate_tensor(draw, args, ("draft_token_ids", "target_logits", "bonus_token_ids",
                                                   "cu_num_draft_tokens"))
     return "vllm.rejection_sample", args, name, must
 
