@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "specdec").rglob("*.py")) + sorted((ROOT / "kernels").rglob("*.py"))
 # imports that only some features make, each inside a function and each behind the extra that provides it
 OPTIONAL = {"triton": "triton", "tqdm": "progress", "transformers": "hf"}
+# the engines an integration adapts to: never a requirement (the engine is there already, with its own pins), only
+# imported inside the functions that run in it
+PEERS = {"vllm", "sglang", "sgl_kernel", "flashinfer"}
 
 
 def test_cpp_extension_is_built():
@@ -60,7 +63,9 @@ def _requirements():
 def test_every_runtime_import_is_a_requirement():
     required, extras = _requirements()
     for module, places in _third_party_imports().items():
-        if module in OPTIONAL:
+        if module in PEERS:
+            assert not any(top for _, top in places), f"{module}: a peer, but imported at module level"
+        elif module in OPTIONAL:
             assert module in extras.get(OPTIONAL[module], set()), f"{module}: not in extra {OPTIONAL[module]!r}"
             if module != "triton":  # the kernels' own modules import triton; the package imports them lazily
                 assert not any(top for _, top in places), f"{module}: optional, but imported at module level"
