@@ -97,6 +97,9 @@ setup(
     extras_require={"triton": ["triton>=3.0"], "progress": ["tqdm"], "hf": ["transformers"],
                     "test": ["pytest", "pytest-xdist", "pytest-random-order", "numpy", "scipy", "pytest-benchmark", "hypothesis"],
                     "bench": ["pytest-benchmark", "numpy", "transformers"]},
+    # vLLM loads every `vllm.general_plugins` entry point in each of its processes; specdec's changes nothing
+    # unless SPECDEC_VLLM_REJECTION_SAMPLER=1 (then its model runner builds specdec's rejection sampler)
+    entry_points={"vllm.general_plugins": ["specdec = specdec.integrations.vllm_plugin:register"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
