@@ -35,6 +35,7 @@ from .adaptive import AdaptiveDepth, compiled_depths, measure_target_costs
 from .drafters.base import Drafter, NoDrafter, Proposal
 from .models.llama import Llama, compile_static
 from ._validation import check_method_name
+from .reference import GREEDY_BELOW
 from .sampling import SamplingParams, chain_acceptance_probs
 
 PROB_SCALE = 1 << 24  # acceptance probabilities travel in _Batch.flags (int64) as multiples of 1 / PROB_SCALE
@@ -258,9 +259,10 @@ class SpeculativeDecoder:
         seeds = [int(seed) + b for b in range(B)] if isinstance(seed, int) else [int(s) for s in seed]
         if len(temps) != B or len(seeds) != B:
             raise ValueError("temperature/seed: give one value or one per prompt")
-        method = self.method if any(t > 0 for t in temps) else "token"  # (greedy requests: any method is token-wise)
+        sampled = any(t >= GREEDY_BELOW for t in temps)  # (t < 1e-5 is greedy, as in accept)
+        method = self.method if sampled else "token"  # (greedy requests: any method is token-wise)
         # (chain_acceptance_probs is token-wise rejection sampling's acceptance per level of a chain)
-        judge_probs = self.adaptive is not None and any(t > 0 for t in temps) and method == "token" and \
+        judge_probs = self.adaptive is not None and sampled and method == "token" and \
             self.drafter.max_nodes == self.drafter.max_depth + 1
         requests = B
         B = batch_bucket(B, self.batch_buckets) if self.batch_buckets else B

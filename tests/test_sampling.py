@@ -283,3 +283,18 @@ def test_huge_logits_keep_their_law(dtype):
         p = sampling.chain_acceptance_probs(chain, torch.tensor([[0, 1]]), None, torch.tensor([0.5]),
                                             sampling.SamplingParams())
         assert p.tolist() == [[0.5]]
+
+
+def test_drafter_sampler_at_tiny_temperatures_and_huge_logits():
+    """The drafters' sampler follows accept's rules: below 1e-5 a request is greedy (the top tokens; 1e-40's
+    softmax of logits / t was NaN), and a row is scaled as (x - max) / t (float32 [3e38, 3e38, 0, -3e38] at t = 0.5
+    draws tokens 0 and 1 about equally; x / t overflowed to NaN)."""
+    from specdec.drafters.base import DraftRandom, sample
+    logits = torch.tensor([[[0.1, 0.5, 0.2, 0.4]]])
+    for t in (1e-40, 9.9e-6):
+        drawn = sample(logits.expand(1, 8, 4), torch.tensor([t]), 2, DraftRandom([1], "cpu"), False)[0]
+        assert drawn.tolist() == [[1, 3]] * 8
+    huge = torch.tensor([[[3e38, 3e38, 0.0, -3e38]]])
+    drawn = sample(huge.expand(1, 4000, 4), torch.tensor([0.5]), 1, DraftRandom([2], "cpu"), False)[0].flatten()
+    counts = torch.bincount(drawn, minlength=4)
+    assert counts[2:].sum() == 0 and 1800 < counts[0] < 2200, counts

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..ops import TreeInfo
+from ..reference import GREEDY_BELOW
 from ..sampling import SamplingParams
 
 
@@ -196,9 +197,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, rng: Optiona
     top = logits.topk(k, dim=-1).indices
     if all_greedy:
         return top
-    greedy = (temperature == 0).view(B, 1, 1)
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(B, 1, 1)
-    probs = torch.softmax(logits.float() / t, dim=-1)
+    greedy = (temperature < GREEDY_BELOW).view(B, 1, 1)  # (as the verifier: below 1e-5, greedy)
+    t = torch.where(greedy.view(B), torch.ones_like(temperature), temperature).view(B, 1, 1)
+    x = logits.float()
+    probs = torch.softmax((x - x.amax(-1, keepdim=True)) / t, dim=-1)  # (x / t would overflow for huge logits)
     race = -rng.uniform(N * k * V).log().view(B, N, k, V)
     drawn = (probs.unsqueeze(2) / race).argmax(-1)
     return torch.where(greedy, top, drawn)

@@ -24,6 +24,7 @@ import torch
 
 import specdec
 from ..models.llama import Llama, chain_tree
+from ..reference import GREEDY_BELOW
 from ..sampling import SamplingParams
 from .base import MAX_SKIPS, DraftRandom, Drafter, Proposal, sample
 
@@ -130,7 +131,7 @@ class DraftModelDrafter(Drafter):
         """The per-request random streams and sampling law, and the static tree's tensors on the batch's device:
         the tree of each depth limit d (a BFS prefix of the whole tree), built once."""
         self.rng, self.temperature, self.params = DraftRandom(seeds, dev), temperature, params
-        self.all_greedy = bool((temperature == 0).all())
+        self.all_greedy = bool((temperature < GREEDY_BELOW).all())
         if self.tree.parents is not None:
             for name in ("parents", "local_parent", "rank"):
                 setattr(self, name, getattr(self, name).to(dev))
