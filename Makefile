@@ -34,7 +34,8 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests bench/test_bench_ops.py \
 		--ignore=tests/engines --benchmark-disable --random-order-bucket=global --random-order-seed=$(TEST_SEED) $(PYTEST_ARGS)
 
-# a regular install and a wheel build in a new venv, each checked from outside the checkout (CI runs it too)
+# a regular install, a wheel and a plain `pip install .` (C++ ops compiled on first use), each in a new venv and
+# checked from outside the checkout (CI runs it too)
 check-install:
 	bash scripts/check_install.sh
 
