@@ -457,14 +457,6 @@ def test_int64_padding_past_int32_is_not_read(backend):
     specdec.build_tree(parents, torch.tensor([1, 2]), backend=backend)
 
 
-@pytest.mark.parametrize("backend", CHECKED_BY)
-@pytest.mark.parametrize("name,call", INT64_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(INT64_CASES)])
-def test_int64_values_past_int32_are_refused_not_wrapped(name, call, backend):
-    """Narrowed to int32, 2**32 + 5 would be token 5 and 2**32 + 2 nodes would be 2 (the C++ op once took them so)."""
-    with pytest.raises(ValueError, match=f"^{name}: int64 values must fit in int32"):
-        call(backend)
-
-
 def huge_paged_cache():
     """A paged cache of blocks of 2**16 positions whose table addresses 2**31 + 2**16 positions per request (8 MB in
     all): positions past int32 are within its capacity."""
@@ -542,11 +534,18 @@ EMPTY_DIM_CASES = [
 ]
 
 
+# (argument, message, call): int64 ids narrowed to int32 would wrap (2**32 + 5 would be token 5, 2**32 + 2 nodes
+# would be 2: the C++ op once took them so); empty or missing dimensions raised ZeroDivisionError (Hkv = 0, D = 0)
+# or IndexError (V = 0, a 0-dim tensor)
+NAMED_VALUE_ERRORS = ([(name, "int64 values must fit in int32", call) for name, call in INT64_CASES]
+                      + [(name, "", call) for name, call in EMPTY_DIM_CASES])
+
+
 @pytest.mark.parametrize("backend", CHECKED_BY)
-@pytest.mark.parametrize("name,call", EMPTY_DIM_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(EMPTY_DIM_CASES)])
-def test_empty_and_missing_dimensions_are_value_errors(name, call, backend):
-    """No ZeroDivisionError (Hkv = 0, D = 0) or IndexError (V = 0, a 0-dim tensor)."""
-    with pytest.raises(ValueError, match=f"^{name}: "):
+@pytest.mark.parametrize("name,message,call", NAMED_VALUE_ERRORS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(NAMED_VALUE_ERRORS)])
+def test_hostile_values_and_shapes_are_named_value_errors(name, message, call, backend):
+    with pytest.raises(ValueError, match=f"^{name}: {message}"):
         call(backend)
 
 
