@@ -202,7 +202,7 @@ def mutate_tensor(draw, args, names):
         return dict(args, **{name: x.unsqueeze(0)}), name, True
     if kind == "dtype":
         return dict(args, **{name: x.to(torch.float32 if not x.is_floating_point() else torch.int32)}), name, True
-    y = x.clone()
+    y = x.clone(memory_format=torch.contiguous_format)  # (y.view(-1) below)
     if y.numel() == 0:
         return dict(args, **{name: y.unsqueeze(0)}), name, True
     value = draw(st.sampled_from([-5, 2**31, 2**32 + 1, 10**6] if not y.is_floating_point()
