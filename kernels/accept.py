@@ -1875,13 +1875,17 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
                 **select)
 
 
+FLOAT32_TINY_NORMAL = 1.1754943508222875e-38
+
+
 def _in_float32_range(rows, as_logits=False):
     """Rows as the kernel reads them (last dim contiguous). It computes in float32, so a float64 tensor comes as
     the same law within float32's range: each row of logits minus its largest finite value (computed in float64;
     a copy, of float64 rows only). A shift changes no law and no filter, a huge finite value read as float32
-    would be inf, and after it the row's max is 0 and a value below it stays below it in float32 unless their
-    difference is below float32's smallest subnormal, 1.4e-45 (float32 keeps a float64 difference's sign and
-    magnitude down to there): greedy's argmax is then the float64 one. Other dtypes fit float32 as they are. as_logits: the rows are probabilities, returned as
+    would be inf, and after it the row's max is 0 and a value below it stays below it in float32 (a difference
+    smaller than float32's smallest normal value, 1.2e-38, which would round to 0 or a subnormal, is made that
+    value: exp of either is 1 in float32, so no law changes): greedy's argmax is the float64 one. Other dtypes fit
+    float32 as they are. as_logits: the rows are probabilities, returned as
     their float64 logs (the law they mean; 0 is -inf), shifted the same way, for rows that hold float64
     probabilities (1 - 2**-53 and 1, a float32 tie, stay apart as logs)."""
     if as_logits:
@@ -1890,6 +1894,7 @@ def _in_float32_range(rows, as_logits=False):
         finite = torch.isfinite(rows)
         top = torch.where(finite, rows, -torch.inf).amax(-1, keepdim=True)
         rows = rows - torch.where(torch.isfinite(top), top, 0.0)  # (keeps a column-major row's strides)
+        rows = torch.where((rows < 0) & (rows > -FLOAT32_TINY_NORMAL), -FLOAT32_TINY_NORMAL, rows)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 

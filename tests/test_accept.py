@@ -877,6 +877,10 @@ def test_float64_rows_greedy_in_float64(backend):
     res = accept_on(backend, target_probs=near.view(1, 1, 2), tokens=torch.zeros(1, 1, dtype=torch.long),
                     parents=torch.full((1, 1), -1))
     assert res.next_tokens.tolist() == [1]
+    for row in ([0.0, 5e-324], [-1e-300, 0.0, -2e-300]):  # differences below float32's smallest value
+        res = accept_on(backend, target_logits=torch.tensor(row, dtype=torch.float64).view(1, 1, -1),
+                        tokens=torch.zeros(1, 1, dtype=torch.long), parents=torch.full((1, 1), -1))
+        assert res.next_tokens.tolist() == [1], row
     logits = torch.linspace(0.0, 1.0, 16, dtype=torch.float64).flip(0).reshape(1, 16).expand(3, 16)
     columns = torch.empty(16, 3, dtype=torch.float64).copy_(logits.T).T  # (3, 16), strides (1, 3)
     allowed = torch.zeros(3, 16, dtype=torch.bool)
