@@ -50,12 +50,12 @@ bench: $(STAMP)
 clean:
 	rm -rf build *.egg-info specdec/_C*.so
 
-# the property-based fuzz suite (tests/test_fuzz_*.py) long: hypothesis profile "fuzz" (unbounded examples), each
+# the property-based fuzz suite (tests/fuzz/test_fuzz_*.py) long: hypothesis profile "fuzz" (unbounded examples), each
 # property run in its own pytest process under a share of FUZZ_MINUTES (default 20); prints what each one found
 # and the seed that repeats the run (SPECDEC_FUZZ_SEED=N make fuzz)
 FUZZ_MINUTES ?= 20
 fuzz: $(STAMP)
-	FUZZ_MINUTES=$(FUZZ_MINUTES) $(PY) -m tests.fuzz_strategies
+	FUZZ_MINUTES=$(FUZZ_MINUTES) $(PY) -m tests.fuzz.strategies
 
 # the tests against the engines as they ship (tests/engines/): each peer's pinned release in a virtualenv of its own
 # (scripts/engine_envs.sh: .venv-engines/<peer>-<version>, several GB each), and each test file run by the venv

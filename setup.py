@@ -87,7 +87,7 @@ setup(
     # Triton kernels of kernels/ as specdec.kernels
     packages=[*find_packages(include=["specdec", "specdec.*"]), "specdec.kernels"],
     package_dir={"specdec": "specdec", "specdec.kernels": "kernels"},
-    package_data={"specdec": ["assets/*/*"]},
+    package_data={"specdec": ["loop/assets/*/*"]},
     python_requires=">=3.9",
     # every import of the package at run time (the CLI loads safetensors checkpoints)
     # (numpy: torch warns at every start without it; ninja: torch's builder of the C++ ops on first use)

@@ -22,10 +22,10 @@ import statistics
 import torch
 
 import specdec
-from specdec.decoding import SpeculativeDecoder
-from specdec.drafters import DraftModelDrafter, NgramDrafter
-from specdec.models.hf import load_model
-from specdec.models.tokenizer import ByteTokenizer
+from specdec.loop.decoding import SpeculativeDecoder
+from specdec.loop.drafters import DraftModelDrafter, NgramDrafter
+from specdec.loop.models.hf import load_model
+from specdec.loop.models.tokenizer import ByteTokenizer
 
 from .e2e import ASSETS, RESULTS, held_out_prompts, machine
 

@@ -34,16 +34,16 @@ from typing import NamedTuple, Optional
 import torch
 
 import specdec
-from specdec.adaptive import measure_target_costs
-from specdec.decoding import CudaStepGraph, SpeculativeDecoder
-from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter
-from specdec.models.hf import load_model
-from specdec.models.mtp import load_mtp
-from specdec.models.tokenizer import ByteTokenizer
+from specdec.loop.adaptive import measure_target_costs
+from specdec.loop.decoding import CudaStepGraph, SpeculativeDecoder
+from specdec.loop.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter
+from specdec.loop.models.hf import load_model
+from specdec.loop.models.mtp import load_mtp
+from specdec.loop.models.tokenizer import ByteTokenizer
 
 from .timing import machine_info
 
-ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
+ASSETS = os.path.join(os.path.dirname(specdec.__file__), "loop", "assets")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 # (row name, decoder factory over the loaded models m: target, draft, mtp); "auto": adaptive speculation
 def _decoder(drafter, adaptive=False):

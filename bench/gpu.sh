@@ -8,7 +8,7 @@
 #
 # Steps, each in its own process with its own timeout and log (a failure or a hang costs only its step):
 #   env             GPU, driver, versions, the imports
-#   tests-cuda      tests/test_cuda.py: the compiled Triton kernels on CUDA vs the reference
+#   tests-cuda      tests/backends/test_cuda.py: the compiled Triton kernels on CUDA vs the reference
 #   loop            the shipped model pair and the target's MTP module on CUDA (steps replayed as CUDA graphs, and one
 #                   eager run): speculative vs autoregressive, fp32 (greedy outputs must be
 #                   identical) and bf16
@@ -68,7 +68,7 @@ if ! SPECDEC_NO_CPP=1 "$PY" -m pip install -q --no-deps --no-build-isolation -e 
   [ -e specdec/kernels ] || ln -s ../kernels specdec/kernels || exit 1
   export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 fi
-export SPECDEC_NO_CPP=1            # tests/test_install.py: the C++ ops were left out on purpose
+export SPECDEC_NO_CPP=1            # tests/install/test_install.py: the C++ ops were left out on purpose
 export TRITON_INTERPRET=0          # compiled kernels (tests/conftest.py only sets it when unset)
 unset SPECDEC_BACKEND              # the default backend for CUDA tensors: triton
 
@@ -136,8 +136,8 @@ $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
 # covers again, not the only tests of the captured steps
 cuda_tests() {
   local rc=0
-  "$PY" -m pytest $PYTEST_FLAGS tests/test_cuda.py -k "graph or loop" || rc=1
-  "$PY" -m pytest $PYTEST_FLAGS tests/test_cuda.py -k "not (graph or loop)" || rc=1
+  "$PY" -m pytest $PYTEST_FLAGS tests/backends/test_cuda.py -k "graph or loop" || rc=1
+  "$PY" -m pytest $PYTEST_FLAGS tests/backends/test_cuda.py -k "not (graph or loop)" || rc=1
   return $rc
 }
 export -f cuda_tests
@@ -194,9 +194,9 @@ step sweep 80 "${SWEEP[@]}" --out "$STEPS" --name sweep --time-budget 55
 # file it stops in, not the results of those before it. The file with the most kernel specializations to compile
 # (tree_attention) after the first four, the accept variants' files (probabilities, packed rows, block and traversal
 # verification, packed attention) after it: a cut costs the least covered first
-export BACKEND_TESTS="${SPECDEC_GPU_TESTS:-tests/test_kv_cache.py tests/test_layouts.py tests/test_accept.py \
-tests/test_accept_lossless.py tests/test_tree_attention.py tests/test_accept_probs.py tests/test_accept_packed.py \
-tests/test_block_verification.py tests/test_traversal_verification.py tests/test_packed_attention.py}"
+export BACKEND_TESTS="${SPECDEC_GPU_TESTS:-tests/ops/test_kv_cache.py tests/ops/test_layouts.py tests/ops/accept/test_against_reference.py \
+tests/ops/accept/test_lossless.py tests/ops/test_tree_attention.py tests/ops/accept/test_probabilities.py tests/ops/accept/test_packed_rows.py \
+tests/ops/accept/test_block.py tests/ops/accept/test_traversal.py tests/ops/test_packed_attention.py}"
 backend_tests() {
   local rc=0 file
   for file in $BACKEND_TESTS; do
@@ -210,9 +210,9 @@ step tests-backends "${SPECDEC_GPU_TESTS_TIMEOUT:-150}" env SPECDEC_TEST_DEVICE=
 
 # sanitize: memcheck, then racecheck, each test file in its own sanitized pytest (a sanitizer error fails the file:
 # --error-exitcode); every Triton kernel launched by those tests runs under the tool
-export SANITIZE_TESTS="${SPECDEC_SANITIZE_TESTS:-tests/test_kv_cache.py tests/test_tree_attention.py \
-tests/test_packed_attention.py tests/test_accept.py tests/test_accept_packed.py tests/test_layouts.py}"
-export RACECHECK_TESTS="${SPECDEC_RACECHECK_TESTS:-tests/test_tree_attention.py tests/test_accept.py}"
+export SANITIZE_TESTS="${SPECDEC_SANITIZE_TESTS:-tests/ops/test_kv_cache.py tests/ops/test_tree_attention.py \
+tests/ops/test_packed_attention.py tests/ops/accept/test_against_reference.py tests/ops/accept/test_packed_rows.py tests/ops/test_layouts.py}"
+export RACECHECK_TESTS="${SPECDEC_RACECHECK_TESTS:-tests/ops/test_tree_attention.py tests/ops/accept/test_against_reference.py}"
 export SANITIZE_K="${SPECDEC_SANITIZE_K:-not hopper and not compiles}"
 sanitize_tests() {
   local rc=0 file tool

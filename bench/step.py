@@ -20,14 +20,14 @@ import time
 import torch
 
 import specdec
-from specdec.decoding import SpeculativeDecoder
-from specdec.drafters import DraftModelDrafter
-from specdec.models.hf import load_model
-from specdec.models.llama import chain_tree
+from specdec.loop.decoding import SpeculativeDecoder
+from specdec.loop.drafters import DraftModelDrafter
+from specdec.loop.models.hf import load_model
+from specdec.loop.models.llama import chain_tree
 
 from .timing import machine_info
 
-ASSETS = os.path.join(os.path.dirname(specdec.__file__), "assets")
+ASSETS = os.path.join(os.path.dirname(specdec.__file__), "loop", "assets")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 

@@ -23,10 +23,10 @@ import time
 import torch
 from scipy import stats
 
-from specdec.decoding import SpeculativeDecoder
-from specdec.drafters import DraftModelDrafter
-from specdec.models.hf import load_model
-from specdec.models.tokenizer import ByteTokenizer
+from specdec.loop.decoding import SpeculativeDecoder
+from specdec.loop.drafters import DraftModelDrafter
+from specdec.loop.models.hf import load_model
+from specdec.loop.models.tokenizer import ByteTokenizer
 
 from .e2e import ASSETS, RESULTS, held_out_prompts, machine
 

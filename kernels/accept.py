@@ -1852,7 +1852,7 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
     chunks, 4 tiles each), every pass of a walk of up to 15 nodes in its own full-width launch. Untuned: to
     be set from the H200 benchmark (bench.sweep).
     Interpreter: 16-entry tiles so small test vocabularies span several tiles, one chunk and only the
-    walker (cheapest; test_accept.py checks that the split schedules give identical results).
+    walker (cheapest; tests/ops/accept/test_against_reference.py checks that the split schedules give identical results).
     Filters (top-k / top-p / min-p given): a node takes 3 passes (statistics, pivots, gathering), a few more
     for a long search, so up to 4 (T + 1) split launches (block verification: twice as many, every chain node
     taking a Z pass, plus the draw's at tau; traversal: statistics at up to T nodes, 4 T with filters, a Z pass

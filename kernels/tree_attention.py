@@ -86,7 +86,7 @@ def choose_config(num_rows: int, head_dim: int, elem_bytes: int) -> TileConfig:
     case), two beside a larger (fp32) one, stay well inside the shared memory of an SM.
     fp32 operands (IEEE dots: FMA, no tensor cores) hold far more in registers: at the 16-bit tiles they spilled
     8-10 KB a thread at D = 64..128 (sm_90, Triton 3.9); 16 KV positions a tile, 8 warps and at most 64 rows
-    (32 at D = 256) spill none at D = 64, 200 bytes at 128 and 1.5 KB at 256 (tests/test_tree_attention.py).
+    (32 at D = 256) spill none at D = 64, 200 bytes at 128 and 1.5 KB at 256 (tests/ops/test_tree_attention.py).
     """
     fp32 = elem_bytes == 4
     most_rows = (128 if head_dim <= 128 else 64) // (2 if fp32 else 1)

@@ -3,7 +3,7 @@
     python scripts/ab_policy.py --drafter mtp --temperature 0.8 --passes 6 fixed4 auto old=/tmp/adaptive_old.py
 
 Variants: `fixedK` (a fixed chain of K), `auto` (the checkout's policy), `NAME=FILE` (the AdaptiveDepth of another
-version of specdec/adaptive.py, e.g. `git show REV:specdec/adaptive.py > FILE`, run inside this checkout's loop:
+version of specdec/loop/adaptive.py, e.g. `git show REV:specdec/loop/adaptive.py > FILE`, run inside this checkout's loop:
 its calls must fit this checkout's, e.g. prompt lookup's `judged` takes three lists since ef3763e).
 Our AR always runs. Each pass runs every variant once, in a new shuffled order, over the same prompts (at batch 1,
 one request at a time); the report gives each variant's best pass against AR's best, and the median over the passes
@@ -25,15 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import specdec  # noqa: E402
 from bench.e2e import ASSETS, held_out_prompts  # noqa: E402
-from specdec.decoding import SpeculativeDecoder  # noqa: E402
-from specdec.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter  # noqa: E402
-from specdec.models.hf import load_model  # noqa: E402
-from specdec.models.mtp import load_mtp  # noqa: E402
-from specdec.models.tokenizer import ByteTokenizer  # noqa: E402
+from specdec.loop.decoding import SpeculativeDecoder  # noqa: E402
+from specdec.loop.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter  # noqa: E402
+from specdec.loop.models.hf import load_model  # noqa: E402
+from specdec.loop.models.mtp import load_mtp  # noqa: E402
+from specdec.loop.models.tokenizer import ByteTokenizer  # noqa: E402
 
 
 def policy_module(name: str, path: str):
-    """Another version of specdec/adaptive.py, imported as a module of the specdec package (its relative imports
+    """Another version of specdec/loop/adaptive.py, imported as a module of the specdec package (its relative imports
     resolve to this checkout's)."""
     spec = importlib.util.spec_from_file_location(f"specdec.adaptive_{name}", path)
     module = importlib.util.module_from_spec(spec)

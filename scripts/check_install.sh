@@ -65,8 +65,8 @@ sources |= {"specdec/csrc/" + p.name for p in (root / "csrc").iterdir() if p.suf
 missing = sorted(sources - set(names))
 assert not missing, f"the wheel lacks {missing}"
 need = {"the C++ ops": "specdec/_C", "the Triton kernels": "specdec/kernels/accept.py",
-        "the shipped pair": "specdec/assets/target/config.json",
-        "the shipped MTP module": "specdec/assets/mtp/model.safetensors"}
+        "the shipped pair": "specdec/loop/assets/target/config.json",
+        "the shipped MTP module": "specdec/loop/assets/mtp/model.safetensors"}
 missing = [what for what, prefix in need.items() if not any(n.startswith(prefix) for n in names)]
 assert not missing, f"the wheel lacks {missing}"
 print("wheel:", sys.argv[1].rsplit("/", 1)[-1], f"has all {len(sources)} modules and C++ sources,", ", ".join(need))

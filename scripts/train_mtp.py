@@ -1,4 +1,4 @@
-"""Train the shipped MTP module (specdec/assets/mtp) on the frozen shipped target (specdec/assets/target).
+"""Train the shipped MTP module (specdec/loop/assets/mtp) on the frozen shipped target (specdec/loop/assets/target).
 
 DeepSeek-V3's MTP objective: the module sees the target's hidden state at position j (after its final norm)
 and the embedding of token j+1, and is trained with cross-entropy on token j+2; the target (embedding, LM
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from specdec.models.hf import load_model  # noqa: E402
-from specdec.models.mtp import MTP, save_mtp  # noqa: E402
+from specdec.loop.models.hf import load_model  # noqa: E402
+from specdec.loop.models.mtp import MTP, save_mtp  # noqa: E402
 from train_tiny import corpus  # noqa: E402
 
-ASSETS = os.path.join(os.path.dirname(__file__), "..", "specdec", "assets")
+ASSETS = os.path.join(os.path.dirname(__file__), "..", "specdec", "loop", "assets")
 
 
 def init_weights(mtp: MTP) -> None:

@@ -1,4 +1,4 @@
-"""Train the shipped byte-level model pair (specdec/assets/{target,draft}) on the Python standard library.
+"""Train the shipped byte-level model pair (specdec/loop/assets/{target,draft}) on the Python standard library.
 
 The corpus is every .py file under the running interpreter's stdlib (site-packages excluded), so any
 machine can rerun this offline. Files whose path hashes to 0 mod 50 are held out; the log reports the
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from specdec.models.hf import load_model, save_model  # noqa: E402
-from specdec.models.llama import Llama, LlamaConfig  # noqa: E402
-from specdec.models.tokenizer import BOS, EOS, VOCAB_SIZE  # noqa: E402
+from specdec.loop.models.hf import load_model, save_model  # noqa: E402
+from specdec.loop.models.llama import Llama, LlamaConfig  # noqa: E402
+from specdec.loop.models.tokenizer import BOS, EOS, VOCAB_SIZE  # noqa: E402
 
 CONFIGS = {
     # ~9.6M parameters: the target's fp32 weights (38 MB) do not fit in the CPU's caches
@@ -85,7 +85,7 @@ def main():
     ap.add_argument("--which", choices=sorted(CONFIGS), required=True)
     ap.add_argument("--minutes", type=float, help="training budget in minutes")
     ap.add_argument("--deadline", help="UTC HH:MM to stop at (instead of --minutes)")
-    ap.add_argument("--out", help="checkpoint folder (default specdec/assets/<which>)")
+    ap.add_argument("--out", help="checkpoint folder (default specdec/loop/assets/<which>)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
@@ -98,7 +98,7 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    out = args.out or os.path.join(os.path.dirname(__file__), "..", "specdec", "assets", args.which)
+    out = args.out or os.path.join(os.path.dirname(__file__), "..", "specdec", "loop", "assets", args.which)
 
     now = time.time()
     if args.deadline:

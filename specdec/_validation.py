@@ -10,7 +10,7 @@ Two kinds of checks:
     torch.compile traces (they cannot run on fake tensors) and while a CUDA graph is captured.
 
 The public ops skip the value checks in Python when the call goes to the C++ op, which runs the same
-checks with the same messages itself (tests/test_cpp.py compares them).
+checks with the same messages itself (tests/backends/test_cpp.py compares them).
 
 Every error is a ValueError or TypeError whose message starts with the offending argument's name, and
 every check runs before anything is written, so a failed call never leaves a cache half-updated.

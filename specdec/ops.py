@@ -39,7 +39,7 @@ class OpSpec:
     """Everything registration and dispatch need to know about one op `torch.ops.specdec.<name>`.
 
     signature: the schema after the name, "(args) -> results"; csrc/ops.cpp declares the same schema
-    strings (tests/test_registration.py and tests/test_cpp.py compare them).
+    strings (tests/backends/test_registration.py and tests/backends/test_cpp.py compare them).
     reference: the PyTorch reference (specdec/reference.py), the CPU kernel when the C++ extension is not built.
     fake: the fake (meta) implementation: output shapes and dtypes, for torch.compile and opcheck.
     triton: (module, attribute) of the implementation for CUDA tensors and backend="triton", imported on first

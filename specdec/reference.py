@@ -321,7 +321,7 @@ def _block_verify(P, Q, drafted, gen, fallback):
 # Traversal verification of a tree (Weng, Hu, Chen, Liu, Mei, Qiu, Tian, Shi, "Traversal Verification for
 # Speculative Tree Decoding", arXiv 2505.12398): leaf-to-root, in post-order, with sequence-level weights.
 # Written here for children drawn i.i.d. from q (the paper's full text was not at hand); exact losslessness
-# is proven by enumeration in tests/test_traversal_verification.py. On a chain it is block verification.
+# is proven by enumeration in tests/ops/accept/test_traversal.py. On a chain it is block verification.
 # ----------------------------------------------------------------------------------------------
 def traversal_child_weight(w: float, law: torch.Tensor, q_row: torch.Tensor, x: int) -> float:
     """The weight of child x of a node of weight w whose current law is `law` (P at first, a residual after a

@@ -4,7 +4,7 @@ import os
 # SPECDEC_TEST_DEVICE=cuda (bench/gpu.sh) runs the backend tests on a GPU with compiled kernels instead.
 os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("SPECDEC_TEST_DEVICE", "cpu") == "cuda" else "1")
 
-# The fuzz suite's hypothesis seed (tests/fuzz_strategies.py): one per session, drawn here so that the xdist
+# The fuzz suite's hypothesis seed (tests/fuzz/strategies.py): one per session, drawn here so that the xdist
 # workers, which inherit the environment, share it; SPECDEC_FUZZ_SEED=N repeats a run.
 os.environ.setdefault("SPECDEC_FUZZ_SEED", str(int.from_bytes(os.urandom(4), "little")))
 

@@ -4,7 +4,7 @@ specdec.integrations.flashinfer against FlashInfer 0.7.4's own code.
 FlashInfer's chain kernel is CUDA-only (JIT); on a CPU machine its signature, its docstring example and its
 Python-side checks of seed / offset are what can be run: the signature equals ours, the docstring example gives
 its documented outputs through ours, and ours accepts exactly the seed / offset forms FlashInfer's validator
-accepts. The counters (FlashInfer's sampling.cuh, ChainSpeculativeSampling) are pinned in tests/test_integrations.py.
+accepts. The counters (FlashInfer's sampling.cuh, ChainSpeculativeSampling) are pinned in tests/integrations/test_integrations.py.
 """
 from __future__ import annotations
 

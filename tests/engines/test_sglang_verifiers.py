@@ -23,7 +23,7 @@ reject_sampling = pytest.importorskip("sglang.kernels.ops.speculative.reject_sam
 
 from specdec.integrations import sglang  # noqa: E402
 from tests.stats import assert_law  # noqa: E402
-from tests.test_integrations import (sglang_chain_case, sglang_chain_expected_accepted,  # noqa: E402
+from tests.integrations.test_integrations import (sglang_chain_case, sglang_chain_expected_accepted,  # noqa: E402
                                      sglang_chain_two_tokens)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::DeprecationWarning")

@@ -1,0 +1,590 @@
+"""The draft -> verify -> accept loop.
+
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"))
+    out = decoder.generate(prompts, max_new_tokens=128, temperature=0.0, seed=0)
+
+One step for the whole batch:
+  1. the drafter proposes a tree per request (node 0 = the last emitted token, the root); with adaptive
+     speculation (specdec.loop.adaptive) of the depth the policy chose for this step, or none (the root alone);
+  2. the target runs the tree against its cache (`kv_append` + `tree_attention`, positions lens + depth);
+  3. `specdec.accept` picks the longest accepted path plus one next token (greedy, or lossless sampling
+     with per-request temperature, seed and step counter as the random-stream offset);
+  4. `kv_rollback` keeps the path's K/V in the target's cache (and the drafter's, in `commit`, which gets
+     the proposal back with the accepted path);
+  5. the path's tokens and the next token are appended to each sequence.
+Requests finish independently (EOS or max_new_tokens); a finished request keeps riding along with
+one token per step (its output is cut), so shapes stay static. A step (`_step`) works in place on the
+batch's buffers (`_Batch`) and reads nothing back; the host decides the depth k before it (the policy, and
+`Drafter.advance`, the drafter's host bookkeeping) and reads one small tensor after it (`_Batch.flags`: the
+stopping rule, and the accepted counts the adaptive policy learns from). So the step compiles as one graph
+(compile=True).
+"""
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+import specdec
+from .. import distributed
+from .adaptive import AdaptiveDepth, compiled_depths, measure_target_costs
+from .drafters.base import Drafter, NoDrafter, Proposal
+from .models.llama import Llama, compile_static
+from .._validation import check_method_name
+from ..reference import GREEDY_BELOW
+from ..sampling import SamplingParams, chain_acceptance_probs
+
+PROB_SCALE = 1 << 24  # acceptance probabilities travel in _Batch.flags (int64) as multiples of 1 / PROB_SCALE
+CACHE_BUCKET = 256  # with compile=True or CUDA graphs, cache lengths are rounded up to a multiple of this
+# the batch shapes whose CUDA graphs (and the buffers they read) a decoder keeps across generate calls
+KEPT_GRAPH_SETS = 8
+# with compile=True or CUDA graphs, a batch runs padded to the smallest of these sizes that holds it (vLLM's
+# capture sizes), so that a server's varying batches share a few graphs
+BATCH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 513, 8))
+
+
+def batch_bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:
+    """The batch size n requests run at: the smallest bucket >= n (n itself past the largest)."""
+    return next((b for b in sorted(buckets) if b >= n), n)
+
+
+@dataclass
+class GenerationOutput:
+    """tokens[b]: request b's new tokens (cut at EOS, excluded, and max_new_tokens); stats[b]: its steps,
+    tokens_per_step (tau), acceptance_by_depth (fraction of steps accepting >= d draft tokens, d = 1..),
+    acceptance_rate_by_depth (of the steps that judged a draft at depth d, the fraction accepting it: how fast
+    acceptance drops with depth, also where steps draft to different depths; None where none did),
+    judged_by_depth (those steps' counts), wall_s, tokens_per_s; summary: the same over the batch, and prompt_s:
+    the part of wall_s before the first step (the checks, the buffers, the prompts through the target and the
+    drafter)."""
+    tokens: list
+    stats: list
+    summary: dict = field(default_factory=dict)
+
+
+class SpeculativeDecoder:
+    def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
+                 block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token",
+                 vocab_shard=None, adaptive=False, compile: bool = False, cuda_graphs=None,
+                 batch_buckets: Optional[Sequence[int]] = None):
+        """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
+        kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
+        method: accept's verifier for sampling requests: "token", "block" (chains) or "traversal" (any
+        static tree); the last two need a drafter that samples its children (the draft model's static trees).
+        vocab_shard: tensor parallelism over the vocabulary, a specdec.distributed.VocabShard (from
+        shard_lm_head(target, group)): the target's logits are this rank's columns, verified by
+        specdec.distributed.accept; every rank of the group runs the same generate call.
+        adaptive: choose each step's draft depth, 0 (plain decoding) included, from the target's measured
+        cost per verified token count and the requests' running acceptance (specdec.loop.adaptive); True, or a
+        factory (batch_size, max_depth, device) -> policy with the methods of adaptive.AdaptiveDepth.
+        compile: each step through torch.compile as one graph (`compile_static`: the drafting, the target's
+        forward, accept, both rollbacks and the bookkeeping; fullgraph, so no host sync inside), one graph per
+        batch size, draft depth and drafter state (`Drafter.advance`), compiled at first use: run a warm-up
+        generate of the same batch size and tree first. Caches are sized in buckets of 256 positions so that later
+        batches reuse the graphs.
+        cuda_graphs: replay each step as a CUDA graph (None: on for a CUDA target without compile): one graph per
+        draft depth and drafter state (`Drafter.graph_key`; for prompt lookup the verification alone, per tree
+        width), captured at that key's second step (the first runs eagerly: kernels compile and tune there) and
+        replayed from its third. The graphs and the buffers they read are kept for later generate calls of the
+        same batch shape (batch bucket, cache bucket of 256 positions, max_new_tokens, and whether requests sample
+        and with which filters: `_graph_set`), the KEPT_GRAPH_SETS most recent ones. Or a class with
+        CudaStepGraph's interface (the tests emulate CUDA graphs on the CPU with one).
+        batch_buckets: the batch sizes a batch runs at, padded with finished requests that ride along (default:
+        BATCH_BUCKETS with compile or CUDA graphs, whose graphs are per batch size; the exact size eagerly)."""
+        self.target = target
+        self.block_size, self.kv_dtype = block_size, kv_dtype
+        self.drafter = drafter or NoDrafter()
+        check_method_name(method)
+        if method != "token" and self.drafter.max_nodes > 1 and not self.drafter.samples_children:
+            raise ValueError(f"method: {method!r} needs a drafter whose children are drawn from its own laws "
+                             f"(draft_logits); {type(self.drafter).__name__} gives proposals: use method='token'")
+        if method == "block" and self.drafter.max_nodes != self.drafter.max_depth + 1:
+            raise ValueError(f"method: 'block' verifies chains only; the drafter proposes trees of "
+                             f"{self.drafter.max_nodes} nodes and depth {self.drafter.max_depth}")
+        self.method, self.vocab_shard = method, vocab_shard
+        V = target.cfg.vocab_size
+        if self.drafter.vocab_size is not None and self.drafter.vocab_size != V:
+            raise ValueError(f"vocab mismatch: the drafter has {self.drafter.vocab_size} tokens, the target {V}")
+        self.eos = target.cfg.eos_token_id if eos_token_id is None else eos_token_id
+        if adaptive and vocab_shard is not None:
+            raise ValueError("adaptive: not with vocab_shard (every rank would have to choose the same depths)")
+        self.adaptive = self._default_policy if adaptive is True else adaptive or None
+        self.features = getattr(self.drafter, "uses_target_hidden", False)  # the drafter reads the target's hiddens
+        self.compile = compile
+        if compile and vocab_shard is not None:
+            raise ValueError("compile: not with vocab_shard (the shards' collectives run eagerly)")
+        if compile:
+            self._whole_step = compile_static(self._step, target.device)
+            self._verify_step = compile_static(self._verify, target.device)
+        if cuda_graphs is None:
+            cuda_graphs = target.device.type == "cuda" and not compile
+        if cuda_graphs is True:
+            if target.device.type != "cuda":
+                raise ValueError(f"cuda_graphs: the target is on {target.device}, not on a CUDA device")
+            cuda_graphs = CudaStepGraph
+        if cuda_graphs and (compile or vocab_shard is not None):
+            raise ValueError("cuda_graphs: not with compile or vocab_shard")
+        self.graph_class = cuda_graphs or None
+        self._graph_sets: dict = {}  # state signature -> _GraphSet, the most recently used last
+        if batch_buckets is not None and (not batch_buckets or min(batch_buckets) < 1):
+            raise ValueError(f"batch_buckets: {batch_buckets!r} must be batch sizes >= 1")
+        self.batch_buckets = batch_buckets if batch_buckets is not None else \
+            BATCH_BUCKETS if compile or self.graph_class else ()
+
+    def _compiled_step(self, s: "_Batch", k: Optional[int]) -> bool:
+        """One compiled graph per step: the whole step, or for a drafter that proposes on the host (prompt
+        lookup) its proposal eagerly and the verification compiled. Returns whether no graph was compiled for it
+        (its time is then a steady state's, which the adaptive policy may learn from)."""
+        from torch._dynamo.utils import counters
+        compiled = counters["stats"]["unique_graphs"]
+        if self.drafter.proposes_on_host:
+            self._verify_step(s, self._propose(s, k), _verify_key(k))
+        else:
+            self._whole_step(s, k)
+        return counters["stats"]["unique_graphs"] == compiled
+
+    def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
+        """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
+        and step costs, and its requests' acceptance by depth as the new requests' prior)."""
+        # (compiled, every depth is a graph: for a host drafter, whose graphs are per tree width, every depth is a width
+        # that a prompt's matches may never have produced, and which would compile inside a timed run)
+        depths = compiled_depths(max_depth) if self.compile else None
+        costs = measure_target_costs(self.target, batch_size, max_depth + 1, compiled=self.compile,
+                                     tokens=None if depths is None else [k + 1 for k in depths],
+                                     graph_class=self.graph_class)
+        self._policy = AdaptiveDepth(batch_size, max_depth, costs, previous=getattr(self, "_policy", None),
+                                     depths=depths)
+        return self._policy
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
+                 temperature: Union[float, Sequence[float]] = 0.0, seed: Union[int, Sequence[int]] = 0,
+                 progress: bool = False, *, top_k: Union[int, Sequence[int]] = 0,
+                 top_p: Union[float, Sequence[float]] = 1.0, min_p: Union[float, Sequence[float]] = 0.0,
+                 allowed_token_ids: Optional[Sequence[int]] = None) -> GenerationOutput:
+        """Generate for a batch of token-id prompts (each non-empty). temperature/seed: one for all or one
+        per request (0 = greedy); request b samples with seed[b] (or seed + b). top_k/top_p/min_p: one for all
+        or one per request (off: 0, 1, 0), the filters of `specdec.accept`; allowed_token_ids: the only tokens
+        any request may emit (None: all). The drafter samples from the same processed law."""
+        t0 = time.perf_counter()
+        s = self._start(prompts, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p,
+                        allowed_token_ids=allowed_token_ids)
+        B, dev, depth = s.tokens.shape[0], s.tokens.device, self.drafter.max_depth
+        if dev.type == "cuda":  # (the prompts' kernels may still run: their time is the prompts')
+            torch.cuda.synchronize(dev)
+        prompt_s = time.perf_counter() - t0
+        # a step's drafting is timed apart only where the host's clock sees it: eager steps on the CPU (a device
+        # runs the launches later; a graph or a compiled step runs the drafting and the rest as one)
+        drafting_timed = dev.type == "cpu" and not (self.compile or self.graph_class)
+        step_times = []
+        bar = _progress(max_new_tokens) if progress else None
+        policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
+        graphs = None
+        if self.graph_class is not None:
+            s, graphs = self._graph_set(s)
+        live_host = [b < s.requests for b in range(B)]  # (the padding rows are finished from the start)
+        remaining = [max_new_tokens if live else 0 for live in live_host]  # tokens each request may still emit
+        skips = 0  # plain-decoding steps in a row
+        sampled = (s.temp > 0).cpu().numpy() if s.judge_probs else None
+        while True:
+            t_step = time.perf_counter()
+            k = None  # the drafter's whole tree
+            if policy is not None:
+                k = policy.choose(live_host, remaining, lambda: self.drafter.depths_available(s.tokens, s.seq_lens),
+                                  self.drafter.lagging)
+                if k == 0:  # what the drafter would have proposed, judged as the tokens come (host drafters)
+                    judged = self.drafter.shadow(s.tokens, s.seq_lens)
+                    if judged is not None:
+                        policy.judged(*judged)
+            skips = skips + 1 if k == 0 else 0
+            if self.drafter.max_skips is not None and skips > self.drafter.max_skips:
+                k, skips = 1, 0
+            self.drafter.advance(k)
+            caught_up = k != 0 and self.drafter.lagging
+            if caught_up:
+                self.drafter.catch_up(s.tokens, s.seq_lens)
+            # a step that compiled, warmed up or captured its graph is not timed, nor one whose drafter first
+            # catches up on skipped steps: neither is what a step of its depth costs
+            steady = not self.drafter.catching_up
+            ran = True  # (no graph compiled, warmed up or captured)
+            if graphs is not None:
+                ran = self._graphed_step(graphs, s, k)
+            elif self.compile:
+                ran = self._compiled_step(s, k)
+            else:
+                prop = self._propose(s, k)
+                if policy is not None and k and steady and drafting_timed:
+                    policy.drafted(k, time.perf_counter() - t_step)
+                self._verify(s, prop, k)
+            flags = s.flags.tolist()  # the one host read per step: the stopping rule, and what the policy learns
+            step_times.append(time.perf_counter() - t0)
+            if policy is not None:
+                seconds = time.perf_counter() - t_step
+                if caught_up and ran:  # what the next switch from plain decoding will cost
+                    policy.caught_up(k, seconds)
+                judged = {}  # (passed only when there are some: a policy of greedy loops needs no such argument)
+                if s.judge_probs and k:  # (sampled requests' levels judged by their acceptance probabilities)
+                    probs = np.array(flags[2 * B:], dtype=np.float64).reshape(B, -1) / PROB_SCALE
+                    judged["acceptance"] = np.where(sampled[:, None], probs, np.nan)
+                policy.update(flags[:B], k, live_host, seconds if steady and ran else None,
+                              drafting_timed=drafting_timed, **judged)
+                remaining = [r - n - 1 if live else r for r, n, live in zip(remaining, flags, live_host)]
+            live_host = [not f for f in flags[B:2 * B]]
+            if bar is not None:
+                bar.update(int((s.seq_lens - s.prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
+            if not any(live_host):
+                break
+        if bar is not None:
+            bar.close()
+        wall = time.perf_counter() - t0
+        out = self._collect(s, step_times, wall)
+        out.summary["prompt_s"] = prompt_s
+        if policy is not None:
+            out.summary["depth_chosen"] = list(policy.chosen)  # steps per draft depth, 0 = plain decoding
+        return out
+
+    def _start(self, prompts, max_new_tokens, temperature, seed, *, top_k, top_p, min_p,
+               allowed_token_ids) -> "_Batch":
+        """generate's arguments checked, the batch's buffers, the prompts through the target and the drafter."""
+        B, dev, T, depth = len(prompts), self.target.device, self.drafter.max_nodes, self.drafter.max_depth
+        if B == 0 or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts: need at least one request, each with at least one token (e.g. BOS)")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens: must be >= 1")
+        temps = [float(temperature)] * B if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+        seeds = [int(seed) + b for b in range(B)] if isinstance(seed, int) else [int(s) for s in seed]
+        if len(temps) != B or len(seeds) != B:
+            raise ValueError("temperature/seed: give one value or one per prompt")
+        sampled = any(t >= GREEDY_BELOW for t in temps)  # (t < 1e-5 is greedy, as in accept)
+        method = self.method if sampled else "token"  # (greedy requests: any method is token-wise)
+        # (chain_acceptance_probs is token-wise rejection sampling's acceptance per level of a chain)
+        judge_probs = self.adaptive is not None and sampled and method == "token" and \
+            self.drafter.max_nodes == self.drafter.max_depth + 1
+        requests = B
+        B = batch_bucket(B, self.batch_buckets) if self.batch_buckets else B
+        if B > requests:  # padding rows: one-token prompts, greedy, filters off, finished from the start
+            pad = B - requests
+            for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+                if not isinstance(x, (int, float)) and len(x) != requests:
+                    raise ValueError(f"{name}: give one value or one per request ({requests}), got {len(x)}")
+            prompts, temps, seeds = list(prompts) + [[0]] * pad, temps + [0.0] * pad, seeds + [0] * pad
+            top_k, top_p, min_p = (x if isinstance(x, (int, float)) else list(x) + [off] * pad
+                                   for x, off in ((top_k, 0), (top_p, 1.0), (min_p, 0.0)))
+        temp = torch.tensor(temps, dtype=torch.float32, device=dev)
+        params = SamplingParams.for_batch(B, self.target.cfg.vocab_size, dev, top_k, top_p, min_p, allowed_token_ids)
+
+        prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
+        # room for: prompt + max_new for live requests (+ a last tree) and one token per step once finished
+        L = int(prompt_lens.max()) + 2 * max_new_tokens + 2 * T + 2
+        if self.compile or self.graph_class:  # cache shapes in buckets: graphs are specialized to them
+            L = -(-L // CACHE_BUCKET) * CACHE_BUCKET
+        tokens = torch.zeros(B, L, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = torch.tensor(list(p), dtype=torch.long)
+
+        # (a kept graph set's cache of this shape is reused: a cache is the largest buffer, and the graphs read it)
+        cache = next((kept.batch.cache for kept in self._graph_sets.values() if kept.batch.tokens.shape == (B, L)),
+                     None)
+        if cache is None:
+            cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
+        cache.lens.zero_()
+        s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T, requests,
+                       judge_probs)
+        # the last prompt token is the first root; a drafter on the target's features gets its hidden states
+        hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
+        self.drafter.few_shapes = bool(self.compile or self.graph_class)  # (per call: a drafter may serve two loops)
+        self.drafter.start(tokens, s.seq_lens, L, temp, seeds, params,
+                           **({"target_hidden": hidden} if self.features else {}))
+        if self.drafter.lagging and self.adaptive is None:  # (an adaptive loop that never drafts never needs it)
+            self.drafter.catch_up(tokens, s.seq_lens)
+        return s
+
+    def _graph_set(self, s: "_Batch") -> tuple["_Batch", "_StepGraphs"]:
+        """The batch to run and its step graphs: those kept from an earlier call whose state has s's signature
+        (`_state_signature`: every tensor's shape and every other value the steps could read, the drafter's
+        included: the batch shape, max_new_tokens, the method, whether requests sample, the filters on), its
+        buffers (the batch's and the drafter's) taking s's values in place, since the graphs read and write them;
+        else new graphs for s, kept for later calls."""
+        drafter = {} if self.drafter.proposes_on_host else vars(self.drafter)  # (a host drafter's is not read)
+        tensors = []
+        # (how many rows are real requests only the host reads)
+        signature = _state_signature((replace(s, requests=0), drafter), tensors)
+        kept = self._graph_sets.pop(signature, None)
+        if kept is None:
+            kept = _GraphSet(_StepGraphs(self.graph_class, s.tokens.device), s, dict(drafter), tensors)
+            while len(self._graph_sets) >= KEPT_GRAPH_SETS:
+                del self._graph_sets[next(iter(self._graph_sets))]  # the least recently used
+        else:
+            for buf, x in zip(kept.tensors, tensors):
+                # (an expanded view is a constant, a tree's structure: it cannot be written, and needs not be)
+                if buf is not x and not any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
+                    buf.copy_(x)
+            kept.batch.requests = s.requests
+            vars(self.drafter).update(kept.drafter)
+        self._graph_sets[signature] = kept
+        return kept.batch, kept.graphs
+
+    def _graphed_step(self, graphs: "_StepGraphs", s: "_Batch", k: Optional[int]) -> bool:
+        """The step through the batch's graphs (cuda_graphs); whether it was a replay. A host drafter's proposal
+        is copied into static buffers of its width, which the graph of its verification reads."""
+        if not self.drafter.proposes_on_host:
+            return graphs.run((k,) + self.drafter.graph_key(), lambda: self._step(s, k))
+        prop = self._propose(s, k)
+        key = (_verify_key(k), prop.tokens.shape[1])
+        static = graphs.inputs.get(key)
+        if static is None:
+            static = graphs.inputs[key] = Proposal(*(x if x is None else x.clone() for x in prop))
+        else:
+            for buf, x in zip(static, prop):
+                if buf is not None:
+                    buf.copy_(x)
+        return graphs.run(key, lambda: self._verify(s, static, key[0]))
+
+    # one step, on the batch's buffers in place: _propose then _verify (with compile=True one graph per depth k,
+    # or, for a drafter that proposes on the host, the verification alone)
+    def _step(self, s: "_Batch", k: Optional[int]) -> None:
+        self._verify(s, self._propose(s, k), k)
+
+    def _propose(self, s: "_Batch", k: Optional[int]) -> Proposal:
+        """k: the depth to draft (None: the drafter's whole tree; 0: the root alone, plain decoding)."""
+        if k == 0:
+            return NoDrafter().propose(s.tokens, s.seq_lens, s.temp)
+        return self.drafter.propose(s.tokens, s.seq_lens, s.temp, depth=k)
+
+    def _verify(self, s: "_Batch", prop: Proposal, k: Optional[int]) -> None:
+        """The target's forward over the proposal, accept, both rollbacks and the token bookkeeping."""
+        tree = prop.tree if prop.tree is not None else specdec.build_tree(prop.parents, prop.num_nodes)
+        logits = self.target.forward_cached(prop.tokens, s.cache, tree.depth, tree.mask, prop.num_nodes,
+                                            return_hidden=self.features)
+        hidden_kw = {}
+        if self.features:
+            logits, hidden = logits
+            hidden_kw = {"target_hidden": hidden}
+        Tp = prop.tokens.shape[1]
+        res = self._accept(logits, prop, temperature=s.temp, seeds=s.seeds, num_nodes=prop.num_nodes, offset=s.steps,
+                           method="token" if k == 0 else s.method, **s.params.accept_kwargs(Tp))
+        live = ~s.done
+        num_acc = torch.where(live, res.num_accepted, 0)
+        s.cache.rollback(res.accepted_nodes, num_acc)
+        if k == 0:
+            self.drafter.skip(**hidden_kw)
+        else:
+            self.drafter.commit(prop, res.accepted_nodes, num_acc, **hidden_kw)
+
+        # append the path's draft tokens and the next token (finished requests: the next token only)
+        new = res._replace(num_accepted=num_acc).emitted_tokens(prop.tokens)
+        n_new = num_acc.long() + 1
+        cols = s.cols[:Tp]
+        # the deepest draft judged: the accepted ones, and one more where the path's last node has children (a
+        # chain shorter than the proposal's depth, a tree's shallow leaf and a plain step judge nothing further)
+        last = res.accepted_nodes.gather(1, num_acc.long().unsqueeze(1))
+        has_child = ((prop.parents == last) & (cols < prop.num_nodes.unsqueeze(1))).any(1)
+        s.judged_hist[s.rows, num_acc.long() + has_child] += live
+        where = (s.seq_lens.long().unsqueeze(1) + cols).clamp(max=s.tokens.shape[1] - 1)
+        keep = cols < n_new.unsqueeze(1)
+        s.tokens.scatter_(1, where, torch.where(keep, new, s.tokens.gather(1, where)))
+        s.seq_lens += n_new.to(torch.int32)
+
+        s.steps += live
+        s.emitted_live += torch.where(live, n_new, 0)
+        s.accepted_hist[s.rows, num_acc.long()] += live
+        hit_eos = ((new == self.eos) & keep).any(1) if self.eos is not None else torch.zeros_like(s.done)
+        finished_now = live & (hit_eos | (s.seq_lens - s.prompt_lens >= s.max_new))
+        s.finish_step.copy_(torch.where(finished_now, s.step, s.finish_step))
+        s.done |= finished_now
+        s.step += 1
+        B = len(live)
+        s.flags[:B] = num_acc
+        s.flags[B:2 * B] = s.done
+        if s.judge_probs and k != 0:
+            probs = chain_acceptance_probs(logits, prop.tokens, prop.draft_logits, s.temp, s.params)
+            s.flags[2 * B:].view(B, -1)[:, :Tp - 1] = (probs * PROB_SCALE).round().long()
+
+    def _accept(self, logits, prop, **kwargs) -> specdec.AcceptResult:
+        if self.vocab_shard is None:
+            return specdec.accept(logits, prop.tokens, prop.parents, draft_logits=prop.draft_logits, **kwargs)
+        start, size, group = self.vocab_shard
+        draft = None if prop.draft_logits is None else prop.draft_logits[..., start:start + logits.shape[-1]]
+        return distributed.accept(logits, prop.tokens, prop.parents, draft_logits_shard=draft, vocab_start=start,
+                                  vocab_size=size, group=group, **kwargs)
+
+    def _collect(self, s: "_Batch", step_times, wall) -> GenerationOutput:
+        outs, stats = [], []
+        # (padding rows: no steps, nothing accepted or judged)
+        tokens, hist, judged = s.tokens.cpu(), s.accepted_hist.cpu(), s.judged_hist.cpu()
+        for b in range(s.requests):
+            seq = tokens[b, int(s.prompt_lens[b]):int(s.seq_lens[b])].tolist()[:s.max_new]
+            if self.eos is not None and self.eos in seq:
+                seq = seq[:seq.index(self.eos)]
+            outs.append(seq)
+            n_steps = int(s.steps[b])
+            t_b = step_times[int(s.finish_step[b])]
+            stats.append({"new_tokens": len(seq), "steps": n_steps,
+                          "tokens_per_step": int(s.emitted_live[b]) / max(n_steps, 1),
+                          **_acceptance(hist[b], judged[b], n_steps),
+                          "wall_s": t_b, "tokens_per_s": len(seq) / t_b})
+        summary = {"requests": len(outs), "new_tokens": sum(len(o) for o in outs), "steps": int(len(step_times)),
+                   "tokens_per_step": int(s.emitted_live.sum()) / max(int(s.steps.sum()), 1),
+                   **_acceptance(hist.sum(0), judged.sum(0), int(s.steps.sum())),
+                   "wall_s": wall, "tokens_per_s": sum(len(o) for o in outs) / wall}
+        return GenerationOutput(outs, stats, summary)
+
+
+def _acceptance(accepted_hist: torch.Tensor, judged_hist: torch.Tensor, steps: int) -> dict:
+    """acceptance_by_depth, acceptance_rate_by_depth and judged_by_depth (d = 1..) from the histograms of the
+    drafts accepted and the deepest draft judged per step."""
+    accepted = accepted_hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # steps accepting >= d drafts
+    judged = judged_hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # steps judging a draft at depth d
+    return {"acceptance_by_depth": [round(a / max(steps, 1), 4) for a in accepted],
+            "acceptance_rate_by_depth": [round(a / j, 4) if j else None for a, j in zip(accepted, judged)],
+            "judged_by_depth": judged}
+
+
+@dataclass
+class _Batch:
+    """One generate call's decoding state. Every tensor is a buffer that a step updates in place and none is ever
+    replaced, so that a compiled or captured step reads and writes the same memory each time."""
+    tokens: torch.Tensor  # (B, L) int64: prompt then emitted tokens; seq_lens[b] of them are committed
+    seq_lens: torch.Tensor  # (B,) int32
+    prompt_lens: torch.Tensor  # (B,) int32
+    max_new: int
+    temp: torch.Tensor  # (B,) float32
+    seeds: torch.Tensor  # (B,) int64
+    params: SamplingParams
+    method: str
+    cache: object  # the target's KVCache
+    done: torch.Tensor  # (B,) bool: finished (EOS or max_new tokens)
+    steps: torch.Tensor  # (B,) int64: steps taken while unfinished (also accept's random-stream offset)
+    emitted_live: torch.Tensor  # (B,) int64: tokens emitted while unfinished
+    accepted_hist: torch.Tensor  # (B, depth + 1) int64: steps that accepted n draft tokens
+    judged_hist: torch.Tensor  # (B, depth + 1) int64: steps whose deepest draft judged was at depth n
+    finish_step: torch.Tensor  # (B,) int64: the step at which the request finished
+    step: torch.Tensor  # () int64: steps taken by the batch
+    # (2B,) int64: this step's accepted counts, then done: the one host read per step; with judge_probs, then
+    # (B, depth): each chain level's acceptance probability (`chain_acceptance_probs`) times PROB_SCALE
+    flags: torch.Tensor
+    rows: torch.Tensor  # arange(B)
+    cols: torch.Tensor  # arange(max_nodes)
+    requests: int  # the real requests, rows 0 .. requests - 1; the rest pad the batch to its bucket (done)
+    judge_probs: bool  # the step reports its levels' acceptance probabilities (an adaptive loop, sampled chains)
+
+    @classmethod
+    def new(cls, tokens, prompt_lens, max_new, temp, seeds, params, method, cache, depth, max_nodes,
+            requests, judge_probs=False) -> "_Batch":
+        B, dev = tokens.shape[0], tokens.device
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+        done = torch.arange(B, device=dev) >= requests
+        return cls(tokens, prompt_lens.clone(), prompt_lens, max_new, temp,
+                   torch.tensor(seeds, dtype=torch.int64, device=dev), params, method, cache,
+                   done, zeros(B), zeros(B), zeros(B, depth + 1), zeros(B, depth + 1), zeros(B), zeros(),
+                   zeros(2 * B + (B * depth if judge_probs else 0)), torch.arange(B, device=dev),
+                   torch.arange(max_nodes, device=dev), requests, judge_probs)
+
+
+def _verify_key(k: Optional[int]) -> Optional[int]:
+    """The k a host drafter's verification runs with: 0 (a plain step: the drafter is told it skipped) or None (a
+    proposal, of any depth). Its graphs are then per tree width alone, shared by every depth the proposals come
+    from (a depth of 8 whose longest match is 5 is a width of 6 as a depth of 5 is), and by fixed and adaptive
+    loops."""
+    return 0 if k == 0 else None
+
+
+class CudaStepGraph:
+    """A step captured as a CUDA graph (`torch.cuda.graph`, in the batch's memory pool) with specdec's value checks
+    off; constructing it captures fn, then replays it once (so it runs the step, as an eager call would)."""
+
+    def __init__(self, fn, pool):
+        self.graph = torch.cuda.CUDAGraph()
+        with specdec.value_checks(False), torch.cuda.graph(self.graph, pool=pool):
+            fn()
+        self.graph.replay()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    @staticmethod
+    def new_pool(device):
+        return torch.cuda.graph_pool_handle()
+
+
+class _StepGraphs:
+    """A batch shape's step graphs by key: a key's first step runs eagerly, its second is captured (and run),
+    later ones replay. inputs: static proposal buffers of host drafters, by key."""
+
+    def __init__(self, graph_class, device):
+        self.graph_class, self.pool = graph_class, graph_class.new_pool(device)
+        self.graphs, self.warm, self.inputs = {}, set(), {}
+
+    def run(self, key, step) -> bool:
+        """The step; whether it was a replay."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        elif key in self.warm:
+            self.graphs[key] = self.graph_class(step, self.pool)
+        else:
+            self.warm.add(key)
+            step()
+        return graph is not None
+
+
+@dataclass
+class _GraphSet:
+    """Step graphs kept across generate calls, and the state they read and write: the batch, and the drafter's
+    attributes as they were when the graphs' batch started (restored, with the new batch's values, for a call
+    that replays them)."""
+    graphs: _StepGraphs
+    batch: _Batch
+    drafter: dict
+    tensors: list  # the state's tensors in signature order (never replaced: the graphs read them)
+
+
+def _state_signature(obj, tensors: Optional[list] = None, _seen: Optional[dict] = None) -> tuple:
+    """What a recorded step can depend on in a state (the batch, the drafter's attributes) besides its tensors'
+    values: each tensor's shape, strides, dtype and device, every other value (a Python number or flag a step
+    branches on; a module or function by identity) and the structure holding them. tensors: the state's tensors
+    are appended to it, in the order of the signature (two states of one signature align)."""
+    seen = {} if _seen is None else _seen
+    if isinstance(obj, specdec.RollbackPlan):
+        # derived from its caches' tensors, which sign and are copied where they are held: its device table holds
+        # their addresses (anchor + offsets), and a kept set's graphs run its own plan on its own caches (the offsets
+        # of a drafter's new cache copied onto a kept one's pointed its rollback elsewhere on a GPU)
+        return ("RollbackPlan",)
+    if isinstance(obj, torch.Tensor):
+        if tensors is not None:
+            tensors.append(obj)
+        return ("tensor", tuple(obj.shape), obj.stride(), obj.dtype, obj.device)
+    if isinstance(obj, (torch.nn.Module, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        return ("id", id(obj))
+    if id(obj) in seen:  # (an object met before: the signature says it is the same one)
+        return ("seen", seen[id(obj)])
+    if isinstance(obj, (list, tuple, dict)) or hasattr(obj, "__dict__"):
+        seen[id(obj)] = len(seen)
+        items = obj.items() if isinstance(obj, dict) else vars(obj).items() if hasattr(obj, "__dict__") else \
+            enumerate(obj)
+        return (type(obj).__name__,) + tuple((key, _state_signature(v, tensors, seen)) for key, v in items)
+    try:
+        hash(obj)
+    except TypeError:
+        return ("value", repr(obj))
+    return ("value", obj)
+
+
+def generate_ar(target: Llama, prompts, max_new_tokens: int = 128, temperature=0.0, seed=0,
+                progress: bool = False, kv_dtype: Optional[torch.dtype] = None, **filters) -> GenerationOutput:
+    """Plain autoregressive decoding through the same ops (one-node trees): the baseline. filters: generate's
+    top_k, top_p, min_p, allowed_token_ids."""
+    return SpeculativeDecoder(target, kv_dtype=kv_dtype).generate(prompts, max_new_tokens, temperature, seed, progress,
+                                                                  **filters)
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="tok", leave=False, desc="generating")

@@ -1,0 +1,206 @@
+"""The drafter interface shared by every way of proposing draft trees (draft model, prompt lookup, and
+later MTP/Medusa heads).
+
+A drafter sees the decoder's token buffer `tokens` (B, L) int64 whose first seq_lens[b] entries are
+request b's committed sequence; the last one is the root (node 0) of the next draft tree. Per step:
+
+    proposal = drafter.propose(tokens, seq_lens, temperature)   # a tree per request
+    ... the target verifies, specdec.accept picks the path ...
+    drafter.commit(proposal, accepted_nodes, num_accepted)     # keep own state in sync (rollback)
+
+With adaptive speculation (specdec.loop.adaptive) the loop may ask for a shallower tree, propose(..., depth=k),
+or for none at all: it then verifies the root alone and calls drafter.skip() instead of commit (the
+committed sequences grew by one token each).
+
+What commit needs to know about a proposal travels in the proposal itself (`cache_slots`), so a drafter
+keeps no per-step state between the two calls.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from ...ops import TreeInfo
+from ...reference import GREEDY_BELOW
+from ...sampling import SamplingParams
+
+
+class Proposal(NamedTuple):
+    """tokens (B, T) int64 (tokens[:, 0] is the root); parents (B, T) int32 (BFS order, parents[:, 0] = -1);
+    num_nodes (B,) int32; draft_logits (B, T, V) or None: when given, node i's children were drawn i.i.d.
+    from softmax(draft_logits[:, i] / temperature) (sampling requests); None means given proposals.
+    cache_slots (B, T) int64 or None: the drafter's own bookkeeping, handed back to its commit (the loop
+    never reads it): the slot, after the committed tokens, of node i's K/V in the drafter's own cache
+    (DraftModelDrafter); None for drafters without a cache. tree: the tree's depths and ancestor masks (padding
+    nodes' rows may differ from build_tree's: they are never read), so that a static tree is built once, not
+    per step."""
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    draft_logits: Optional[torch.Tensor] = None
+    cache_slots: Optional[torch.Tensor] = None
+    tree: Optional[TreeInfo] = None  # build_tree of parents when the drafter has it already (static trees)
+
+
+# the longest run of steps without a proposal whose tokens a drafter's next proposal runs through its model (its
+# buffers for the skipped entries are sized by it); after a longer run the draft model catches up eagerly
+# (`catch_up`), MTP cannot (it needs the target's hidden states of those steps) and the loop drafts one level
+# after that many (its `max_skips`)
+MAX_SKIPS = 16
+
+
+class Drafter:
+    """Base class. `max_nodes` bounds T of every proposal (the decoder sizes caches with it), `max_depth`
+    the depth of its trees (the longest path the target can accept)."""
+
+    max_nodes: int = 1
+    max_depth: int = 0
+    vocab_size: Optional[int] = None  # None: any vocabulary (no model)
+    # whether sampling requests' proposals carry draft_logits (children drawn i.i.d. from them), as the
+    # verifiers "block" and "traversal" need; else they are given proposals
+    samples_children: bool = False
+    # proposes with host code (prompt lookup): the loop compiles or captures its verification only
+    proposes_on_host: bool = False
+    # the most steps in a row without a proposal it takes (None: any number)
+    max_skips: Optional[int] = None
+    # set by the loop before start: its steps are compiled or captured as graphs, so keep the shapes of a step to a
+    # few (each is a graph), padding where an eager step would not
+    few_shapes: bool = False
+
+    def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
+              seeds: Sequence[int], params: SamplingParams = SamplingParams()) -> None:
+        """A new batch: `tokens`/`seq_lens` hold the prompts; sequences will not exceed max_len tokens;
+        temperature (B,) and the sampling filters `params` are fixed for the batch; request b's own sampling
+        (if any) is driven by seeds[b] alone (`DraftRandom`), so its drafts never depend on the rest of
+        the batch. A drafter that passes draft_logits samples from the law `params.process` gives them (accept
+        processes them the same way); given proposals may be anything. It may leave its own cache to catch_up
+        (lagging: the caller runs catch_up before the first proposal)."""
+
+    def propose(self, tokens: torch.Tensor, seq_lens: torch.Tensor, temperature: torch.Tensor,
+                depth: Optional[int] = None) -> Proposal:
+        """A tree per request; depth (1 .. max_depth, None = max_depth): at most this many levels."""
+        raise NotImplementedError
+
+    def commit(self, proposal: Proposal, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """The target accepted path accepted_nodes[b, :num_accepted[b] + 1] of `proposal` (the last one)."""
+
+    def skip(self) -> None:
+        """A step without a proposal: every sequence grew by one token (its root's successor)."""
+
+    def advance(self, depth: Optional[int]) -> None:
+        """Host bookkeeping before each step, outside any compiled or captured graph: the step will call
+        propose(depth=depth) then commit, or skip when depth is 0. A drafter whose step depends on host state
+        (Python numbers) updates it here, never inside propose / commit / skip, so that those stay graph-safe;
+        that state is then part of the step's graph key (graph_key)."""
+
+    def graph_key(self) -> tuple:
+        """The host state the next step's graph depends on (see advance)."""
+        return ()
+
+    def depths_available(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[list]:
+        """Before a step, for the adaptive policy: the most levels each request's proposal can have now (a drafter
+        that proposes on the host knows: prompt lookup has nothing for a request without a match). None (the
+        default): every request gets the depth asked for."""
+        return None
+
+    def shadow(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[list, list, list]]:
+        """On a plain-decoding step of an adaptive loop, outside any graph: judge the proposals that earlier calls
+        recorded but nobody drafted against the tokens committed since, and record what would be proposed now.
+        Returns (accepted, proposed, since) per request: levels since[b] + 1 .. proposed[b] of request b's recorded
+        proposal are judged now (none where proposed[b] <= since[b]; the earlier ones were judged by earlier calls),
+        and its first accepted[b] levels were what the target emitted: a level is judged once the target's token at
+        it is in or an earlier one was wrong, with exactly the outcome a drafted step would have given it (a
+        deterministic draft token x is accepted with probability p(x), the chance plain sampling emits it). None:
+        nothing judged now (the default: proposals cost a model's forward, and the policy learns from drafted steps
+        alone)."""
+        return None
+
+    # set by advance: the next step's proposal first runs the tokens of skipped steps through the drafter (a one-off
+    # cost of the switch from plain decoding, not what a step of its depth costs: the adaptive policy times it not)
+    catching_up: bool = False
+    # host state: the drafter's own cache is further behind the committed tokens than a proposal catches up on (a
+    # draft model's cache, filled lazily: an adaptive loop that never drafts never runs the draft); the loop calls
+    # catch_up before the next step that proposes
+    lagging: bool = False
+
+    def catch_up(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Eagerly, outside any graph: run the committed tokens the drafter has not seen, all but each root, through
+        its model (a prefill from where its cache stands)."""
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding: the tree is the root alone."""
+
+    def propose(self, tokens, seq_lens, temperature, depth=None):
+        B = tokens.shape[0]
+        root = tokens.gather(1, (seq_lens.long() - 1).unsqueeze(1))
+        return Proposal(root, torch.full((B, 1), -1, dtype=torch.int32, device=tokens.device),
+                        torch.ones(B, dtype=torch.int32, device=tokens.device))
+
+
+# request b's drafter stream is keyed by a mix of seeds[b], never seeds[b] itself: the acceptance kernels key
+# their Philox streams by seeds[b], and a draw must not be correlated with the test that judges it
+_DRAFT_SEED_MIX = 0x9E3779B97F4A7C15
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x (int64 in [0, 2**32)) and a 32-bit constant c, in 16-bit halves of c so that no
+    product leaves int64 (signed overflow is undefined in the C++ and CUDA that Inductor generates)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash with good avalanche (Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+class DraftRandom:
+    """Counter-based random numbers for the drafters' draws, one stream per request: uniform u (B, n) of a draw
+    is a hash of (request b's key, its draw counter, the element index), and the counter advances by one per
+    draw in place. No generator object and no host state: the draws are graph-safe (torch.compile fullgraph,
+    CUDA-graph replay) and request b's stream depends on seeds[b] alone, never on the batch."""
+
+    def __init__(self, seeds: Sequence[int], device: torch.device):
+        mixed = [(int(s) * _DRAFT_SEED_MIX + 1) % 2**64 for s in seeds]
+        key = torch.tensor([m & _MASK32 for m in mixed], dtype=torch.int64, device=device)
+        hi = torch.tensor([m >> 32 for m in mixed], dtype=torch.int64, device=device)
+        self.key = _mix32(key ^ _mix32(hi))  # (B,)
+        self.counter = torch.zeros(len(seeds), dtype=torch.int64, device=device)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """(B, n) float32 in (0, 1), 24 random bits each; advances the counters."""
+        stream = _mix32((self.key + _mix32(self.counter & _MASK32)) & _MASK32).unsqueeze(1)
+        idx = torch.arange(n, device=self.key.device)
+        bits = _mix32((_mix32(idx ^ stream) + stream) & _MASK32)
+        self.counter += 1
+        return ((bits >> 8).float() + 0.5) * 2.0 ** -24
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, rng: Optional[DraftRandom],
+           all_greedy: bool, params: SamplingParams = SamplingParams()) -> torch.Tensor:
+    """k children per row of logits (B, N, V), from the rows processed by `params` (masked, top-k/top-p/min-p
+    filtered): the top-k tokens for greedy requests (temperature 0), k i.i.d. draws from
+    softmax(processed / temperature) for the others, request b's from its stream of `rng` (every request draws
+    the same count per call, so its stream never depends on the batch). Returns (B, N, k) int64. all_greedy
+    (known when the batch starts) skips the softmax and the draws (rng may then be None).
+
+    A draw is the exponential race argmax_v p_v / E_v with E_v = -log u_v i.i.d. Exp(1): token v wins with
+    probability p_v exactly (vLLM's sampler draws the same way)."""
+    B, N, V = logits.shape
+    logits = params.process(logits, temperature)
+    top = logits.topk(k, dim=-1).indices
+    if all_greedy:
+        return top
+    greedy = (temperature < GREEDY_BELOW).view(B, 1, 1)  # (as the verifier: below 1e-5, greedy)
+    t = torch.where(greedy.view(B), torch.ones_like(temperature), temperature).view(B, 1, 1)
+    x = logits.float()
+    probs = torch.softmax((x - x.amax(-1, keepdim=True)) / t, dim=-1)  # (x / t would overflow for huge logits)
+    race = -rng.uniform(N * k * V).log().view(B, N, k, V)
+    drawn = (probs.unsqueeze(2) / race).argmax(-1)
+    return torch.where(greedy, top, drawn)
