@@ -63,7 +63,7 @@ STATUS=()
 # costs minutes and every step runs on the GPU
 cd "$REPO" || exit 1
 if ! SPECDEC_NO_CPP=1 "$PY" -m pip install -q --no-deps --no-build-isolation -e .; then
-  # a device session is short and lent by chance: run from the checkout rather than lose it (the package as the
+  # a GPU run is short and may be the only one: run from the checkout rather than lose it (the package as the
   # install lays it out: specdec.kernels is kernels/)
   echo "gpu.sh: the install failed; running from the checkout (PYTHONPATH, specdec/kernels -> kernels/)"
   [ -e specdec/kernels ] || ln -s ../kernels specdec/kernels || exit 1
