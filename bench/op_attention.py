@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import specdec
-from specdec.reference import quantize, unpack_bits
+from specdec._layout import unpack_bits
+from specdec.reference import quantize
 from specdec.tree import build_tree_vectorized
 
 from .common import DTYPES, cache_layout, close_check, random_parents

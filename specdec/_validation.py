@@ -24,11 +24,12 @@ import os
 
 import torch
 
+from ._layout import FP8_DTYPES, packed_row_index, unpack_bitmask, unpack_bits
+
 _VALUE_CHECKS = contextvars.ContextVar(
     "specdec_value_checks", default=os.environ.get("SPECDEC_VALUE_CHECKS", "1") not in ("0", "false", "False", ""))
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # KV caches only, dequantized with a per-tensor scale
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INT_DTYPES = (torch.int32, torch.int64)
 MAX_OFFSET = 2**60  # accept's random-stream offsets (Philox counter words: 31 + 29 bits)
@@ -280,7 +281,6 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         # the committed prefix is read from position 0, or from the window's first position
         first = (cache_lens.long() - window_left).clamp(min=0) if window_left >= 0 else None
         check_positions(k_cache.shape, cache_lens, block_table, T, first=first)
-        from .reference import unpack_bits
         if packed:  # request b's rows, gathered (B, T, W) for the checks below
             check_packed_bounds(row_offsets, num_nodes, N)
             tree_mask = tree_mask[packed_row_index(row_offsets, T, N)]
@@ -502,13 +502,6 @@ def packed_nodes(cu_num_nodes, max_nodes, tokens, parents, num_rows):
             row_offsets)
 
 
-def packed_row_index(row_offsets, max_nodes, num_rows):
-    """(B, max_nodes) int64: the packed row of node i of request b, row_offsets[b] + i, clamped into
-    [0, num_rows) so that a padding node (i >= num_nodes[b]) indexes some row; what it reads there is unused."""
-    i = torch.arange(max_nodes, device=row_offsets.device)
-    return (row_offsets.long().unsqueeze(1) + i).clamp(0, max(num_rows - 1, 0))
-
-
 def check_packed_bounds(row_offsets, num_nodes, num_rows):
     """A value check: request b's rows row_offsets[b] .. + num_nodes[b] - 1 lie among the num_rows packed rows."""
     _fail_if("row_offsets", (row_offsets < 0) | (row_offsets + num_nodes.long() > num_rows),
@@ -584,7 +577,6 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
                      else torch.arange(T, device=dev).unsqueeze(0) < num_nodes.long().unsqueeze(1))
         allowed = None
         if token_bitmask is not None:
-            from .sampling import unpack_bitmask
             allowed = unpack_bitmask(token_bitmask, V)  # (B, T, V) or (N, V)
             _fail_if("token_bitmask", rows_real & ~allowed.any(-1), "a real node's row allows no token")
         for name, x in ((target_name, target_logits), (draft_name, draft_logits)):

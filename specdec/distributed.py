@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validation as val
+from ._layout import padded_rows
 from .ops import AcceptResult, _accept_laws
 from .reference import GREEDY_BELOW
 
@@ -318,8 +319,7 @@ def _checked_args(target, tokens, parents, vocab_start, vocab_size, draft, targe
             if x is not None:
                 val.check_finite_rows(name, x, probs)
     if row_offsets is not None:  # this shard's rows to the padded layout (a gather of the local columns)
-        rows = val.packed_row_index(row_offsets, tokens.shape[1], target.shape[0])
-        target, draft, token_bitmask = (None if x is None else x[rows] for x in (target, draft, token_bitmask))
+        target, draft, token_bitmask = padded_rows(row_offsets, tokens.shape[1], target, draft, token_bitmask)
     offsets = torch.full_like(seeds, offset) if offsets is None else offsets.long() + offset
     return dict(target=target, draft=draft, probs=probs, names=names, tokens=tokens.long(), parents=parents.long(),
                 num_nodes=num_nodes.long(), temperature=temperature, seeds=seeds, offsets=offsets, top_k=top_k,

@@ -271,17 +271,19 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     num_nodes is then not given. Returns out (N, Hq, D) and lse (N, Hq), read and written in place (no padding).
     """
     row_offsets = None
-    if cu_num_nodes is not None:
+    if cu_num_nodes is None:
+        max_nodes = 0  # the schema's "not packed"
+    else:
         if num_nodes is not None:
             raise TypeError("num_nodes: with cu_num_nodes the counts are its differences; give one of them")
         val._tensor("q", q, dim=3, dtypes=val.FLOAT_DTYPES)  # (before its rows are counted)
         num_nodes, row_offsets = val.packed_rows(cu_num_nodes, max_nodes, q.shape[0])
     num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap = OPS["tree_attention"].check(
         q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale, v_scale, window_left,
-        logits_soft_cap, row_offsets, max_nodes or 0, _python_value_checks(backend, q))
-    packed = () if row_offsets is None else (row_offsets, max_nodes)
+        logits_soft_cap, row_offsets, max_nodes, _python_value_checks(backend, q))
     out, lse = _call("tree_attention", backend, q.device, q, k_cache, v_cache, cache_lens, tree_mask,
-                     block_table, num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap, *packed)
+                     block_table, num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap, row_offsets,
+                     max_nodes)
     return (out, lse) if return_lse else out
 
 
@@ -301,26 +303,23 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     None: the drafter's logits at each node, whose softmax at the same temperature is the law node's
     children were drawn from (i.i.d.); None means the children are given proposals. temperature: None/0
     (greedy), a float, or (B,) floats, finite and >= 0; below 1e-5 (reference.GREEDY_BELOW: 0, tiny and
-    subnormal values) a request is greedy, as vLLM's, so the mask's guarantee holds at every temperature. seeds: (B,) int64 (None draws seeds from
-    torch's generator). offset: the position in the request's random stream, an int for the whole batch
-    or a (B,) int tensor on the device, one per request (e.g. each request's own step counter: an
-    engine updates it in place, so a captured CUDA graph draws fresh numbers at every replay, and a
-    request's numbers do not depend on when it joined the batch); 0 <= offset < 2**60. Request b's result
-    depends only on its own inputs, seeds[b] and its offset.
+    subnormal values) a request is greedy, as vLLM's, so the mask's guarantee holds at every temperature.
+    seeds: (B,) int64 (None draws seeds from torch's generator). offset: the position in the request's random
+    stream, an int for the whole batch or a (B,) int tensor on the device, one per request (e.g. each request's
+    own step counter: an engine updates it in place, so a captured CUDA graph draws fresh numbers at every
+    replay, and a request's numbers do not depend on when it joined the batch); 0 <= offset < 2**60. Request
+    b's result depends only on its own inputs, seeds[b] and its offset.
 
     Sampling filters, per request, and a grammar mask per tree node (real traffic):
     top_k: None, an int or a (B,) int tensor (0 or >= V: off). top_p: None, a float or a (B,) float tensor in
     (0, 1] (1: off). min_p: None, a float or a (B,) float tensor in [0, 1) (0: off). token_bitmask: None or
     (B, T, ceil(V/32)) int32, bit v % 32 of word v // 32 of row [b, i] set iff token v may follow node i
-    (xgrammar's / vLLM's layout, one row per tree node). At node i of request b with t > 0 the target's law
-    is processed in this order: 1. mask: disallowed tokens get -inf; 2. temperature: l = logits / t;
-    3. top-k: x is kept iff fewer than k allowed tokens have a strictly larger l (ties at the k-th value are
-    kept); 4. top-p: with p the softmax of the kept tokens, x is kept iff the mass of the tokens with a
-    strictly larger p is < top_p (the top token and the ties at the boundary are kept); 5. min-p: x is kept
-    iff p(x) >= min_p * max p; 6. renormalize. The emitted tokens follow this law exactly. With draft_logits
-    the same processing with the same parameters (and node i's mask row) defines q, the law the drafter
-    sampled from: a drafter samples from specdec.sampling.processed_logits. Greedy requests take the argmax of
-    the masked row (the filters never remove it). A real node's row that the mask leaves without a finite
+    (xgrammar's / vLLM's layout, one row per tree node). The law at node i of a sampling request b is the
+    processed law of row [b, i] (its steps, in order: the docstring of specdec.sampling) with request b's
+    parameters and node i's mask row; the emitted tokens follow it exactly. With draft_logits the same
+    processing of the drafter's row defines q, the law the drafter sampled from: a drafter samples from
+    specdec.sampling.processed_logits. Greedy requests take the argmax of the masked row (the filters never
+    remove it). A real node's row that the mask leaves without a finite
     logit is a ValueError with the value checks on (the C++ op, whose inputs are on the host, always checks);
     with them off no backend writes an out-of-range id (the reference stops the walk at that node and emits
     token 0). A number meaning off (or None) drops that parameter for the whole batch; a tensor is read per
@@ -356,13 +355,9 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = OPS["accept"].check(
         target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k, top_p, min_p,
         token_bitmask, method, probs, row_offsets, values)
-    filters = (top_k, top_p, min_p, token_bitmask)
-    # (the schema's defaults left out: the argument list of callers that predate them)
-    extra = ((*filters, method, probs, row_offsets) if row_offsets is not None
-             else (*filters, method, True) if probs else (*filters, method) if method != "token"
-             else filters if any(f is not None for f in filters) else ())
     res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
-                parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset, offsets, *extra)
+                parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset, offsets, top_k, top_p,
+                min_p, token_bitmask, method, probs, row_offsets)
     return AcceptResult(*res)
 
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ._validation import FP8_DTYPES, packed_row_index
+from ._layout import FP8_DTYPES, pack_bits, packed_row_index, padded_rows, unpack_bits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,23 +40,6 @@ def build_tree(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Te
                 depth[b, i] = depth[b, p] + 1
                 bits[b, i] |= bits[b, p]
     return depth.to(parents.device), pack_bits(bits).to(parents.device)
-
-
-def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """(..., 32*W) bool -> (..., W) int32 where bit k of word w is element 32*w + k."""
-    *lead, n = bits.shape
-    words = bits.reshape(*lead, n // 32, 32).to(torch.int64)
-    shifts = torch.arange(32, dtype=torch.int64, device=bits.device)
-    packed = (words << shifts).sum(-1)  # value in [0, 2^32)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # reinterpret as signed int32
-    return packed.to(torch.int32)
-
-
-def unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """(..., W) int32 -> (..., n) bool; inverse of `pack_bits` (truncated to n)."""
-    shifts = torch.arange(32, dtype=torch.int64, device=mask.device)
-    bits = (mask.to(torch.int64).unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(*mask.shape[:-1], 32 * mask.shape[-1])[..., :n].bool()  # (no -1: a batch may be empty)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +158,7 @@ def children_of(parents_row: list[int], n: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The processed law: grammar mask, temperature, top-k, top-p, min-p (in this order)
+# The processed law, step by step (the steps in order: the docstring of specdec.sampling)
 # ----------------------------------------------------------------------------------------------
 # A temperature below this is greedy, on every backend (vLLM's _SAMPLING_EPS, 1e-5): 1 / t stays <= 1e5, so no
 # backend's scaling of a row overflows or rounds the law away, and greedy's argmax of the masked row keeps the
@@ -403,9 +386,8 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
     """
     if row_offsets is not None:
-        rows = packed_row_index(row_offsets, tokens.shape[1], target_logits.shape[0])
-        target_logits, draft_logits, token_bitmask = (None if x is None else x[rows]
-                                                      for x in (target_logits, draft_logits, token_bitmask))
+        target_logits, draft_logits, token_bitmask = padded_rows(row_offsets, tokens.shape[1], target_logits,
+                                                                 draft_logits, token_bitmask)
     if probs:
         target_logits = target_logits.double().log()
         draft_logits = None if draft_logits is None else draft_logits.double().log()

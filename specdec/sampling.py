@@ -30,23 +30,12 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .reference import GREEDY_BELOW, pack_bits, unpack_bits
+from ._layout import pack_bitmask, unpack_bitmask  # (public here: the grammar bitmask layout accept takes)
+from .reference import GREEDY_BELOW
 
 Param = Union[None, int, float, torch.Tensor]
 
 _CHUNK_ELEMENTS = 1 << 22  # rows are processed in chunks of about this many entries (float64 sort buffers)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, V: int) -> torch.Tensor:
-    """(..., W) int32 -> (..., V) bool: bit v % 32 of word v // 32 is token v (xgrammar / vLLM layout, the one
-    of build_tree's ancestor masks)."""
-    return unpack_bits(bitmask, V)
-
-
-def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
-    """(..., V) bool -> (..., ceil(V / 32)) int32, the inverse of `unpack_bitmask` (bits past V are 0)."""
-    V = allowed.shape[-1]
-    return pack_bits(torch.nn.functional.pad(allowed, (0, -V % 32)))
 
 
 def _per_row(x: Param, N: int, dtype, device) -> Optional[torch.Tensor]:
@@ -192,7 +181,8 @@ class SamplingParams(NamedTuple):
             allowed = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
             # (a row per request, not an expanded view: a loop's kept graphs take a later call's mask into it)
             bitmask = pack_bitmask(allowed).to(device).expand(B, -1).contiguous()
-        return SamplingParams(per_request("top_k", top_k, torch.int32, 0), per_request("top_p", top_p, torch.float32, 1.0),
+        return SamplingParams(per_request("top_k", top_k, torch.int32, 0),
+                              per_request("top_p", top_p, torch.float32, 1.0),
                               per_request("min_p", min_p, torch.float32, 0.0), bitmask)
 
     def node_bitmask(self, T: int) -> Optional[torch.Tensor]:

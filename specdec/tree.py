@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import pack_bits
+from ._layout import pack_bits
 
 
 def build_tree_vectorized(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

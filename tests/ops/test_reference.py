@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import specdec
-from specdec.reference import unpack_bits
+from specdec._layout import unpack_bits
 from tests.helpers import from_paged, random_cache, random_root_paths, random_trees, to_paged
 
 

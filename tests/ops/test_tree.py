@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import specdec
-from specdec.reference import pack_bits, unpack_bits
+from specdec._layout import pack_bits, unpack_bits
 from tests.helpers import random_trees
 
 TREE_BACKENDS = ["torch", "triton"] + (["cpp"] if specdec.ops.HAS_CPP else [])

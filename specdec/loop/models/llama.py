@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import specdec
-from specdec._validation import FP8_DTYPES
+from specdec._layout import FP8_DTYPES
 
 
 @dataclass
