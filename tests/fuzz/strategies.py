@@ -1,6 +1,6 @@
 """Hypothesis strategies, profiles and the sandbox of the property-based fuzz suite (tests/fuzz/test_fuzz_*.py).
 
-The contract the properties check, for every op, backend and entry point (README "Op contract"):
+The contract the properties check, for every op, backend and entry point (docs/ops.md, "Input contract"):
   * bad input: a ValueError / TypeError whose message starts with an argument's name, raised before anything is
     written (every input, cache and output byte-identical afterwards, gaps of strided views included);
   * valid input: the reference's result (specdec.reference, backend "torch");

@@ -218,7 +218,7 @@ def kept(row, t=1.0, top_k=0, top_p=1.0, min_p=0.0, allowed=None):
 
 
 def by_definition(row, t, top_k, top_p, min_p, allowed):
-    """The issue's text, word for word, one token at a time (O(V^2), exact rationals aside)."""
+    """The processed law's definition (specdec/sampling.py), one token at a time (O(V^2), exact rationals aside)."""
     V = len(row)
     l = [(row[x] if allowed is None or allowed[x] else -INF) / t for x in range(V)]
     keep = [v > -INF for v in l]

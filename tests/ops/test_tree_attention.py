@@ -145,7 +145,7 @@ def test_window_leaves_freed_blocks_alone(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_sinks_from_lse(backend):
-    """The README's recipe for attention sinks (gpt-oss: a learned per-head logit in every softmax's
+    """docs/ops.md's recipe for attention sinks (gpt-oss: a learned per-head logit in every softmax's
     denominator): out * sigmoid(lse - sink) equals attention with a sink key whose value is 0."""
     gen = torch.Generator().manual_seed(6)
     case = make_case(gen, B=2, T=5, Hkv=2, group=2, lens=(9, 20), kinds=("random",))
