@@ -51,12 +51,12 @@ def forward_ms(target, cache, t: int, n: int, batch: int = 1) -> float:
 
 def make_step(target, draft, tree: str, context: int, steps: int, compiled: bool):
     """A fresh decoding state (random prompt of `context` tokens) and a function running one step of the loop
-    (SpeculativeDecoder._step, or with compiled its one-graph form)."""
+    (SpeculativeDecoder._step, or with compiled its one-graph form, _CompiledSteps.whole_step)."""
     decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, tree), compile=compiled)
     prompt = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     s = decoder._start([prompt], (steps + 5) * decoder.drafter.max_nodes, 0.0, 0, top_k=0, top_p=1.0, min_p=0.0,
                        allowed_token_ids=None)
-    run = decoder._whole_step if compiled else decoder._step
+    run = decoder.steps.whole_step if compiled else decoder._step
 
     def step():
         decoder.drafter.advance(None)

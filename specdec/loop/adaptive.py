@@ -32,7 +32,10 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .drafters.base import DepthControl, Drafter
 from .models.llama import Llama, chain_tree, compile_static
+
+PROB_SCALE = 1 << 24  # acceptance probabilities travel in the step's int64 flags as multiples of 1 / PROB_SCALE
 
 
 class AcceptanceStats:
@@ -367,6 +370,77 @@ class AdaptiveDepth:
             self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(residual - depth * (self.draft_level_s or 0.0), 0.0)
         else:
             self.drafted(depth, max(residual - self.overhead_s, 0.0))
+
+
+class StepSchedule:
+    """The depth of each step of one generate call, and the host bookkeeping around the step (outside any graph):
+
+        k = schedule.before_step()                          # None: the drafter's whole tree; 0: the root alone
+        ... the step runs, and its flags are read ...
+        live = schedule.after_step(k, flags, ran, proposed_at)
+
+    Without a policy every step drafts the whole tree. With one (an AdaptiveDepth, or any object with its methods
+    choose, judged, drafted, caught_up, update) the policy chooses each step's depth and learns from the step; the
+    drafter's `DepthControl` hooks (none for a core-only drafter) say how deep each request can draft, judge what a
+    plain step would have proposed (shadow), keep the drafter's host state (advance) and catch it up where it lags.
+    batch: the loop's `_Batch` (its tokens, seq_lens, requests, max_new, temp, judge_probs are read).
+    drafting_timed: the runner times a step's proposal apart (`after_step`'s proposed_at)."""
+
+    def __init__(self, policy, drafter: Drafter, batch, drafting_timed: bool):
+        self.policy, self.batch, self.drafting_timed = policy, batch, drafting_timed
+        self.hooks = drafter if isinstance(drafter, DepthControl) else DepthControl()
+        B = batch.tokens.shape[0]
+        self.live = [b < batch.requests for b in range(B)]  # (the padding rows are finished from the start)
+        self.remaining = [batch.max_new if live else 0 for live in self.live]  # tokens each request may still emit
+        self.skips = 0  # plain-decoding steps in a row
+        self.sampled = (batch.temp > 0).cpu().numpy() if batch.judge_probs else None
+        self.t_step = 0.0
+        self.caught_up = False  # the step's drafter first catches up on what it lagged behind
+        self.steady = True  # the step's time is what a step of its depth costs
+
+    def before_step(self) -> Optional[int]:
+        """The next step's depth, with the drafter told (advance) and caught up where it lags."""
+        self.t_step = time.perf_counter()
+        s, hooks, k = self.batch, self.hooks, None
+        if self.policy is not None:
+            k = self.policy.choose(self.live, self.remaining, lambda: hooks.depths_available(s.tokens, s.seq_lens),
+                                   hooks.lagging)
+            if k == 0:  # what the drafter would have proposed, judged as the tokens come (host drafters)
+                judged = hooks.shadow(s.tokens, s.seq_lens)
+                if judged is not None:
+                    self.policy.judged(*judged)
+        self.skips = self.skips + 1 if k == 0 else 0
+        if hooks.max_skips is not None and self.skips > hooks.max_skips:
+            k, self.skips = 1, 0
+        hooks.advance(k)
+        self.caught_up = k != 0 and hooks.lagging
+        if self.caught_up:
+            hooks.catch_up(s.tokens, s.seq_lens)
+        # a step whose drafter first catches up on skipped steps is not what a step of its depth costs
+        self.steady = not hooks.catching_up
+        return k
+
+    def after_step(self, k: Optional[int], flags: list, ran: bool, proposed_at: Optional[float]) -> bool:
+        """After the step of depth k: flags, the step's `_Batch.flags` as a list; ran: it compiled, warmed up or
+        captured no graph (else its time says nothing of the next ones); proposed_at: when its proposal was ready, where the
+        runner times it apart (None: not). Whether any request is still live."""
+        B = len(self.live)
+        policy = self.policy
+        if policy is not None:
+            if proposed_at is not None and k and self.steady:
+                policy.drafted(k, proposed_at - self.t_step)
+            seconds = time.perf_counter() - self.t_step
+            if self.caught_up and ran:  # what the next switch from plain decoding will cost
+                policy.caught_up(k, seconds)
+            judged = {}  # (passed only when there are some: a policy of greedy loops needs no such argument)
+            if self.batch.judge_probs and k:  # (sampled requests' levels judged by their acceptance probabilities)
+                probs = np.array(flags[2 * B:], dtype=np.float64).reshape(B, -1) / PROB_SCALE
+                judged["acceptance"] = np.where(self.sampled[:, None], probs, np.nan)
+            policy.update(flags[:B], k, self.live, seconds if ran and self.steady else None, drafting_timed=self.drafting_timed,
+                          **judged)
+            self.remaining = [r - n - 1 if live else r for r, n, live in zip(self.remaining, flags, self.live)]
+        self.live = [not f for f in flags[B:2 * B]]
+        return any(self.live)
 
 
 _TARGET_COSTS: dict = {}  # (model, batch size, timed token counts, context, dtype, device, compiled) -> costs

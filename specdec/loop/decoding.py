@@ -14,10 +14,10 @@ One step for the whole batch:
   5. the path's tokens and the next token are appended to each sequence.
 Requests finish independently (EOS or max_new_tokens); a finished request keeps riding along with
 one token per step (its output is cut), so shapes stay static. A step (`_step`) works in place on the
-batch's buffers (`_Batch`) and reads nothing back; the host decides the depth k before it (the policy, and
-`Drafter.advance`, the drafter's host bookkeeping) and reads one small tensor after it (`_Batch.flags`: the
-stopping rule, and the accepted counts the adaptive policy learns from). So the step compiles as one graph
-(compile=True).
+batch's buffers (`_Batch`) and reads nothing back; the host decides the depth k before it and reads one small
+tensor after it (`_Batch.flags`: the stopping rule, and the accepted counts the adaptive policy learns from), both
+in `adaptive.StepSchedule`. So the step runs eagerly, compiled as one graph (compile=True) or replayed from a
+captured graph (cuda_graphs) alike: a step runner (`_EagerSteps`, `_CompiledSteps`, `_GraphedSteps`) chosen once.
 """
 from __future__ import annotations
 
@@ -26,19 +26,17 @@ import types
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 import specdec
 from .. import distributed
-from .adaptive import AdaptiveDepth, compiled_depths, measure_target_costs
-from .drafters.base import Drafter, NoDrafter, Proposal
+from .adaptive import PROB_SCALE, AdaptiveDepth, StepSchedule, compiled_depths, measure_target_costs
+from .drafters.base import DepthControl, Drafter, NoDrafter, Proposal, StepState
 from .models.llama import Llama, compile_static
 from .._validation import check_method_name
 from ..reference import GREEDY_BELOW
 from ..sampling import SamplingParams, chain_acceptance_probs
 
-PROB_SCALE = 1 << 24  # acceptance probabilities travel in _Batch.flags (int64) as multiples of 1 / PROB_SCALE
 CACHE_BUCKET = 256  # with compile=True or CUDA graphs, cache lengths are rounded up to a multiple of this
 # the batch shapes whose CUDA graphs (and the buffers they read) a decoder keeps across generate calls
 KEPT_GRAPH_SETS = 8
@@ -83,15 +81,15 @@ class SpeculativeDecoder:
         factory (batch_size, max_depth, device) -> policy with the methods of adaptive.AdaptiveDepth.
         compile: each step through torch.compile as one graph (`compile_static`: the drafting, the target's
         forward, accept, both rollbacks and the bookkeeping; fullgraph, so no host sync inside), one graph per
-        batch size, draft depth and drafter state (`Drafter.advance`), compiled at first use: run a warm-up
+        batch size, draft depth and drafter state (`StepState.graph_key`), compiled at first use: run a warm-up
         generate of the same batch size and tree first. Caches are sized in buckets of 256 positions so that later
         batches reuse the graphs.
         cuda_graphs: replay each step as a CUDA graph (None: on for a CUDA target without compile): one graph per
-        draft depth and drafter state (`Drafter.graph_key`; for prompt lookup the verification alone, per tree
+        draft depth and drafter state (`StepState.graph_key`; for prompt lookup the verification alone, per tree
         width), captured at that key's second step (the first runs eagerly: kernels compile and tune there) and
         replayed from its third. The graphs and the buffers they read are kept for later generate calls of the
         same batch shape (batch bucket, cache bucket of 256 positions, max_new_tokens, and whether requests sample
-        and with which filters: `_graph_set`), the KEPT_GRAPH_SETS most recent ones. Or a class with
+        and with which filters: `_GraphedSteps.begin`), the KEPT_GRAPH_SETS most recent ones. Or a class with
         CudaStepGraph's interface (the tests emulate CUDA graphs on the CPU with one).
         batch_buckets: the batch sizes a batch runs at, padded with finished requests that ride along (default:
         BATCH_BUCKETS with compile or CUDA graphs, whose graphs are per batch size; the exact size eagerly)."""
@@ -113,39 +111,31 @@ class SpeculativeDecoder:
         if adaptive and vocab_shard is not None:
             raise ValueError("adaptive: not with vocab_shard (every rank would have to choose the same depths)")
         self.adaptive = self._default_policy if adaptive is True else adaptive or None
-        self.features = getattr(self.drafter, "uses_target_hidden", False)  # the drafter reads the target's hiddens
+        self.features = self.drafter.uses_target_hidden  # the drafter reads the target's hidden states
         self.compile = compile
         if compile and vocab_shard is not None:
             raise ValueError("compile: not with vocab_shard (the shards' collectives run eagerly)")
-        if compile:
-            self._whole_step = compile_static(self._step, target.device)
-            self._verify_step = compile_static(self._verify, target.device)
+        # (a drafter's steps can be captured where its proposal runs on the host or it declares its step state)
+        capturable = self.drafter.proposes_on_host or isinstance(self.drafter, StepState)
         if cuda_graphs is None:
-            cuda_graphs = target.device.type == "cuda" and not compile
+            cuda_graphs = target.device.type == "cuda" and not compile and capturable
         if cuda_graphs is True:
             if target.device.type != "cuda":
                 raise ValueError(f"cuda_graphs: the target is on {target.device}, not on a CUDA device")
             cuda_graphs = CudaStepGraph
         if cuda_graphs and (compile or vocab_shard is not None):
             raise ValueError("cuda_graphs: not with compile or vocab_shard")
+        if cuda_graphs and not capturable:
+            raise ValueError(f"cuda_graphs: {type(self.drafter).__name__} proposes on the device and declares no "
+                             "step state (drafters.base.StepState)")
         self.graph_class = cuda_graphs or None
-        self._graph_sets: dict = {}  # state signature -> _GraphSet, the most recently used last
+        # how a step runs, chosen once: eagerly, compiled, or replayed from graphs
+        self.steps = _GraphedSteps(self, self.graph_class) if self.graph_class else \
+            _CompiledSteps(self) if compile else _EagerSteps(self)
         if batch_buckets is not None and (not batch_buckets or min(batch_buckets) < 1):
             raise ValueError(f"batch_buckets: {batch_buckets!r} must be batch sizes >= 1")
         self.batch_buckets = batch_buckets if batch_buckets is not None else \
             BATCH_BUCKETS if compile or self.graph_class else ()
-
-    def _compiled_step(self, s: "_Batch", k: Optional[int]) -> bool:
-        """One compiled graph per step: the whole step, or for a drafter that proposes on the host (prompt
-        lookup) its proposal eagerly and the verification compiled. Returns whether no graph was compiled for it
-        (its time is then a steady state's, which the adaptive policy may learn from)."""
-        from torch._dynamo.utils import counters
-        compiled = counters["stats"]["unique_graphs"]
-        if self.drafter.proposes_on_host:
-            self._verify_step(s, self._propose(s, k), _verify_key(k))
-        else:
-            self._whole_step(s, k)
-        return counters["stats"]["unique_graphs"] == compiled
 
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
@@ -173,75 +163,26 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         s = self._start(prompts, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p,
                         allowed_token_ids=allowed_token_ids)
-        B, dev, depth = s.tokens.shape[0], s.tokens.device, self.drafter.max_depth
-        if dev.type == "cuda":  # (the prompts' kernels may still run: their time is the prompts')
-            torch.cuda.synchronize(dev)
+        _sync(s.tokens.device)  # (the prompts' kernels may still run: their time is the prompts')
         prompt_s = time.perf_counter() - t0
-        # a step's drafting is timed apart only where the host's clock sees it: eager steps on the CPU (a device
-        # runs the launches later; a graph or a compiled step runs the drafting and the rest as one)
-        drafting_timed = dev.type == "cpu" and not (self.compile or self.graph_class)
-        step_times = []
+        B, depth = s.tokens.shape[0], self.drafter.max_depth
+        policy = self.adaptive(B, depth, s.tokens.device) if self.adaptive is not None and depth > 0 else None
+        s = self.steps.begin(s)
+        schedule = StepSchedule(policy, self.drafter, s, drafting_timed=self.steps.times_drafting(s))
         bar = _progress(max_new_tokens) if progress else None
-        policy = self.adaptive(B, depth, dev) if self.adaptive is not None and depth > 0 else None
-        graphs = None
-        if self.graph_class is not None:
-            s, graphs = self._graph_set(s)
-        live_host = [b < s.requests for b in range(B)]  # (the padding rows are finished from the start)
-        remaining = [max_new_tokens if live else 0 for live in live_host]  # tokens each request may still emit
-        skips = 0  # plain-decoding steps in a row
-        sampled = (s.temp > 0).cpu().numpy() if s.judge_probs else None
-        while True:
-            t_step = time.perf_counter()
-            k = None  # the drafter's whole tree
-            if policy is not None:
-                k = policy.choose(live_host, remaining, lambda: self.drafter.depths_available(s.tokens, s.seq_lens),
-                                  self.drafter.lagging)
-                if k == 0:  # what the drafter would have proposed, judged as the tokens come (host drafters)
-                    judged = self.drafter.shadow(s.tokens, s.seq_lens)
-                    if judged is not None:
-                        policy.judged(*judged)
-            skips = skips + 1 if k == 0 else 0
-            if self.drafter.max_skips is not None and skips > self.drafter.max_skips:
-                k, skips = 1, 0
-            self.drafter.advance(k)
-            caught_up = k != 0 and self.drafter.lagging
-            if caught_up:
-                self.drafter.catch_up(s.tokens, s.seq_lens)
-            # a step that compiled, warmed up or captured its graph is not timed, nor one whose drafter first
-            # catches up on skipped steps: neither is what a step of its depth costs
-            steady = not self.drafter.catching_up
-            ran = True  # (no graph compiled, warmed up or captured)
-            if graphs is not None:
-                ran = self._graphed_step(graphs, s, k)
-            elif self.compile:
-                ran = self._compiled_step(s, k)
-            else:
-                prop = self._propose(s, k)
-                if policy is not None and k and steady and drafting_timed:
-                    policy.drafted(k, time.perf_counter() - t_step)
-                self._verify(s, prop, k)
+        step_times = []  # seconds from the call's start to each step's end
+        live = True
+        while live:
+            k = schedule.before_step()
+            ran, proposed_at = self.steps.run(s, k)
             flags = s.flags.tolist()  # the one host read per step: the stopping rule, and what the policy learns
             step_times.append(time.perf_counter() - t0)
-            if policy is not None:
-                seconds = time.perf_counter() - t_step
-                if caught_up and ran:  # what the next switch from plain decoding will cost
-                    policy.caught_up(k, seconds)
-                judged = {}  # (passed only when there are some: a policy of greedy loops needs no such argument)
-                if s.judge_probs and k:  # (sampled requests' levels judged by their acceptance probabilities)
-                    probs = np.array(flags[2 * B:], dtype=np.float64).reshape(B, -1) / PROB_SCALE
-                    judged["acceptance"] = np.where(sampled[:, None], probs, np.nan)
-                policy.update(flags[:B], k, live_host, seconds if steady and ran else None,
-                              drafting_timed=drafting_timed, **judged)
-                remaining = [r - n - 1 if live else r for r, n, live in zip(remaining, flags, live_host)]
-            live_host = [not f for f in flags[B:2 * B]]
+            live = schedule.after_step(k, flags, ran, proposed_at)
             if bar is not None:
                 bar.update(int((s.seq_lens - s.prompt_lens).clamp(max=max_new_tokens).min()) - bar.n)
-            if not any(live_host):
-                break
         if bar is not None:
             bar.close()
-        wall = time.perf_counter() - t0
-        out = self._collect(s, step_times, wall)
+        out = self._collect(s, step_times, time.perf_counter() - t0)
         out.summary["prompt_s"] = prompt_s
         if policy is not None:
             out.summary["depth_chosen"] = list(policy.chosen)  # steps per draft depth, 0 = plain decoding
@@ -286,9 +227,7 @@ class SpeculativeDecoder:
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = torch.tensor(list(p), dtype=torch.long)
 
-        # (a kept graph set's cache of this shape is reused: a cache is the largest buffer, and the graphs read it)
-        cache = next((kept.batch.cache for kept in self._graph_sets.values() if kept.batch.tokens.shape == (B, L)),
-                     None)
+        cache = self.steps.kept_cache((B, L))
         if cache is None:
             cache = self.target.new_cache(B, L, block_size=self.block_size, kv_dtype=self.kv_dtype)
         cache.lens.zero_()
@@ -296,53 +235,14 @@ class SpeculativeDecoder:
                        judge_probs)
         # the last prompt token is the first root; a drafter on the target's features gets its hidden states
         hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
-        self.drafter.few_shapes = bool(self.compile or self.graph_class)  # (per call: a drafter may serve two loops)
+        if isinstance(self.drafter, StepState):  # (per call: a drafter may serve two loops)
+            self.drafter.few_shapes = self.steps.few_shapes
         self.drafter.start(tokens, s.seq_lens, L, temp, seeds, params,
                            **({"target_hidden": hidden} if self.features else {}))
-        if self.drafter.lagging and self.adaptive is None:  # (an adaptive loop that never drafts never needs it)
+        # (an adaptive loop that never drafts never needs the drafter's catch-up on the prompts)
+        if isinstance(self.drafter, DepthControl) and self.drafter.lagging and self.adaptive is None:
             self.drafter.catch_up(tokens, s.seq_lens)
         return s
-
-    def _graph_set(self, s: "_Batch") -> tuple["_Batch", "_StepGraphs"]:
-        """The batch to run and its step graphs: those kept from an earlier call whose state has s's signature
-        (`_state_signature`: every tensor's shape and every other value the steps could read, the drafter's
-        included: the batch shape, max_new_tokens, the method, whether requests sample, the filters on), its
-        buffers (the batch's and the drafter's) taking s's values in place, since the graphs read and write them;
-        else new graphs for s, kept for later calls."""
-        drafter = {} if self.drafter.proposes_on_host else vars(self.drafter)  # (a host drafter's is not read)
-        tensors = []
-        # (how many rows are real requests only the host reads)
-        signature = _state_signature((replace(s, requests=0), drafter), tensors)
-        kept = self._graph_sets.pop(signature, None)
-        if kept is None:
-            kept = _GraphSet(_StepGraphs(self.graph_class, s.tokens.device), s, dict(drafter), tensors)
-            while len(self._graph_sets) >= KEPT_GRAPH_SETS:
-                del self._graph_sets[next(iter(self._graph_sets))]  # the least recently used
-        else:
-            for buf, x in zip(kept.tensors, tensors):
-                # (an expanded view is a constant, a tree's structure: it cannot be written, and needs not be)
-                if buf is not x and not any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
-                    buf.copy_(x)
-            kept.batch.requests = s.requests
-            vars(self.drafter).update(kept.drafter)
-        self._graph_sets[signature] = kept
-        return kept.batch, kept.graphs
-
-    def _graphed_step(self, graphs: "_StepGraphs", s: "_Batch", k: Optional[int]) -> bool:
-        """The step through the batch's graphs (cuda_graphs); whether it was a replay. A host drafter's proposal
-        is copied into static buffers of its width, which the graph of its verification reads."""
-        if not self.drafter.proposes_on_host:
-            return graphs.run((k,) + self.drafter.graph_key(), lambda: self._step(s, k))
-        prop = self._propose(s, k)
-        key = (_verify_key(k), prop.tokens.shape[1])
-        static = graphs.inputs.get(key)
-        if static is None:
-            static = graphs.inputs[key] = Proposal(*(x if x is None else x.clone() for x in prop))
-        else:
-            for buf, x in zip(static, prop):
-                if buf is not None:
-                    buf.copy_(x)
-        return graphs.run(key, lambda: self._verify(s, static, key[0]))
 
     # one step, on the batch's buffers in place: _propose then _verify (with compile=True one graph per depth k,
     # or, for a drafter that proposes on the host, the verification alone)
@@ -532,10 +432,131 @@ class _StepGraphs:
         return graph is not None
 
 
+class _EagerSteps:
+    """Each step as Python calls: the proposal, then its verification."""
+
+    few_shapes = False  # (StepState.few_shapes: an eager step may take any shape)
+
+    def __init__(self, decoder: SpeculativeDecoder):
+        self.decoder = decoder
+
+    def kept_cache(self, shape: tuple) -> Optional[object]:
+        """A cache for a batch of tokens of `shape` that kept graphs read (None: none, make one)."""
+        return None
+
+    def begin(self, s: _Batch) -> _Batch:
+        """The batch a generate call runs (s, or kept buffers that take its values)."""
+        return s
+
+    def times_drafting(self, s: _Batch) -> bool:
+        """Whether run times a step's drafting apart: only where the host's clock sees it, eager steps on the CPU (a
+        device runs the launches later; a graph or a compiled step runs the drafting and the rest as one)."""
+        return s.tokens.device.type == "cpu"
+
+    def run(self, s: _Batch, k: Optional[int]) -> tuple[bool, Optional[float]]:
+        """One step of depth k on s in place. Returns whether it compiled, warmed up or captured no graph (its time
+        is then a steady state's, which the adaptive policy may learn from), and when its proposal was ready where
+        that is timed apart (else None)."""
+        prop = self.decoder._propose(s, k)
+        proposed_at = time.perf_counter() if self.times_drafting(s) else None
+        self.decoder._verify(s, prop, k)
+        return True, proposed_at
+
+
+class _CompiledSteps(_EagerSteps):
+    """Each step through torch.compile as one graph: the whole step, or for a drafter that proposes on the host
+    (prompt lookup) its proposal eagerly and the verification compiled."""
+
+    few_shapes = True
+
+    def __init__(self, decoder: SpeculativeDecoder):
+        super().__init__(decoder)
+        self.whole_step = compile_static(decoder._step, decoder.target.device)
+        self.verify_step = compile_static(decoder._verify, decoder.target.device)
+
+    def times_drafting(self, s: _Batch) -> bool:
+        return False
+
+    def run(self, s: _Batch, k: Optional[int]) -> tuple[bool, Optional[float]]:
+        from torch._dynamo.utils import counters
+        compiled = counters["stats"]["unique_graphs"]
+        if self.decoder.drafter.proposes_on_host:
+            self.verify_step(s, self.decoder._propose(s, k), _verify_key(k))
+        else:
+            self.whole_step(s, k)
+        return counters["stats"]["unique_graphs"] == compiled, None
+
+
+class _GraphedSteps(_EagerSteps):
+    """Each step replayed from a graph (graph_class: CudaStepGraph's interface), keyed by the depth and the drafter's
+    `StepState.graph_key`; a host drafter's proposal runs eagerly and its verification is graphed, keyed by the tree
+    width. The graphs and the state they read are kept for later generate calls of the same state signature
+    (`_state_signature`), the KEPT_GRAPH_SETS most recently used."""
+
+    few_shapes = True
+
+    def __init__(self, decoder: SpeculativeDecoder, graph_class):
+        super().__init__(decoder)
+        self.graph_class = graph_class
+        self.graph_sets: dict = {}  # state signature -> _GraphSet, the most recently used last
+        self.graphs: Optional[_StepGraphs] = None  # the running call's
+
+    def kept_cache(self, shape: tuple) -> Optional[object]:
+        # (a cache is the largest buffer, and a kept set's graphs read it)
+        return next((kept.batch.cache for kept in self.graph_sets.values() if kept.batch.tokens.shape == shape), None)
+
+    def times_drafting(self, s: _Batch) -> bool:
+        return False
+
+    def begin(self, s: _Batch) -> _Batch:
+        """The kept graph set whose state has s's signature (every tensor's shape and every other value the steps
+        could read, the drafter's state_dict included: the batch shape, max_new_tokens, the method, whether requests
+        sample, the filters on), its buffers (the batch's and the drafter's) taking s's values in place, since the
+        graphs read and write them; else new graphs for s, kept for later calls."""
+        drafter = self.decoder.drafter
+        state = {} if drafter.proposes_on_host else drafter.state_dict()  # (a host drafter's is not read)
+        tensors = []
+        # (how many rows are real requests only the host reads)
+        signature = _state_signature((replace(s, requests=0), state), tensors)
+        kept = self.graph_sets.pop(signature, None)
+        if kept is None:
+            kept = _GraphSet(_StepGraphs(self.graph_class, s.tokens.device), s, state, tensors)
+            while len(self.graph_sets) >= KEPT_GRAPH_SETS:
+                del self.graph_sets[next(iter(self.graph_sets))]  # the least recently used
+        else:
+            for buf, x in zip(kept.tensors, tensors):
+                # (an expanded view is a constant, a tree's structure: it cannot be written, and needs not be)
+                if buf is not x and not any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
+                    buf.copy_(x)
+            kept.batch.requests = s.requests
+            if state:
+                drafter.load_state(kept.drafter)
+        self.graph_sets[signature] = kept
+        self.graphs = kept.graphs
+        return kept.batch
+
+    def run(self, s: _Batch, k: Optional[int]) -> tuple[bool, Optional[float]]:
+        """(A step is steady where it was a replay.) A host drafter's proposal is copied into static buffers of its
+        width, which the graph of its verification reads."""
+        decoder, graphs = self.decoder, self.graphs
+        if not decoder.drafter.proposes_on_host:
+            return graphs.run((k,) + decoder.drafter.graph_key(), lambda: decoder._step(s, k)), None
+        prop = decoder._propose(s, k)
+        key = (_verify_key(k), prop.tokens.shape[1])
+        static = graphs.inputs.get(key)
+        if static is None:
+            static = graphs.inputs[key] = Proposal(*(x if x is None else x.clone() for x in prop))
+        else:
+            for buf, x in zip(static, prop):
+                if buf is not None:
+                    buf.copy_(x)
+        return graphs.run(key, lambda: decoder._verify(s, static, key[0])), None
+
+
 @dataclass
 class _GraphSet:
     """Step graphs kept across generate calls, and the state they read and write: the batch, and the drafter's
-    attributes as they were when the graphs' batch started (restored, with the new batch's values, for a call
+    state_dict as it was when the graphs' batch started (loaded back, with the new batch's values, for a call
     that replays them)."""
     graphs: _StepGraphs
     batch: _Batch
@@ -588,3 +609,8 @@ def _progress(total: int):
     except ImportError:
         return None
     return tqdm(total=total, unit="tok", leave=False, desc="generating")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -110,7 +110,7 @@ def test_the_second_call_of_a_shape_replays_the_first_calls_graphs(pair, target_
     decoder.generate(PROMPTS4, 16)
     made, cache = CountingGraph.made, drafter.cache
     assert decoder.generate(OTHER_PROMPTS4, 16).tokens == generate_ar(target, OTHER_PROMPTS4, 16).tokens
-    assert len(decoder._graph_sets) == 1 and CountingGraph.made == made and drafter.cache is cache
+    assert len(decoder.steps.graph_sets) == 1 and CountingGraph.made == made and drafter.cache is cache
 
 
 def test_a_later_calls_allowed_tokens_reach_the_kept_graphs(pair):
@@ -122,7 +122,7 @@ def test_a_later_calls_allowed_tokens_reach_the_kept_graphs(pair):
         out = decoder.generate(PROMPTS4, 12, allowed_token_ids=allowed)
         assert out.tokens == generate_ar(target, PROMPTS4, 12, allowed_token_ids=allowed).tokens
         assert all(t in allowed for seq in out.tokens for t in seq)
-    assert len(decoder._graph_sets) == 1
+    assert len(decoder.steps.graph_sets) == 1
 
 
 def test_a_rollback_plan_signs_as_its_caches_do():
@@ -150,7 +150,7 @@ def test_only_the_most_recent_graph_sets_are_kept(pair, target_and_mtp, monkeypa
     decoder = SpeculativeDecoder(target, drafter, cuda_graphs=CountingGraph)
     for n in (12, 12, 10):
         decoder.generate(PROMPTS4, n)
-    assert len(decoder._graph_sets) == 1
+    assert len(decoder.steps.graph_sets) == 1
     made = CountingGraph.made
     assert decoder.generate(PROMPTS4, 12).tokens == generate_ar(target, PROMPTS4, 12).tokens
     assert CountingGraph.made > made

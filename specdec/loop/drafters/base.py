@@ -1,23 +1,15 @@
-"""The drafter interface shared by every way of proposing draft trees (draft model, prompt lookup, and
-later MTP/Medusa heads).
+"""The drafter interfaces: where draft trees come from.
 
-A drafter sees the decoder's token buffer `tokens` (B, L) int64 whose first seq_lens[b] entries are
-request b's committed sequence; the last one is the root (node 0) of the next draft tree. Per step:
-
-    proposal = drafter.propose(tokens, seq_lens, temperature)   # a tree per request
-    ... the target verifies, specdec.accept picks the path ...
-    drafter.commit(proposal, accepted_nodes, num_accepted)     # keep own state in sync (rollback)
-
-With adaptive speculation (specdec.loop.adaptive) the loop may ask for a shallower tree, propose(..., depth=k),
-or for none at all: it then verifies the root alone and calls drafter.skip() instead of commit (the
-committed sequences grew by one token each).
-
-What commit needs to know about a proposal travels in the proposal itself (`cache_slots`), so a drafter
-keeps no per-step state between the two calls.
+A new drafter writes the core (`Drafter`: start, propose, commit, skip). Two optional mixins add what some
+loops need, each with defaults that do nothing:
+  `DepthControl`: the host bookkeeping of adaptive speculation (depth limits, skipped steps, catch-up, shadow
+                  judgments of proposals nobody drafted);
+  `StepState`:    what compiled or captured steps need (the graph key of the next step, and the state that kept
+                  graphs read, as an explicit `state_dict` / `load_state`).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -51,8 +43,26 @@ MAX_SKIPS = 16
 
 
 class Drafter:
-    """Base class. `max_nodes` bounds T of every proposal (the decoder sizes caches with it), `max_depth`
-    the depth of its trees (the longest path the target can accept)."""
+    """The core every drafter writes. The loop (`SpeculativeDecoder.generate`) owns a token buffer `tokens`
+    (B, L) int64 whose first seq_lens[b] (B,) int32 entries are request b's committed sequence; the last one is
+    the root (node 0) of the next draft tree. Per batch and step:
+
+        drafter.start(tokens, seq_lens, max_len, temperature, seeds, params)   # once, after the target's prefill
+        loop:
+            proposal = drafter.propose(tokens, seq_lens, temperature, depth)    # a tree per request
+            ... the target verifies it, specdec.accept picks each request's path ...
+            drafter.commit(proposal, accepted_nodes, num_accepted)             # keep own state in sync
+          or, for a step that verified the root alone (an adaptive loop's plain step, depth 0):
+            drafter.skip()                                                      # every sequence grew by one
+
+    propose, commit and skip may run inside a compiled or captured graph: no host reads, and state carried across
+    steps lives in tensors written in place. What commit needs to know about a proposal travels in the proposal
+    itself (`cache_slots`), so nothing is kept between the two calls. A drafter with `uses_target_hidden` gets the
+    target's hidden states as the keyword target_hidden: in start (B, n_max - 1, dim) those of the prompts'
+    positions 0 .. seq_lens - 2, in commit and skip (B, T, dim) those of the verified nodes.
+
+    Attributes: `max_nodes` bounds T of every proposal (the loop sizes caches with it), `max_depth` the depth of its
+    trees (the longest path the target can accept)."""
 
     max_nodes: int = 1
     max_depth: int = 0
@@ -62,11 +72,8 @@ class Drafter:
     samples_children: bool = False
     # proposes with host code (prompt lookup): the loop compiles or captures its verification only
     proposes_on_host: bool = False
-    # the most steps in a row without a proposal it takes (None: any number)
-    max_skips: Optional[int] = None
-    # set by the loop before start: its steps are compiled or captured as graphs, so keep the shapes of a step to a
-    # few (each is a graph), padding where an eager step would not
-    few_shapes: bool = False
+    # start, commit and skip take the target's hidden states (target_hidden=)
+    uses_target_hidden: bool = False
 
     def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
               seeds: Sequence[int], params: SamplingParams = SamplingParams()) -> None:
@@ -74,8 +81,7 @@ class Drafter:
         temperature (B,) and the sampling filters `params` are fixed for the batch; request b's own sampling
         (if any) is driven by seeds[b] alone (`DraftRandom`), so its drafts never depend on the rest of
         the batch. A drafter that passes draft_logits samples from the law `params.process` gives them (accept
-        processes them the same way); given proposals may be anything. It may leave its own cache to catch_up
-        (lagging: the caller runs catch_up before the first proposal)."""
+        processes them the same way); given proposals may be anything."""
 
     def propose(self, tokens: torch.Tensor, seq_lens: torch.Tensor, temperature: torch.Tensor,
                 depth: Optional[int] = None) -> Proposal:
@@ -83,53 +89,94 @@ class Drafter:
         raise NotImplementedError
 
     def commit(self, proposal: Proposal, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """The target accepted path accepted_nodes[b, :num_accepted[b] + 1] of `proposal` (the last one)."""
+        """The target accepted path accepted_nodes[b, :num_accepted[b] + 1] of `proposal` (the last node is the
+        next token, the bonus); accepted_nodes (B, max_depth + 1) int32, num_accepted (B,) int32."""
 
     def skip(self) -> None:
         """A step without a proposal: every sequence grew by one token (its root's successor)."""
 
-    def advance(self, depth: Optional[int]) -> None:
-        """Host bookkeeping before each step, outside any compiled or captured graph: the step will call
-        propose(depth=depth) then commit, or skip when depth is 0. A drafter whose step depends on host state
-        (Python numbers) updates it here, never inside propose / commit / skip, so that those stay graph-safe;
-        that state is then part of the step's graph key (graph_key)."""
 
-    def graph_key(self) -> tuple:
-        """The host state the next step's graph depends on (see advance)."""
-        return ()
+class DepthControl:
+    """What adaptive speculation needs of a drafter beyond the core, called by the loop on the host before each
+    step (never inside a graph). The drafter's host state is a small state machine over the steps' depths:
 
-    def depths_available(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[list]:
-        """Before a step, for the adaptive policy: the most levels each request's proposal can have now (a drafter
-        that proposes on the host knows: prompt lookup has nothing for a request without a match). None (the
-        default): every request gets the depth asked for."""
-        return None
+        state       event                            next state
+        in sync     advance(k > 0)                   in sync
+        in sync     advance(0)                       skipping (the skipped step's token is pending)
+        skipping    advance(0), MAX_SKIPS or fewer   skipping
+        skipping    advance(0), past MAX_SKIPS       lagging (with max_skips set the loop never asks: it drafts
+                                                     one level after max_skips plain steps)
+        skipping    advance(k > 0)                   in sync (the proposal first runs the pending tokens;
+                                                     catching_up: its time is not its depth's)
+        lagging     advance(0)                       lagging
+        lagging     advance(k > 0)                   lagging, catching_up (the loop calls catch_up before the step)
+        lagging     catch_up                         in sync
 
-    def shadow(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[list, list, list]]:
-        """On a plain-decoding step of an adaptive loop, outside any graph: judge the proposals that earlier calls
-        recorded but nobody drafted against the tokens committed since, and record what would be proposed now.
-        Returns (accepted, proposed, since) per request: levels since[b] + 1 .. proposed[b] of request b's recorded
-        proposal are judged now (none where proposed[b] <= since[b]; the earlier ones were judged by earlier calls),
-        and its first accepted[b] levels were what the target emitted: a level is judged once the target's token at
-        it is in or an earlier one was wrong, with exactly the outcome a drafted step would have given it (a
-        deterministic draft token x is accepted with probability p(x), the chance plain sampling emits it). None:
-        nothing judged now (the default: proposals cost a model's forward, and the policy learns from drafted steps
-        alone)."""
-        return None
+    A drafter whose cache is filled lazily starts lagging (start leaves the prompts to catch_up)."""
 
+    # the most steps in a row without a proposal it takes (None: any number)
+    max_skips: Optional[int] = None
+    # the drafter's own cache is further behind the committed tokens than a proposal catches up on: the loop calls
+    # catch_up before the next step that proposes
+    lagging: bool = False
     # set by advance: the next step's proposal first runs the tokens of skipped steps through the drafter (a one-off
     # cost of the switch from plain decoding, not what a step of its depth costs: the adaptive policy times it not)
     catching_up: bool = False
-    # host state: the drafter's own cache is further behind the committed tokens than a proposal catches up on (a
-    # draft model's cache, filled lazily: an adaptive loop that never drafts never runs the draft); the loop calls
-    # catch_up before the next step that proposes
-    lagging: bool = False
+
+    def advance(self, depth: Optional[int]) -> None:
+        """Host bookkeeping before each step: the step will call propose(depth=depth) then commit, or skip when
+        depth is 0. A drafter whose step depends on host state (Python numbers) updates it here, never inside
+        propose / commit / skip, so that those stay graph-safe; that state is then part of the step's graph key
+        (`StepState.graph_key`)."""
 
     def catch_up(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Eagerly, outside any graph: run the committed tokens the drafter has not seen, all but each root, through
         its model (a prefill from where its cache stands)."""
 
+    def depths_available(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[list]:
+        """The most levels each request's proposal can have now (a drafter that proposes on the host knows: prompt
+        lookup has nothing for a request without a match). None: every request gets the depth asked for."""
+        return None
 
-class NoDrafter(Drafter):
+    def shadow(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[list, list, list]]:
+        """On a plain-decoding step: judge the proposals that earlier calls recorded but nobody drafted against the
+        tokens committed since, and record what would be proposed now. Returns (accepted, proposed, since) per
+        request: levels since[b] + 1 .. proposed[b] of request b's recorded proposal are judged now (none where
+        proposed[b] <= since[b]; the earlier ones were judged by earlier calls), and its first accepted[b] levels
+        were what the target emitted: a level is judged once the target's token at it is in or an earlier one was
+        wrong, with exactly the outcome a drafted step would have given it (a deterministic draft token x is
+        accepted with probability p(x), the chance plain sampling emits it). None: nothing judged now (the
+        default: proposals cost a model's forward, and the policy learns from drafted steps alone)."""
+        return None
+
+
+class StepState:
+    """What compiled or captured steps need of a drafter beyond the core. The loop replays a batch shape's graphs in
+    later generate calls: they read and write the tensors of the state they were captured with, so the loop keeps
+    that state (`state_dict`, taken right after start), signs it (shapes and Python values: two states of one
+    signature can share graphs), and for a later call of that signature copies the new state's tensor values into
+    the kept ones and puts the kept objects back (`load_state`)."""
+
+    # set by the loop before start: its steps are compiled or captured as graphs, so keep the shapes of a step to a
+    # few (each is a graph), padding where an eager step would not
+    few_shapes: bool = False
+
+    def graph_key(self) -> tuple:
+        """The host state the next step's graph depends on (see `DepthControl.advance`)."""
+        return ()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every attribute that start sets and a step reads or writes, by name (tensors, the objects holding them,
+        and the Python values a step branches on); the same names after every start."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Put back a state_dict's objects."""
+        for name, value in state.items():
+            setattr(self, name, value)
+
+
+class NoDrafter(Drafter, StepState):
     """Plain autoregressive decoding: the tree is the root alone."""
 
     def propose(self, tokens, seq_lens, temperature, depth=None):

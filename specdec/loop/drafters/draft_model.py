@@ -26,7 +26,7 @@ import specdec
 from ..models.llama import Llama, chain_tree
 from ...reference import GREEDY_BELOW
 from ...sampling import SamplingParams
-from .base import MAX_SKIPS, DraftRandom, Drafter, Proposal, sample
+from .base import MAX_SKIPS, DepthControl, DraftRandom, Drafter, Proposal, StepState, sample
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _levels(parents: list[int]) -> list[tuple[int, int]]:
     return [(depth.index(d), len(depth) - depth[::-1].index(d)) for d in range(max(depth) + 1)]
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(Drafter, DepthControl, StepState):
     def __init__(self, model: Llama, tree: TreeSpec | str = "chain:4", *, kv_dtype: Optional[torch.dtype] = None):
         """kv_dtype: the draft's KV cache dtype, the model's (default) or float8."""
         self.model, self.kv_dtype = model, kv_dtype
@@ -179,6 +179,16 @@ class DraftModelDrafter(Drafter):
 
     def graph_key(self):
         return (self.pending_width,)
+
+    def state_dict(self):
+        state = {name: getattr(self, name) for name in self._state_names}
+        if self.tree.parents is not None:
+            state["prefix_trees"] = self.prefix_trees
+        return state
+
+    # what start sets (the static tree's own tensors aside: they are the drafter's, the same after every start)
+    _state_names = ("cache", "chain2", "rng", "temperature", "params", "all_greedy", "skipped", "pending_width",
+                    "lagging", "catching_up", "few_shapes")
 
     def _root_logits(self, tokens, seq_lens):
         """Run the pending tokens (the previous path's unexpanded last node, if any, the tokens of skipped steps,

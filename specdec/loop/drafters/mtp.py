@@ -59,9 +59,10 @@ class MTPDrafter(DraftModelDrafter):
         if h.shape[1]:
             self.pending[:, :1] = h.gather(1, last)
         self.num_pending = (seq_lens >= 2).to(torch.int32)
-        # a step's own values, which it sets as it goes (_root_logits, _expand), reset: a call's state signs alike
-        # whether a call ran before it or not (a later call of one shape replays the graphs of the first)
-        self.has_root = self.level_hidden = None
+
+    # what start sets (a step's own values, has_root and level_hidden, are set as it goes: no state across steps)
+    _state_names = ("cache", "pending", "num_pending", "pending_trees", "_last_depth", "rng", "temperature", "params",
+                    "all_greedy", "skipped", "pending_width", "lagging", "catching_up", "few_shapes")
 
     @property
     def min_pending(self):

@@ -7,7 +7,7 @@ from bisect import bisect_right
 
 import torch
 
-from .base import Drafter, Proposal
+from .base import DepthControl, Drafter, Proposal
 
 
 class _NgramIndex:
@@ -39,8 +39,9 @@ class _NgramIndex:
         return []
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(Drafter, DepthControl):
     proposes_on_host = True
+
     def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram or num_tokens < 1:
             raise ValueError("NgramDrafter: need num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
