@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from specdec.loop.decoding import SpeculativeDecoder, batch_bucket, generate_ar
-from specdec.loop.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, parse_tree
+from specdec.loop.drafters import DraftModelDrafter, Drafter, NgramDrafter, NoDrafter, Proposal, parse_tree
 from specdec.loop.cli import ASSETS, main as cli_main
 from specdec.loop.models.hf import load_model, save_model
 from specdec.loop.models.llama import Llama, LlamaConfig
@@ -620,3 +620,33 @@ def test_cli_compile(capsys, tmp_path):
     rc, out, _ = run_cli(capsys, *base, "--compile")
     r = json.loads(out)
     assert rc == 0 and r["compile_s"] > 0 and r["tokens"] == json.loads(eager)["tokens"]
+
+
+class RepeatTheRoot(Drafter):
+    """A drafter of the core alone (start, propose, commit, skip; no model, no state): a chain of `depth` copies
+    of the root token."""
+    max_nodes, max_depth = 4, 3
+
+    def propose(self, tokens, seq_lens, temperature, depth=None):
+        B, T = tokens.shape[0], (self.max_depth if depth is None else depth) + 1
+        root = tokens.gather(1, (seq_lens.long() - 1).unsqueeze(1))
+        parents = torch.arange(-1, T - 1, dtype=torch.int32, device=tokens.device).expand(B, T)
+        return Proposal(root.expand(B, T).contiguous(), parents, torch.full((B,), T, dtype=torch.int32,
+                                                                            device=tokens.device))
+
+
+def test_a_drafter_of_the_core_alone_runs_fixed_and_adaptive_loops(pair):
+    """A new drafter writes start/propose/commit/skip only: its drafts are judged (every step judges its first
+    level) and greedy output equals AR's, with every depth and plain steps too (a scripted policy); CUDA graphs,
+    which need a declared step state (StepState), are refused."""
+    from helpers import ReplayGraph
+    from test_adaptive import scripted
+    target = pair[0]
+    prompts = PROMPTS + [[7, 7, 7, 7]]
+    ar = generate_ar(target, prompts, 12)
+    fixed = SpeculativeDecoder(target, RepeatTheRoot()).generate(prompts, 12)
+    assert fixed.tokens == ar.tokens and fixed.summary["judged_by_depth"][0] == sum(s["steps"] for s in fixed.stats)
+    adaptive = SpeculativeDecoder(target, RepeatTheRoot(), adaptive=scripted((0, 2, 0, 3, 1))).generate(prompts, 12)
+    assert adaptive.tokens == ar.tokens and adaptive.summary["depth_chosen"][0] > 0
+    with pytest.raises(ValueError, match="StepState"):
+        SpeculativeDecoder(target, RepeatTheRoot(), cuda_graphs=ReplayGraph)

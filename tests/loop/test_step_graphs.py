@@ -258,3 +258,20 @@ def test_cuda_graphs_need_a_cuda_target(pair):
         SpeculativeDecoder(pair[0], cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs"):
         SpeculativeDecoder(pair[0], cuda_graphs=ReplayGraph, compile=True)
+
+
+@pytest.mark.parametrize("kind", ["draft chain:3", "draft dynamic:7,3,2", "mtp chain:3"])
+def test_state_dict_names_what_start_sets_and_loads_it_back(pair, target_and_mtp, kind):
+    """A model drafter's state_dict names every attribute that start replaces (one left out would stay the first
+    call's in a later call that replays a kept set's graphs), the same names after every start; load_state puts a
+    state_dict's objects back."""
+    target, drafter = drafter_of(kind, pair, target_and_mtp)
+    decoder = SpeculativeDecoder(target, drafter, cuda_graphs=CountingGraph)
+    filters = dict(top_k=0, top_p=1.0, min_p=0.0, allowed_token_ids=None)
+    decoder._start(PROMPTS4, 8, 0.0, 0, **filters)
+    first, before = drafter.state_dict(), dict(vars(drafter))
+    decoder._start(OTHER_PROMPTS4, 8, 0.5, 1, **filters)
+    replaced = {name for name, value in vars(drafter).items() if before.get(name) is not value}
+    assert "rng" in replaced and replaced <= set(drafter.state_dict()) == set(first)
+    drafter.load_state(first)
+    assert all(getattr(drafter, name) is value for name, value in first.items())

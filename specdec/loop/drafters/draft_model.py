@@ -182,11 +182,11 @@ class DraftModelDrafter(Drafter, DepthControl, StepState):
 
     def state_dict(self):
         state = {name: getattr(self, name) for name in self._state_names}
-        if self.tree.parents is not None:
-            state["prefix_trees"] = self.prefix_trees
+        if self.tree.parents is not None:  # (its tensors moved to the batch's device, and its trees per batch size)
+            state.update(cache_slots=self.cache_slots, prefix_trees=self.prefix_trees)
         return state
 
-    # what start sets (the static tree's own tensors aside: they are the drafter's, the same after every start)
+    # what start sets (a static tree's tensors aside: moved to the device, they are the same after every start)
     _state_names = ("cache", "chain2", "rng", "temperature", "params", "all_greedy", "skipped", "pending_width",
                     "lagging", "catching_up", "few_shapes")
 
