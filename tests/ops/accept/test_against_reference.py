@@ -705,7 +705,7 @@ def test_triton_filtered_rows_reads(monkeypatch, schedule):
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
 @pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
 def test_triton_long_threshold_searches_find_the_same_thresholds(monkeypatch, draft):
-    """The Triton kernel's top-k / top-p searches (kernels/accept.py, "filters") with a bracket capacity of 4
+    """The Triton kernel's top-k / top-p searches (kernels/accept/filters.py) with a bracket capacity of 4
     values and 4 pivots: brackets too big to gather are narrowed by more pivot passes (evenly spaced keys),
     top-p searches on its own range after top-k, and ties of many values end as one-value brackets. The
     thresholds are exact either way, so the results are bit-identical to the default search's (and to another

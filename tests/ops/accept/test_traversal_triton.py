@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from specdec import reference
-from specdec.kernels.accept import U_TEST, Stream, _uniform
+from specdec.kernels.accept.records import U_TEST, Stream
+from specdec.kernels.accept.rows import _uniform
 from specdec.sampling import pack_bitmask
 from tests.helpers import (DEVICE, MemorySpy, accept_on, element_addresses, needs_the_compiler,
                            report_from_fresh_process)
