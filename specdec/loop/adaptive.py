@@ -19,7 +19,7 @@ error of its prediction. When the choice is 0 for a while it drafts once anyway 
 that text which starts repeating itself is noticed; a probe whose drafts were all accepted is repeated at the next
 step, any other that changes nothing doubles the wait for the next one (probe_every steps, up to 4 times that).
 A drafter whose proposals are cheap and deterministic (prompt lookup) needs no probe: while the loop decodes
-plainly, what it would have proposed is judged against the tokens that follow (`Drafter.shadow`,
+plainly, what it would have proposed is judged against the tokens that follow (`DepthControl.shadow`,
 `AdaptiveDepth.judged`), exactly as a drafted step would have judged it.
 Any k is lossless: a greedy output never depends on the choices.
 """
@@ -53,9 +53,8 @@ class AcceptanceStats:
     arrays: host arithmetic on a few numbers per request each step, where torch's per-op overhead would cost a few
     percent of a large batch's plain-decoding step.)"""
 
-    # what the prior weighs against a request's own judgments, in judgments: with 2, sampled drafts (a draft model's
-    # first level accepted 80% of the time at T=0.8) that were rejected twice in a row looked a rate of 0.35, and the
-    # policy decoded plainly until its next probe, 16 steps on (the sampled draft-model loop fell to AR's speed)
+    # what the prior weighs against a request's own judgments, in judgments: enough that a chance run of rejections
+    # of sampled drafts that are usually accepted does not read as a low rate (and plain decoding until the next probe)
     PRIOR_JUDGMENTS = 4.0
 
     def __init__(self, batch_size: int, max_depth: int, prior=0.6, decay: float = 0.9, prior_weight=0.0):
@@ -91,9 +90,9 @@ class AcceptanceStats:
         for a request without a match, which says nothing of its drafts' acceptance). acceptance (B, >= depth):
         where not NaN, the probability that level d's draft was to be accepted (`chain_acceptance_probs`: sampled
         requests), each judged level's judgment instead of its accept/reject outcome: the same mean, with less
-        chance in it (a level accepted 75% of the time is rejected twice in a row once in 16 pairs of steps, and
-        such a pair made the sampled loops decode plainly for a while). since (B,): the levels judged before,
-        skipped (a proposal judged level by level as its tokens come, `AdaptiveDepth.judged`; None: none)."""
+        chance in it (a level accepted 75% of the time is rejected twice in a row once in 16 pairs of steps).
+        since (B,): the levels judged before, skipped (a proposal judged level by level as its tokens come,
+        `AdaptiveDepth.judged`; None: none)."""
         if depth == 0:
             return
         self._expected = None
@@ -137,7 +136,7 @@ class AcceptanceStats:
     def expected_tokens(self) -> np.ndarray:
         """(B, K + 1): request b's expected emitted tokens of a step drafting k = 0..K levels,
         1 + sum_{d <= k} prod_{i <= d} alpha[b, i]. (Kept between judgments: a batch that decodes plainly asks
-        every step, and at a batch of 16 recomputing it was 1% of a plain step.)"""
+        every step, and nothing it depends on changes then.)"""
         if self._expected is None:
             self._expected = _expected_tokens(self.predicted())
         return self._expected
@@ -147,18 +146,16 @@ class AcceptanceStats:
         all of these requests' judgments, not only their recent ones, and the prior's, weighted by the judgments'
         recent weight and the prior's (the prior where neither has any); for a batch of several, the rate of the
         request it would be bound by, the 1 / (batch_size + 1) quantile of these requests' own mean rates where 2 or
-        more were judged (a batch lasts as
-        long as its slowest request, and with the mean for every new request a batch of 16 looked as if all would
-        accept their draft models' first levels at 0.89, where its slowest accepted 0.5: the drafting that cost
-        looked a 14% gain). The weight: the judgments', at most two requests' worth (rates drift: a new batch should
-        soon outweigh it). The prior counts as PRIOR_JUDGMENTS judgments more than stand behind it: a rate of a few
-        judgments is not known to be 0 or 1 (one rejection in the CLI's warm-up, 4 tokens, passed on a rate of 0 to
-        the call it warmed up). Not the recent rates that the requests' own predictions use: a request that met a
-        hard passage (sampled at T=0.8, its draft model's first level accepted 0.6 of the time over its last ten
-        judgments, 0.82 over the call) decodes plainly until a probe finds it easier again, so its last judgments are
-        its hardest, and as the next request's prior they kept whole 128-token calls from drafting at all."""
-        # the judgments' rate over all of them, weighed against the prior as their recent weight (at most ten per
-        # request): the prior then still averages over earlier batches, as it did with the recent rates
+        more were judged (a batch lasts as long as its slowest request: the mean would promise every new request a
+        typical request's acceptance, and make drafting look a gain where the slowest request's rate says it costs).
+        The weight: the judgments', at most two requests' worth (rates drift: a new batch should soon outweigh it).
+        The prior counts as PRIOR_JUDGMENTS judgments more than stand behind it: a rate of a few judgments is not
+        known to be 0 or 1 (a short warm-up call's one rejection must not pass on a rate of 0). Not the recent rates
+        that the requests' own predictions use: a request that met a hard passage decodes plainly until a probe finds
+        it easier again, so its last judgments are its hardest, and as the next request's prior they would keep
+        whole calls from drafting."""
+        # the judgments' rate over all of them, weighed against the prior as their recent weight (at most
+        # 1 / (1 - decay) per request): the prior still averages over earlier batches
         weight = self.weight.sum(0)
         mean = self.total_hits.sum(0) / np.maximum(self.total_weight.sum(0), 1e-12)
         pseudo = self.prior_weight + self.PRIOR_JUDGMENTS
@@ -181,7 +178,22 @@ def _expected_tokens(rates: np.ndarray) -> np.ndarray:
 
 class AdaptiveDepth:
     """The loop's per-step choice of draft depth (see the module doc). target_s (K + 1,): seconds of the
-    target's forward over 1..K+1 tokens per request at this batch size (only those of `depths` are used)."""
+    target's forward over 1..K+1 tokens per request at this batch size (only those of `depths` are used).
+
+    Besides the best depth by prediction, choose probes and update learns from the probes; per step:
+
+        state      event                                               next state
+        plain      plain steps reach probe_wait, nothing lags, and     probe: the best k > 0, once
+                   drafting would pay at the usual acceptance
+        plain      shadow judgments come (judged)                      plain, the wait restarts (no probe due)
+        probe      all its drafts accepted (update)                    probe again at the next step
+        probe      the next choice drafts                              drafting, probe_wait = probe_every
+        probe      the next choice is plain, not after a repeated      plain, probe_wait doubles (at most
+                   probe                                               4 * probe_every)
+        drafting   probe_every drafted steps in a row, plain steps     one plain step (its time is what a
+                   not yet timed                                       drafted step's is compared with)
+        any        drafting is (is not) predicted `margin` faster      drafting (plain)
+    """
 
     def __init__(self, batch_size: int, max_depth: int, target_s: Sequence[float], probe_every: int = 16,
                  previous: Optional["AdaptiveDepth"] = None, depths: Optional[Sequence[int]] = None,
@@ -190,8 +202,8 @@ class AdaptiveDepth:
         requests' acceptance rates per depth (`AcceptanceStats.population`) are the new requests' prior. depths: the
         depths it may choose (None: 0..max_depth); 0 and at least one other among them. margin: how much faster
         than plain decoding a drafting depth must be expected to go to be chosen (a gain predicted at a few percent
-        is within the error of the rates and costs behind it: at a batch of 16 on a CPU, steps predicted 1-8%
-        faster ran slower, while where drafting pays, the gain is tens of percent)."""
+        is within the error of the rates and costs behind it, while where drafting pays, the gain is tens of
+        percent)."""
         if len(target_s) != max_depth + 1:
             raise ValueError(f"target_s: {len(target_s)} costs for depths 0..{max_depth}")
         depths = range(max_depth + 1) if depths is None else sorted(set(depths))
@@ -211,8 +223,8 @@ class AdaptiveDepth:
         self._reprobe = False  # the last step was a probe whose drafts were all accepted
         # the tokens a step would emit at the usual acceptance, what a probe tests for (1, K + 1): the prior's rates as
         # far as judgments stand behind them (prior_weight), else the best case, every draft accepted. A prior of a
-        # few judgments that says drafting does not pay (the CLI's warm-up, 4 tokens, rejected the draft model's
-        # first draft once) would otherwise keep the policy from ever drafting to learn that it does
+        # few judgments that says drafting does not pay (a short warm-up call's one rejection) would otherwise keep
+        # the policy from ever drafting to learn that it does
         c = AcceptanceStats.PRIOR_JUDGMENTS
         trusted = self.stats.prior_weight / (self.stats.prior_weight + c)
         self._usual_tokens = _expected_tokens((trusted * self.stats.prior + (1 - trusted))[None])
@@ -220,7 +232,7 @@ class AdaptiveDepth:
         self.idle, self.drafting_run = 0, 0  # plain steps in a row, drafted steps in a row
         # the measured seconds of a step per depth (NaN: none timed yet), which replace the model's estimate: the
         # target's costs are isolated forwards', and a drafted step in the loop can cost more than they add up to
-        # (at large batch on a CPU enough to make drafting one level slower than plain decoding)
+        # (at a large batch, enough to make drafting one level slower than plain decoding)
         self.measured_s = np.full(max_depth + 1, np.nan)
         same_size = previous is not None and previous.stats.weight.shape == self.stats.weight.shape
         if same_size:
@@ -235,8 +247,7 @@ class AdaptiveDepth:
 
     def step_s(self) -> np.ndarray:
         """(K + 1,): the expected seconds of a step drafting k levels: as measured, or from the model. (Kept
-        until a step's time is learnt: the policy's host work, a few dozen small NumPy calls a step, was 5% of a
-        prompt lookup step at batch 1.)"""
+        until a step's time is learnt: it is a few dozen small NumPy calls, a share of a cheap step.)"""
         if self._step_s is None:
             model = self.target_s + np.arange(len(self.target_s)) * (self.draft_level_s or 0.0) + self.overhead_s
             self._step_s = np.where(np.isnan(self.measured_s), model, self.measured_s)
@@ -247,18 +258,19 @@ class AdaptiveDepth:
                lagging: bool = False) -> int:
         """The next step's depth. live[b]: request b is unfinished; remaining[b]: the tokens it has still to emit
         at most (None: maximize tokens per second instead of finishing the batch soonest); available[b]: the most
-        levels request b's proposal can have now (`Drafter.depths_available`, or a function returning them, called
-        only where the choice depends on them; None: any), so that a depth k drafts min(k, available[b]) levels of
-        request b and costs a step as deep as the deepest of those; lagging: the drafter must first catch up on all
-        it has not seen (`Drafter.lagging`: a prefill, which no probe is worth, and which a drafting depth pays once:
-        the last catch-up's measured cost, `caught_up`, is added to the time it would take to finish the batch)."""
+        levels request b's proposal can have now (`DepthControl.depths_available`, or a function returning them,
+        called only where the choice depends on them; None: any), so that a depth k drafts min(k, available[b])
+        levels of request b and costs a step as deep as the deepest of those; lagging: the drafter must first catch
+        up on all it has not seen (`DepthControl.lagging`: a prefill, which no probe is worth, and which a drafting
+        depth pays once: the last catch-up's measured cost, `caught_up`, is added to the time it would take to
+        finish the batch)."""
         alive = np.asarray(live, dtype=bool)
         K = len(self.target_s) - 1
         tokens, switch_s = self.stats.expected_tokens(), self.catch_up_s if lagging else 0.0
         # what each request can be proposed only lowers what drafting gains (depth k of a batch whose longest
         # proposal has m < k levels is depth m with some requests' tokens cut), so where plain decoding beats every
-        # depth, offered or not, with any proposals, it is the choice without asking (prompt lookup's lookups cost 1-2%
-        # of a plain step at a batch of 16, and a batch that saturates compute decodes plainly almost every step)
+        # depth, offered or not, with any proposals, it is the choice without asking (asking costs prompt lookup a
+        # lookup per request, and a batch that saturates compute decodes plainly almost every step)
         self.available, self._deepest = None, None
         speed = self._speed(tokens, alive, remaining, switch_s)
         # (a probe also follows a probe whose drafts were all accepted, and a new batch's first step may probe while its
@@ -319,7 +331,7 @@ class AdaptiveDepth:
         return depth if self._deepest is None else min(depth, self._deepest)
 
     def caught_up(self, depth: int, seconds: float) -> None:
-        """A step of `depth` levels whose drafter first caught up on what it lagged behind (`Drafter.catch_up`)
+        """A step of `depth` levels whose drafter first caught up on what it lagged behind (`DepthControl.catch_up`)
         took `seconds` in all: beyond the step's usual cost, what the next switch from plain decoding will cost."""
         self.catch_up_s = max(seconds - float(self.step_s()[self._width(depth)]), 0.0)
 
@@ -333,9 +345,10 @@ class AdaptiveDepth:
         self._step_s = None
 
     def judged(self, accepted: Sequence[int], proposed: Sequence[int], since: Optional[Sequence[int]] = None) -> None:
-        """Judgments of proposals nobody drafted (`Drafter.shadow`): levels since[b] + 1 .. proposed[b] of request b's
-        (since None: from the first), of which the first accepted[b] were right. The rates learn from them as from
-        drafted steps, and while they come no probe is due (a probe drafts to learn what they tell for free)."""
+        """Judgments of proposals nobody drafted (`DepthControl.shadow`): levels since[b] + 1 .. proposed[b] of
+        request b's (since None: from the first), of which the first accepted[b] were right. The rates learn from
+        them as from drafted steps, and while they come no probe is due (a probe drafts to learn what they tell for
+        free)."""
         proposed = np.asarray(proposed)
         since = np.zeros_like(proposed) if since is None else np.asarray(since)
         new = proposed > since
@@ -354,7 +367,8 @@ class AdaptiveDepth:
         self.stats.update(num_accepted, depth, live,
                           None if self.available is None else np.minimum(depth, self.available), acceptance)
         if self.probed:  # a probe whose drafts were all accepted is repeated at the next step: the rates still rise
-            # (from a prior that says drafting does not pay, one accepted probe every 16 steps took most of a call)
+            # (from a prior that says drafting does not pay, one accepted probe per probe_every steps would take
+            # most of a call to lift them)
             self._reprobe = bool(np.all((np.asarray(num_accepted) >= depth) | ~np.asarray(live, dtype=bool)))
         self.chosen[depth] += 1
         self.idle, self.drafting_run = (self.idle + 1, 0) if depth == 0 else (0, self.drafting_run + 1)
@@ -362,7 +376,8 @@ class AdaptiveDepth:
             return
         self._step_s = None
         last = float(self.measured_s[depth])
-        if not math.isnan(last):  # a pause of the machine (a garbage collection, another process) is not the depth's cost
+        # a pause of the machine (a garbage collection, another process) is not the depth's cost
+        if not math.isnan(last):
             seconds = min(seconds, 2 * last)
         self.measured_s[depth] = seconds if math.isnan(last) else 0.8 * last + 0.2 * seconds
         residual = seconds - float(self.target_s[depth])
@@ -422,8 +437,8 @@ class StepSchedule:
 
     def after_step(self, k: Optional[int], flags: list, ran: bool, proposed_at: Optional[float]) -> bool:
         """After the step of depth k: flags, the step's `_Batch.flags` as a list; ran: it compiled, warmed up or
-        captured no graph (else its time says nothing of the next ones); proposed_at: when its proposal was ready, where the
-        runner times it apart (None: not). Whether any request is still live."""
+        captured no graph (else its time says nothing of the next ones); proposed_at: when its proposal was ready,
+        where the runner times it apart (None: not). Returns whether any request is still live."""
         B = len(self.live)
         policy = self.policy
         if policy is not None:
@@ -436,8 +451,8 @@ class StepSchedule:
             if self.batch.judge_probs and k:  # (sampled requests' levels judged by their acceptance probabilities)
                 probs = np.array(flags[2 * B:], dtype=np.float64).reshape(B, -1) / PROB_SCALE
                 judged["acceptance"] = np.where(self.sampled[:, None], probs, np.nan)
-            policy.update(flags[:B], k, self.live, seconds if ran and self.steady else None, drafting_timed=self.drafting_timed,
-                          **judged)
+            policy.update(flags[:B], k, self.live, seconds if ran and self.steady else None,
+                          drafting_timed=self.drafting_timed, **judged)
             self.remaining = [r - n - 1 if live else r for r, n, live in zip(self.remaining, flags, self.live)]
         self.live = [not f for f in flags[B:2 * B]]
         return any(self.live)

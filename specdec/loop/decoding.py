@@ -565,15 +565,15 @@ class _GraphSet:
 
 
 def _state_signature(obj, tensors: Optional[list] = None, _seen: Optional[dict] = None) -> tuple:
-    """What a recorded step can depend on in a state (the batch, the drafter's attributes) besides its tensors'
+    """What a recorded step can depend on in a state (the batch, the drafter's state_dict) besides its tensors'
     values: each tensor's shape, strides, dtype and device, every other value (a Python number or flag a step
     branches on; a module or function by identity) and the structure holding them. tensors: the state's tensors
     are appended to it, in the order of the signature (two states of one signature align)."""
     seen = {} if _seen is None else _seen
     if isinstance(obj, specdec.RollbackPlan):
         # derived from its caches' tensors, which sign and are copied where they are held: its device table holds
-        # their addresses (anchor + offsets), and a kept set's graphs run its own plan on its own caches (the offsets
-        # of a drafter's new cache copied onto a kept one's pointed its rollback elsewhere on a GPU)
+        # their addresses (anchor + offsets), and a kept set's graphs run its own plan on its own caches (a new
+        # cache's offsets copied onto a kept plan would point its rollback at other memory)
         return ("RollbackPlan",)
     if isinstance(obj, torch.Tensor):
         if tensors is not None:

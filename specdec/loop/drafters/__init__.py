@@ -1,8 +1,9 @@
-"""Drafters: where draft trees come from. All share `Drafter` (propose / commit)."""
-from .base import Drafter, NoDrafter, Proposal, sample
+"""Drafters: where draft trees come from. All share the core `Drafter` (start, propose, commit, skip); the
+mixins `DepthControl` (adaptive speculation) and `StepState` (compiled or captured steps) are optional."""
+from .base import DepthControl, Drafter, NoDrafter, Proposal, StepState, sample
 from .draft_model import DraftModelDrafter, TreeSpec, parse_tree
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["Drafter", "DraftModelDrafter", "MTPDrafter", "NgramDrafter", "NoDrafter", "Proposal", "TreeSpec", "parse_tree",
-           "sample"]
+__all__ = ["DepthControl", "Drafter", "DraftModelDrafter", "MTPDrafter", "NgramDrafter", "NoDrafter", "Proposal",
+           "StepState", "TreeSpec", "parse_tree", "sample"]

@@ -68,8 +68,8 @@ class MTPDrafter(DraftModelDrafter):
     def min_pending(self):
         """The entries a drafted step leaves: its accepted path and the bonus token's, as many as its depth + 1.
         Loops whose steps are compiled or captured (`few_shapes`) take the deepest step's always (the width is part
-        of the graph key); an eager adaptive loop's shallow steps run no padding (at batch 1 on a CPU, 9 entries
-        where a depth-3 step left 4 were 3% of the step)."""
+        of the graph key); an eager adaptive loop's shallow steps run no padding (rows that would cost every
+        shallow step a share of its time)."""
         return self.max_pending if self.few_shapes else self._last_depth + 1
 
     def advance(self, depth):

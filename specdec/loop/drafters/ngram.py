@@ -12,8 +12,8 @@ from .base import DepthControl, Drafter, Proposal
 
 class _NgramIndex:
     """One request's n-gram start positions (n = min_ngram..max_ngram), extended as its committed tokens grow (they
-    never shrink within a batch), so that a step's lookup is a few dictionary reads, not a scan of the sequence:
-    at a batch of 16 the scans cost 5% of a plain-decoding step, paid every step by an adaptive loop."""
+    never shrink within a batch), so that a step's lookup is a few dictionary reads, not a scan of the sequence
+    (which an adaptive loop would pay at every step, plain ones included)."""
 
     def __init__(self, ns: range):
         self.seq: list = []
@@ -54,7 +54,7 @@ class NgramDrafter(Drafter, DepthControl):
         self._shadows = [None] * tokens.shape[0]  # per request: (position, continuation, levels judged) by shadow
         self._shadow_calls = -1  # (the first call works)
         # the prompts are indexed here, with the prompts' prefill, not in the first step: an adaptive policy times the
-        # steps, and at a batch of 16 this is a plain step's time again
+        # steps, and the prompts' indexing is no step's cost
         self._extend_index(tokens, seq_lens)
 
     def lookup(self, seq: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ class NgramDrafter(Drafter, DepthControl):
 
     def _extend_index(self, tokens, seq_lens) -> None:
         """Each request's index extended to its committed tokens: the new ones of every request gathered in one host
-        copy (a read per request was 1% of a plain-decoding step at a batch of 16)."""
+        copy (not a read per request)."""
         ends, starts = seq_lens.tolist(), [len(index.seq) for index in self._index]
         most = max(end - start for start, end in zip(starts, ends))
         if most <= 0:
@@ -93,8 +93,8 @@ class NgramDrafter(Drafter, DepthControl):
         (a proposal that the text repeats is known right after its first level, not once all its levels are in) and
         replaced by the next once its fate is known (at its first wrong token, or when all its tokens were right). It
         works on one call in B // 4 (about 4 requests' judgments per step): each call costs the index's extension, a
-        judgment per request and the policy's predictions anew, 3% of a plain step at a batch of 16 on a CPU when done
-        every step."""
+        judgment per request and the policy's predictions anew, a share of a plain step not worth paying at every
+        one."""
         self._shadow_calls += 1
         if self._shadow_calls % max(len(self._index) // 4, 1):
             return None
