@@ -33,9 +33,9 @@ from specdec.loop.models.tokenizer import ByteTokenizer  # noqa: E402
 
 
 def policy_module(name: str, path: str):
-    """Another version of specdec/loop/adaptive.py, imported as a module of the specdec package (its relative imports
-    resolve to this checkout's)."""
-    spec = importlib.util.spec_from_file_location(f"specdec.adaptive_{name}", path)
+    """Another version of specdec/loop/adaptive.py, imported as a module of the specdec.loop package (its relative
+    imports resolve to this checkout's)."""
+    spec = importlib.util.spec_from_file_location(f"specdec.loop.adaptive_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
