@@ -529,7 +529,7 @@ class _GraphedSteps(_EagerSteps):
                 if buf is not x and not any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
                     buf.copy_(x)
             kept.batch.requests = s.requests
-            if state:
+            if not drafter.proposes_on_host:
                 drafter.load_state(kept.drafter)
         self.graph_sets[signature] = kept
         self.graphs = kept.graphs
