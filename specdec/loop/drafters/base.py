@@ -55,8 +55,9 @@ class Drafter:
           or, for a step that verified the root alone (an adaptive loop's plain step, depth 0):
             drafter.skip()                                                      # every sequence grew by one
 
-    propose, commit and skip may run inside a compiled or captured graph: no host reads, and state carried across
-    steps lives in tensors written in place. What commit needs to know about a proposal travels in the proposal
+    propose, commit and skip run inside one graph with the rest of the step where the loop compiles it
+    (compile=True) or, for a drafter with `StepState`, captures it: no host reads, and state carried across steps
+    lives in tensors written in place. What commit needs to know about a proposal travels in the proposal
     itself (`cache_slots`), so nothing is kept between the two calls. A drafter with `uses_target_hidden` gets the
     target's hidden states as the keyword target_hidden: in start (B, n_max - 1, dim) those of the prompts'
     positions 0 .. seq_lens - 2, in commit and skip (B, T, dim) those of the verified nodes.
@@ -89,8 +90,9 @@ class Drafter:
         raise NotImplementedError
 
     def commit(self, proposal: Proposal, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """The target accepted path accepted_nodes[b, :num_accepted[b] + 1] of `proposal` (the last node is the
-        next token, the bonus); accepted_nodes (B, max_depth + 1) int32, num_accepted (B,) int32."""
+        """The target accepted path accepted_nodes[b, :num_accepted[b] + 1] of the last `proposal` (node indices,
+        from the root; the next token the target emitted after it is no node): accepted_nodes (B, T) int32 padded
+        with -1, num_accepted (B,) int32 (0 for a finished request)."""
 
     def skip(self) -> None:
         """A step without a proposal: every sequence grew by one token (its root's successor)."""
