@@ -6,8 +6,8 @@ rank r does not hold the r-th piece (the shards tile [0, V) in any order). Check
   - greedy results equal specdec.accept (the reference) on the gathered logits: trees, ragged counts, grammar
     masks, the packed form, probabilities, greedy rows among sampled ones;
   - sampled results follow the target's law: chi-square over the first one, two and three emitted tokens
-    (tests/ops/accept/test_lossless.py's and tests/ops/accept/test_block.py's scenarios: chains and trees, with
-    and without draft laws, every filter and a path-dependent mask, block verification, probabilities);
+    (tests/ops/accept/test_lossless.py's scenarios and tests/ops/accept/markov.py's Markov steps: chains and trees,
+    with and without draft laws, every filter and a path-dependent mask, block verification, probabilities);
   - traversal verification likewise (random trees, binary trees, every filter);
   - the mean accepted length equals its exact value (enumerated), token-wise, block and traversal;
   - every rank returns the same result; a call repeated returns it again; packed == padded;
@@ -31,9 +31,8 @@ import torch.multiprocessing as mp
 
 import specdec
 from specdec import distributed as sd
+from tests.ops.accept import markov
 from tests.ops.accept import test_lossless as lossless
-from tests.ops.accept import test_block as blockv
-from tests.ops.accept import test_traversal as traversal
 from tests.helpers import random_trees
 from tests.stats import assert_law, first_tokens
 
@@ -141,11 +140,12 @@ def scenario_first_token():
 
 def scenario_two_tokens():
     out = {}
-    for with_draft, parents, t in ((True, lossless.MARKOV_TREE, 1.0), (False, lossless.CHAIN, 0.8)):
-        out[("plain", with_draft)] = lossless._first_two_tokens(None, parents, t, with_draft, N, seed=3 + with_draft)
-        for i, name in enumerate(lossless.FILTERS if with_draft else ["all"]):
-            out[(name, with_draft)] = lossless._first_two_tokens(None, parents, t, with_draft, N, seed=5 + i,
-                                                                 filters=lossless.FILTERS[name])
+    for with_draft, parents, t in ((True, markov.MARKOV_TREE, 1.0), (False, markov.CHAIN, 0.8)):
+        out[("plain", with_draft)] = markov.generated_tokens(_rank_accept, parents, t, N, 3 + with_draft, 2,
+                                                             with_draft=with_draft)
+        for i, name in enumerate(markov.FILTERS if with_draft else ["all"]):
+            out[(name, with_draft)] = markov.generated_tokens(_rank_accept, parents, t, N, 5 + i, 2,
+                                                              with_draft=with_draft, filters=markov.FILTERS[name])
     return out
 
 
@@ -154,34 +154,37 @@ def scenario_two_tokens_few_candidates():
     candidates and come from the bisections, some are (on the 4-token vocabulary)."""
     default, sd._CANDIDATES = sd._CANDIDATES, 1
     try:
-        return {name: lossless._first_two_tokens(None, lossless.MARKOV_TREE, 1.0, True, N, seed=40 + i,
-                                                 filters=lossless.FILTERS[name])
+        return {name: markov.generated_tokens(_rank_accept, markov.MARKOV_TREE, 1.0, N, 40 + i, 2,
+                                              filters=markov.FILTERS[name])
                 for i, name in enumerate(("top_k", "top_p", "all"))}
     finally:
         sd._CANDIDATES = default
 
 
 def scenario_block():
-    return {"plain": blockv._first_tokens(None, 3, 1.0, N, seed=14, k=3),
-            "all": blockv._first_tokens(None, 3, 0.9, N, seed=21, k=2, filters=lossless.FILTERS["all"])}
+    chain = markov.chain(3)
+    return {"plain": markov.generated_tokens(_rank_accept, chain, 1.0, N, 14, 3, method="block"),
+            "all": markov.generated_tokens(_rank_accept, chain, 0.9, N, 21, 2, filters=markov.FILTERS["all"],
+                                           method="block")}
 
 
 def scenario_traversal():
-    return {"random7": traversal._first_tokens(None, traversal.SAMPLED_TREES["random7"], 1.0, N, seed=38, k=3),
-            "binary": traversal._first_tokens(None, traversal.SAMPLED_TREES["binary"], 2.0, N, seed=37, k=3),
-            "all": traversal._first_tokens(None, traversal.BINARY, 0.9, N, seed=23, k=2,
-                                           filters=lossless.FILTERS["all"])}
+    trees = markov.SAMPLED_TREES
+    return {"random7": markov.generated_tokens(_rank_accept, trees["random7"], 1.0, N, 38, 3, method="traversal"),
+            "binary": markov.generated_tokens(_rank_accept, trees["binary"], 2.0, N, 37, 3, method="traversal"),
+            "all": markov.generated_tokens(_rank_accept, markov.BINARY, 0.9, N, 23, 2, filters=markov.FILTERS["all"],
+                                           method="traversal")}
 
 
-MEAN_LENGTH_CASES = [("token", blockv._chain(3)), ("block", blockv._chain(4)), ("traversal", traversal.BINARY),
-                     ("traversal", traversal.MIXED)]
+MEAN_LENGTH_CASES = [("token", markov.chain(3)), ("block", markov.chain(4)), ("traversal", markov.BINARY),
+                     ("traversal", markov.MIXED)]
 
 
 def scenario_mean_length():
     out = []
     for method, parents in MEAN_LENGTH_CASES:
         gen = torch.Generator().manual_seed(5 + len(parents))
-        batch = lossless._markov_step(torch.zeros(N, dtype=torch.int64), parents, 1.0, True, gen)
+        batch = markov.markov_step(torch.zeros(N, dtype=torch.int64), parents, 1.0, True, gen)
         out.append(_rank_accept(**batch, seeds=torch.arange(N) + 17, offset=0, method=method).num_accepted)
     return out
 
@@ -309,9 +312,6 @@ SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if na
 def _worker(rank, world, store, outdir):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    lossless.accept_on = _rank_accept  # the lossless tests' batches, verified by this rank's shard call
-    blockv.accept_on = _rank_accept
-    traversal.accept_on = _rank_accept
     results = {}
     for name, fn in SCENARIOS.items():
         try:
@@ -379,26 +379,25 @@ def test_sampled_first_token_follows_the_target(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_first_two_tokens_follow_the_markov_target_with_and_without_filters(world):
     got = results(world, "two_tokens")[0]
-    M = lossless.M
     for (filters, with_draft), pairs in got.items():
         t = 1.0 if with_draft else 0.8
-        law = lossless._two_token_law(t, None if filters == "plain" else lossless.FILTERS[filters])
-        assert_law(pairs[:, 0] * M + pairs[:, 1], law, f"{filters}, draft={with_draft}, {world} ranks")
+        law = markov.two_token_law(t, None if filters == "plain" else markov.FILTERS[filters])
+        assert_law(markov.index(pairs), law, f"{filters}, draft={with_draft}, {world} ranks")
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_filters_follow_the_target_when_the_candidates_do_not_settle_them(world):
     got = results(world, "two_tokens_few_candidates")[0]
     for name, pairs in got.items():
-        law = lossless._two_token_law(1.0, lossless.FILTERS[name])
-        assert_law(pairs[:, 0] * lossless.M + pairs[:, 1], law, f"{name}, one candidate, {world} ranks")
+        law = markov.two_token_law(1.0, markov.FILTERS[name])
+        assert_law(markov.index(pairs), law, f"{name}, one candidate, {world} ranks")
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_block_verification_follows_the_markov_target(world):
     got = results(world, "block")[0]
-    assert_law(blockv._index(got["plain"]), blockv._k_token_law(1.0, 3), f"block, three tokens, {world} ranks")
-    assert_law(blockv._index(got["all"]), lossless._two_token_law(0.9, lossless.FILTERS["all"]),
+    assert_law(markov.index(got["plain"]), markov.k_token_law(1.0, 3), f"block, three tokens, {world} ranks")
+    assert_law(markov.index(got["all"]), markov.two_token_law(0.9, markov.FILTERS["all"]),
                f"block with every filter, {world} ranks")
 
 
@@ -407,22 +406,19 @@ def test_traversal_verification_follows_the_markov_target(world):
     got = results(world, "traversal")[0]
     for name, t in (("random7", 1.0), ("binary", 2.0)):
         tokens = got[name]
-        assert_law(blockv._index(tokens[:, :2]), blockv._k_token_law(t, 2), f"traversal, two tokens, {name}")
-        assert_law(blockv._index(tokens), blockv._k_token_law(t, 3), f"traversal, three tokens, {name}, {world} ranks")
-    assert_law(blockv._index(got["all"]), lossless._two_token_law(0.9, lossless.FILTERS["all"]),
+        assert_law(markov.index(tokens[:, :2]), markov.k_token_law(t, 2), f"traversal, two tokens, {name}")
+        assert_law(markov.index(tokens), markov.k_token_law(t, 3), f"traversal, three tokens, {name}, {world} ranks")
+    assert_law(markov.index(got["all"]), markov.two_token_law(0.9, markov.FILTERS["all"]),
                f"traversal with every filter, {world} ranks")
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_mean_accepted_length_is_the_exact_one(world):
     got = results(world, "mean_length")[0]
-    p = torch.softmax(lossless.P_TARGET.log(), -1)
-    q = torch.softmax(lossless.Q_DRAFT.log(), -1)
-    exact = {"token": lambda parents: blockv._exact(blockv._token_wise, p, q, len(parents) - 1)[1],
-             "block": lambda parents: blockv._exact(blockv._block, p, q, len(parents) - 1)[1],
-             "traversal": lambda parents: traversal._exact_tree(traversal._traversal, p, q, parents)[1]}
+    p = torch.softmax(markov.P_TARGET.log(), -1)
+    q = torch.softmax(markov.Q_DRAFT.log(), -1)
     for (method, parents), n in zip(MEAN_LENGTH_CASES, got):
-        n, want = n.double(), exact[method](parents)
+        n, want = n.double(), markov.exact_accepted(method, p, q, parents)
         assert abs(float(n.mean()) - want) < 4 * float(n.std()) / math.sqrt(n.numel()), (method, parents, want)
 
 

@@ -11,13 +11,16 @@ interpreter gets smaller samples (still enough to reject the wrong samplers by m
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from specdec import reference
-from specdec.sampling import pack_bitmask
 from tests.helpers import BACKENDS, DEVICE, accept_on
-from tests.stats import ALPHA, assert_law, chi_square_pvalue, emitted_tokens, first_tokens, target_law
+from tests.ops.accept.markov import (CHAIN, FILTERS, INTERPRETED_FILTERED_SAMPLES, MARKOV_TREE, generated_tokens, index,
+                                     two_token_law)
+from tests.stats import ALPHA, assert_law, chi_square_pvalue, first_tokens, target_law
 
 # the interpreted kernel computes log(0) = -inf and exp(-inf) on purpose (masked entries); numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -67,7 +70,6 @@ def _scenario(parents: list[int], t: float, with_draft: bool, n: int, seed: int,
                 seeds=torch.arange(n, dtype=torch.int64) + 1000 * seed)
 
 
-CHAIN = [-1, 0, 1, 2]
 TREE = [-1, 0, 0, 0, 1, 1, 2]  # the root has 3 children, node 1 has 2, node 2 has 1
 TOPK_TREE = [-1, 0, 0, 0, 0, 1, 1]  # the root has 4 children, node 1 has 2
 
@@ -105,114 +107,27 @@ def test_triton_draw_after_a_last_rejection_is_exact_for_any_candidate_count(mon
 
 
 # ----------------------------------------------------------------------------------------------
-# two tokens across steps: Markov-chain target and drafter over a small vocabulary
+# two tokens across steps: Markov-chain target and drafter over a small vocabulary (tests/ops/accept/markov.py)
 # ----------------------------------------------------------------------------------------------
-M = 4  # states
-P_TARGET = torch.tensor([[0.50, 0.30, 0.15, 0.05],
-                         [0.10, 0.20, 0.30, 0.40],
-                         [0.25, 0.25, 0.00, 0.50],  # the target never goes 2 -> 2
-                         [0.60, 0.05, 0.25, 0.10]], dtype=torch.float64)
-Q_DRAFT = torch.tensor([[0.10, 0.20, 0.30, 0.40],
-                        [0.40, 0.30, 0.20, 0.10],
-                        [0.30, 0.10, 0.50, 0.10],
-                        [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
-MARKOV_TREE = [-1, 0, 0, 1, 1, 2]
-
-
-def _markov_step(roots: torch.Tensor, parents: list[int], t: float, with_draft: bool, gen: torch.Generator,
-                 filters=None, ignore=()):
-    """One verification step for every request whose last emitted token is roots[b].
-
-    With draft logits the tree's children are drawn i.i.d. from the drafter's transition at their parent;
-    without, each node's children are the drafter's best tokens (its argmax for the first child: a greedy
-    draft chain; the next best for the next siblings: a top-k tree). With `filters` (FILTERS), the drafter
-    draws from its processed transition and accept gets the filters (those in `ignore` left out: a sampler
-    that ignores them).
-    """
-    n, T = roots.numel(), len(parents)
-    log_p, log_q = P_TARGET.log(), Q_DRAFT.log()
-    q_law = (torch.softmax(log_q / t, -1) if filters is None
-             else torch.stack([processed_transition(log_q, s, t, filters) for s in range(M)]))
-    tokens = torch.zeros(n, T, dtype=torch.int64)
-    tokens[:, 0] = roots
-    for i in range(1, T):
-        prev = tokens[:, parents[i]]
-        rank = sum(parents[j] == parents[i] for j in range(1, i))  # earlier siblings
-        if with_draft:
-            tokens[:, i] = torch.multinomial(q_law[prev], 1, generator=gen)[:, 0]
-        elif rank == 0:
-            tokens[:, i] = log_q[prev].argmax(-1)
-        else:
-            tokens[:, i] = torch.sort(log_q[prev], stable=True, dim=-1, descending=True).indices[:, rank]
-    batch = dict(target_logits=log_p[tokens].float(), tokens=tokens, parents=torch.tensor(parents).expand(n, T),
-                 draft_logits=log_q[tokens].float() if with_draft else None, temperature=t)
-    if filters is not None:
-        batch.update({k: v for k, v in filters.items() if k != "mask" and k not in ignore})
-        if filters.get("mask") and "mask" not in ignore:  # node i's row: what may follow its own token
-            batch["token_bitmask"] = pack_bitmask(allowed_after(tokens.flatten()).view(n, T, M))
-    return batch
-
-
-def _first_two_tokens(backend, parents, t, with_draft, n, seed, filters=None, ignore=()):
-    """(n, 2) the first two tokens generated from state 0, taking a second step where the first emits one."""
-    gen = torch.Generator().manual_seed(seed)
-    seeds = torch.arange(n, dtype=torch.int64) + 7919 * seed
-    batch = _markov_step(torch.zeros(n, dtype=torch.int64), parents, t, with_draft, gen, filters, ignore)
-    out = emitted_tokens(accept_on(backend, **batch, seeds=seeds, offset=0), batch["tokens"])
-    first = torch.tensor([o[0] for o in out])
-    short = torch.tensor([len(o) == 1 for o in out])
-    second = torch.tensor([o[1] if len(o) > 1 else -1 for o in out])
-    if short.any():  # the next step starts from the emitted token, same seeds, next offset
-        step2 = _markov_step(first[short], parents, t, with_draft, gen, filters, ignore)
-        res2 = accept_on(backend, **step2, seeds=seeds[short], offset=1)
-        second[short] = first_tokens(res2, step2["tokens"])
-    return torch.stack([first, second], 1)
-
-
-def _two_token_law(t: float, filters=None) -> torch.Tensor:
-    """(M * M,) law of (y1, y2) from state 0: P_t(0, y1) P_t(y1, y2), P_t = softmax(log P / t), or with
-    `filters` the processed transitions (the mask after y1 is the one of state y1)."""
-    if filters is None:
-        p = torch.softmax(P_TARGET.log() / t, -1)
-    else:
-        p = torch.stack([processed_transition(P_TARGET.log(), s, t, filters) for s in range(M)])
-    return (p[0][:, None] * p).flatten()
+def _pairs(backend, parents, t, with_draft, n, seed, filters=None, ignore=()):
+    """(n,) the first two tokens generated from state 0 (markov.generated_tokens), as indices of two_token_law."""
+    return index(generated_tokens(functools.partial(accept_on, backend), parents, t, n, seed, 2, with_draft=with_draft,
+                                  filters=filters, ignore=ignore))
 
 
 @pytest.mark.parametrize("backend", LOSSLESS_BACKENDS)
 @pytest.mark.parametrize("with_draft,parents,t", [(True, MARKOV_TREE, 1.0), (False, CHAIN, 0.8)],
                          ids=["tree_draft", "argmax_chain_given"])
 def test_first_two_tokens_follow_markov_target(backend, with_draft, parents, t):
-    pairs = _first_two_tokens(backend, parents, t, with_draft, samples_for(backend), seed=3 + with_draft)
-    assert_law(pairs[:, 0] * M + pairs[:, 1], _two_token_law(t), f"Markov two tokens on {backend}")
+    pairs = _pairs(backend, parents, t, with_draft, samples_for(backend), seed=3 + with_draft)
+    assert_law(pairs, two_token_law(t), f"Markov two tokens on {backend}")
 
 
 # ----------------------------------------------------------------------------------------------
-# the processed law: top-k, top-p, min-p and a grammar mask that changes along the path
+# the processed law: top-k, top-p, min-p and a grammar mask that changes along the path (markov.FILTERS)
 # ----------------------------------------------------------------------------------------------
-# Each chosen (by exact computation of the processed laws) so that no kept set changes when top_p or
-# min_p moves by 1e-3, and each changes the two-token law a lot; top_k = 2 meets a tie (0.25, 0.25) in
-# P_TARGET's row 2, which keeps both. The mask: the grammar bans token (s + 1) % M right after token s, so
-# node i's bitmask row depends on node i's own token, i.e. on the path.
-FILTERS = {"top_k": dict(top_k=2), "top_p": dict(top_p=0.75), "min_p": dict(min_p=0.35), "mask": dict(mask=True),
-           "all": dict(top_k=3, top_p=0.9, min_p=0.1, mask=True)}
 # the Triton interpreter is slow: the per-parameter cases run on compiled backends, "all" everywhere
 FILTERED_BACKENDS = [b for b in LOSSLESS_BACKENDS if not (b == "triton" and DEVICE.type == "cpu")]
-INTERPRETED_FILTERED_SAMPLES = 400
-
-
-def allowed_after(states: torch.Tensor) -> torch.Tensor:
-    """(n,) states -> (n, M) bool: the tokens the grammar allows after each."""
-    allowed = torch.ones(states.numel(), M, dtype=torch.bool)
-    allowed[torch.arange(states.numel()), (states.flatten() + 1) % M] = False
-    return allowed
-
-
-def processed_transition(log_transitions: torch.Tensor, state: int, t: float, filters: dict) -> torch.Tensor:
-    """The processed law (reference.processed_probs) of the transition out of `state`."""
-    allowed = allowed_after(torch.tensor([state]))[0] if filters.get("mask") else None
-    return reference.processed_probs(log_transitions[state], t, filters.get("top_k", 0), filters.get("top_p", 1.0),
-                                     filters.get("min_p", 0.0), allowed)
 
 
 @pytest.mark.parametrize("backend", FILTERED_BACKENDS)
@@ -223,8 +138,8 @@ def test_first_two_tokens_follow_the_processed_markov_target(backend, filters, w
     """The drafter samples from its processed law (with draft logits); the emitted tokens follow the
     processed target law, over two steps."""
     f = FILTERS[filters]
-    pairs = _first_two_tokens(backend, parents, t, with_draft, samples_for(backend), seed=5 + with_draft, filters=f)
-    assert_law(pairs[:, 0] * M + pairs[:, 1], _two_token_law(t, f), f"Markov two tokens, {filters}, on {backend}")
+    pairs = _pairs(backend, parents, t, with_draft, samples_for(backend), seed=5 + with_draft, filters=f)
+    assert_law(pairs, two_token_law(t, f), f"Markov two tokens, {filters}, on {backend}")
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton kernel's fused mask")
@@ -233,8 +148,8 @@ def test_first_two_tokens_follow_the_masked_markov_target_in_the_fused_triton_ma
     draft logits on a tree (residuals after rejections, the draw); a smaller sample in the interpreter."""
     f = FILTERS["mask"]
     n = INTERPRETED_FILTERED_SAMPLES if DEVICE.type == "cpu" else SAMPLES
-    pairs = _first_two_tokens("triton", MARKOV_TREE, 1.0, True, n, seed=6, filters=f)
-    assert_law(pairs[:, 0] * M + pairs[:, 1], _two_token_law(1.0, f), "Markov two tokens, fused mask, on triton")
+    pairs = _pairs("triton", MARKOV_TREE, 1.0, True, n, seed=6, filters=f)
+    assert_law(pairs, two_token_law(1.0, f), "Markov two tokens, fused mask, on triton")
 
 
 @pytest.mark.parametrize("backend", LOSSLESS_BACKENDS)
@@ -244,8 +159,8 @@ def test_first_two_tokens_with_every_filter(backend, with_draft, parents, t):
     """top_k, top_p, min_p and the path-dependent mask together, on the other two tree kinds."""
     f = FILTERS["all"]
     n = INTERPRETED_FILTERED_SAMPLES if backend == "triton" and DEVICE.type == "cpu" else SAMPLES
-    pairs = _first_two_tokens(backend, parents, t, with_draft, n, seed=8 + with_draft, filters=f)
-    assert_law(pairs[:, 0] * M + pairs[:, 1], _two_token_law(t, f), f"Markov two tokens, all filters, on {backend}")
+    pairs = _pairs(backend, parents, t, with_draft, n, seed=8 + with_draft, filters=f)
+    assert_law(pairs, two_token_law(t, f), f"Markov two tokens, all filters, on {backend}")
 
 
 @pytest.mark.parametrize("ignored", ["mask", "top_k", "top_p", "min_p"])
@@ -255,10 +170,9 @@ def test_negative_control_rejects_a_sampler_that_ignores_a_filter(ignored, with_
     """accept without the mask (or without top_k, top_p, min_p) while the law to follow (and the drafter's)
     has it: rejected, at the interpreter's smallest sample size."""
     f = FILTERS[ignored]
-    pairs = _first_two_tokens("torch", parents, t, with_draft, INTERPRETED_FILTERED_SAMPLES, seed=3, filters=f,
-                              ignore=(ignored,))
-    p_value = chi_square_pvalue(pairs[:, 0] * M + pairs[:, 1], _two_token_law(t, f))
-    assert p_value < ALPHA * 1e-6, f"the chi-square test fails to reject a sampler ignoring {ignored} (p = {p_value:.3g})"
+    pairs = _pairs("torch", parents, t, with_draft, INTERPRETED_FILTERED_SAMPLES, seed=3, filters=f, ignore=(ignored,))
+    p_value = chi_square_pvalue(pairs, two_token_law(t, f))
+    assert p_value < ALPHA * 1e-6, f"the chi-square test fails to reject a sampler ignoring {ignored} ({p_value:.3g})"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ the filters, a bitmask, 16-bit probabilities, in the walker and in split launche
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import triton
@@ -20,8 +22,8 @@ import triton.language as tl
 import specdec
 from specdec.sampling import pack_bitmask
 from tests.helpers import DEVICE, accept_on, to_device
-from tests.stats import assert_law, emitted_tokens, first_tokens
-from tests.ops.accept.test_lossless import CHAIN, FILTERS, M, MARKOV_TREE, _markov_step, _two_token_law
+from tests.ops.accept.markov import CHAIN, FILTERS, MARKOV_TREE, generated_tokens, index, two_token_law
+from tests.stats import assert_law
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -47,21 +49,11 @@ def _as_probs(batch: dict, gen: torch.Generator) -> dict:
     return out
 
 
-def _first_two(backend, parents, t, with_draft, n, seed, filters=None, method="token"):
-    """(n, 2) the first two tokens from state 0 with probabilities as input (a second step where the first
-    emits one token)."""
-    gen = torch.Generator().manual_seed(seed)
-    seeds = torch.arange(n, dtype=torch.int64) + 7919 * seed
-    batch = _as_probs(_markov_step(torch.zeros(n, dtype=torch.int64), parents, t, with_draft, gen, filters), gen)
-    out = emitted_tokens(accept_on(backend, **batch, seeds=seeds, offset=0, method=method), batch["tokens"])
-    first = torch.tensor([o[0] for o in out])
-    short = torch.tensor([len(o) == 1 for o in out])
-    second = torch.tensor([o[1] if len(o) > 1 else -1 for o in out])
-    if short.any():
-        step2 = _as_probs(_markov_step(first[short], parents, t, with_draft, gen, filters), gen)
-        res2 = accept_on(backend, **step2, seeds=seeds[short], offset=1, method=method)
-        second[short] = first_tokens(res2, step2["tokens"])
-    return torch.stack([first, second], 1)
+def _pairs(backend, parents, t, with_draft, n, seed, filters=None, method="token"):
+    """(n,) the first two tokens generated from state 0 with probabilities as input (markov.generated_tokens),
+    as indices of two_token_law."""
+    return index(generated_tokens(functools.partial(accept_on, backend), parents, t, n, seed, 2, with_draft=with_draft,
+                                  filters=filters, method=method, prepare=_as_probs))
 
 
 @pytest.mark.parametrize("backend", PROB_BACKENDS)
@@ -70,22 +62,22 @@ def _first_two(backend, parents, t, with_draft, n, seed, filters=None, method="t
     (True, [-1, 0, 1, 2], 1.5, "block")], ids=["tree_draft", "chain_given", "tree_traversal", "chain_block"])
 def test_probabilities_follow_the_markov_target(backend, with_draft, parents, t, method):
     """P_TARGET has a zero (2 -> 2 is impossible): a zero probability is an impossible token, as -inf is."""
-    pairs = _first_two(backend, parents, t, with_draft, samples_for(backend), seed=5, method=method)
-    assert_law(pairs[:, 0] * M + pairs[:, 1], _two_token_law(t), f"probabilities, {method}, on {backend}")
+    pairs = _pairs(backend, parents, t, with_draft, samples_for(backend), seed=5, method=method)
+    assert_law(pairs, two_token_law(t), f"probabilities, {method}, on {backend}")
 
 
 def test_triton_probabilities_follow_the_markov_target():
     """The Triton kernel on the first case above (draft probabilities on a tree: residuals after rejections,
     the candidates' draw): one chi-square, interpreter-sized."""
-    pairs = _first_two("triton", MARKOV_TREE, 1.0, True, samples_for("triton"), seed=5)
-    assert_law(pairs[:, 0] * M + pairs[:, 1], _two_token_law(1.0), "probabilities, token, on triton")
+    pairs = _pairs("triton", MARKOV_TREE, 1.0, True, samples_for("triton"), seed=5)
+    assert_law(pairs, two_token_law(1.0), "probabilities, token, on triton")
 
 
 @pytest.mark.parametrize("backend", PROB_BACKENDS)
 def test_probabilities_with_every_filter(backend):
     f = FILTERS["all"]
-    pairs = _first_two(backend, MARKOV_TREE, 0.9, True, samples_for(backend), seed=8, filters=f)
-    assert_law(pairs[:, 0] * M + pairs[:, 1], _two_token_law(0.9, f), f"probabilities with every filter on {backend}")
+    pairs = _pairs(backend, MARKOV_TREE, 0.9, True, samples_for(backend), seed=8, filters=f)
+    assert_law(pairs, two_token_law(0.9, f), f"probabilities with every filter on {backend}")
 
 
 def _random_batch(gen, B=6, T=5, V=37, zeros=0.3):
