@@ -415,9 +415,9 @@ def compile_static(fn, device: torch.device):
     """fn through torch.compile (fullgraph, static shapes: one graph per shape; specdec's ops are opaque custom ops
     inside; Inductor caches the graphs on disk for later processes), called with the value checks off (their host
     reads would break the graph; the callers build the op inputs themselves). On the CPU the graph's wrapper is
-    C++ (Inductor's cpp_wrapper): a step launches a few hundred small kernels, and the Python wrapper's overhead
-    per kernel was about 13% of a compiled chain:6 step (15.1 vs 17.4 ms, bench/step.py's step, six runs each),
-    for a first compile of about 100 s instead of 56 s."""
+    C++ (Inductor's cpp_wrapper): a step launches a few hundred small kernels, and a Python wrapper's overhead
+    per kernel is a noticeable part of a step, worth a longer first compile
+    (bench/results/loop-compile-time.md)."""
     # every shape adds a graph for fn's code object, shared by all model instances (target and draft): a decoder
     # has a few per batch size and tree level, adaptive depths and dynamic trees add more, and past the limit a
     # fullgraph compile fails instead of running eagerly
