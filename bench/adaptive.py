@@ -1,4 +1,4 @@
-"""Adaptive speculation against fixed draft lengths and plain decoding, over batch sizes (issue: never slower
+"""Adaptive speculation against fixed draft lengths and plain decoding, over batch sizes (the goal: never slower
 than the better of AR and the best fixed setting).
 
     python -m bench.adaptive [--batches 1,2,4,8,16] [--max-new-tokens 96] [--out bench/results]
