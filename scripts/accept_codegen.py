@@ -75,7 +75,7 @@ def entry_kernel(walker: bool):
     in a tree from before the two were one kernel, `_split_kernel` / `_walk_kernel`."""
     if hasattr(ka, "_split_kernel"):
         return (ka._walk_kernel if walker else ka._split_kernel), {}
-    return ka.launch._kernel, {"WALKER": walker}
+    return ka.launch._accept_kernel, {"WALKER": walker}
 
 
 def resources(kernel):
@@ -92,10 +92,12 @@ def resources(kernel):
 
 
 def ptx_digest(kernel) -> str:
-    """sha256 (12 hex digits) of the PTX without debug information and with the kernel's name as KERNEL."""
+    """sha256 (12 hex digits) of the PTX without debug information (the debug sections, .loc / .file lines and the
+    $L__tmp labels that anchor inlined scopes), without comments, and with the kernel's name as KERNEL."""
     ptx = kernel.asm["ptx"].split(".section\t.debug")[0].split(".section .debug")[0]
-    lines = [line for line in ptx.splitlines() if not re.match(r"\s*\.(loc|file)\b", line)]
-    text = "\n".join(lines).replace(kernel.metadata.name, "KERNEL")
+    lines = [line.split("//")[0].rstrip() for line in ptx.splitlines()
+             if not re.match(r"\s*(\.(loc|file)\b|\$L__tmp\d+:)", line)]
+    text = "\n".join(line for line in lines if line).replace(kernel.metadata.name, "KERNEL")
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

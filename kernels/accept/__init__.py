@@ -85,8 +85,8 @@ SPLIT_V entries, one program per (request, chunk) writes partial statistics, and
 them and takes the decisions. Every program of a launch takes the same decisions redundantly (same
 inputs, same merge order, so bit-identical results); chunk 0 alone writes the walk state and the path,
 and the program whose chunk holds the drawn token writes the outputs; nothing waits on another program,
-so there are no atomics, no spin locks and no host syncs. SPLIT_STEPS such launches of `_split_kernel`
-run (grid (B, NUM_SPLITS)), then one launch of `_walk_kernel` (grid (B,)) merges the last partials and
+so there are no atomics, no spin locks and no host syncs. SPLIT_STEPS such launches of `_accept_kernel`
+run (grid (B, NUM_SPLITS)), then one walker launch of it (WALKER, grid (B,)) merges the last partials and
 finishes any walk still running by looping over the same chunk passes itself. The walker merges its chunk
 results exactly like the split launches do, so the result does not depend on SPLIT_STEPS (bit-identical
 on the interpreter). A walk needs at most T + 1 launches (path nodes + rejections + the draw), so with
@@ -137,7 +137,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .launch import _split_kernel, _walk_kernel
+from .launch import _accept_kernel
 from .records import PART_FLOATS, PART_INTS, SEARCH_DOUBLES, SEARCH_FLOATS, SEARCH_INTS, STATE_FLOATS, STATE_INTS
 
 # Candidates the draw after a last rejection with draft logits tries before it falls back to the Z pass: each
@@ -297,6 +297,6 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
                 CAP=cap, SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], num_warps=cfg["num_warps"])
     steps = cfg["split_steps"]
     for step in range(steps):
-        _split_kernel[(B, S)](*args, (step + 1) % 2, IS_FIRST=step == 0, **meta)
-    _walk_kernel[(B,)](*args, (steps + 1) % 2, IS_FIRST=steps == 0, **meta)
+        _accept_kernel[(B, S)](*args, (step + 1) % 2, WALKER=False, IS_FIRST=step == 0, **meta)
+    _accept_kernel[(B,)](*args, (steps + 1) % 2, WALKER=True, IS_FIRST=steps == 0, **meta)
     return accepted, num_accepted, next_tokens

@@ -1,5 +1,5 @@
-"""The entry kernels: `_split_kernel` (grid (B, NUM_SPLITS), one chunk of a pass per program) and `_walk_kernel`
-(grid (B,), the walk finished in one program), both starting with `_resume`."""
+"""The entry kernel `_accept_kernel`: one launch of a walk, a split launch (grid (B, NUM_SPLITS), one chunk of a
+pass per program) or the walker (grid (B,), the walk finished in one program), both starting with `_resume`."""
 from __future__ import annotations
 
 import triton
@@ -45,29 +45,13 @@ def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, buf, I
     return walk, res, sp, sq
 
 
-@triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf"])
-def _split_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                  mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
-                  state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr,
-                  sel_count_ptr, sel_mass_ptr, sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt,
-                  offset_lo, offset_hi, read_buf, HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                  HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr,
-                  TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
-                  BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                  TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr,
-                  PAIR_BLOCK: tl.constexpr):
-    """A split launch, grid (B, NUM_SPLITS): merge the previous launch's partials and decide (every program
-    alike), store the state, then run this program's chunk of the next pass, or its part of the draw."""
-    split = tl.program_id(1)
-    req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                   mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
-                   state_f_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS,
-                   HAS_FILTERS, PROBS, PACKED, T_BLOCK)
-    sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
-    walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
-                                HAS_DRAFT, HAS_FILTERS, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS,
-                                NUM_PIVOTS, CAP, PAIR_BLOCK)
-    buf = 1 - read_buf
+@triton.jit
+def _split_part(req, walk, res, sp, sq, sb, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, buf, split,
+                HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+                TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr):
+    """A split launch's program after the decision: the state for the next launch (buffer `buf`), then this
+    program's chunk of the next pass, or its part of the draw."""
     _store_state(state_i_ptr, state_f_ptr, buf, walk, req.writer)
     if HAS_FILTERS:
         _store_search(sb, buf, 0, sp, req.writer)
@@ -121,20 +105,48 @@ def _draw_if_due(req, walk, res, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constex
     return walk
 
 
+@triton.jit
+def _walk_on(req, walk, res, sp, sq, sb, buf, HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr,
+             BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
+             BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+             TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr,
+             PAIR_BLOCK: tl.constexpr):
+    """The walker after the decision: the walk finished in this program, each pass over the whole row (a SELECT
+    pass's partials through buffer `buf`, which it no longer needs: barriers order the program's own stores and
+    loads)."""
+    walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
+    while walk.kind != DONE:
+        if walk.kind == SELECT:
+            if HAS_FILTERS:
+                tl.debug_barrier()  # (the buffer's previous readers are done)
+                for s in range(NUM_SPLITS):
+                    _select_chunk(req, walk, sp, sq, s, sb, buf, HAS_DRAFT, NUM_SPLITS, NUM_PIVOTS, CAP, SPLIT_V,
+                                  SELECT_BLOCK)
+                tl.debug_barrier()
+                walk, res, sp, sq = _select_decide(req, walk, sp, sq, sb, buf, HAS_DRAFT, BLOCK, TRAVERSAL,
+                                                   T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
+        else:
+            walk, res, sp, sq = _decide(req, walk, _row_pass(req, walk, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V,
+                                                             BLOCK_V, S_BLOCK, PREFETCH), HAS_DRAFT, HAS_FILTERS,
+                                        BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
+        walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
+
+
 @triton.jit(do_not_specialize=["offset_lo", "offset_hi", "read_buf"])
-def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
-                 mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
-                 state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr,
-                 sel_count_ptr, sel_mass_ptr, sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt,
-                 offset_lo, offset_hi, read_buf, HAS_DRAFT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                 HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr,
-                 TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr,
-                 BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                 TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr,
-                 PAIR_BLOCK: tl.constexpr):
-    """The last launch, grid (B,): merge the last split launch's partials, decide, and finish the walk, each
-    pass over the whole row in this one program (a SELECT pass's partials through buffer `read_buf`, which
-    it no longer needs: barriers order the program's own stores and loads)."""
+def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
+                   mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
+                   state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr,
+                   sel_count_ptr, sel_mass_ptr, sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt,
+                   offset_lo, offset_hi, read_buf, WALKER: tl.constexpr, HAS_DRAFT: tl.constexpr,
+                   HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr,
+                   BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
+                   PREFETCH: tl.constexpr, TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
+                   SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr):
+    """One launch of a walk: merge the previous launch's partials (buffer `read_buf`) and decide, every program
+    alike (`_resume`); then a split launch (grid (B, NUM_SPLITS)) stores the state and runs its chunk of the next
+    pass (`_split_part`), and the walker (WALKER, grid (B,), the last launch) finishes the walk (`_walk_on`)."""
+    split = tl.program_id(1)  # (the walker's grid has one program per request: 0)
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
                    mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
                    state_f_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS,
@@ -143,19 +155,10 @@ def _walk_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds
     walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
                                 HAS_DRAFT, HAS_FILTERS, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS,
                                 NUM_PIVOTS, CAP, PAIR_BLOCK)
-    walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
-    while walk.kind != DONE:
-        if walk.kind == SELECT:
-            if HAS_FILTERS:
-                tl.debug_barrier()  # (the buffer's previous readers are done)
-                for s in range(NUM_SPLITS):
-                    _select_chunk(req, walk, sp, sq, s, sb, read_buf, HAS_DRAFT, NUM_SPLITS, NUM_PIVOTS, CAP, SPLIT_V,
-                                  SELECT_BLOCK)
-                tl.debug_barrier()
-                walk, res, sp, sq = _select_decide(req, walk, sp, sq, sb, read_buf, HAS_DRAFT, BLOCK, TRAVERSAL,
-                                                   T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, NUM_PIVOTS, CAP, PAIR_BLOCK)
-        else:
-            walk, res, sp, sq = _decide(req, walk, _row_pass(req, walk, HAS_DRAFT, T_BLOCK, NUM_SPLITS, SPLIT_V,
-                                                             BLOCK_V, S_BLOCK, PREFETCH), HAS_DRAFT, HAS_FILTERS,
-                                        BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK)
-        walk = _draw_if_due(req, walk, res, HAS_DRAFT, NUM_SPLITS, SPLIT_V, S_BLOCK, BLOCK_V, TRIALS)
+    if WALKER:
+        _walk_on(req, walk, res, sp, sq, sb, read_buf, HAS_DRAFT, HAS_FILTERS, BLOCK, TRAVERSAL, NUM_SPLITS, SPLIT_V,
+                 BLOCK_V, T_BLOCK, S_BLOCK, PREFETCH, TRIALS, NUM_PIVOTS, CAP, SELECT_BLOCK, PAIR_BLOCK)
+    else:
+        _split_part(req, walk, res, sp, sq, sb, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, 1 - read_buf, split,
+                    HAS_DRAFT, HAS_FILTERS, T_BLOCK, NUM_SPLITS, SPLIT_V, BLOCK_V, S_BLOCK, PREFETCH, TRIALS,
+                    NUM_PIVOTS, CAP, SELECT_BLOCK)

@@ -375,11 +375,11 @@ def hopper_compile_report() -> None:
                           SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
                           BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                           PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
-                          CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
-        # (V = 128256 is 16-divisible, as a launch marks it; the padded vocabularies of most checkpoints are too. With
-        # V unmarked, Triton 3.6's filtered walker spilled 608 bytes where it spilled 136 marked)
-        kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
-                                    cfg["num_warps"], divisible_ints=("V",))
+                          CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], WALKER=walk)
+        # (V marked 16-divisible, as a launch marks V = 128256 and the padded vocabularies of most checkpoints:
+        # unmarked, the filtered walker compiles to code with many more spills)
+        kernel = compile_for_hopper(ka.launch._accept_kernel, types, constexprs, cfg["num_warps"],
+                                    divisible_ints=("V",))
         name = f"filters={has_filters},block={block},draft={has_draft},first={first},walk={walk}"
         name += ",probs=True" if probs else ",packed=True" if packed else ""
         report[name] = spilled_bytes(kernel)
@@ -389,7 +389,8 @@ def hopper_compile_report() -> None:
 @needs_the_compiler
 def test_compiles_for_hopper():
     """Every launch variant compiles for sm_90; register spills stay negligible."""
-    report = report_from_fresh_process("from tests.ops.accept.test_against_reference import hopper_compile_report; hopper_compile_report()")
+    report = report_from_fresh_process("from tests.ops.accept.test_against_reference import hopper_compile_report; "
+                                       "hopper_compile_report()")
     assert all(spilled is None or spilled <= 64 for spilled in report.values()), report
 
 

@@ -304,8 +304,8 @@ def _registers(kernel):
 
 def hopper_compile_report() -> None:
     """Prints (JSON) the spilled bytes of every launch variant, traversal's and the others (TRAVERSAL baked in
-    as False), at the benchmark shape (bf16, T 8, V 128256), like tests.ops.accept.test_against_reference.hopper_compile_report. Runs
-    in a fresh process without TRITON_INTERPRET."""
+    as False), at the benchmark shape (bf16, T 8, V 128256), like
+    tests.ops.accept.test_against_reference.hopper_compile_report. Runs in a fresh process without TRITON_INTERPRET."""
     import json
 
     from specdec.kernels import accept as ka
@@ -328,13 +328,14 @@ def hopper_compile_report() -> None:
             for has_draft in (True, False) if method == "token" else (True,):
                 for first, walk in ((True, False), (False, False), (False, True)):
                     constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters,
-                                      PROBS=False, PACKED=False, BLOCK=method == "block", TRAVERSAL=method == "traversal", IS_FIRST=first,
-                                      NUM_SPLITS=S, SPLIT_V=split_v,
+                                      PROBS=False, PACKED=False, BLOCK=method == "block",
+                                      TRAVERSAL=method == "traversal", IS_FIRST=first, NUM_SPLITS=S, SPLIT_V=split_v,
                                       BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                                       PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
-                                      CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"])
-                    kernel = compile_for_hopper(ka._walk_kernel if walk else ka._split_kernel, types, constexprs,
-                                                cfg["num_warps"], divisible_ints=("V",))
+                                      CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"],
+                                      WALKER=walk)
+                    kernel = compile_for_hopper(ka.launch._accept_kernel, types, constexprs, cfg["num_warps"],
+                                                divisible_ints=("V",))
                     key = f"{method},filters={has_filters},draft={has_draft},first={first},walk={walk}"
                     report[key] = spilled_bytes(kernel)
                     report[key + ",regs"] = _registers(kernel)
