@@ -84,8 +84,9 @@ setup(
     version="0.1.0",
     description="Fused Triton/C++ kernels for speculative decoding: tree attention, lossless acceptance, KV rollback",
     # every subpackage of specdec/ (found, not listed: a list by hand dropped specdec.integrations), and the
-    # Triton kernels of kernels/ as specdec.kernels
-    packages=[*find_packages(include=["specdec", "specdec.*"]), "specdec.kernels"],
+    # Triton kernels of kernels/ as specdec.kernels, with their subpackages (specdec.kernels.accept)
+    packages=[*find_packages(include=["specdec", "specdec.*"]), "specdec.kernels",
+              *("specdec.kernels." + name for name in find_packages("kernels"))],
     package_dir={"specdec": "specdec", "specdec.kernels": "kernels"},
     package_data={"specdec": ["loop/assets/*/*"]},
     python_requires=">=3.9",
