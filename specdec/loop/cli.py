@@ -26,15 +26,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     g.add_argument("--target", default=os.path.join(ASSETS, "target"), help="target checkpoint folder (HF format)")
-    g.add_argument("--drafter", choices=("model", "mtp", "ngram"), default="model",
-                   help="a separate draft model (--draft), the target's own MTP module (--mtp), or prompt lookup")
+    g.add_argument("--drafter", choices=("model", "mtp", "ngram", "suffix"), default="model",
+                   help="a separate draft model (--draft), the target's own MTP module (--mtp), prompt lookup, or "
+                        "suffix decoding (trees from the request's and earlier outputs' matched suffixes)")
     g.add_argument("--draft", default=os.path.join(ASSETS, "draft"), help="draft checkpoint folder (HF format)")
     g.add_argument("--mtp", help="MTP module folder (DeepSeek-V3 or Qwen3-Next names; default: the --target folder "
                                  "when it holds MTP layers, else the shipped specdec/loop/assets/mtp)")
     g.add_argument("--tree", default=DEFAULT_TREE,
                    help="draft tree: chain:K, tree:b1,b2,..., parents:-1,0,0,..., dynamic:N,D,k (drafters model and mtp); "
                         "auto (= chain:8 --adaptive); "
-                        "chain:K for ngram (default %(default)s)")
+                        "chain:K for ngram, and for suffix its trees' depth (default %(default)s)")
+    g.add_argument("--suffix-tokens", type=int, default=16,
+                   help="--drafter suffix: the most draft tokens in a step's tree (default %(default)s)")
+    g.add_argument("--suffix-max-match", type=int, default=32,
+                   help="--drafter suffix: the longest suffix matched (default %(default)s)")
     g.add_argument("--adaptive", action="store_true",
                    help="choose each step's draft depth (0 = plain decoding) from the target's cost measured at "
                         "start-up and the running acceptance by depth (specdec.loop.adaptive)")
@@ -78,14 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_drafter(args, target):
-    from .drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, parse_tree
+    from .drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, SuffixDrafter, parse_tree
     from .models.hf import load_model
     from .models.mtp import load_mtp, mtp_folder
     tree = parse_tree(AUTO_TREE if args.tree == "auto" else args.tree)
-    if args.drafter == "ngram":
+    if args.drafter in ("ngram", "suffix"):
         if tree.parents is None or list(tree.parents) != list(range(-1, len(tree.parents) - 1)):
-            raise ValueError(f"--tree {args.tree}: the ngram drafter proposes chains (chain:K)")
-        return NgramDrafter(num_tokens=len(tree.parents) - 1)
+            what = "proposes chains (chain:K)" if args.drafter == "ngram" else "takes chain:K (its trees' depth)"
+            raise ValueError(f"--tree {args.tree}: the {args.drafter} drafter {what}")
+        if args.drafter == "ngram":
+            return NgramDrafter(num_tokens=len(tree.parents) - 1)
+        if args.suffix_tokens < 1 or args.suffix_max_match < 1:
+            raise ValueError("--suffix-tokens and --suffix-max-match must be >= 1")
+        return SuffixDrafter(max_depth=len(tree.parents) - 1, max_tokens=args.suffix_tokens,
+                             max_match=args.suffix_max_match)
     if args.drafter == "mtp":
         folder = args.mtp or (args.target if mtp_folder(args.target) else os.path.join(ASSETS, "mtp"))
         mtp = load_mtp(folder, target.cfg, dtype=DTYPES[args.dtype], device=args.device)

@@ -4,6 +4,7 @@ from .base import DepthControl, Drafter, NoDrafter, Proposal, StepState, sample
 from .draft_model import DraftModelDrafter, TreeSpec, parse_tree
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
+from .suffix import SuffixDrafter, SuffixIndex
 
 __all__ = ["DepthControl", "Drafter", "DraftModelDrafter", "MTPDrafter", "NgramDrafter", "NoDrafter", "Proposal",
-           "StepState", "TreeSpec", "parse_tree", "sample"]
+           "StepState", "SuffixDrafter", "SuffixIndex", "TreeSpec", "parse_tree", "sample"]
