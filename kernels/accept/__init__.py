@@ -1,12 +1,13 @@
 """specdec.accept, backend="triton": greedy and exactly lossless rejection sampling over draft chains
-and trees, fused from logits.
+and trees, fused from logits. The design (algorithm, parallel schedule, costs, the walk's states and their
+transition table): docs/accept-kernel.md.
 
 Shapes: target_logits (B, T, V) and draft_logits (B, T, V) or None (any float dtype, computed in float32: float64
 rows come shifted into its range, `_in_float32_range`; last dim contiguous), tokens/parents (B, T) int32,
 temperature (B,) float32 (below GREEDY_BELOW, 1e-5: greedy), seeds (B,) int64, num_nodes (B,) int32, offset
 int >= 0 and offsets (B,) int or None (request b's stream offset is offset + offsets[b], read on the device),
 top_k / top_p / min_p (B,) or None and token_bitmask (B, T, ceil(V/32)) int32 or None (all applied in the
-kernel: `_allowed`, and the "filters" section).
+kernel: `_allowed`, and filters.py).
 Returns accepted_nodes (B, T) int32 (the path from node 0, padded with -1), num_accepted (B,) int32,
 next_tokens (B,) int64. Semantics are those of reference.accept.
 Two switches of the input form (constexprs; everything below is unchanged by them):
@@ -17,120 +18,13 @@ Two switches of the input form (constexprs; everything below is unchanged by the
     row row_offsets[b] + i; tokens / parents / num_nodes arrive padded (B, T), T = max_nodes. Only the request's
     row bases change (`_request`); the launch still depends on B, T and V alone.
 
-Algorithm (per request, walking from the root; p = softmax(target/t), q = softmax(draft/t), each over what the
-node's processed law keeps: its bitmask row, and with filters the row's threshold, `_kept`):
-  * greedy: argmax of the node's target row (first index on ties); descend into the first child whose
-    token matches, else emit the argmax.
-  * draft logits (children i.i.d. from q), children tried in node order: accept x iff
-    u * q(x) < r(x). After k rejections r = max(p - c_k q, 0) / Z_k with c_0 = 0, Z_0 = 1 and
-    c_{k+1} = c_k + Z_k, Z_k = sum_x max(p - c_k q, 0): the normalized residual of the reference is
-    recomputed elementwise from one scalar c, so each rejection costs one V-pass (for Z_k). The test
-    uses the logit ratio rho = q/p = exp((l_q - lse_q) - (l_p - lse_p)): accept iff
-    u * Z_k * rho < 1 - c_k * rho.
-  * given proposals (no draft logits): accept x iff u * S_k < p(x) (x not already rejected), with the
-    closed-form residual mass S_{k+1} = S_k - p(x); no extra pass.
-  * method "block" (chains with draft logits): block verification (`_block_step`): every chain node's
-    statistics, then (inner nodes) a Z pass with c = 1 / p_i, whose mass times p_i is S_i; the test of node
-    i is u_i < h_i = S_i / (S_i + 1 - p_i) (h_gamma = p_gamma), the last node passing it is tau, and the next
-    token is drawn from max(p - q / p_tau, 0) at tau (p at gamma), tau's rows read again if needed;
-  * method "traversal" (trees with draft logits): traversal verification (`_traversal_step`), the reference's
-    post-order visit: node v of weight w (the root: 1) has the law L = max(p - c q, 0) / Z (c = 0, Z = 1 after
-    its statistics); child x gets w_x = min(w max(p(x) / q(x) - c, 0) / Z, 1) from two lookups, and an inner
-    child with w_x > 0 is entered (v's c, Z, w, log-sum-exps, thresholds kept in v's node record while its
-    subtree is walked); a leaf child is entered only when it emits (u_x < w_x). A child's failure updates v:
-    c' = c + Z / w, one Z pass for Z' = Z(c'), S = (w / Z) Z', w' = S / (S + 1 - w) (w' = 0: v fails at once).
-    After its last child v emits with probability w' (u_v < w'): the next token is drawn from max(p - c q, 0)
-    (at a leaf p), the chunk masses from the pass just merged (an inner node's last Z pass, a leaf's
-    statistics); else v fails to its parent. A node of weight 1 (the root) whose last child fails at once
-    emits for sure: its draw takes the candidates (TRIAL) from the residual before, as token-wise does;
-  * the next token (correction or bonus) is drawn from the unnormalized final residual r (p at a leaf,
-    p minus the rejected tokens for given proposals, max(p - c q, 0) after rejections with draft logits)
-    by inverse transform with ONE uniform u per request: the last full pass (statistics, or Z after the
-    last rejection) leaves each chunk's residual mass; the chunk holding u * sum(r) is found from those,
-    and only the program of that chunk scans it (tile sums, then a cumulative sum inside one tile).
-    Entries with -inf target logits or >= V have r = 0 and are never drawn.
-  * after the LAST rejection with draft logits (a chain's rejected child, a node's last child) no Z is
-    needed, only a draw from r = max(p - c q, 0): rejection sampling from the residual the merged pass
-    already has chunk masses of, r' = max(p - c' q, 0) with c' < c (p itself after statistics): candidate
-    j is drawn from r' by the two-level inverse transform (one chunk scanned, target only) and accepted
-    with probability r(x) / r'(x) <= 1, i.e. with probability Z / Z' overall. Up to TRIALS candidates (in
-    parallel over a split launch's programs, the first accepted one wins; in order in the walker: the
-    same result), then the exact Z-pass draw as the fallback; a truncated rejection sampler followed by an
-    exact one is exact. This replaces a second pass over both rows by a few chunk scans of one.
-Only the rows of walked nodes are read (plus chunks of the last row for the draw); no softmax row is
-materialized. Traversal reads exactly: both rows of every inner node entered with weight > 0 (statistics,
-then a Z pass per failed child; its draw's chunk scans when it emits), the emitting leaf's target row
-(statistics, the draw's scan), and single entries of an entered node's rows at its children's tokens (the
-weights); no draft row of a leaf, nothing of a node entered with weight 0, of a leaf that does not emit, or
-of a node never reached.
-
-Cost per vocab entry (why this shape): every pass keeps per-lane running statistics (max, sum of exp
-against the lane max, first argmax, residual sums) and reduces across lanes once per chunk, not once per
-tile: a block-wide reduction costs barriers and shuffles that would otherwise dominate a memory-bound
-pass. The draw needs no random number per vocab entry (an exponential race would need a Philox call and
-two logs per entry, several times the instruction budget of a bf16 row read at HBM speed on an H200).
-
-Randomness: Philox-4x32-10 (tl.philox) keyed by seeds[b], counters (index, word, 4 * (offset >> 31) +
-STREAM_U, offset mod 2^31), with request b's offset = offset + offsets[b] (< 2^60): u of child i's test
-is word 0 of (i, U_TEST = 0) (block: node i's test; traversal: node i's emission decision, each node deciding
-at most once), u of the draw at node n is word 0 of (n, U_DRAW = 1), candidate j's pair at node n words 0
-and 1 of (n, U_CANDIDATE + j = 2 + j). A request's result therefore depends only on its own
-inputs, seed and offset, never on the batch or the tiling.
-
-Parallel schedule (the choice and why). A walk is a chain of dependent V-reductions (one per pass:
-node statistics, Z_k), so one program per request streaming V leaves most of the GPU idle at B=64
-(64 CTAs, each latency-bound at a fraction of its SM's bandwidth) and makes every request pay its
-whole path serially. Instead each pass is split over the vocab: the row is cut into NUM_SPLITS chunks of
-SPLIT_V entries, one program per (request, chunk) writes partial statistics, and the next launch merges
-them and takes the decisions. Every program of a launch takes the same decisions redundantly (same
-inputs, same merge order, so bit-identical results); chunk 0 alone writes the walk state and the path,
-and the program whose chunk holds the drawn token writes the outputs; nothing waits on another program,
-so there are no atomics, no spin locks and no host syncs. SPLIT_STEPS such launches of `_accept_kernel`
-run (grid (B, NUM_SPLITS)), then one walker launch of it (WALKER, grid (B,)) merges the last partials and
-finishes any walk still running by looping over the same chunk passes itself. The walker merges its chunk
-results exactly like the split launches do, so the result does not depend on SPLIT_STEPS (bit-identical
-on the interpreter). A walk needs at most T + 1 launches (path nodes + rejections + the draw), so with
-SPLIT_STEPS = T + 1 every pass runs at full width; requests that finished early exit at once (block and
-traversal walks take more passes: see `_config`).
-Launch count: SPLIT_STEPS + 1 (fixed by shapes: CUDA-graph capturable).
-
-Code layout. Both kernels start alike: `_request` gathers the request's read-only context (a `Request`),
-`_resume` loads the walk state (a `Walk`; its kind is the step to run next) and merges and decides on the
-partials the previous launch left (`_decide`). Then the split kernel stores the new state and runs its part
-of the next step; the walker loops over whole-row passes (`_row_pass`), decisions and the draw
-(`_draw_if_due`) until the walk is done. The kinds of step:
-  STATS   `_chunk_pass`: (raw max M, sum exp((x - M) / t)) of target and draft per chunk, and the first argmax
-          (a node's law is then a `RowLaw`: every value is scaled as (x - M) / t, never x / t, which overflows);
-  ZPASS   `_chunk_pass`: the mass of the residual max(p - c q, 0) per chunk (draft logits only; traversal:
-          after a failed child, or c = 0 for a draw from p after a residual of mass 0 by rounding, final 1);
-  TRIAL   `_first_accepted`: the candidates after a last rejection (draft logits only);
-  LOCATE  `_pick_chunk` + `_locate`: the draw's chunk and its scan;
-  SELECT  `_select_chunk`: a top-k / top-p threshold search's pivot or gathering pass (filters only);
-  DONE.
-A decision (`_decide`) is the greedy step (`_greedy_step`) or, sampling, the node's fresh residual
-(`_start_node`) or the Z just summed (`_after_z`) followed by the verifier: `_draft_verify` (one child's
-test per pass, `_draft_accepts`), `_block_step`, `_traversal_step` (one child's visit or one node's update
-per pass; node records `_push_node` / `_fail_to_parent`, each written by chunk 0 and read by every program)
-or `_proposal_verify` (every child in one go, `_proposal_accepts`), which
-ends in a descent (`_descend`), the next pass, or the draw from a `Residual` (chunk masses and c). Between
-launches the state lives in records of named int slots (KIND, NODE, DEPTH, CURSOR) and float slots (C, Z,
-LSE_P, LSE_Q), the partials in per-chunk records (MAX_P, SUM_P, MAX_Q, SUM_Q, MASS; ARGMAX, CANDIDATE,
-CANDIDATE_TOKEN), double-buffered by launch parity (a launch reads one buffer while chunk 0 writes the
-other); traversal's node records (B, T, the float slots) follow the state records, single-buffered
-(`_push_node`). Context and state travel as named tuples (flattened by the compiler: free at run time).
-
-Bytes floor (for the benchmark): sum_b (num_accepted[b] + 1) * V * (target itemsize + draft itemsize if
-draft logits are given and temperature[b] > 0), plus V / 8 per walked row with a bitmask (traversal: the
-rows above instead: V * (target + draft itemsize) per inner node entered with weight > 0, V * target
-itemsize for an emitting leaf; its Z passes re-read entered rows, one per failed child). With top-k / top-p a
-walked sampling row is read 3 times, not once (min-p alone: twice; see "filters"). Extra traffic
-over the floor: the draw's chunk scans of the last target row (one, or one per candidate after a last
-rejection with draft logits), and a Z pass (a re-read of the node's rows, partly from L2) after a rejection
-with more children to try, or when every candidate was rejected.
-
-Tunables (functions of T, V and the device only, never of B, so results are batch invariant):
-BLOCK_V (tile), NUM_SPLITS, SPLIT_V = chunk size, SPLIT_STEPS, PREFETCH (tiles in flight ahead), num_warps;
-see `_config`.
+Reading order: the entry kernel `_accept_kernel` (launch.py: `_request`, `_resume`, then a split launch's chunk
+pass or the walker's loop) -> the decision after a pass (decide.py: `_decide`, `_select_decide`) -> `_verify` ->
+the verifier: tokenwise.py (greedy, draft logits, given proposals), block.py or traversal.py. What they use:
+passes.py (the passes over a chunk or a row, the draw, the candidates), filters.py (top-k / top-p / min-p
+thresholds), rows.py (the request and every read of its rows), records.py (the walk's kinds and transition
+table, the named tuples, the records between launches). This file: the host side, the launcher `accept` and
+the schedule `_config`.
 """
 from __future__ import annotations
 
@@ -157,10 +51,9 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
     invariant).
 
     GPU: 2048-entry tiles over 8 warps (one 16-byte load per thread and row; the next tile prefetched,
-    the next two for 16-bit logits so that a CTA keeps as many bytes in flight as with fp32; ptxas for
-    sm_90 with triton 3.6 at V = 128256: 108-118 registers in a split launch with draft logits, 64-72
-    without, no spills; the statistics loop is ~33 PTX instructions per vocab entry of a bf16 target +
-    draft pair, no barrier or shuffle inside the loop), up to 16 chunks per row (V = 128K: 8192-entry
+    the next two for 16-bit logits so that a CTA keeps as many bytes in flight as with fp32; registers and
+    spills of every launch variant: scripts/accept_codegen.py; no barrier or shuffle inside the statistics
+    loop), up to 16 chunks per row (V = 128K: 8192-entry
     chunks, 4 tiles each), every pass of a walk of up to 15 nodes in its own full-width launch. Untuned: to
     be set from the H200 benchmark (bench.sweep).
     Interpreter: 16-entry tiles so small test vocabularies span several tiles, one chunk and only the
@@ -218,7 +111,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
 
     Everything is fused: the grammar mask (token_bitmask) is read beside a walked row's logits (`_allowed`),
     and top_k / top_p / min_p become one threshold per walked row, found by the kernel's own passes over it
-    (see "filters" above): no sort, no processed copy of any row. method "block" (with draft logits; chains,
+    (filters.py): no sort, no processed copy of any row. method "block" (with draft logits; chains,
     checked by specdec.ops.accept): block verification, `_block_step`; method "traversal" (with draft logits;
     any tree): traversal verification, `_traversal_step` (its node records after the walk state in state_f).
     Greedy requests take the greedy walk whatever the method. probs=True (PROBS): target_logits /

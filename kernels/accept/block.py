@@ -5,7 +5,9 @@ import triton
 import triton.language as tl
 
 from .passes import _total_mass
-from .records import LOCATE, NEG_INF, POS_INF, Residual, STATS, Walk, ZPASS, _walk_to
+from .records import (
+    BLOCK_FROM_P, BLOCK_TAU_STATS, BLOCK_TAU_Z, LOCATE, NEG_INF, POS_INF, Residual, STATS, WALKING, ZPASS, _updated,
+    _walk_to)
 from .rows import _child, _log_prob, _rows
 
 
@@ -15,28 +17,27 @@ def _block_draw(req, walk, res):
     chunk masses of the law to draw from): the path is written, then LOCATE."""
     tau = walk.tau_node
     tl.store(req.path + req.idx, req.idx, mask=(req.idx >= 1) & (req.idx < tl.where(req.writer, tau + 1, 0)))
-    walk = Walk(tl.full((), LOCATE, tl.int32), walk.node, tau, walk.cursor, res.c, walk.z, walk.law_p, walk.law_q,
-                walk.sel, walk.tau_p, walk.tau_q, walk.w, tau, walk.w_tau, walk.final)
+    walk = _updated(walk, kind=tl.full((), LOCATE, tl.int32), depth=tau, c=res.c)
     return walk, res
 
 
 @triton.jit
 def _block_step(req, walk, res, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr):
     """Block verification of the request's chain (Sun et al., arXiv 2403.10444, Algorithm 2; the reference's
-    block_weights), one decision per pass. Walking (final 0), at node i after its statistics: i < gamma (not
+    block_weights), one decision per pass. Walking (WALKING), at node i after its statistics: i < gamma (not
     the root) needs S_i = sum max(p_i P_i - Q_i, 0) first: a Z pass with c = 1 / p_i gives S_i / p_i. Then
     h_i = S_i / (S_i + 1 - p_i) (h_gamma = p_gamma) and node i's test u_i < h_i makes i the last accepted node
     tau so far; the next weight p_{i+1} = min(p_i P_i(X_{i+1}) / Q_i(X_{i+1}), 1) from two lookups, and the walk
     moves to node i + 1, unless i = gamma or the weight is 0 (every later h is 0): then the draw at tau, from
     max(p_tau P_tau - Q_tau, 0) (tau = gamma: P_gamma), the Z-pass residual with c = 1 / p_tau. Back at an
-    earlier tau (final 1: its statistics; 2: its residual's Z pass; 3: a residual of mass 0 by rounding, P
-    itself) the rows of tau are read again."""
+    earlier tau (BLOCK_TAU_STATS: its statistics; BLOCK_TAU_Z: its residual's Z pass; BLOCK_FROM_P: a residual
+    of mass 0 by rounding, P itself) the rows of tau are read again."""
     gamma = req.n_real - 1
     i = walk.node
-    if walk.final == 0:
+    if walk.phase == WALKING:
         tested = (walk.kind == ZPASS) | (i == gamma)  # (node i's statistics first, then its Z pass if i < gamma)
         if (walk.kind == STATS) & (i > 0) & (i < gamma):
-            walk = _walk_to(walk, ZPASS, i, 1.0 / walk.w, 0)
+            walk = _walk_to(walk, ZPASS, i, 1.0 / walk.w, WALKING)
         else:
             w = walk.w
             tau_node = walk.tau_node
@@ -57,27 +58,26 @@ def _block_step(req, walk, res, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr)
                 ratio = tl.where(lq == NEG_INF, tl.where(lp > NEG_INF, POS_INF, 0.0),
                                  tl.exp(lp - tl.where(lq == NEG_INF, 0.0, lq)))
                 nxt = tl.where(w == 0.0, 0.0, tl.minimum(w * ratio, 1.0))
-            walk = Walk(walk.kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.law_p, walk.law_q, walk.sel,
-                        walk.tau_p, walk.tau_q, nxt, tau_node, w_tau, walk.final)
+            walk = _updated(walk, w=nxt, tau_node=tau_node, w_tau=w_tau)
             if nxt > 0.0:
-                walk = _walk_to(walk, STATS, i + 1, 0.0, 0)
+                walk = _walk_to(walk, STATS, i + 1, 0.0, WALKING)
             elif tau_node == i:
                 if i == gamma:  # the draw from P_gamma: its statistics' chunk masses
                     walk, res = _block_draw(req, walk, Residual(res.mass, 0.0 * res.c))
                 elif walk.kind == ZPASS:  # the Z pass's residual is the draw's (S_i > 0: u_i < h_i)
                     walk, res = _block_draw(req, walk, res)
                 else:  # tau = 0 at the root, after its statistics: max(P - Q, 0) needs its Z pass
-                    walk = _walk_to(walk, ZPASS, i, 1.0 / w_tau, 2)
+                    walk = _walk_to(walk, ZPASS, i, 1.0 / w_tau, BLOCK_TAU_Z)
             else:
-                walk = _walk_to(walk, STATS, tau_node, 0.0, 1)
-    elif walk.final == 1:  # back at tau, its statistics done
+                walk = _walk_to(walk, STATS, tau_node, 0.0, BLOCK_TAU_STATS)
+    elif walk.phase == BLOCK_TAU_STATS:
         if walk.tau_node == gamma:
             walk, res = _block_draw(req, walk, Residual(res.mass, 0.0 * res.c))
         else:
-            walk = _walk_to(walk, ZPASS, walk.node, 1.0 / walk.w_tau, 2)
+            walk = _walk_to(walk, ZPASS, walk.node, 1.0 / walk.w_tau, BLOCK_TAU_Z)
     else:
-        if (walk.final == 2) & (not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0):
-            walk = _walk_to(walk, ZPASS, walk.node, 0.0, 3)  # (a residual of mass 0 by rounding: P itself)
+        if (walk.phase == BLOCK_TAU_Z) & (not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0):
+            walk = _walk_to(walk, ZPASS, walk.node, 0.0, BLOCK_FROM_P)
         else:
             walk, res = _block_draw(req, walk, res)
     return walk, res

@@ -10,7 +10,7 @@ from triton.language.standard import _sum_combine as _SUM
 
 from .block import _block_step
 from .filters import _after_search, _idle_search, _select_step, _start_search
-from .records import Chunks, NEG_INF, Residual, RowLaw, STATS, Walk
+from .records import Chunks, NEG_INF, Residual, RowLaw, STATS, _updated
 from .rows import _merge_lse, _scaled, _shift, _uses_q
 from .tokenwise import _draft_verify, _greedy_step, _proposal_verify
 from .traversal import _traversal_step
@@ -25,19 +25,15 @@ def _start_node(req, walk, chunks):
     law_p = RowLaw(_shift(max_p), tl.log(sum_p))
     zero = tl.full((), 0.0, tl.float32)
     # cursor = node: no child tested yet
-    walk = Walk(walk.kind, walk.node, walk.depth, walk.node, zero, zero + 1.0, law_p,
-                RowLaw(_shift(max_q), tl.log(sum_q)), walk.sel, walk.tau_p, walk.tau_q, walk.w, walk.tau_node,
-                walk.w_tau, walk.final)
+    walk = _updated(walk, cursor=walk.node, c=zero, z=zero + 1.0, law_p=law_p,
+                    law_q=RowLaw(_shift(max_q), tl.log(sum_q)))
     return walk, Residual(chunks.sum_p * tl.exp(_scaled(req, chunks.max_p, law_p) - law_p.lse), zero)
 
 
 @triton.jit
 def _after_z(walk, chunks):
     """After a Z pass: Z of the residual r = max(p - c q, 0), and r's chunk masses."""
-    kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
-    z = tl.reduce(chunks.mass, 0, _SUM)
-    return Walk(kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), \
-        Residual(chunks.mass, c)
+    return _updated(walk, z=tl.reduce(chunks.mass, 0, _SUM)), Residual(chunks.mass, walk.c)
 
 
 @triton.jit

@@ -1,4 +1,25 @@
-"""Top-k, top-p and min-p: a row's threshold, found by its own passes over the row (a `Search`)."""
+"""Top-k, top-p and min-p: a row's threshold, found by its own passes over the row (a `Search`).
+
+Every kept set of the processed law is an upper set of the row's raw values (ties stay or go together), so
+a row's law is softmax(x / t) over its allowed x >= tau: the walk needs one threshold per row and applies it
+wherever it reads the row (`_kept`). At a filtered node the first statistics pass (sel 0) gives the raw max
+M; min-p's threshold is closed-form from it (`_min_p_threshold`). Top-k and top-p are found by SELECT
+passes over the node's rows (`_select_chunk`, decided by `_select_decide`), one `Search` per row: a pivot
+pass counts the entries and sums their weights at NUM_PIVOTS pivots (geometric below M for a fresh range,
+then evenly spaced in key space), which brackets the threshold between two pivots; once the bracket holds
+at most CAP entries a gathering pass collects their values, and the threshold is decided exactly, pairwise,
+by the definitions themselves (`_resolve`: fewer than k strictly larger values; mass of the strictly larger
+values < top_p times what top-k keeps). No sort. The gathering also gives what the row keeps per chunk (the
+weight above the bracket, plus the gathered values' above the threshold), so the node's law (log-sum-exp,
+chunk masses) is known and its children are tested in the same decision (`_select_decide`); otherwise (min-p
+alone, a threshold above the gathered bracket, a search that ended on pivots) a statistics pass through the
+thresholds (sel 1) gives it. Then the walk goes on as without filters.
+Reads of a filtered row: statistics, pivots, gathering (3); top-p after top-k is decided on the same
+gathered values when the gathering covered [lo, +inf) (k <= CAP entries kept); min-p alone: statistics
+twice. A bracket of more than CAP entries (ties of many values, or dense values) costs more pivot passes:
+each divides its key range by NUM_PIVOTS, and a bracket of one value is the threshold itself.
+Weights: exp((x - max x) / t) in float32, summed in float64 (the gathered values' in float64), so top-p's
+comparisons are those of the float64 reference unless the mass sits within ~1e-7 (relative) of top_p."""
 from __future__ import annotations
 
 import triton
@@ -11,8 +32,8 @@ from triton.language.standard import _sum_combine as _SUM
 
 from .passes import _bounds
 from .records import (
-    FLT_LOWEST, GOAL_DONE, GOAL_K, GOAL_P, MODE_COMPACT, MODE_EVEN, MODE_FIRST, NEG_INF, POS_INF, SELECT, STATS,
-    Search, Walk)
+    FLT_LOWEST, GOAL_DONE, GOAL_K, GOAL_P, MODE_COMPACT, MODE_EVEN, MODE_FIRST, NEG_INF, POS_INF, SELECT, STATS, Search,
+    _updated)
 from .rows import _kept, _load_row, _row_logits, _rows, _uses_q
 
 
@@ -83,9 +104,8 @@ def _new_search(req, m_x, on):
 def _after_search(walk, sp, sq):
     """SELECT while a row's search goes on, else statistics through the thresholds found (sel 1)."""
     done = (sp.goal == GOAL_DONE) & (sq.goal == GOAL_DONE)
-    return Walk(tl.where(done, STATS, SELECT).to(tl.int32), walk.node, walk.depth, walk.cursor, walk.c, walk.z,
-                walk.law_p, walk.law_q, done.to(tl.int32), sp.tau, sq.tau, walk.w, walk.tau_node, walk.w_tau,
-                walk.final)
+    return _updated(walk, kind=tl.where(done, STATS, SELECT).to(tl.int32), sel=done.to(tl.int32), tau_p=sp.tau,
+                    tau_q=sq.tau)
 
 
 @triton.jit
@@ -220,7 +240,7 @@ def _narrow(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constex
 def _gathered(sb, recs, starts, ends, total, g, CAP: tl.constexpr):
     """The gathered values at positions g of the concatenation of the chunks' (in order; -inf past total).
     (g runs along dim 1 here and in _resolve's sum: with it along dim 0 in one expression and dim 1 in another,
-    Triton 3.6 computed the whole chain once per layout, and the walker spilled.)"""
+    the compiler computes the whole chain once per layout, and the walker spills.)"""
     owner = tl.reduce((ends[:, None] <= g[None, :]).to(tl.int32), 0, _SUM)  # the chunks that end at or before g
     mine = tl.arange(0, recs.shape[0])[:, None] == owner[None, :]
     first = tl.reduce(tl.where(mine, starts[:, None], 0), 0, _SUM)

@@ -9,9 +9,9 @@ from .decide import _decide, _select_decide
 from .filters import _idle_search, _select_chunk
 from .passes import _after_candidates, _chunk_pass, _first_accepted, _locate, _merge_candidates, _pick_chunk, _row_pass
 from .records import (
-    ARGMAX, CANDIDATE, CANDIDATE_TOKEN, DONE, LOCATE, MASS, MAX_P, MAX_Q, Residual, SELECT, STATS, SUM_P, SUM_Q,
-    TRIAL, U_DRAW, _load_chunks, _load_search, _load_state, _part_records, _select_buffers, _start, _store_search,
-    _store_state, _with_kind)
+    ARGMAX, CANDIDATE, CANDIDATE_TOKEN, DONE, LOCATE, MASS, MAX_P, MAX_Q, Residual, SELECT, STATS, SUM_P, SUM_Q, TRIAL,
+    U_DRAW, _load_chunks, _load_search, _load_state, _part_records, _select_buffers, _start, _store_search,
+    _store_state, _updated)
 from .rows import _emit, _request, _uniform, _uses_q
 
 
@@ -101,7 +101,7 @@ def _draw_if_due(req, walk, res, HAS_DRAFT: tl.constexpr, NUM_SPLITS: tl.constex
         token = _locate(req, walk.node, pick, thresh, res.c, walk.law_p, walk.law_q, walk.tau_p, walk.tau_q, HAS_DRAFT,
                         SPLIT_V, BLOCK_V)
         _emit(req, walk.depth, token, req.writer)
-        walk = _with_kind(walk, tl.full((), DONE, tl.int32))
+        walk = _updated(walk, kind=tl.full((), DONE, tl.int32))
     return walk
 
 

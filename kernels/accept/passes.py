@@ -12,7 +12,7 @@ from triton.language.standard import _elementwise_min as _MIN
 from triton.language.standard import _sum_combine as _SUM
 
 from .records import (
-    CANDIDATE, CANDIDATE_TOKEN, Chunks, DONE, INT_MAX, NEG_INF, STATS, U_CANDIDATE, ZPASS, _part_records, _with_kind)
+    CANDIDATE, CANDIDATE_TOKEN, Chunks, DONE, INT_MAX, NEG_INF, STATS, U_CANDIDATE, ZPASS, _part_records, _updated)
 from .rows import (
     _emit, _kept, _kept_pair, _lane_lse, _load_row, _log_prob, _merge_lse, _residual, _row_logits, _rows, _scaled,
     _target_values, _uniform_pair, _uses_q)
@@ -41,8 +41,8 @@ def _prefetch(row, lo, hi, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, PROBS:
 @triton.jit
 def _next_tile(row, start, hi, tile_next, tile_later, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
                PROBS: tl.constexpr):
-    # (a scalar base and a tile-shaped offset: with a tile of 64-bit addresses live across the walker's loop,
-    # Triton 3.6's filtered walker spilled)
+    # (a scalar base and a tile-shaped offset: a tile of 64-bit addresses live across the walker's loop costs
+    # registers, which the filtered walker has too few of)
     ahead = start + PREFETCH * BLOCK_V
     ar = tl.arange(0, BLOCK_V)
     new = _load_row(row + ahead + ar, ar < hi - ahead, PROBS)
@@ -168,7 +168,7 @@ def _locate(req, node, pick, thresh, c, law_p, law_q, tau_p, tau_q, HAS_DRAFT: t
             BLOCK_V: tl.constexpr):
     """The draw's second level: chunk `pick`'s scan, tile by tile until the running sum of the residual
     max(p - c q, 0) passes `thresh`: the first such entry (the last entry with r > 0 if rounding leaves the sum
-    short). Given proposals skip the node's children's tokens unless c < 0 (a fallback that draws from p)."""
+    short). Given proposals skip the node's children's tokens unless c is FROM_P (a fallback that draws from p)."""
     t_row, d_row = _rows(req, node)
     lo, hi = _bounds(req, pick, SPLIT_V)
     ar = tl.arange(0, BLOCK_V)
@@ -185,7 +185,7 @@ def _locate(req, node, pick, thresh, c, law_p, law_q, tau_p, tau_q, HAS_DRAFT: t
             b = _scaled(req, _kept(req, node, cols, _tile(d_row, start, hi_q, ar, req.probs), tau_q), law_q)
         r = _residual(a, b, law_p, law_q, c, HAS_DRAFT)
         if not HAS_DRAFT:
-            if c >= 0:
+            if c >= 0:  # (not FROM_P)
                 for j in range(node + 1, req.n_real):
                     is_child = tl.load(req.par_row + j) == node
                     r = tl.where(cols == tl.where(is_child, tl.load(req.tok_row + j), -1), 0.0, r)
@@ -240,7 +240,7 @@ def _after_candidates(req, walk, first, token, TRIALS: tl.constexpr):
     if first < TRIALS:
         _emit(req, walk.depth, token, req.writer)
         kind = tl.full((), DONE, tl.int32)
-    return _with_kind(walk, kind)
+    return _updated(walk, kind=kind)
 
 
 @triton.jit

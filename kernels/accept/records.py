@@ -18,6 +18,41 @@ LOCATE = tl.constexpr(2)  # the draw: the chosen chunk's scan for the token hold
 DONE = tl.constexpr(3)
 TRIAL = tl.constexpr(4)  # the draw after a last rejection with draft logits: candidates from the previous residual
 SELECT = tl.constexpr(5)  # top-k / top-p thresholds: a pivot or a gathering pass over the node's rows (`Search`)
+
+# The walk's transition table, kind -> {outcome: next kind}: a decision (`_decide`, `_select_decide`) after the pass
+# of a STATS, ZPASS or SELECT walk, or the draw of a TRIAL or LOCATE walk, takes one of the outcomes listed
+# (docs/accept-kernel.md; tests/ops/accept/test_walk_states.py checks that the kernel takes no other). A sampling
+# node's law known (after statistics, a Z pass, or a search's gathering), the verifier takes it on:
+VERIFIED = {
+    "a child accepted or entered, block's next chain node, or back at its tau: statistics": "STATS",
+    "a rejection with siblings left, a failed child, a chain node's S_i, or a residual of mass 0 by rounding": "ZPASS",
+    "a last rejection with draft logits, or a weight-1 node's last child failed at once: candidates": "TRIAL",
+    "no child left to test, or the chain's tau found: the draw": "LOCATE",
+}
+TRANSITIONS = {
+    "STATS": {"greedy: a child's token is the argmax: descend": "STATS",
+              "greedy: no child's token is the argmax: emit it": "DONE",
+              "a filtered node's first statistics: its threshold searches": "SELECT",
+              "a filtered node's thresholds known at once (min-p alone): statistics through them": "STATS",
+              **VERIFIED},
+    "ZPASS": VERIFIED,
+    "SELECT": {"a search goes on": "SELECT",
+               "the thresholds found, the law not known from the gathered values: statistics through them": "STATS",
+               **VERIFIED},
+    "TRIAL": {"a candidate accepted: emitted": "DONE",
+              "every candidate rejected: the exact draw's Z pass": "ZPASS"},
+    "LOCATE": {"the token drawn and emitted": "DONE"},
+    "DONE": {},
+}
+
+# a verifier's phase (`Walk.phase`): where block verification (`_block_step`) or traversal (`_traversal_step`) is
+WALKING = tl.constexpr(0)  # testing the node's children (block: down the chain)
+BLOCK_TAU_STATS = tl.constexpr(1)  # block: back at the last accepted node tau, its statistics
+BLOCK_TAU_Z = tl.constexpr(2)  # block: the Z pass of tau's residual max(P - Q / p_tau, 0), then the draw from it
+BLOCK_FROM_P = tl.constexpr(3)  # block: that residual had mass 0 by rounding: the draw from P (its Z pass, c = 0)
+TRAVERSAL_FROM_P = tl.constexpr(1)  # traversal: the draw from p after a residual of mass 0 by rounding (c = 0)
+FROM_P = tl.constexpr(-1.0)  # a given-proposals `Residual`'s c: the draw from p itself, no rejected token skipped
+
 # walk state records (2, B, slots), one slot per `Walk` field: int slots, then float slots
 KIND = tl.constexpr(0)
 NODE = tl.constexpr(1)
@@ -25,7 +60,7 @@ DEPTH = tl.constexpr(2)
 CURSOR = tl.constexpr(3)
 SEL = tl.constexpr(4)
 TAU_NODE = tl.constexpr(5)
-FINAL = tl.constexpr(6)
+PHASE = tl.constexpr(6)
 STATE_INTS = tl.constexpr(7)
 C = tl.constexpr(0)
 Z = tl.constexpr(1)
@@ -38,6 +73,7 @@ W_TAU = tl.constexpr(7)
 SHIFT_P = tl.constexpr(8)
 SHIFT_Q = tl.constexpr(9)
 STATE_FLOATS = tl.constexpr(10)
+
 # chunk partial records (2, B, NUM_SPLITS, slots): what a split launch's program leaves for the next launch
 MAX_P = tl.constexpr(0)  # statistics: (raw max M, sum exp((. - M) / t)) of target and draft over the chunk
 SUM_P = tl.constexpr(1)
@@ -57,6 +93,7 @@ U_CANDIDATE = tl.constexpr(2)  # + j: candidate j at a node
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
 INT_MAX = tl.constexpr(2147483647)
+
 # a row's threshold search (`Search`): the goal, then how the next pass over the row serves it
 GOAL_DONE = tl.constexpr(0)  # threshold final (or no search)
 GOAL_K = tl.constexpr(1)  # top-k's k-th largest value
@@ -64,6 +101,7 @@ GOAL_P = tl.constexpr(2)  # top-p's boundary over what top-k keeps
 MODE_FIRST = tl.constexpr(0)  # count and mass at pivots geometric below the max (a fresh range [lo, +inf))
 MODE_EVEN = tl.constexpr(1)  # count and mass at pivots evenly spaced in key space over [lo, hi)
 MODE_COMPACT = tl.constexpr(2)  # gather the values in [lo, hi) (at most CAP of them)
+
 # search records (2, B, 2 rows, slots): int slots, float slots, float64 slots
 GOAL = tl.constexpr(0)
 MODE = tl.constexpr(1)
@@ -144,11 +182,10 @@ class Walk(NamedTuple):
     sel: tl.tensor  # filtered: 0 until the node's thresholds are known, then 1 (statistics through them)
     tau_p: tl.tensor  # the thresholds of the node's target and draft rows: raw values below are dropped
     tau_q: tl.tensor
-    w: tl.tensor  # block verification: the node's weight p_i, the last accepted node tau and its weight p_tau,
-    tau_node: tl.tensor  # and the phase (0: walking the chain; 1-3: the draw at tau, see `_block_step`);
-    # traversal: w the node's weight, final 1 for the draw from p after a residual of mass 0 (`_traversal_step`)
+    w: tl.tensor  # block verification: the node's weight p_i; traversal: the node's weight
+    tau_node: tl.tensor  # block verification: the last accepted node tau and its weight p_tau
     w_tau: tl.tensor
-    final: tl.tensor
+    phase: tl.tensor  # the verifier's phase: WALKING, or block's BLOCK_* / traversal's TRAVERSAL_FROM_P
 
 
 class Chunks(NamedTuple):
@@ -179,16 +216,23 @@ class Search(NamedTuple):
 
 class Residual(NamedTuple):
     """What a draw picks its chunk from: the chunk masses of r = max(p - c q, 0) (given proposals: p minus
-    the node's children's tokens, or p itself when c < 0)."""
+    the node's children's tokens, or p itself when c is FROM_P)."""
     mass: tl.tensor
     c: tl.tensor
 
 
 @triton.jit
-def _with_kind(walk, kind):
-    """The walk with its next step changed."""
-    return Walk(kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.law_p, walk.law_q, walk.sel, walk.tau_p,
-                walk.tau_q, walk.w, walk.tau_node, walk.w_tau, walk.final)
+def _updated(walk, kind=None, node=None, depth=None, cursor=None, c=None, z=None, law_p=None, law_q=None, sel=None,
+             tau_p=None, tau_q=None, w=None, tau_node=None, w_tau=None, phase=None):
+    """The walk with the fields given (by name) replaced: every update says which fields it changes."""
+    return Walk(kind=walk.kind if kind is None else kind, node=walk.node if node is None else node,
+                depth=walk.depth if depth is None else depth, cursor=walk.cursor if cursor is None else cursor,
+                c=walk.c if c is None else c, z=walk.z if z is None else z,
+                law_p=walk.law_p if law_p is None else law_p, law_q=walk.law_q if law_q is None else law_q,
+                sel=walk.sel if sel is None else sel, tau_p=walk.tau_p if tau_p is None else tau_p,
+                tau_q=walk.tau_q if tau_q is None else tau_q, w=walk.w if w is None else w,
+                tau_node=walk.tau_node if tau_node is None else tau_node,
+                w_tau=walk.w_tau if w_tau is None else w_tau, phase=walk.phase if phase is None else phase)
 
 
 @triton.jit
@@ -200,7 +244,7 @@ def _start(req, T):
     return Walk(kind=root + STATS, node=root, depth=root, cursor=root, c=zero, z=zero + 1.0,
                 law_p=RowLaw(zero, zero), law_q=RowLaw(zero, zero),
                 sel=root, tau_p=zero + NEG_INF, tau_q=zero + NEG_INF, w=zero + 1.0, tau_node=root, w_tau=zero + 1.0,
-                final=root)
+                phase=root + WALKING)
 
 
 @triton.jit
@@ -215,7 +259,7 @@ def _load_state(state_i_ptr, state_f_ptr, buf):
                 law_q=RowLaw(tl.load(sf + SHIFT_Q), tl.load(sf + LSE_Q)), sel=tl.load(si + SEL),
                 tau_p=tl.load(sf + TAU_P), tau_q=tl.load(sf + TAU_Q),
                 w=tl.load(sf + WEIGHT), tau_node=tl.load(si + TAU_NODE), w_tau=tl.load(sf + W_TAU),
-                final=tl.load(si + FINAL))
+                phase=tl.load(si + PHASE))
 
 
 @triton.jit
@@ -234,7 +278,7 @@ def _store_state(state_i_ptr, state_f_ptr, buf, walk, mask):
     tl.store(sf + WEIGHT, walk.w, mask=mask)
     tl.store(si + TAU_NODE, walk.tau_node, mask=mask)
     tl.store(sf + W_TAU, walk.w_tau, mask=mask)
-    tl.store(si + FINAL, walk.final, mask=mask)
+    tl.store(si + PHASE, walk.phase, mask=mask)
     tl.store(sf + C, walk.c, mask=mask)
     tl.store(sf + Z, walk.z, mask=mask)
     tl.store(sf + SHIFT_P, walk.law_p.shift, mask=mask)
@@ -267,26 +311,6 @@ def _load_chunks(part_f_ptr, part_i_ptr, buf, kind, NUM_SPLITS: tl.constexpr, S_
                   mass=tl.load(pf + MASS, mask=mass, other=0.0))
 
 
-# Every kept set of the processed law is an upper set of the row's raw values (ties stay or go together), so
-# a row's law is softmax(x / t) over its allowed x >= tau: the walk needs one threshold per row and applies it
-# wherever it reads the row (`_kept`). At a filtered node the first statistics pass (sel 0) gives the raw max
-# M; min-p's threshold is closed-form from it (`_min_p_threshold`). Top-k and top-p are found by SELECT
-# passes over the node's rows (`_select_chunk`, decided by `_select_decide`), one `Search` per row: a pivot
-# pass counts the entries and sums their weights at NUM_PIVOTS pivots (geometric below M for a fresh range,
-# then evenly spaced in key space), which brackets the threshold between two pivots; once the bracket holds
-# at most CAP entries a gathering pass collects their values, and the threshold is decided exactly, pairwise,
-# by the definitions themselves (`_resolve`: fewer than k strictly larger values; mass of the strictly larger
-# values < top_p times what top-k keeps). No sort. The gathering also gives what the row keeps per chunk (the
-# weight above the bracket, plus the gathered values' above the threshold), so the node's law (log-sum-exp,
-# chunk masses) is known and its children are tested in the same decision (`_select_decide`); otherwise (min-p
-# alone, a threshold above the gathered bracket, a search that ended on pivots) a statistics pass through the
-# thresholds (sel 1) gives it. Then the walk goes on as without filters.
-# Reads of a filtered row: statistics, pivots, gathering (3); top-p after top-k is decided on the same
-# gathered values when the gathering covered [lo, +inf) (k <= CAP entries kept); min-p alone: statistics
-# twice. A bracket of more than CAP entries (ties of many values, or dense values) costs more pivot passes:
-# each divides its key range by NUM_PIVOTS, and a bracket of one value is the threshold itself.
-# Weights: exp((x - max x) / t) in float32, summed in float64 (the gathered values' in float64), so top-p's
-# comparisons are those of the float64 reference unless the mass sits within ~1e-7 (relative) of top_p.
 class SelectBuffers(NamedTuple):
     """The searches' records (2, B, 2 rows, slots), double-buffered like the walk state, and a SELECT pass's
     partials (2, B, NUM_SPLITS, 2 rows, ...): the count and mass at each pivot (gathering: count slot 0 holds
@@ -329,13 +353,14 @@ def _store_search(sb, buf, r, srch, mask):
 
 
 @triton.jit
-def _walk_to(walk, kind, node, c, final):
-    """The walk at another step: `kind` next at `node` (a new node: its thresholds not known yet), Z-pass c."""
+def _walk_to(walk, kind, node, c, phase):
+    """The walk at another step: `kind` next at `node` (a new node: its thresholds not known yet), Z-pass c, the
+    verifier's `phase`."""
     zero = tl.full((), 0, tl.int32)
     moved = node != walk.node
-    return Walk(tl.full((), kind, tl.int32), node, walk.depth, walk.cursor, c, walk.z, walk.law_p, walk.law_q,
-                tl.where(moved, zero, walk.sel), tl.where(moved, NEG_INF, walk.tau_p),
-                tl.where(moved, NEG_INF, walk.tau_q), walk.w, walk.tau_node, walk.w_tau, zero + final)
+    return _updated(walk, kind=tl.full((), kind, tl.int32), node=node, c=c, sel=tl.where(moved, zero, walk.sel),
+                    tau_p=tl.where(moved, NEG_INF, walk.tau_p), tau_q=tl.where(moved, NEG_INF, walk.tau_q),
+                    phase=zero + phase)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ from triton.language.standard import _elementwise_min as _MIN
 from triton.language.standard import _sum_combine as _SUM
 
 from .passes import _total_mass
-from .records import DONE, LOCATE, NEG_INF, Residual, STATS, TRIAL, Walk, ZPASS
+from .records import DONE, FROM_P, LOCATE, NEG_INF, Residual, STATS, TRIAL, ZPASS, _updated
 from .rows import _child, _descend, _emit, _first_child, _kept, _load_row, _log_prob, _row_logits, _rows, _scaled
 
 
@@ -22,15 +22,13 @@ def _greedy_step(req, walk, chunks, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr
     sidx = tl.arange(0, S_BLOCK)
     first = tl.reduce(tl.where(chunks.max_p == tl.reduce(chunks.max_p, 0, _MAX), sidx, S_BLOCK), 0, _MIN)
     argmax = tl.reduce(tl.where(sidx == first, chunks.argmax, 0), 0, _SUM)
-    kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
-    child = _first_child(req, node, node, req.tok == argmax, T_BLOCK)
+    child = _first_child(req, walk.node, walk.node, req.tok == argmax, T_BLOCK)
     if child < T_BLOCK:
-        depth = _descend(req, child, depth)
-        node = child
+        walk = _updated(walk, node=child, depth=_descend(req, child, walk.depth))
     else:
-        _emit(req, depth, argmax, req.writer)
-        kind = tl.full((), DONE, tl.int32)
-    return Walk(kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final)
+        _emit(req, walk.depth, argmax, req.writer)
+        walk = _updated(walk, kind=tl.full((), DONE, tl.int32))
+    return walk
 
 
 @triton.jit
@@ -49,30 +47,25 @@ def _draft_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexp
     accepted (descend: STATS), or rejected (the residual's c grows by its Z: the next child's test needs Z
     of the new residual, ZPASS; after the last child only a draw from it, TRIAL), or none is left (the draw
     from `res`, LOCATE)."""
-    kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
-    child = _first_child(req, node, cursor, req.valid, T_BLOCK)
+    node = walk.node
+    child = _first_child(req, node, walk.cursor, req.valid, T_BLOCK)
     if child < T_BLOCK:
-        cursor = child
         x, u = _child(req, child)
-        if _draft_accepts(req, node, x, u, c, z, law_p, law_q, tau_p, tau_q):
-            depth = _descend(req, child, depth)
-            node = child
-            kind = tl.full((), STATS, tl.int32)
-            sel = tl.full((), 0, tl.int32)  # the child's thresholds are not known yet
-            tau_p = tl.full((), NEG_INF, tl.float32)
-            tau_q = tau_p
+        if _draft_accepts(req, node, x, u, walk.c, walk.z, walk.law_p, walk.law_q, walk.tau_p, walk.tau_q):
+            unknown = tl.full((), NEG_INF, tl.float32)  # the child's thresholds are not known yet
+            walk = _updated(walk, kind=tl.full((), STATS, tl.int32), node=child, depth=_descend(req, child, walk.depth),
+                            cursor=child, sel=tl.full((), 0, tl.int32), tau_p=unknown, tau_q=unknown)
         else:  # the candidates draw from `res`, the residual before this rejection
-            kind = tl.where(_first_child(req, node, child, req.valid, T_BLOCK) < T_BLOCK, ZPASS, TRIAL).to(tl.int32)
-            c = c + z
+            more = _first_child(req, node, child, req.valid, T_BLOCK) < T_BLOCK
+            walk = _updated(walk, kind=tl.where(more, ZPASS, TRIAL).to(tl.int32), cursor=child, c=walk.c + walk.z)
+    elif (not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0) & (walk.c != 0.0):
+        # the residual rounded to zero (a rejection of probability ~0): p's chunk masses, then the draw.
+        # Once only: p's own masses (c = 0) that are not > 0 are bad input (NaN, or a row without a finite
+        # logit); the draw then finds no token and the walk ends with token 0 (`_emit`).
+        walk = _updated(walk, kind=tl.full((), ZPASS, tl.int32), c=tl.full((), 0.0, tl.float32))
     else:
-        kind = tl.full((), LOCATE, tl.int32)
-        if (not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0) & (c != 0.0):
-            # the residual rounded to zero (a rejection of probability ~0): p's chunk masses, then the draw.
-            # Once only: p's own masses (c = 0) that are not > 0 are bad input (NaN, or a row without a finite
-            # logit); the draw then finds no token and the walk ends with token 0 (`_emit`).
-            c = tl.full((), 0.0, tl.float32)
-            kind = tl.full((), ZPASS, tl.int32)
-    return Walk(kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), res
+        walk = _updated(walk, kind=tl.full((), LOCATE, tl.int32))
+    return walk, res
 
 
 @triton.jit
@@ -105,27 +98,26 @@ def _proposal_verify(req, walk, res, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.const
                      S_BLOCK: tl.constexpr):
     """Given proposals (no draft logits): every child in node order in one go (the residual's mass is
     closed-form) until one is accepted (descend: STATS), else the draw (LOCATE) from p minus the rejected
-    tokens, or from p itself (c = -1) when rounding left nothing of it."""
-    kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final = walk
+    tokens, or from p itself (c = FROM_P) when rounding left nothing of it."""
+    node = walk.node
+    z = walk.z
     accepted = tl.full((), T_BLOCK, tl.int32)
     child = _first_child(req, node, node, req.valid, T_BLOCK)
     while (child < T_BLOCK) & (accepted == T_BLOCK):
-        ok, z = _proposal_accepts(req, node, child, z, law_p, tau_p)
+        ok, z = _proposal_accepts(req, node, child, z, walk.law_p, walk.tau_p)
         accepted = tl.where(ok, child, accepted)
         child = _first_child(req, node, child, req.valid, T_BLOCK)
     if accepted < T_BLOCK:
-        depth = _descend(req, accepted, depth)
-        node = accepted
-        kind = tl.full((), STATS, tl.int32)
-        sel = tl.full((), 0, tl.int32)  # the child's thresholds are not known yet
-        tau_p = tl.full((), NEG_INF, tl.float32)
-        tau_q = tau_p
+        unknown = tl.full((), NEG_INF, tl.float32)  # the child's thresholds are not known yet
+        walk = _updated(walk, kind=tl.full((), STATS, tl.int32), node=accepted,
+                        depth=_descend(req, accepted, walk.depth), z=z, sel=tl.full((), 0, tl.int32), tau_p=unknown,
+                        tau_q=unknown)
     else:
-        kind = tl.full((), LOCATE, tl.int32)
-        mass = res.mass - _rejected_masses(req, node, law_p, tau_p, SPLIT_V, S_BLOCK)
+        mass = res.mass - _rejected_masses(req, node, walk.law_p, walk.tau_p, SPLIT_V, S_BLOCK)
         if _total_mass(mass, NUM_SPLITS, S_BLOCK) > 0:
-            res = Residual(mass, c)
+            walk = _updated(walk, kind=tl.full((), LOCATE, tl.int32), z=z)
+            res = Residual(mass, walk.c)
         else:
-            c = tl.full((), -1.0, tl.float32)
-            res = Residual(res.mass, c)
-    return Walk(kind, node, depth, cursor, c, z, law_p, law_q, sel, tau_p, tau_q, w, tau_node, w_tau, final), res
+            walk = _updated(walk, kind=tl.full((), LOCATE, tl.int32), c=tl.full((), FROM_P, tl.float32), z=z)
+            res = Residual(res.mass, walk.c)
+    return walk, res

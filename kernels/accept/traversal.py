@@ -1,4 +1,11 @@
-"""Traversal verification of a tree (method "traversal", draft logits): `_traversal_step`, one decision per pass."""
+"""Traversal verification of a tree (method "traversal", draft logits): `_traversal_step`, one decision per pass.
+
+The walk is the reference's post-order visit (`_traversal_verify`). At node v of weight w the current law
+is L = max(p - c q, 0) / Z(c), one scalar c as in the token-wise walk (c = 0, Z = 1 after the statistics):
+a failed child updates r = max(w L - q, 0) = (w / Z) max(p - c' q, 0) with c' = c + Z / w, so its mass is
+S = (w / Z) Z(c') (one Z pass over v's rows) and the new law is max(p - c' q, 0) / Z(c'). A visit descends
+into a child and may come back to v: v's state (c, Z, w, log-sum-exps, thresholds) is kept in v's node
+record while its subtree is walked, never recomputed."""
 from __future__ import annotations
 
 import triton
@@ -9,17 +16,11 @@ from triton.language.standard import _sum_combine as _SUM
 
 from .passes import _total_mass
 from .records import (
-    C, LOCATE, LSE_P, LSE_Q, NEG_INF, RowLaw, SHIFT_P, SHIFT_Q, STATE_FLOATS, STATS, TAU_P, TAU_Q, TRIAL, WEIGHT,
-    Walk, Z, ZPASS, _walk_to, _with_kind)
+    C, LOCATE, LSE_P, LSE_Q, NEG_INF, RowLaw, SHIFT_P, SHIFT_Q, STATE_FLOATS, STATS, TAU_P, TAU_Q, TRAVERSAL_FROM_P,
+    TRIAL, WEIGHT, Z, ZPASS, _updated, _walk_to)
 from .rows import _child, _descend, _first_child, _log_prob, _rows
 
 
-# The walk is the reference's post-order visit (`_traversal_verify`). At node v of weight w the current law
-# is L = max(p - c q, 0) / Z(c), one scalar c as in the token-wise walk (c = 0, Z = 1 after the statistics):
-# a failed child updates r = max(w L - q, 0) = (w / Z) max(p - c' q, 0) with c' = c + Z / w, so its mass is
-# S = (w / Z) Z(c') (one Z pass over v's rows) and the new law is max(p - c' q, 0) / Z(c'). A visit descends
-# into a child and may come back to v: v's state (c, Z, w, log-sum-exps, thresholds) is kept in v's node
-# record while its subtree is walked, never recomputed.
 @triton.jit
 def _push_node(req, walk):
     """Node walk.node's record, before the walk enters one of its inner children (written by chunk 0).
@@ -62,8 +63,7 @@ def _after_failed_child(walk, child):
     next (walk.z keeps Z(c) through it for the new weight, `_weight_after_z`). A law of mass 0 (Z = 0, only at a
     node of weight 1) stays as it is."""
     c = tl.where(walk.z > 0, walk.c + walk.z / walk.w, walk.c)
-    return Walk(tl.full((), ZPASS, tl.int32), walk.node, walk.depth, child, c, walk.z, walk.law_p, walk.law_q, walk.sel,
-                walk.tau_p, walk.tau_q, walk.w, walk.tau_node, walk.w_tau, walk.final)
+    return _updated(walk, kind=tl.full((), ZPASS, tl.int32), cursor=child, c=c)
 
 
 @triton.jit
@@ -77,8 +77,7 @@ def _weight_after_z(walk, z_before):
     # last failed child off the direct draw, `_try_child`'s certain)
     w = tl.where(den > 0, tl.minimum(s / tl.where(den > 0, den, 1.0), 1.0), 1.0)
     w = tl.where((walk.w == 1.0) | (walk.node == 0), 1.0, w)  # (the root's weight is 1: its visit always emits)
-    return Walk(walk.kind, walk.node, walk.depth, walk.cursor, walk.c, walk.z, walk.law_p, walk.law_q, walk.sel,
-                walk.tau_p, walk.tau_q, w, walk.tau_node, walk.w_tau, walk.final)
+    return _updated(walk, w=w)
 
 
 @triton.jit
@@ -91,10 +90,10 @@ def _fail_to_parent(req, walk):
     rec = req.records + parent.to(tl.int64) * STATE_FLOATS
     tl.debug_barrier()  # (the walker's own store of the record, `_push_node`, is visible)
     # (sel 1: the parent's thresholds are known)
-    back = Walk(walk.kind, parent, walk.depth - 1, walk.cursor, tl.load(rec + C), tl.load(rec + Z),
-                RowLaw(tl.load(rec + SHIFT_P), tl.load(rec + LSE_P)),
-                RowLaw(tl.load(rec + SHIFT_Q), tl.load(rec + LSE_Q)), tl.full((), 1, tl.int32), tl.load(rec + TAU_P),
-                tl.load(rec + TAU_Q), tl.load(rec + WEIGHT), walk.tau_node, walk.w_tau, walk.final)
+    back = _updated(walk, node=parent, depth=walk.depth - 1, c=tl.load(rec + C), z=tl.load(rec + Z),
+                    law_p=RowLaw(tl.load(rec + SHIFT_P), tl.load(rec + LSE_P)),
+                    law_q=RowLaw(tl.load(rec + SHIFT_Q), tl.load(rec + LSE_Q)), sel=tl.full((), 1, tl.int32),
+                    tau_p=tl.load(rec + TAU_P), tau_q=tl.load(rec + TAU_Q), w=tl.load(rec + WEIGHT))
     return _after_failed_child(back, walk.node)
 
 
@@ -115,15 +114,14 @@ def _try_child(req, walk, child, T_BLOCK: tl.constexpr):
         depth = _descend(req, child, walk.depth)
         zero = tl.full((), 0.0, tl.float32)
         # the child's thresholds are not known yet (sel 0); cursor = node: no child of it tried yet
-        walk = Walk(tl.full((), STATS, tl.int32), child, depth, child, zero, zero + 1.0, walk.law_p, walk.law_q,
-                    tl.full((), 0, tl.int32), zero + NEG_INF, zero + NEG_INF, w_c, walk.tau_node, walk.w_tau,
-                    walk.final)
+        walk = _updated(walk, kind=tl.full((), STATS, tl.int32), node=child, depth=depth, cursor=child, c=zero,
+                        z=zero + 1.0, sel=tl.full((), 0, tl.int32), tau_p=zero + NEG_INF, tau_q=zero + NEG_INF, w=w_c)
     else:
         last = _first_child(req, walk.node, child, req.valid, T_BLOCK) == T_BLOCK
         certain = last & (walk.w == 1.0)  # (w' = S / (S + 1 - w) = 1)
         walk = _after_failed_child(walk, child)
         if certain:
-            walk = _with_kind(walk, tl.full((), TRIAL, tl.int32))
+            walk = _updated(walk, kind=tl.full((), TRIAL, tl.int32))
     return walk
 
 
@@ -136,10 +134,10 @@ def _traversal_step(req, walk, res, z_before, T_BLOCK: tl.constexpr, NUM_SPLITS:
     after its last child v's emission: with probability w (u_v < w; the root always; a leaf is entered only
     when it emits) the draw from v's law, whose chunk masses `res` are those of the pass just merged (a leaf:
     p from its statistics; an inner node: its last Z pass); else v fails to its parent (`_fail_to_parent`).
-    final 1: the draw from p after a residual of mass 0 by rounding (its Z pass with c = 0)."""
+    TRAVERSAL_FROM_P: the draw from p after a residual of mass 0 by rounding (its Z pass with c = 0)."""
     v = walk.node
-    if walk.final == 1:
-        walk = _with_kind(walk, tl.full((), LOCATE, tl.int32))
+    if walk.phase == TRAVERSAL_FROM_P:
+        walk = _updated(walk, kind=tl.full((), LOCATE, tl.int32))
     else:
         if walk.kind == ZPASS:
             walk = _weight_after_z(walk, z_before)
@@ -153,9 +151,9 @@ def _traversal_step(req, walk, res, z_before, T_BLOCK: tl.constexpr, NUM_SPLITS:
                 _, u = _child(req, v)
                 if (v == 0) | (walk.cursor == v) | (u < walk.w):
                     if (not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0) & (walk.c != 0.0):
-                        walk = _walk_to(walk, ZPASS, v, 0.0, 1)
+                        walk = _walk_to(walk, ZPASS, v, 0.0, TRAVERSAL_FROM_P)
                     else:
-                        walk = _with_kind(walk, tl.full((), LOCATE, tl.int32))
+                        walk = _updated(walk, kind=tl.full((), LOCATE, tl.int32))
                 else:
                     walk = _fail_to_parent(req, walk)
     return walk, res
