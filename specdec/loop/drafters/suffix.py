@@ -146,8 +146,9 @@ class SuffixDrafter(Drafter, DepthControl):
 
     Each request's own index is extended from the committed tokens before each proposal (like NgramDrafter's), so a
     rejected path never enters it and there is nothing to roll back in commit. The global index takes the previous
-    batch's outputs as far as its last proposal saw them, when the next batch starts; within a batch it is fixed, so
-    each request follows it incrementally (`SuffixIndex.follow`)."""
+    batch's outputs as far as its last proposal saw them (a request that finished earlier than others grew on by the
+    target's tokens: its continuation all the same) when the next batch starts; within a batch it is fixed, so each
+    request follows it incrementally (`SuffixIndex.follow`)."""
     proposes_on_host = True
 
     def __init__(self, max_depth: int = 8, max_tokens: int = 16, max_match: int = 32, max_global_tokens: int = 4096):
