@@ -24,7 +24,7 @@ from specdec.sampling import pack_bitmask
 from tests.helpers import (DEVICE, MemorySpy, accept_on, element_addresses, needs_the_compiler,
                            report_from_fresh_process)
 from tests.stats import assert_law, emitted_tokens, first_tokens
-from tests.ops.accept.test_lossless import M, P_TARGET, _markov_step
+from tests.ops.accept.markov import M, P_TARGET, markov_step as _markov_step
 
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
               pytest.mark.skipif(DEVICE.type != "cpu", reason="interpreter checks (the spy, the uniforms)")]
