@@ -164,15 +164,17 @@ def test_eviction_keeps_the_cap_and_only_retained_text():
 
 
 def test_tree_growth_by_path_probability():
-    """After context [1, 2]: 3 (2 of 3 continuations), then the ties at 1/3 by token (4, 7, 8, 9); BFS order,
-    parents by index (the root 0), the budget, the depth, and the score (the sum of path probabilities)."""
+    """After context [1, 2]: 3 (3 of 4 continuations), 3 7 (3/4 too), then 4 and 4 9 (1/4): chosen in that order,
+    proposed in BFS order with parents by index (the root 0); the budget, the depth, and the score (the sum of path
+    probabilities)."""
     index = SuffixIndex(6)
-    for doc in ([1, 2, 3, 7], [1, 2, 3, 8], [1, 2, 4, 9]):
+    for doc in ([1, 2, 3, 7], [1, 2, 3, 7], [1, 2, 3, 7], [1, 2, 4, 9]):
         index.add(doc)
     node = index.root.children[1].children[2]
     tokens, parents, score = SuffixIndex.grow_tree(node, 3, 4)
-    assert (tokens, parents) == ([3, 4, 7], [0, 0, 1]) and score == pytest.approx(4 / 3)
-    assert SuffixIndex.grow_tree(node, 5, 4)[:2] == ([3, 4, 7, 8, 9], [0, 0, 1, 1, 2])
+    assert (tokens, parents) == ([3, 4, 7], [0, 0, 1]) and score == pytest.approx(7 / 4)
+    assert SuffixIndex.grow_tree(node, 5, 4)[:2] == ([3, 4, 7, 9], [0, 0, 1, 2])
+    assert SuffixIndex.grow_tree(node, 2, 4)[:2] == ([3, 7], [0, 1])
     assert SuffixIndex.grow_tree(node, 5, 1)[:2] == ([3, 4], [0, 0])
 
 
