@@ -319,11 +319,11 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     parameters and node i's mask row; the emitted tokens follow it exactly. With draft_logits the same
     processing of the drafter's row defines q, the law the drafter sampled from: a drafter samples from
     specdec.sampling.processed_logits. Greedy requests take the argmax of the masked row (the filters never
-    remove it). A real node's row that the mask leaves without a finite
-    logit is a ValueError with the value checks on (the C++ op, whose inputs are on the host, always checks);
-    with them off no backend writes an out-of-range id (the reference stops the walk at that node and emits
-    token 0). A number meaning off (or None) drops that parameter for the whole batch; a tensor is read per
-    request. specdec.reference.processed_probs is the law of one row.
+    remove it). A real node's row that the mask leaves without a finite logit is a ValueError with the value
+    checks on (the C++ op, whose inputs are on the host, always checks); with them off no backend writes an
+    out-of-range id (the reference stops the walk at that node and emits token 0). A number meaning off (or
+    None) drops that parameter for the whole batch; a tensor is read per request.
+    specdec.reference.processed_probs is the law of one row.
 
     method: the verifier of sampling requests (one for the batch; greedy requests are unaffected).
     "token": token-wise (multi-step) rejection sampling, any tree. "block": block verification (Sun et al.,

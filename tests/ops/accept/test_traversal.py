@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.accept.markov import (BINARY, EXACT_TREES, block, chain, exact_chain, exact_tree, first_k_law, path_tokens,
-                                     random_pair, target_k_law, token_wise_tree, traversal)
+from tests.ops.accept.markov import (BINARY, EXACT_TREES, block, chain, exact_chain, exact_tree, first_k_law,
+                                     path_tokens, random_pair, target_k_law, token_wise_tree, traversal)
 
 
 @pytest.mark.parametrize("name", EXACT_TREES)
