@@ -254,3 +254,14 @@ def test_cli_suffix(capsys, byte_pair):  # noqa: F811
     assert rc == 2 and "suffix drafter takes chain:K" in err and out == ""
     rc, out, err = run_cli(capsys, *base, "--suffix-max-match", "0")
     assert rc == 2 and "--suffix-max-match" in err
+
+
+def test_replayed_steps_with_suffix_proposals_equal_ar(target):
+    """(Emulated) CUDA graphs: the host proposal's verification replayed per tree width, over a paged cache, in two
+    generate calls (the second replays the first's graphs): output equals AR's."""
+    from helpers import ReplayGraph
+    ar = generate_ar(target, PROMPTS, 12).tokens
+    decoder = SpeculativeDecoder(target, SuffixDrafter(max_depth=4, max_tokens=8), block_size=4,
+                                 cuda_graphs=ReplayGraph)
+    assert decoder.generate(PROMPTS, 12).tokens == ar
+    assert decoder.generate(PROMPTS, 12).tokens == ar
