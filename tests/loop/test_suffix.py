@@ -4,6 +4,7 @@ matcher, incremental growth and eviction included; the drafter's state after rej
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import Counter
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from specdec.loop.decoding import SpeculativeDecoder, generate_ar
-from specdec.loop.drafters import SuffixDrafter, SuffixIndex
+from specdec.loop.drafters import SuffixDrafter, SuffixIndex, suffix
 from test_adaptive import scripted
 from test_loop import PROMPTS, byte_pair, run_cli, tiny  # noqa: F401 (byte_pair: a fixture)
 
@@ -179,13 +180,15 @@ def test_tree_growth_by_path_probability():
 
 
 def test_drafter_budget_grows_with_the_match_length():
-    """A match of p tokens earns ALPHA * p draft tokens (ALPHA = 1): a one-token match proposes one token."""
-    drafter = SuffixDrafter(max_depth=8, max_tokens=16)
-    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5, 6, 0, 0, 0]])
-    for length, want in ((8, [2]), (10, [4, 5, 6]), (13, [9, 1, 2, 3, 4, 5])):  # matches of 1, 3 and 6 tokens
-        drafter.start(tokens, torch.tensor([length]))
-        draft, parents = drafter.trees(tokens, torch.tensor([length]))[0]
-        assert draft == want and parents == list(range(len(want)))
+    """A match of p tokens earns ceil(ALPHA * p) draft tokens: the text 1..39 then 1..p proposes p + 1, p + 2, ..."""
+    drafter = SuffixDrafter(max_depth=32, max_tokens=64)
+    counting = list(range(1, 40))
+    for p in (1, 2, 3):
+        tokens = torch.tensor([counting + counting[:p]])
+        drafter.start(tokens, torch.tensor([tokens.shape[1]]))
+        draft, parents = drafter.trees(tokens, torch.tensor([tokens.shape[1]]))[0]
+        budget = math.ceil(suffix.ALPHA * p)
+        assert draft == counting[p:p + budget] and parents == list(range(budget))
 
 
 def test_state_after_rejected_paths_equals_a_fresh_start():
