@@ -233,6 +233,25 @@ def test_state_after_rejected_paths_equals_a_fresh_start():
         assert list(map(len, drafter._global_suffixes)) == list(map(len, fresh._global_suffixes))
 
 
+@pytest.mark.parametrize("emitted, judged", [
+    ([3, 8], [(1, 1, 0), (1, 2, 1)]),  # right at level 1, wrong at level 2 (below a node with children)
+    ([4, 9], [(1, 1, 0), (2, 2, 1)]),  # a leaf at level 2: all judged, both right
+    ([5], [(0, 1, 0)]),  # wrong at level 1
+])
+def test_shadow_judges_a_recorded_tree_along_the_emitted_path(emitted, judged):
+    """After [1, 2] (followed by 3 7, 3 7 and 4 9 earlier) the tree is 3, 4 below the root, 7 below 3, 9 below 4: a
+    plain step's shadow judges its levels as the tokens come, each level once, then records the next tree."""
+    text = [1, 2, 3, 7, 1, 2, 3, 7, 1, 2, 4, 9, 1, 2]
+    tokens = torch.tensor([text + emitted + [0]])
+    drafter = SuffixDrafter(max_depth=2, max_tokens=8)
+    drafter.start(tokens, torch.tensor([len(text)]))
+    assert drafter.trees(tokens, torch.tensor([len(text)])) == [([3, 4, 7, 9], [0, 0, 1, 2])]
+    assert drafter.shadow(tokens, torch.tensor([len(text)])) == ([0], [0], [0])  # recorded, nothing judged yet
+    for n, (accepted, proposed, since) in enumerate(judged, 1):
+        assert drafter.shadow(tokens, torch.tensor([len(text) + n])) == ([accepted], [proposed], [since])
+    assert drafter._shadows[0] is None or drafter._shadows[0][0] == len(text) + len(judged)
+
+
 def test_global_index_stays_under_its_cap_across_calls(target):
     """Each generate call adds the previous call's outputs to the global index; the cap evicts the oldest."""
     drafter = SuffixDrafter(max_depth=4, max_tokens=4, max_global_tokens=25)

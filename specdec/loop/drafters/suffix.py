@@ -167,7 +167,7 @@ class SuffixDrafter(Drafter, DepthControl):
     def start(self, tokens, seq_lens, *args, **kwargs):
         if self._local is not None:  # the previous batch's outputs, before this batch follows the global index
             for index, prompt_len in zip(self._local, self._prompt_lens):
-                output = index.documents[-1][prompt_len:] if index.documents else []
+                output = index.documents[-1][prompt_len:]  # (a prompt has a token at least)
                 if output and self.max_global_tokens:
                     self.global_index.add(output[-self.max_global_tokens:])
             self.global_index.evict(self.max_global_tokens)
@@ -175,6 +175,8 @@ class SuffixDrafter(Drafter, DepthControl):
         self._local = [SuffixIndex(self.max_match + self.max_depth) for _ in range(B)]
         self._global_suffixes = [[self.global_index.root] for _ in range(B)]
         self._prompt_lens = seq_lens.tolist()
+        self._shadows = [None] * B  # per request: (position, draft, parents, levels judged) by shadow
+        self._shadow_calls = -1  # (the first call works)
         # the prompts are indexed with the prompts' prefill, not in the first step (an adaptive policy times steps)
         self._extend(tokens, seq_lens)
 
@@ -199,19 +201,44 @@ class SuffixDrafter(Drafter, DepthControl):
         """Each request's tree (tokens, parents) below its root (`SuffixIndex.grow_tree`), at most depth levels
         (None: max_depth): the better-scoring of its own index's and the global index's."""
         self._extend(tokens, seq_lens)
+        return [self._tree(b, depth) for b in range(len(self._local))]
+
+    def _tree(self, b: int, depth: Optional[int]) -> tuple[list, list]:
+        """Request b's tree (`trees`), from its indexes as they stand."""
         depth = self.max_depth if depth is None else min(depth, self.max_depth)
-        out = []
-        for local, global_suffixes in zip(self._local, self._global_suffixes):
-            best = ([], [], 0.0)
-            for suffixes in (local.suffixes, global_suffixes):
-                length, node = SuffixIndex.longest_match(suffixes, self.max_match)
-                budget = min(self.max_tokens, math.ceil(ALPHA * length))
-                if node is not None and budget > 0:
-                    tree = SuffixIndex.grow_tree(node, budget, depth)
-                    if tree[2] > best[2]:
-                        best = tree
-            out.append(best[:2])
-        return out
+        best = ([], [], 0.0)
+        for suffixes in (self._local[b].suffixes, self._global_suffixes[b]):
+            length, node = SuffixIndex.longest_match(suffixes, self.max_match)
+            budget = min(self.max_tokens, math.ceil(ALPHA * length))
+            if node is not None and budget > 0:
+                tree = SuffixIndex.grow_tree(node, budget, depth)
+                if tree[2] > best[2]:
+                    best = tree
+        return best[:2]
+
+    def shadow(self, tokens, seq_lens):
+        """(DepthControl.shadow) NgramDrafter's protocol on trees: one recorded tree per request at a time, judged
+        level by level as the tokens come, along the path they take through it (`_judge`), and replaced by the next
+        once its fate is known (a wrong token below a node with children, or a leaf reached); on one call in B // 4,
+        as NgramDrafter's (each call costs the indexes' extension and the policy's predictions anew)."""
+        self._shadow_calls += 1
+        if self._shadow_calls % max(len(self._local) // 4, 1):
+            return None
+        self._extend(tokens, seq_lens)
+        B = len(self._local)
+        accepted, proposed, since = [0] * B, [0] * B, [0] * B
+        for b, local in enumerate(self._local):
+            text = local.documents[-1]
+            if self._shadows[b] is not None:
+                position, draft, parents, reported = self._shadows[b]
+                right, known, done = _judge(draft, parents, text[position:])
+                if known > reported:
+                    accepted[b], proposed[b], since[b] = right, known, reported
+                self._shadows[b] = None if done else (position, draft, parents, known)
+            if self._shadows[b] is None:
+                draft, parents = self._tree(b, None)
+                self._shadows[b] = (len(text), draft, parents, 0) if draft else None
+        return accepted, proposed, since
 
     def depths_available(self, tokens, seq_lens):
         return [_depth(parents) for _, parents in self.trees(tokens, seq_lens)]
@@ -232,6 +259,27 @@ class SuffixDrafter(Drafter, DepthControl):
             num_nodes[b] = 1 + len(draft)
         dev = tokens.device
         return Proposal(out.to(dev), parents.to(dev), num_nodes.to(dev))
+
+
+def _judge(draft: list, parents: list, emitted: list) -> tuple[int, int, bool]:
+    """A tree (its non-root nodes' tokens and parents, BFS order, the root 0) against the tokens emitted after its
+    root: (right, known, done): right, the levels the emitted tokens follow down the tree; known, the levels whose
+    fate is known (right, and one more where a wrong token came below a node with children); done, whether the
+    tree's fate is all known (a wrong token, or a leaf reached: nothing deeper was proposed on that path)."""
+    children: dict = {}  # node -> {token: child node}
+    for node, (token, parent) in enumerate(zip(draft, parents), 1):
+        children.setdefault(parent, {})[token] = node
+    node, right = 0, 0
+    for token in emitted:
+        node_next = children.get(node, {}).get(token)
+        if node_next is None:
+            break
+        node, right = node_next, right + 1
+    if node not in children:
+        return right, right, True
+    if right < len(emitted):
+        return right, right + 1, True
+    return right, right, False
 
 
 def _depth(parents: list) -> int:
