@@ -26,6 +26,7 @@ def target():
 
 class SpyingSuffixDrafter(SuffixDrafter):
     """Records each proposal's largest number of children of one node and its depth."""
+    widest, deepest = 0, 0
 
     def propose(self, tokens, seq_lens, temperature, depth=None):
         prop = super().propose(tokens, seq_lens, temperature, depth)
@@ -35,8 +36,6 @@ class SpyingSuffixDrafter(SuffixDrafter):
                 self.widest = max(self.widest, max(Counter(parents).values()))
                 self.deepest = max(self.deepest, _levels(parents))
         return prop
-
-    widest, deepest = 0, 0
 
 
 def _levels(parents: list) -> int:
