@@ -39,7 +39,7 @@ namespace specdec {
 using at::Tensor;
 using at::vec::Vectorized;
 
-// The float8 KV cache dtypes (_validation.FP8_DTYPES): such a cache holds x / scale (per-tensor scales).
+// The float8 KV cache dtypes (_layout.FP8_DTYPES): such a cache holds x / scale (per-tensor scales).
 inline bool is_float8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 // fp16/bf16/fp32 (and float8) compute in fp32; fp64 in fp64.

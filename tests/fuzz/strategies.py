@@ -58,7 +58,7 @@ GREEDY_BELOW = specdec.reference.GREEDY_BELOW  # a temperature below this (1e-5 
 # ----------------------------------------------------------------------------------------------
 # the sandbox: the backends under test in a process of their own
 # ----------------------------------------------------------------------------------------------
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALL_TIMEOUT = 300  # seconds one op call may take in the sandbox (interpreted Triton on tiny shapes: < 10)
 
 
@@ -706,7 +706,7 @@ def main() -> int:
         "SPECDEC_FUZZ_SEED", str(int.from_bytes(os.urandom(4), "little"))))
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
                   "-o", "addopts="]
-    files = sorted(glob.glob(os.path.join(ROOT, "tests", "test_fuzz_*.py")))
+    files = sorted(glob.glob(os.path.join(ROOT, "tests", "fuzz", "test_fuzz_*.py")))
     listed = subprocess.run(pytest_cmd + ["--collect-only"] + files, cwd=ROOT, env=env, capture_output=True,
                             text=True).stdout.splitlines()
     tests = [line for line in listed if "::" in line]
