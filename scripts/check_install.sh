@@ -60,11 +60,11 @@ names = zipfile.ZipFile(sys.argv[1]).namelist()
 root = pathlib.Path(sys.argv[2])
 # every Python file of the checkout's package folders, at its installed path, and the C++ sources
 sources = {"specdec/" + str(p.relative_to(root / "specdec")) for p in (root / "specdec").rglob("*.py")}
-sources |= {"specdec/kernels/" + p.name for p in (root / "kernels").glob("*.py")}
+sources |= {"specdec/kernels/" + str(p.relative_to(root / "kernels")) for p in (root / "kernels").rglob("*.py")}
 sources |= {"specdec/csrc/" + p.name for p in (root / "csrc").iterdir() if p.suffix in (".cpp", ".h")}
 missing = sorted(sources - set(names))
 assert not missing, f"the wheel lacks {missing}"
-need = {"the C++ ops": "specdec/_C", "the Triton kernels": "specdec/kernels/accept.py",
+need = {"the C++ ops": "specdec/_C", "the Triton kernels": "specdec/kernels/accept/__init__.py",
         "the shipped pair": "specdec/loop/assets/target/config.json",
         "the shipped MTP module": "specdec/loop/assets/mtp/model.safetensors"}
 missing = [what for what, prefix in need.items() if not any(n.startswith(prefix) for n in names)]
