@@ -24,7 +24,7 @@ from specdec.sampling import pack_bitmask
 from tests.helpers import (DEVICE, MemorySpy, accept_on, element_addresses, needs_the_compiler,
                            report_from_fresh_process)
 from tests.stats import assert_law, emitted_tokens, first_tokens
-from tests.ops.accept.markov import M, P_TARGET, markov_step as _markov_step
+from tests.ops.accept.markov import M, P_TARGET, markov_step
 
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
               pytest.mark.skipif(DEVICE.type != "cpu", reason="interpreter checks (the spy, the uniforms)")]
@@ -161,12 +161,12 @@ def test_traversal_first_two_tokens_follow_the_markov_target():
     parents, t, n = [-1, 0, 0, 1, 1], 1.0, 500
     gen = torch.Generator().manual_seed(13)
     seeds = torch.arange(n, dtype=torch.int64) + 7919
-    batch = _markov_step(torch.zeros(n, dtype=torch.int64), parents, t, True, gen)
+    batch = markov_step(torch.zeros(n, dtype=torch.int64), parents, t, True, gen)
     out = emitted_tokens(accept_on("triton", **batch, seeds=seeds, offset=0, method="traversal"), batch["tokens"])
     first = torch.tensor([o[0] for o in out])
     short = torch.tensor([len(o) == 1 for o in out])
     second = torch.tensor([o[1] if len(o) > 1 else -1 for o in out])
-    step2 = _markov_step(first[short], parents, t, True, gen)
+    step2 = markov_step(first[short], parents, t, True, gen)
     res2 = accept_on("triton", **step2, seeds=seeds[short], offset=1, method="traversal")
     second[short] = first_tokens(res2, step2["tokens"])
     p = torch.softmax(P_TARGET.log() / t, -1)
