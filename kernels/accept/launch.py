@@ -47,12 +47,13 @@ def _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, buf, I
 
 @triton.jit
 def _split_part(req, walk, res, sp, sq, sb, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, buf, split,
-                HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, T_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, S_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr):
+                HAS_DRAFT: tl.constexpr, HAS_FILTERS: tl.constexpr, TRAVERSAL: tl.constexpr, T_BLOCK: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, S_BLOCK: tl.constexpr,
+                PREFETCH: tl.constexpr, TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
+                SELECT_BLOCK: tl.constexpr):
     """A split launch's program after the decision: the state for the next launch (buffer `buf`), then this
     program's chunk of the next pass, or its part of the draw."""
-    _store_state(state_i_ptr, state_f_ptr, buf, walk, req.writer)
+    _store_state(state_i_ptr, state_f_ptr, buf, walk, req.writer, TRAVERSAL)
     if HAS_FILTERS:
         _store_search(sb, buf, 0, sp, req.writer)
         _store_search(sb, buf, 1, sq, req.writer)
@@ -160,5 +161,5 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
                  BLOCK_V, T_BLOCK, S_BLOCK, PREFETCH, TRIALS, NUM_PIVOTS, CAP, SELECT_BLOCK, PAIR_BLOCK)
     else:
         _split_part(req, walk, res, sp, sq, sb, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, 1 - read_buf, split,
-                    HAS_DRAFT, HAS_FILTERS, T_BLOCK, NUM_SPLITS, SPLIT_V, BLOCK_V, S_BLOCK, PREFETCH, TRIALS,
-                    NUM_PIVOTS, CAP, SELECT_BLOCK)
+                    HAS_DRAFT, HAS_FILTERS, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, BLOCK_V, S_BLOCK, PREFETCH,
+                    TRIALS, NUM_PIVOTS, CAP, SELECT_BLOCK)

@@ -45,7 +45,8 @@ TRANSITIONS = {
     "DONE": {},
 }
 
-# a verifier's phase (`Walk.phase`): where block verification (`_block_step`) or traversal (`_traversal_step`) is
+# a verifier's phase (`BlockState.phase`, `TraversalState.phase`): where block verification (`_block_step`) or
+# traversal (`_traversal_step`) is
 WALKING = tl.constexpr(0)  # testing the node's children (block: down the chain)
 BLOCK_TAU_STATS = tl.constexpr(1)  # block: back at the last accepted node tau, its statistics
 BLOCK_TAU_Z = tl.constexpr(2)  # block: the Z pass of tau's residual max(P - Q / p_tau, 0), then the draw from it
@@ -53,7 +54,8 @@ BLOCK_FROM_P = tl.constexpr(3)  # block: that residual had mass 0 by rounding: t
 TRAVERSAL_FROM_P = tl.constexpr(1)  # traversal: the draw from p after a residual of mass 0 by rounding (c = 0)
 FROM_P = tl.constexpr(-1.0)  # a given-proposals `Residual`'s c: the draw from p itself, no rejected token skipped
 
-# walk state records (2, B, slots), one slot per `Walk` field: int slots, then float slots
+# walk state records (2, B, slots), one slot per `Walk` field (block's and traversal's weight and phase share
+# WEIGHT and PHASE): int slots, then float slots
 KIND = tl.constexpr(0)
 NODE = tl.constexpr(1)
 DEPTH = tl.constexpr(2)
@@ -169,8 +171,24 @@ class RowLaw(NamedTuple):
     lse: tl.tensor
 
 
+class BlockState(NamedTuple):
+    """Block verification's fields of a walk (`_block_step`)."""
+    w: tl.tensor  # the node's weight p_i
+    tau_node: tl.tensor  # the last accepted node tau so far and its weight p_tau
+    w_tau: tl.tensor
+    phase: tl.tensor  # WALKING, BLOCK_TAU_STATS, BLOCK_TAU_Z or BLOCK_FROM_P
+
+
+class TraversalState(NamedTuple):
+    """Traversal's fields of a walk (`_traversal_step`)."""
+    w: tl.tensor  # the node's weight
+    phase: tl.tensor  # WALKING or TRAVERSAL_FROM_P
+
+
 class Walk(NamedTuple):
-    """A walk's state (between launches: the state record's slots)."""
+    """A walk's state (between launches: the state record's slots). Each verifier reads and updates only its own
+    record, `block` or `traversal`; the two share the state record's WEIGHT and PHASE slots (`_store_state` stores
+    the launch's verifier's), and token-wise verification carries them unread."""
     kind: tl.tensor  # the step to run next at the node
     node: tl.tensor
     depth: tl.tensor  # the node's index on the path
@@ -182,10 +200,8 @@ class Walk(NamedTuple):
     sel: tl.tensor  # filtered: 0 until the node's thresholds are known, then 1 (statistics through them)
     tau_p: tl.tensor  # the thresholds of the node's target and draft rows: raw values below are dropped
     tau_q: tl.tensor
-    w: tl.tensor  # block verification: the node's weight p_i; traversal: the node's weight
-    tau_node: tl.tensor  # block verification: the last accepted node tau and its weight p_tau
-    w_tau: tl.tensor
-    phase: tl.tensor  # the verifier's phase: WALKING, or block's BLOCK_* / traversal's TRAVERSAL_FROM_P
+    block: BlockState
+    traversal: TraversalState
 
 
 class Chunks(NamedTuple):
@@ -223,16 +239,30 @@ class Residual(NamedTuple):
 
 @triton.jit
 def _updated(walk, kind=None, node=None, depth=None, cursor=None, c=None, z=None, law_p=None, law_q=None, sel=None,
-             tau_p=None, tau_q=None, w=None, tau_node=None, w_tau=None, phase=None):
+             tau_p=None, tau_q=None, block=None, traversal=None):
     """The walk with the fields given (by name) replaced: every update says which fields it changes."""
     return Walk(kind=walk.kind if kind is None else kind, node=walk.node if node is None else node,
                 depth=walk.depth if depth is None else depth, cursor=walk.cursor if cursor is None else cursor,
                 c=walk.c if c is None else c, z=walk.z if z is None else z,
                 law_p=walk.law_p if law_p is None else law_p, law_q=walk.law_q if law_q is None else law_q,
                 sel=walk.sel if sel is None else sel, tau_p=walk.tau_p if tau_p is None else tau_p,
-                tau_q=walk.tau_q if tau_q is None else tau_q, w=walk.w if w is None else w,
-                tau_node=walk.tau_node if tau_node is None else tau_node,
-                w_tau=walk.w_tau if w_tau is None else w_tau, phase=walk.phase if phase is None else phase)
+                tau_q=walk.tau_q if tau_q is None else tau_q, block=walk.block if block is None else block,
+                traversal=walk.traversal if traversal is None else traversal)
+
+
+@triton.jit
+def _block_updated(block, w=None, tau_node=None, w_tau=None, phase=None):
+    """Block verification's fields with those given (by name) replaced; `phase` a code (WALKING, BLOCK_*)."""
+    return BlockState(w=block.w if w is None else w, tau_node=block.tau_node if tau_node is None else tau_node,
+                      w_tau=block.w_tau if w_tau is None else w_tau,
+                      phase=block.phase if phase is None else tl.full((), 0, tl.int32) + phase)
+
+
+@triton.jit
+def _traversal_updated(traversal, w=None, phase=None):
+    """Traversal's fields with those given (by name) replaced; `phase` a code (WALKING, TRAVERSAL_FROM_P)."""
+    return TraversalState(w=traversal.w if w is None else w,
+                          phase=traversal.phase if phase is None else tl.full((), 0, tl.int32) + phase)
 
 
 @triton.jit
@@ -243,8 +273,9 @@ def _start(req, T):
     zero = tl.full((), 0.0, tl.float32)
     return Walk(kind=root + STATS, node=root, depth=root, cursor=root, c=zero, z=zero + 1.0,
                 law_p=RowLaw(zero, zero), law_q=RowLaw(zero, zero),
-                sel=root, tau_p=zero + NEG_INF, tau_q=zero + NEG_INF, w=zero + 1.0, tau_node=root, w_tau=zero + 1.0,
-                phase=root + WALKING)
+                sel=root, tau_p=zero + NEG_INF, tau_q=zero + NEG_INF,
+                block=BlockState(w=zero + 1.0, tau_node=root, w_tau=zero + 1.0, phase=root + WALKING),
+                traversal=TraversalState(w=zero + 1.0, phase=root + WALKING))
 
 
 @triton.jit
@@ -253,18 +284,23 @@ def _load_state(state_i_ptr, state_f_ptr, buf):
     rec = buf * tl.num_programs(0) + tl.program_id(0)
     si = state_i_ptr + rec * STATE_INTS
     sf = state_f_ptr + rec * STATE_FLOATS
-    return Walk(kind=tl.load(si + KIND), node=tl.load(si + NODE), depth=tl.load(si + DEPTH),
+    walk = Walk(kind=tl.load(si + KIND), node=tl.load(si + NODE), depth=tl.load(si + DEPTH),
                 cursor=tl.load(si + CURSOR), c=tl.load(sf + C), z=tl.load(sf + Z),
                 law_p=RowLaw(tl.load(sf + SHIFT_P), tl.load(sf + LSE_P)),
                 law_q=RowLaw(tl.load(sf + SHIFT_Q), tl.load(sf + LSE_Q)), sel=tl.load(si + SEL),
                 tau_p=tl.load(sf + TAU_P), tau_q=tl.load(sf + TAU_Q),
-                w=tl.load(sf + WEIGHT), tau_node=tl.load(si + TAU_NODE), w_tau=tl.load(sf + W_TAU),
-                phase=tl.load(si + PHASE))
+                block=BlockState(w=tl.load(sf + WEIGHT), tau_node=tl.load(si + TAU_NODE), w_tau=tl.load(sf + W_TAU),
+                                 phase=tl.load(si + PHASE)),
+                traversal=TraversalState(w=None, phase=None))
+    # traversal's fields are block's loads of the same slots: one load per slot, in slot order, whichever verifier
+    # the launch uses
+    return _updated(walk, traversal=TraversalState(w=walk.block.w, phase=walk.block.phase))
 
 
 @triton.jit
-def _store_state(state_i_ptr, state_f_ptr, buf, walk, mask):
-    """The state for the next launch: a draw (LOCATE) ends the walk in the launch that decides it."""
+def _store_state(state_i_ptr, state_f_ptr, buf, walk, mask, TRAVERSAL: tl.constexpr):
+    """The state for the next launch: a draw (LOCATE) ends the walk in the launch that decides it. The WEIGHT and
+    PHASE slots hold the fields of the launch's verifier (TRAVERSAL: `walk.traversal`, else `walk.block`)."""
     rec = buf * tl.num_programs(0) + tl.program_id(0)
     si = state_i_ptr + rec * STATE_INTS
     sf = state_f_ptr + rec * STATE_FLOATS
@@ -275,10 +311,14 @@ def _store_state(state_i_ptr, state_f_ptr, buf, walk, mask):
     tl.store(si + SEL, walk.sel, mask=mask)
     tl.store(sf + TAU_P, walk.tau_p, mask=mask)
     tl.store(sf + TAU_Q, walk.tau_q, mask=mask)
-    tl.store(sf + WEIGHT, walk.w, mask=mask)
-    tl.store(si + TAU_NODE, walk.tau_node, mask=mask)
-    tl.store(sf + W_TAU, walk.w_tau, mask=mask)
-    tl.store(si + PHASE, walk.phase, mask=mask)
+    if TRAVERSAL:
+        weight, phase = walk.traversal.w, walk.traversal.phase
+    else:
+        weight, phase = walk.block.w, walk.block.phase
+    tl.store(sf + WEIGHT, weight, mask=mask)
+    tl.store(si + TAU_NODE, walk.block.tau_node, mask=mask)
+    tl.store(sf + W_TAU, walk.block.w_tau, mask=mask)
+    tl.store(si + PHASE, phase, mask=mask)
     tl.store(sf + C, walk.c, mask=mask)
     tl.store(sf + Z, walk.z, mask=mask)
     tl.store(sf + SHIFT_P, walk.law_p.shift, mask=mask)
@@ -353,14 +393,14 @@ def _store_search(sb, buf, r, srch, mask):
 
 
 @triton.jit
-def _walk_to(walk, kind, node, c, phase):
-    """The walk at another step: `kind` next at `node` (a new node: its thresholds not known yet), Z-pass c, the
-    verifier's `phase`."""
+def _walk_to(walk, kind, node, c, block=None, traversal=None):
+    """The walk at another step: `kind` next at `node` (a new node: its thresholds not known yet), Z-pass c, and
+    the verifier's fields given (`block` or `traversal`: its phase)."""
     zero = tl.full((), 0, tl.int32)
     moved = node != walk.node
     return _updated(walk, kind=tl.full((), kind, tl.int32), node=node, c=c, sel=tl.where(moved, zero, walk.sel),
                     tau_p=tl.where(moved, NEG_INF, walk.tau_p), tau_q=tl.where(moved, NEG_INF, walk.tau_q),
-                    phase=zero + phase)
+                    block=block, traversal=traversal)
 
 
 @triton.jit

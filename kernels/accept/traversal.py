@@ -17,7 +17,7 @@ from triton.language.standard import _sum_combine as _SUM
 from .passes import _total_mass
 from .records import (
     C, LOCATE, LSE_P, LSE_Q, NEG_INF, RowLaw, SHIFT_P, SHIFT_Q, STATE_FLOATS, STATS, TAU_P, TAU_Q, TRAVERSAL_FROM_P,
-    TRIAL, WEIGHT, Z, ZPASS, _updated, _walk_to)
+    TRIAL, WEIGHT, Z, ZPASS, _traversal_updated, _updated, _walk_to)
 from .rows import _child, _descend, _first_child, _log_prob, _rows
 
 
@@ -33,7 +33,7 @@ def _push_node(req, walk):
     tl.debug_barrier()
     tl.store(rec + C, walk.c, mask=req.writer)
     tl.store(rec + Z, walk.z, mask=req.writer)
-    tl.store(rec + WEIGHT, walk.w, mask=req.writer)
+    tl.store(rec + WEIGHT, walk.traversal.w, mask=req.writer)
     tl.store(rec + SHIFT_P, walk.law_p.shift, mask=req.writer)
     tl.store(rec + LSE_P, walk.law_p.lse, mask=req.writer)
     tl.store(rec + SHIFT_Q, walk.law_q.shift, mask=req.writer)
@@ -52,9 +52,10 @@ def _child_weight(req, walk, x):
     lp = _log_prob(req, t_row, walk.node, x, walk.tau_p, walk.law_p)
     lq = _log_prob(req, d_row, walk.node, x, walk.tau_q, walk.law_q)
     ratio = tl.exp(lp - tl.where(lq == NEG_INF, 0.0, lq))  # p(x) / q(x) (q(x) > 0)
-    weight = tl.minimum(walk.w * tl.maximum(ratio - walk.c, 0.0) / tl.where(walk.z > 0, walk.z, 1.0), 1.0)
+    w = walk.traversal.w
+    weight = tl.minimum(w * tl.maximum(ratio - walk.c, 0.0) / tl.where(walk.z > 0, walk.z, 1.0), 1.0)
     weight = tl.where(lq == NEG_INF, 1.0, weight)
-    return tl.where((lp == NEG_INF) | (not walk.z > 0) | (not walk.w > 0), 0.0, weight)
+    return tl.where((lp == NEG_INF) | (not walk.z > 0) | (not w > 0), 0.0, weight)
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _after_failed_child(walk, child):
     """Node v after child's subtree failed: its law becomes max(p - c' q, 0) / Z(c'), c' = c + Z / w; the Z pass
     next (walk.z keeps Z(c) through it for the new weight, `_weight_after_z`). A law of mass 0 (Z = 0, only at a
     node of weight 1) stays as it is."""
-    c = tl.where(walk.z > 0, walk.c + walk.z / walk.w, walk.c)
+    c = tl.where(walk.z > 0, walk.c + walk.z / walk.traversal.w, walk.c)
     return _updated(walk, kind=tl.full((), ZPASS, tl.int32), cursor=child, c=c)
 
 
@@ -70,14 +71,15 @@ def _after_failed_child(walk, child):
 def _weight_after_z(walk, z_before):
     """After the Z pass of a failed child's update: S = (w / Z(c)) Z(c') and w' = S / (S + 1 - w) (1 when
     S + 1 - w = 0: the failure was impossible). 1 - w first, so that the root (w = 1) keeps w = 1 exactly."""
-    w = walk.w
+    w = walk.traversal.w
     s = tl.where(z_before > 0, w / tl.where(z_before > 0, z_before, 1.0) * walk.z, 0.0)
     den = s + (1.0 - w)
     # (w = 1 stays 1 exactly: on a GPU fp32 division is within 2 ulp, and s / s below 1 would take a weight-1 node's
     # last failed child off the direct draw, `_try_child`'s certain)
     w = tl.where(den > 0, tl.minimum(s / tl.where(den > 0, den, 1.0), 1.0), 1.0)
-    w = tl.where((walk.w == 1.0) | (walk.node == 0), 1.0, w)  # (the root's weight is 1: its visit always emits)
-    return _updated(walk, w=w)
+    # (the root's weight is 1: its visit always emits)
+    w = tl.where((walk.traversal.w == 1.0) | (walk.node == 0), 1.0, w)
+    return _updated(walk, traversal=_traversal_updated(walk.traversal, w=w))
 
 
 @triton.jit
@@ -93,7 +95,8 @@ def _fail_to_parent(req, walk):
     back = _updated(walk, node=parent, depth=walk.depth - 1, c=tl.load(rec + C), z=tl.load(rec + Z),
                     law_p=RowLaw(tl.load(rec + SHIFT_P), tl.load(rec + LSE_P)),
                     law_q=RowLaw(tl.load(rec + SHIFT_Q), tl.load(rec + LSE_Q)), sel=tl.full((), 1, tl.int32),
-                    tau_p=tl.load(rec + TAU_P), tau_q=tl.load(rec + TAU_Q), w=tl.load(rec + WEIGHT))
+                    tau_p=tl.load(rec + TAU_P), tau_q=tl.load(rec + TAU_Q),
+                    traversal=_traversal_updated(walk.traversal, w=tl.load(rec + WEIGHT)))
     return _after_failed_child(back, walk.node)
 
 
@@ -115,10 +118,11 @@ def _try_child(req, walk, child, T_BLOCK: tl.constexpr):
         zero = tl.full((), 0.0, tl.float32)
         # the child's thresholds are not known yet (sel 0); cursor = node: no child of it tried yet
         walk = _updated(walk, kind=tl.full((), STATS, tl.int32), node=child, depth=depth, cursor=child, c=zero,
-                        z=zero + 1.0, sel=tl.full((), 0, tl.int32), tau_p=zero + NEG_INF, tau_q=zero + NEG_INF, w=w_c)
+                        z=zero + 1.0, sel=tl.full((), 0, tl.int32), tau_p=zero + NEG_INF, tau_q=zero + NEG_INF,
+                        traversal=_traversal_updated(walk.traversal, w=w_c))
     else:
         last = _first_child(req, walk.node, child, req.valid, T_BLOCK) == T_BLOCK
-        certain = last & (walk.w == 1.0)  # (w' = S / (S + 1 - w) = 1)
+        certain = last & (walk.traversal.w == 1.0)  # (w' = S / (S + 1 - w) = 1)
         walk = _after_failed_child(walk, child)
         if certain:
             walk = _updated(walk, kind=tl.full((), TRIAL, tl.int32))
@@ -136,12 +140,12 @@ def _traversal_step(req, walk, res, z_before, T_BLOCK: tl.constexpr, NUM_SPLITS:
     p from its statistics; an inner node: its last Z pass); else v fails to its parent (`_fail_to_parent`).
     TRAVERSAL_FROM_P: the draw from p after a residual of mass 0 by rounding (its Z pass with c = 0)."""
     v = walk.node
-    if walk.phase == TRAVERSAL_FROM_P:
+    if walk.traversal.phase == TRAVERSAL_FROM_P:
         walk = _updated(walk, kind=tl.full((), LOCATE, tl.int32))
     else:
         if walk.kind == ZPASS:
             walk = _weight_after_z(walk, z_before)
-        if not walk.w > 0:
+        if not walk.traversal.w > 0:
             walk = _fail_to_parent(req, walk)
         else:
             child = _first_child(req, v, walk.cursor, req.valid, T_BLOCK)
@@ -149,9 +153,10 @@ def _traversal_step(req, walk, res, z_before, T_BLOCK: tl.constexpr, NUM_SPLITS:
                 walk = _try_child(req, walk, child, T_BLOCK)
             else:
                 _, u = _child(req, v)
-                if (v == 0) | (walk.cursor == v) | (u < walk.w):
+                if (v == 0) | (walk.cursor == v) | (u < walk.traversal.w):
                     if (not _total_mass(res.mass, NUM_SPLITS, S_BLOCK) > 0) & (walk.c != 0.0):
-                        walk = _walk_to(walk, ZPASS, v, 0.0, TRAVERSAL_FROM_P)
+                        walk = _walk_to(walk, ZPASS, v, 0.0,
+                                        traversal=_traversal_updated(walk.traversal, phase=TRAVERSAL_FROM_P))
                     else:
                         walk = _updated(walk, kind=tl.full((), LOCATE, tl.int32))
                 else:
