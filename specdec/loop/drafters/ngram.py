@@ -7,7 +7,8 @@ from bisect import bisect_right
 
 import torch
 
-from .base import DepthControl, Drafter, Proposal
+from .base import Drafter, Proposal
+from .host import ShadowJudging
 
 
 class _NgramIndex:
@@ -39,7 +40,7 @@ class _NgramIndex:
         return []
 
 
-class NgramDrafter(Drafter, DepthControl):
+class NgramDrafter(Drafter, ShadowJudging):
     proposes_on_host = True
 
     def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1):
@@ -51,11 +52,10 @@ class NgramDrafter(Drafter, DepthControl):
 
     def start(self, tokens, seq_lens, *args, **kwargs):
         self._index = [_NgramIndex(range(self.min_ngram, self.max_ngram + 1)) for _ in range(tokens.shape[0])]
-        self._shadows = [None] * tokens.shape[0]  # per request: (position, continuation, levels judged) by shadow
-        self._shadow_calls = -1  # (the first call works)
+        self._start_shadows(tokens.shape[0])
         # the prompts are indexed here, with the prompts' prefill, not in the first step: an adaptive policy times the
         # steps, and the prompts' indexing is no step's cost
-        self._extend_index(tokens, seq_lens)
+        self._extend(tokens, seq_lens)
 
     def lookup(self, seq: torch.Tensor) -> torch.Tensor:
         """The continuation (<= num_tokens tokens) of an earlier match of seq's suffix (see module doc)."""
@@ -69,7 +69,7 @@ class NgramDrafter(Drafter, DepthControl):
                 return seq[start:start + self.num_tokens]
         return seq[:0]
 
-    def _extend_index(self, tokens, seq_lens) -> None:
+    def _extend(self, tokens, seq_lens) -> None:
         """Each request's index extended to its committed tokens: the new ones of every request gathered in one host
         copy (not a read per request)."""
         ends, starts = seq_lens.tolist(), [len(index.seq) for index in self._index]
@@ -85,35 +85,16 @@ class NgramDrafter(Drafter, DepthControl):
     def _continuations(self, tokens, seq_lens) -> list:
         if self._index is None:
             return [self.lookup(tokens[b, :n].cpu()).tolist() for b, n in enumerate(seq_lens.tolist())]
-        self._extend_index(tokens, seq_lens)
+        self._extend(tokens, seq_lens)
         return [index.continuation(self.max_ngram, self.min_ngram, self.num_tokens) for index in self._index]
 
-    def shadow(self, tokens, seq_lens):
-        """(Drafter.shadow) One recorded proposal per request at a time, judged level by level as its tokens come
-        (a proposal that the text repeats is known right after its first level, not once all its levels are in) and
-        replaced by the next once its fate is known (at its first wrong token, or when all its tokens were right). It
-        works on one call in B // 4 (about 4 requests' judgments per step): each call costs the index's extension, a
-        judgment per request and the policy's predictions anew, a share of a plain step not worth paying at every
-        one."""
-        self._shadow_calls += 1
-        if self._shadow_calls % max(len(self._index) // 4, 1):
-            return None
-        self._extend_index(tokens, seq_lens)
-        B = len(self._index)
-        accepted, proposed, since = [0] * B, [0] * B, [0] * B
-        for b, index in enumerate(self._index):
-            if self._shadows[b] is not None:
-                position, cont, reported = self._shadows[b]
-                emitted = index.seq[position:position + len(cont)]
-                right = next((i for i, (x, y) in enumerate(zip(emitted, cont)) if x != y), len(emitted))
-                known = min(right + 1, len(emitted))  # the levels whose fate is known: up to the first wrong one
-                if known > reported:
-                    accepted[b], proposed[b], since[b] = right, known, reported
-                self._shadows[b] = None if known == len(cont) or right < len(emitted) else (position, cont, known)
-            if self._shadows[b] is None:
-                cont = index.continuation(self.max_ngram, self.min_ngram, self.num_tokens)
-                self._shadows[b] = (len(index.seq), cont, 0) if cont else None
-        return accepted, proposed, since
+    def _committed(self, b: int) -> list:
+        return self._index[b].seq
+
+    def _shadow_proposal(self, b: int) -> tuple[list, list]:
+        """Request b's continuation, a chain."""
+        cont = self._index[b].continuation(self.max_ngram, self.min_ngram, self.num_tokens)
+        return cont, list(range(len(cont)))
 
     def depths_available(self, tokens, seq_lens):
         return [len(c) for c in self._continuations(tokens, seq_lens)]

@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from .base import DepthControl, Drafter, Proposal
+from .base import Drafter, Proposal
+from .host import ShadowJudging
 
 # budget = ALPHA * match length (the paper's MAX_SPEC = alpha * p): a context matched over p tokens has predicted
 # the text that long, and a short match is weak evidence, not worth a wide tree's verification. 4, not vLLM's
@@ -140,7 +141,7 @@ class SuffixIndex:
         return [chosen[i][1] for i in order], [position[chosen[i][2]] for i in order], score
 
 
-class SuffixDrafter(Drafter, DepthControl):
+class SuffixDrafter(Drafter, ShadowJudging):
     """Suffix decoding (module doc). max_depth: the deepest tree (the levels the target can accept); max_tokens: the
     most draft tokens per tree (max_nodes = max_tokens + 1); max_match: the longest context matched; max_global_tokens:
     the global index's cap (earlier requests' outputs, the oldest evicted first).
@@ -175,8 +176,7 @@ class SuffixDrafter(Drafter, DepthControl):
         self._local = [SuffixIndex(self.max_match + self.max_depth) for _ in range(B)]
         self._global_suffixes = [[self.global_index.root] for _ in range(B)]
         self._prompt_lens = seq_lens.tolist()
-        self._shadows = [None] * B  # per request: (position, draft, parents, levels judged) by shadow
-        self._shadow_calls = -1  # (the first call works)
+        self._start_shadows(B)
         # the prompts are indexed with the prompts' prefill, not in the first step (an adaptive policy times steps)
         self._extend(tokens, seq_lens)
 
@@ -216,29 +216,11 @@ class SuffixDrafter(Drafter, DepthControl):
                     best = tree
         return best[:2]
 
-    def shadow(self, tokens, seq_lens):
-        """(DepthControl.shadow) NgramDrafter's protocol on trees: one recorded tree per request at a time, judged
-        level by level as the tokens come, along the path they take through it (`_judge`), and replaced by the next
-        once its fate is known (a wrong token below a node with children, or a leaf reached); on one call in B // 4,
-        as NgramDrafter's (each call costs the indexes' extension and the policy's predictions anew)."""
-        self._shadow_calls += 1
-        if self._shadow_calls % max(len(self._local) // 4, 1):
-            return None
-        self._extend(tokens, seq_lens)
-        B = len(self._local)
-        accepted, proposed, since = [0] * B, [0] * B, [0] * B
-        for b, local in enumerate(self._local):
-            text = local.documents[-1]
-            if self._shadows[b] is not None:
-                position, draft, parents, reported = self._shadows[b]
-                right, known, done = _judge(draft, parents, text[position:])
-                if known > reported:
-                    accepted[b], proposed[b], since[b] = right, known, reported
-                self._shadows[b] = None if done else (position, draft, parents, known)
-            if self._shadows[b] is None:
-                draft, parents = self._tree(b, None)
-                self._shadows[b] = (len(text), draft, parents, 0) if draft else None
-        return accepted, proposed, since
+    def _committed(self, b: int) -> list:
+        return self._local[b].documents[-1]
+
+    def _shadow_proposal(self, b: int) -> tuple[list, list]:
+        return self._tree(b, None)
 
     def depths_available(self, tokens, seq_lens):
         return [_depth(parents) for _, parents in self.trees(tokens, seq_lens)]
@@ -259,27 +241,6 @@ class SuffixDrafter(Drafter, DepthControl):
             num_nodes[b] = 1 + len(draft)
         dev = tokens.device
         return Proposal(out.to(dev), parents.to(dev), num_nodes.to(dev))
-
-
-def _judge(draft: list, parents: list, emitted: list) -> tuple[int, int, bool]:
-    """A tree (its non-root nodes' tokens and parents, BFS order, the root 0) against the tokens emitted after its
-    root: (right, known, done): right, the levels the emitted tokens follow down the tree; known, the levels whose
-    fate is known (right, and one more where a wrong token came below a node with children); done, whether the
-    tree's fate is all known (a wrong token, or a leaf reached: nothing deeper was proposed on that path)."""
-    children: dict = {}  # node -> {token: child node}
-    for node, (token, parent) in enumerate(zip(draft, parents), 1):
-        children.setdefault(parent, {})[token] = node
-    node, right = 0, 0
-    for token in emitted:
-        node_next = children.get(node, {}).get(token)
-        if node_next is None:
-            break
-        node, right = node_next, right + 1
-    if node not in children:
-        return right, right, True
-    if right < len(emitted):
-        return right, right + 1, True
-    return right, right, False
 
 
 def _depth(parents: list) -> int:
