@@ -1,8 +1,23 @@
 """What the drafters that propose on the host from indexes of the committed tokens (NgramDrafter, SuffixDrafter)
-share: the shadow judging of proposals nobody drafted (`ShadowJudging`)."""
+share: the committed tokens their indexes have not seen (`new_committed_tokens`) and the shadow judging of
+proposals nobody drafted (`ShadowJudging`)."""
 from __future__ import annotations
 
+import torch
+
 from .base import DepthControl
+
+
+def new_committed_tokens(tokens: torch.Tensor, seq_lens: torch.Tensor, indexed: list) -> list:
+    """Each request's committed tokens past the indexed[b] it has indexed (tokens [B, L], seq_lens [B]; a list per
+    request, empty where none is new), those of every request gathered in one host copy (not a read per request)."""
+    ends = seq_lens.tolist()
+    most = max(end - start for start, end in zip(indexed, ends))
+    if most <= 0:
+        return [[] for _ in ends]
+    cols = (torch.tensor(indexed).unsqueeze(1) + torch.arange(most)).clamp(max=tokens.shape[1] - 1)
+    rows = tokens.gather(1, cols.to(tokens.device)).tolist()
+    return [row[:max(end - start, 0)] for row, start, end in zip(rows, indexed, ends)]
 
 
 class ShadowJudging(DepthControl):

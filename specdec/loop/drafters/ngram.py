@@ -8,7 +8,7 @@ from bisect import bisect_right
 import torch
 
 from .base import Drafter, Proposal
-from .host import ShadowJudging
+from .host import ShadowJudging, new_committed_tokens
 
 
 class _NgramIndex:
@@ -70,17 +70,9 @@ class NgramDrafter(Drafter, ShadowJudging):
         return seq[:0]
 
     def _extend(self, tokens, seq_lens) -> None:
-        """Each request's index extended to its committed tokens: the new ones of every request gathered in one host
-        copy (not a read per request)."""
-        ends, starts = seq_lens.tolist(), [len(index.seq) for index in self._index]
-        most = max(end - start for start, end in zip(starts, ends))
-        if most <= 0:
-            return
-        cols = (torch.tensor(starts).unsqueeze(1) + torch.arange(most)).clamp(max=tokens.shape[1] - 1)
-        new = tokens.gather(1, cols.to(tokens.device)).tolist()
-        for index, row, start, end in zip(self._index, new, starts, ends):
-            if end > start:
-                index.extend(row[:end - start])
+        """Each request's index extended to its committed tokens."""
+        for index, new in zip(self._index, new_committed_tokens(tokens, seq_lens, [len(i.seq) for i in self._index])):
+            index.extend(new)
 
     def _continuations(self, tokens, seq_lens) -> list:
         if self._index is None:

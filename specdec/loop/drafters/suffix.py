@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .base import Drafter, Proposal
-from .host import ShadowJudging
+from .host import ShadowJudging, new_committed_tokens
 
 # budget = ALPHA * match length (the paper's MAX_SPEC = alpha * p): a context matched over p tokens has predicted
 # the text that long, and a short match is weak evidence, not worth a wide tree's verification. 4, not vLLM's
@@ -181,21 +181,12 @@ class SuffixDrafter(Drafter, ShadowJudging):
         self._extend(tokens, seq_lens)
 
     def _extend(self, tokens, seq_lens) -> None:
-        """Each request's indexes brought up to its committed tokens: the new ones of every request gathered in one
-        host copy (not a read per request)."""
-        ends = seq_lens.tolist()
-        starts = [index.num_tokens for index in self._local]
-        most = max(end - start for start, end in zip(starts, ends))
-        if most <= 0:
-            return
-        cols = (torch.tensor(starts).unsqueeze(1) + torch.arange(most)).clamp(max=tokens.shape[1] - 1)
-        new = tokens.gather(1, cols.to(tokens.device)).tolist()
-        for b, (row, start, end) in enumerate(zip(new, starts, ends)):
-            if end > start:
-                self._local[b].extend(row[:end - start])
-                for token in row[:end - start]:
-                    self._global_suffixes[b] = self.global_index.follow(self._global_suffixes[b], token,
-                                                                        self.max_match)
+        """Each request's indexes brought up to its committed tokens."""
+        new = new_committed_tokens(tokens, seq_lens, [index.num_tokens for index in self._local])
+        for b, new_tokens in enumerate(new):
+            self._local[b].extend(new_tokens)
+            for token in new_tokens:
+                self._global_suffixes[b] = self.global_index.follow(self._global_suffixes[b], token, self.max_match)
 
     def trees(self, tokens, seq_lens, depth: Optional[int] = None) -> list:
         """Each request's tree (tokens, parents) below its root (`SuffixIndex.grow_tree`), at most depth levels
