@@ -14,9 +14,7 @@ import hashlib
 import importlib.util
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +24,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import specdec  # noqa: E402
-from tests.helpers import compile_for_hopper  # noqa: E402
+from tests.helpers import compile_for_hopper, resource_usage  # noqa: E402
 
 
 def load_kernels():
@@ -79,16 +77,9 @@ def entry_kernel(walker: bool):
 
 
 def resources(kernel):
-    """(registers, spilled bytes a thread, shared bytes) of a compiled kernel (None each without cuobjdump)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    shared = kernel.metadata.shared
-    if not os.path.exists(tool):
-        return None, None, shared
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), shared
+    """(registers, spilled bytes a thread, shared bytes) of a compiled kernel (the first two None without
+    cuobjdump)."""
+    return (*resource_usage(kernel), kernel.metadata.shared)
 
 
 def ptx_digest(kernel) -> str:

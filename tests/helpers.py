@@ -164,6 +164,24 @@ def compile_for_hopper(fn, types: dict, constexprs: dict, divisible=None, num_wa
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def resource_usage(kernel) -> tuple:
+    """(registers, spilled bytes) per thread of a kernel compiled by compile_for_hopper, from Triton's cuobjdump;
+    (None, None) without the tool."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
 def needs_the_compiler(test):
     """An offline compile check (compile_for_hopper): skipped without Triton's CUDA backend, and on a GPU machine,
     which runs the compiled kernels for real."""

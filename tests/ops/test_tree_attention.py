@@ -375,20 +375,8 @@ def compile_for_hopper(fn, types, constexprs, num_warps=4, num_stages=3, divisib
 
 
 def spilled_bytes(kernel):
-    """Per-thread stack (register spills) of a compiled kernel from cuobjdump, or None without the tool."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return int(re.search(r"STACK:(\d+)", usage).group(1))
+    """Per-thread stack (register spills) of a compiled kernel, or None without cuobjdump."""
+    return helpers.resource_usage(kernel)[1]
 
 
 def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap: bool = False,

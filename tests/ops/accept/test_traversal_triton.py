@@ -285,23 +285,6 @@ def test_traversal_reads_every_row_of_an_accepted_chain(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # sm_90 compilation
 # ----------------------------------------------------------------------------------------------
-def _registers(kernel):
-    """Registers per thread of a compiled kernel from cuobjdump, or None without the tool."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1))
-
-
 def hopper_compile_report() -> None:
     """Prints (JSON) the spilled bytes of every launch variant, traversal's and the others (TRAVERSAL baked in
     as False), at the benchmark shape (bf16, T 8, V 128256), like
@@ -309,6 +292,7 @@ def hopper_compile_report() -> None:
     import json
 
     from specdec.kernels import accept as ka
+    from tests.helpers import resource_usage
     from tests.ops.test_tree_attention import compile_for_hopper, spilled_bytes
 
     T, Vb = 8, 128_256
@@ -338,7 +322,7 @@ def hopper_compile_report() -> None:
                                                 divisible_ints=("V",))
                     key = f"{method},filters={has_filters},draft={has_draft},first={first},walk={walk}"
                     report[key] = spilled_bytes(kernel)
-                    report[key + ",regs"] = _registers(kernel)
+                    report[key + ",regs"] = resource_usage(kernel)[0]
     print(json.dumps(report))
 
 
