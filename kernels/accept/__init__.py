@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from specdec._layout import unpack_bitmask
+
 from .launch import _accept_kernel
 from .records import PART_FLOATS, PART_INTS, SEARCH_DOUBLES, SEARCH_FLOATS, SEARCH_INTS, STATE_FLOATS, STATE_INTS
 
@@ -83,10 +85,11 @@ def _config(T: int, V: int, elem_bytes: int, device: torch.device, filtered: boo
 FLOAT32_TINY_NORMAL = 1.1754943508222875e-38
 
 
-def _in_float32_range(rows, as_logits=False):
+def _in_float32_range(rows, as_logits=False, allowed=None):
     """Rows as the kernel reads them (last dim contiguous). It computes in float32, so a float64 tensor comes as
-    the same law within float32's range: each row of logits minus its largest finite value (computed in float64;
-    a copy, of float64 rows only). A shift changes no law and no filter, a huge finite value read as float32
+    the same law within float32's range: each row of logits minus its largest finite allowed value (computed in
+    float64; a copy, of float64 rows only; allowed: the rows' grammar mask, same shape, or None: the law is the
+    masked row, so a disallowed 1e300 must not push the allowed values out of float32's range). A shift changes no law and no filter, a huge finite value read as float32
     would be inf, and after it the row's max is 0 and a value below it stays below it in float32 (a difference
     smaller than float32's smallest normal value, 1.2e-38, which would round to 0 or a subnormal, is made that
     value: exp of either is 1 in float32, so no law changes): greedy's argmax is the float64 one. Other dtypes fit
@@ -97,7 +100,8 @@ def _in_float32_range(rows, as_logits=False):
         rows = rows.double().log()
     if rows.dtype == torch.float64:
         finite = torch.isfinite(rows)
-        top = torch.where(finite, rows, -torch.inf).amax(-1, keepdim=True)
+        counted = finite if allowed is None else finite & allowed
+        top = torch.where(counted, rows, -torch.inf).amax(-1, keepdim=True)
         rows = rows - torch.where(torch.isfinite(top), top, 0.0)  # (keeps a column-major row's strides)
         rows = torch.where((rows < 0) & (rows > -FLOAT32_TINY_NORMAL), -FLOAT32_TINY_NORMAL, rows)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -143,8 +147,10 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     # float64 probabilities come as their logs (both laws alike: the launch has one PROBS switch)
     logs = probs and any(x is not None and x.dtype == torch.float64 for x in (target_logits, draft_logits))
     probs = probs and not logs
-    target = _in_float32_range(target_logits, logs)
-    draft = None if draft_logits is None else _in_float32_range(draft_logits, logs)
+    float64 = any(x is not None and x.dtype == torch.float64 for x in (target_logits, draft_logits))
+    allowed = unpack_bitmask(token_bitmask, V) if float64 and token_bitmask is not None else None
+    target = _in_float32_range(target_logits, logs, allowed)
+    draft = None if draft_logits is None else _in_float32_range(draft_logits, logs, allowed)
     d = target if draft is None else draft
     S = cfg["num_splits"]
     if (cfg["block_v"] < 16 or cfg["block_v"] & (cfg["block_v"] - 1) or S < 1 or cfg["split_steps"] < 0

@@ -493,6 +493,28 @@ def test_greedy_with_bitmask_matches_reference(backend, dtype):
     assert _same(res, _accept(batch, backend, top_k=None, top_p=None, min_p=None))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("draft", [True, False], ids=["draft_logits", "given"])
+def test_a_banned_huge_float64_logit_leaves_the_allowed_law(backend, draft):
+    """float64 rows whose largest logit, 1e300, is one the grammar bans: the law is the masked row, so the kernel's
+    shift into float32's range is by the largest allowed logit (shifted by 1e300, every allowed logit read as
+    float32 was -inf and a sampled or greedy row emitted the banned token). Greedy equals the reference, sampled
+    rows emit only allowed tokens."""
+    gen = torch.Generator().manual_seed(71 + draft)
+    temperature = torch.tensor([0.0, 1.0] * 4)
+    batch = _filtered_batch(8, 5, gen, draft=draft, temperature=temperature, dtype=torch.float64)
+    allowed = reference.unpack_bits(batch["token_bitmask"], V)
+    banned = (~allowed).float().argmax(-1, keepdim=True)  # (a banned token of each row: the filters leave some)
+    assert not allowed.gather(-1, banned).any()
+    for name in ("target_logits", "draft_logits") if draft else ("target_logits",):
+        batch[name] = batch[name].scatter(-1, banned, 1e300)
+    res = _accept(batch, backend)
+    _check_support(res, batch)
+    greedy = temperature == 0
+    ref = _accept(batch, "torch")
+    assert _same([x[greedy] for x in res], [x[greedy] for x in ref])
+
+
 def _point_mass_rows(gen, B, T):
     """Sampling rows whose processed law is a point mass, each by another parameter: top_k = 1, a tiny
     top_p, min_p close to 1, a mask allowing one token; distinct values, the max often in the tail."""
