@@ -17,12 +17,14 @@ def pytest_report_header(config):
             f"SPECDEC_FUZZ_SEED={os.environ['SPECDEC_FUZZ_SEED']}")
 
 
-def _exact_float8_casts_in_interpreter():
-    """Triton's interpreter converts to and from float8 with its own bit arithmetic, which is wrong where the
-    GPU's cvt instructions are exact: the rounding carry is dropped (31.9 -> 16 in e4m3, not 32), ties do
-    not go to even, NaN and inf patterns decode as numbers, some e5m2 subnormals decode to 0. Route every
-    cast that involves float8e4nv / float8e5 through torch's conversion (round to nearest even), as the
-    kernels compiled for a GPU do; other casts keep the interpreter's code."""
+def _exact_float8_and_bfloat16_casts_in_interpreter():
+    """Triton's interpreter converts to and from float8 and bfloat16 with its own bit arithmetic, which is wrong
+    where the GPU's cvt instructions are exact: the rounding carry is dropped (31.9 -> 16 in e4m3, not 32), ties
+    do not go to even, NaN and inf patterns decode as numbers, some e5m2 subnormals decode to 0, and a bfloat16
+    subnormal upcast to float32 loses its value (9.2e-41 read as 0: a greedy row of bfloat16 probabilities
+    whose only allowed positive entry is subnormal emitted a banned token). Route every cast that involves
+    float8e4nv / float8e5 / bfloat16 through torch's conversion (round to nearest even), as the kernels compiled
+    for a GPU do; other casts keep the interpreter's code."""
     import numpy as np
     from triton.runtime import interpreter
     to_torch = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2, "fp16": torch.float16,
@@ -31,8 +33,8 @@ def _exact_float8_casts_in_interpreter():
 
     def convert(input, input_dtype, output_dtype, rounding_mode):
         src, dst = to_torch.get(input_dtype.name), to_torch.get(output_dtype.name)
-        fp8 = {input_dtype.name, output_dtype.name} & {"fp8e4nv", "fp8e5"}
-        if not fp8 or src is None or dst is None or rounding_mode not in (None, interpreter._ir.ROUNDING_MODE.RTNE):
+        exact = {input_dtype.name, output_dtype.name} & {"fp8e4nv", "fp8e5", "bf16"}
+        if not exact or src is None or dst is None or rounding_mode not in (None, interpreter._ir.ROUNDING_MODE.RTNE):
             return interpreter_convert(input, input_dtype, output_dtype, rounding_mode)
         x = torch.frombuffer(bytearray(np.ascontiguousarray(input).tobytes()), dtype=src)
         bits = getattr(torch, f"uint{output_dtype.primitive_bitwidth}")
@@ -92,7 +94,7 @@ def _device_calls_without_repatching():
 
 
 if os.environ["TRITON_INTERPRET"] == "1":
-    _exact_float8_casts_in_interpreter()
+    _exact_float8_and_bfloat16_casts_in_interpreter()
     _device_calls_without_repatching()
 
 

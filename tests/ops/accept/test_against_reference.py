@@ -515,6 +515,17 @@ def test_a_banned_huge_float64_logit_leaves_the_allowed_law(backend, draft):
     assert _same([x[greedy] for x in res], [x[greedy] for x in ref])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_keeps_a_subnormal_bfloat16_probability(backend):
+    """A greedy row of bfloat16 probabilities whose only allowed positive entry is a subnormal (9.2e-41) emits
+    that entry, as the reference: a bfloat16 subnormal read as 0 left the row without an allowed token."""
+    probs = torch.tensor([[[0.0, 2.9e-4, 0.0, 9.1835e-41, 1.08e-3]]], dtype=torch.bfloat16)
+    assert 0 < float(probs[0, 0, 3]) < torch.finfo(torch.bfloat16).tiny
+    batch = dict(target_probs=probs, tokens=torch.tensor([[3]]), parents=torch.tensor([[-1]]),
+                 token_bitmask=torch.tensor([[[0b01101]]], dtype=torch.int32))
+    assert _accept(batch, backend).next_tokens.tolist() == _accept(batch, "torch").next_tokens.tolist() == [3]
+
+
 def _point_mass_rows(gen, B, T):
     """Sampling rows whose processed law is a point mass, each by another parameter: top_k = 1, a tiny
     top_p, min_p close to 1, a mask allowing one token; distinct values, the max often in the tail."""
