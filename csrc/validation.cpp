@@ -374,6 +374,7 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
   }
   AcceptInputs in;
   in.num_nodes = normalize_num_nodes(num_nodes, B, device);
+  if (T >= 1) check_num_nodes_range(in.num_nodes, T);  // first: the per-node checks below read the slots it names
   check_tensor("temperature", temperature, 1, kFloat, &device);
   check_shape("temperature", temperature, {B});
   in.temperature = temperature.to(at::kFloat).contiguous();

@@ -128,7 +128,7 @@ def check_parents(parents, num_nodes, values, *, name="parents"):
     if not values:
         return
     nn = num_nodes.to(parents.device).long()
-    _fail_if("num_nodes", (nn < 1) | (nn > T), f"every entry must be in [1, {T}]")
+    check_num_nodes_range(nn, T)
     _fail_if(name, parents[:, 0] != -1, "parents[:, 0] must be -1 (node 0 is the root)")
     idx = torch.arange(T, device=parents.device)
     real = (idx > 0) & (idx < nn.unsqueeze(1))
@@ -143,6 +143,11 @@ def normalize_num_nodes(num_nodes, B, T, device, *, name="num_nodes"):
     _shape(name, num_nodes, (B,))
     check_int32_values(name, num_nodes)
     return num_nodes.to(torch.int32)
+
+
+def check_num_nodes_range(num_nodes, T):
+    nn = num_nodes.long()
+    _fail_if("num_nodes", (nn < 1) | (nn > T), f"every entry must be in [1, {T}]")
 
 
 def check_build_tree(parents, num_nodes, values=True):
@@ -277,7 +282,7 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         raise ValueError(f"logits_soft_cap: must be a finite number >= 0 (0 = no cap), got {logits_soft_cap:g}")
     if values and value_checks_enabled():
         nn = num_nodes.long()
-        _fail_if("num_nodes", (nn < 1) | (nn > T), f"every entry must be in [1, {T}]")
+        check_num_nodes_range(nn, T)
         # the committed prefix is read from position 0, or from the window's first position
         first = (cache_lens.long() - window_left).clamp(min=0) if window_left >= 0 else None
         check_positions(k_cache.shape, cache_lens, block_table, T, first=first)
@@ -547,6 +552,8 @@ def check_accept(target_logits, tokens, parents, draft_logits, temperature, seed
         _tensor("row_offsets", row_offsets, dim=1, dtypes=INT_DTYPES, device=dev)
         _shape("row_offsets", row_offsets, (B,))
     num_nodes = normalize_num_nodes(num_nodes, B, T, dev)
+    if T >= 1 and value_checks_enabled():  # first: the per-node checks below read the slots it names
+        check_num_nodes_range(num_nodes, T)
     check_int32_values("tokens", tokens, num_nodes)
     check_int32_values("parents", parents, num_nodes)
     temperature = normalize_temperature(temperature, B, dev)

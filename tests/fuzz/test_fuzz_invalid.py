@@ -128,7 +128,8 @@ def accept_valid_extreme_filter(draw, args):
 def accept_nan_row(draw, args):
     law = "target_logits" if "target_logits" in args else "target_probs"
     x = args[law].clone()
-    x.view(-1, x.shape[-1])[0, draw(st.integers(0, x.shape[-1] - 1))] = draw(st.sampled_from([math.nan, math.inf]))
+    first_row = x[(0,) * (x.dim() - 1)]  # a view in any layout the strategy drew, unlike x.view(-1, V)
+    first_row[draw(st.integers(0, x.shape[-1] - 1))] = draw(st.sampled_from([math.nan, math.inf]))
     return dict(args, **{law: x}), (law,)
 
 
