@@ -16,8 +16,9 @@ def attn(B, T, L, dtype="bf16", Hq=32, Hkv=8, D=128, page=0, kv=None, window=Non
     return dict(B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, L=L, dtype=dtype, page=page, **extra)
 
 
-def acc(B, T, V, dtype="fp32", tree="chain", draft="iid", temp=1.0, top_k=0, top_p=1.0):
-    filters = {**({"top_k": top_k} if top_k else {}), **({"top_p": top_p} if top_p < 1 else {})}
+def acc(B, T, V, dtype="fp32", tree="chain", draft="iid", temp=1.0, top_k=0, top_p=1.0, penalties=False):
+    filters = {**({"top_k": top_k} if top_k else {}), **({"top_p": top_p} if top_p < 1 else {}),
+               **({"penalties": True} if penalties else {})}
     return dict(B=B, T=T, V=V, dtype=dtype, tree=tree, draft=draft, temp=temp, **filters)
 
 
@@ -46,6 +47,10 @@ CPU_TARGETS = [
     Case("accept", acc(32, 8, 32000, top_k=50, top_p=0.9),
          targets=(Target("cpp", "torch-sampler", 3.0, CPU_FLOOR),  # and at most 1.5x the time without filters:
                   Target("cpp", "cpp-unfiltered", 1 / 1.5, "CPU floor: filters' cost"))),
+    # the penalties, a 16-entry logit bias and 5 top logprobs, beside the same call without them and the PyTorch way
+    Case("accept", acc(32, 8, 32000, penalties=True),
+         targets=(Target("cpp", "torch-penalized-sampler", 5.0, CPU_FLOOR),
+                  Target("cpp", "cpp-unfiltered", 1 / 1.5, "CPU floor: sampling parameters' cost"))),
     Case("rollback", rb(16, 8, 16, 4, L=256, dtype="fp32"), targets=(Target("cpp", "torch-index", 2.0, CPU_FLOOR),)),
 ]
 
@@ -111,6 +116,7 @@ GPU_GRID = GPU_TARGETS + [
     Case("accept", acc(64, 8, 128256, temp=0.0)),
     # the filters at V = 128K, beside the same call without them (peer triton-unfiltered) and the sort-based way
     Case("accept", acc(32, 8, 128256, top_k=50, top_p=0.9)),
+    Case("accept", acc(64, 8, 128256, penalties=True)),
     Case("accept", acc(1, 8, 32000)),
     Case("accept", acc(256, 4, 32000)),
     Case("accept", acc(16, 64, 152064, tree="tree")),

@@ -4,7 +4,10 @@ params: B requests, T nodes, V vocab, dtype of the logits, tree ("chain" or "tre
 children were sampled i.i.d. from the draft logits, which are passed; "topk": each node's children are its
 top-k draft tokens, given proposals, no draft logits passed), temp (0 = greedy, else the temperature), and
 optionally top_k / top_p (accept's filters for every request; absent, 0 or 1.0: off; the iid drafter then
-samples from the processed draft law, specdec.sampling.processed_logits).
+samples from the processed draft law, specdec.sampling.processed_logits), and penalties (True: every request
+has repetition, frequency and presence penalties over an output of 64 tokens and a prompt of 256, a 16-entry
+logit bias, and accept returns 5 top logprobs per emitted token, raw; the drafts are drawn unpenalized, which
+changes the path lengths a little and the work per row not at all).
 
 The draft is a noisy copy of the target (draft = target + NOISE * N(0, 1)), so paths are as long as a
 decent drafter makes them; every run's path length is reported (mean_accepted).
@@ -19,12 +22,19 @@ Peers (chains only; the same inputs, timed whole):
                  With top_k / top_p, every target and draft row is first divided by t and masked the usual
                  sort-based way (vLLM's apply_top_k_top_p: sort, k-th value, cumsum of the sorted softmax).
   torch-greedy   argmax every row, compare with the draft tokens, cumprod, next = argmax at the stop.
+  torch-penalized-sampler  (penalties) the PyTorch way: every target and draft row penalized by torch ops
+                 (each node's counts: the output's plus the chain's drafts above it, by a cumulative one-hot),
+                 then torch-sampler on the penalized rows, then log_softmax and topk(5) of the emitted rows.
+  <backend>-unfiltered  the same call without the filters / sampling parameters: their cost is the ratio to it.
+
+Minimal bytes with penalties: also each request's output counts (V int32) and prompt mask (V / 8 bytes) once.
 """
 from __future__ import annotations
 
 import torch
 
 import specdec
+from specdec._layout import pack_bitmask, unpack_bitmask
 
 from .common import DTYPES, random_parents
 
@@ -48,6 +58,9 @@ class Inputs:
             from specdec.sampling import processed_logits
             sampled_from = processed_logits(draft.view(B * T, V), self.temp, **self.filters).view(B, T, V)
         self.tokens = _draft_tokens(sampled_from, parents, self.draft_kind, self.temp, gen)
+        self.penalties = bool(p.get("penalties"))
+        if self.penalties:
+            self.filters.update(_sampling_params(B, V, device, gen))
         self.target_logits = target.to(self.dtype)
         self.draft_logits = draft.to(self.dtype) if self.draft_kind == "iid" else None
         self.parents = parents
@@ -59,6 +72,40 @@ class Inputs:
 
     def reset(self):
         """Nothing to restore: the op is pure."""
+
+
+NUM_BIAS, NUM_LOGPROBS = 16, 5
+
+
+def _sampling_params(B, V, device, gen) -> dict:
+    """accept's step-0 and logprob arguments for every request: an output of 64 tokens, a prompt of 256."""
+    counts = torch.zeros(B, V, dtype=torch.int32)
+    counts.scatter_add_(1, torch.randint(0, V, (B, 64), generator=gen), torch.ones(B, 64, dtype=torch.int32))
+    in_prompt = torch.zeros(B, V, dtype=torch.bool).scatter_(1, torch.randint(0, V, (B, 256), generator=gen), True)
+    return dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2,
+                output_token_counts=counts.to(device), prompt_token_mask=pack_bitmask(in_prompt).to(device),
+                logit_bias=(torch.randint(0, V, (B, NUM_BIAS), generator=gen).to(device),
+                            torch.randn(B, NUM_BIAS, generator=gen).to(device)),
+                return_logprobs=NUM_LOGPROBS)
+
+
+def _penalized(rows: torch.Tensor, x, parents_chain_tokens: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) float32 rows after the logit bias and the penalties, by torch ops, node i's counts being the
+    output's plus the chain's drafts 1..i (the PyTorch way an engine would write it)."""
+    B, T, V = rows.shape
+    f = x.filters
+    ids, values = f["logit_bias"]
+    rows = rows.float().clone()
+    rows.view(B, T, V).scatter_add_(2, ids.long().unsqueeze(1).expand(B, T, -1),
+                                    values.float().unsqueeze(1).expand(B, T, -1))
+    drafted = torch.zeros(B, T, V, device=rows.device, dtype=torch.int32)
+    drafted[:, 1:].scatter_(2, parents_chain_tokens[:, 1:].long().unsqueeze(-1), 1)
+    counts = f["output_token_counts"].unsqueeze(1) + drafted.cumsum(1)  # (B, T, V)
+    present = counts > 0
+    seen = present | unpack_bitmask(f["prompt_token_mask"], V).unsqueeze(1)
+    rep = f["repetition_penalty"]
+    rows = torch.where(seen, rows * torch.where(rows > 0, 1.0 / rep, rep), rows)
+    return rows - f["frequency_penalty"] * counts - f["presence_penalty"] * present
 
 
 def _draft_tokens(draft, parents, kind, temp, gen) -> torch.Tensor:
@@ -108,11 +155,12 @@ def apply_top_k_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
     return logits.scatter(dim=-1, index=logits_idx, src=logits_sort)
 
 
-def torch_rejection_sampler(x: Inputs):
-    """The vectorized PyTorch chain sampler (see the module docstring)."""
+def torch_rejection_sampler(x: Inputs, target_logits=None, draft_logits=None):
+    """The vectorized PyTorch chain sampler (see the module docstring), on x's rows or the given ones."""
     B, T, V = x.target_logits.shape
     t = x.temperature.view(B, 1, 1)
-    target, draft = x.target_logits.float() / t, x.draft_logits.float() / t
+    target = (x.target_logits if target_logits is None else target_logits).float() / t
+    draft = (x.draft_logits if draft_logits is None else draft_logits).float() / t
     if x.top_k or x.top_p < 1:
         target = apply_top_k_top_p(target.view(B * T, V), x.top_k, x.top_p).view(B, T, V)
         draft = apply_top_k_top_p(draft.view(B * T, V), x.top_k, x.top_p).view(B, T, V)
@@ -128,6 +176,16 @@ def torch_rejection_sampler(x: Inputs):
     residual = torch.where((num_acc < T - 1).unsqueeze(1), (p_stop - q_stop).clamp(min=0), p_stop)
     next_tokens = torch.multinomial(residual, 1).squeeze(1)
     return _chain_result(num_acc, next_tokens, T)
+
+
+def torch_penalized_sampler(x: Inputs):
+    """The PyTorch way with penalties, bias and logprobs (see the module docstring)."""
+    B, T, V = x.target_logits.shape
+    target, draft = _penalized(x.target_logits, x, x.tokens), _penalized(x.draft_logits, x, x.tokens)
+    res = torch_rejection_sampler(x, target, draft)
+    emitted_rows = target.gather(1, res.accepted_nodes.long().clamp(min=0).unsqueeze(-1).expand(B, T, V))
+    res.logprobs = torch.log_softmax(emitted_rows, -1).topk(NUM_LOGPROBS, -1)
+    return res
 
 
 def torch_greedy(x: Inputs):
@@ -154,7 +212,7 @@ def unfiltered_fn(x: Inputs, backend: str):
 
 
 def peers(x: Inputs, case) -> dict:
-    filtered = bool(x.top_k or x.top_p < 1)
+    filtered = bool(x.top_k or x.top_p < 1 or x.penalties)
     if filtered and x.temp > 0:  # the default backend of the device without the filters (not a valid result:
         backend = "cpp" if x.target_logits.device.type == "cpu" else "triton"  # another law; only its time)
         unfiltered = {f"{backend}-unfiltered": lambda: unfiltered_fn(x, backend)}
@@ -166,6 +224,8 @@ def peers(x: Inputs, case) -> dict:
         return {}  # greedy: the filters change nothing
     if x.temp == 0:
         return {"torch-greedy": lambda: (lambda: torch_greedy(x))}
+    if x.draft_logits is not None and x.penalties:
+        return {"torch-penalized-sampler": lambda: (lambda: torch_penalized_sampler(x)), **unfiltered}
     if x.draft_logits is not None:
         return {"torch-sampler": lambda: (lambda: torch_rejection_sampler(x)), **unfiltered}
     return unfiltered
@@ -179,6 +239,8 @@ def min_bytes(x: Inputs, res) -> int:
         node = res.accepted_nodes.long().clamp(min=0)
         needs_draft = on_path & x.has_children.gather(1, node)
         rows += int(needs_draft.sum()) * V * x.draft_logits.element_size()
+    if x.penalties:
+        rows += x.target_logits.shape[0] * (V * 4 + V // 8)
     return rows
 
 
@@ -218,4 +280,5 @@ def describe(p: dict) -> str:
     mode = "greedy" if float(p["temp"]) == 0 else f"t{p['temp']:g}"
     draft = "draft-logits" if p["draft"] == "iid" else "topk-proposals"
     filters = (f" top_k{p['top_k']}" if p.get("top_k") else "") + (f" top_p{p['top_p']:g}" if p.get("top_p", 1) < 1 else "")
-    return f"B{p['B']} T{p['T']} V{p['V']} {p['dtype']} {p['tree']} {draft} {mode}{filters}"
+    penalties = f" penalties+bias{NUM_BIAS}+logprobs{NUM_LOGPROBS}" if p.get("penalties") else ""
+    return f"B{p['B']} T{p['T']} V{p['V']} {p['dtype']} {p['tree']} {draft} {mode}{filters}{penalties}"

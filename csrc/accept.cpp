@@ -10,8 +10,13 @@
 //                 Philox4x32(seeds[b], offset + offsets[b]) only, so a request's result does not depend on
 //                 the rest of the batch
 //   num_nodes     (B,) int32/int64
+//   step 0 (each None: off): repetition / frequency / presence penalty (B,) float32, output_token_counts (B, V)
+//                 int32, prompt_token_mask (B, ceil(V/32)) int32, logit_bias_ids / logit_bias_values (B, K),
+//                 min_tokens (B,) with stop_token_ids (B, S); filter_order "hf" | "vllm" | "sglang";
+//                 return_logprobs -1 (off) or N in [0, 20], logprobs_mode "raw" | "processed"
 // -> accepted_nodes (B, T) int32 (path from node 0, padded with -1), num_accepted (B,) int32,
-//    next_tokens (B,) int64
+//    next_tokens (B,) int64, logprobs (B, T) float32, top_logprobs (B, T, N) float32, top_token_ids (B, T, N) int64
+//    (the logprobs of the emitted tokens, NaN / -1 after them; off: (B, 0), (B, 0, 0))
 //
 // Semantics of reference.accept: greedy descends into the first child (node order) whose token is the
 // target argmax (first index on ties). Sampling with p = softmax(target / t) keeps a residual r (= p at
@@ -28,8 +33,16 @@
 // the entries above that bound are candidates, std::nth_element on them), min-p by solving
 // exp((v - M) / t) >= min_p for the smallest float v (double math), top-p by a weighted selection over
 // the kept tokens (after pruning, in one vectorized pass of mass pivots, the ones that cannot reach the
-// boundary; top_p_threshold) with double-precision masses. A request with every filter off takes the
-// plain path below, unchanged.
+// boundary; top_p_threshold) with double-precision masses. filter_order only changes the set top-p normalizes
+// over (process_row). A request with every filter off takes the plain path below, unchanged.
+//
+// Step 0 (reference.penalized_row, vLLM's order and arithmetic: the logit bias, min-tokens' stop tokens at -inf,
+// then the repetition, frequency and presence penalties, each a rounded acc_t operation) is applied as a node's
+// row is read (Accept::penalize, into per-thread scratch, so the rows are then read as acc_t: row_t): the counts
+// are the output counts plus the node's path tokens as point corrections. The drafter's row at the node gets the
+// same step 0. Logprobs (write_position: one pass over the row for the exp sum and the top entries) are computed at
+// each emitted position's parent row: by the token-wise walk as it leaves the node (the row still in cache), after
+// the walk for block and traversal verification.
 //
 // Two passes: (1) every row once, at memory speed: its max, which also gives the NaN/+inf flags (the input
 // checks need all rows anyway); (2) per request, walk the tree, reading again only the rows on the path
@@ -105,12 +118,14 @@ struct RowStats {
   }
 
   void compute(int64_t row_begin, int64_t row_end) const {
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      const acc_t m = row_max(data + r * V);
-      max.data_ptr<double>()[r] = static_cast<double>(m);
-      nan.data_ptr<bool>()[r] = std::isnan(m);
-      posinf.data_ptr<bool>()[r] = m == std::numeric_limits<acc_t>::infinity();
-    }
+    for (int64_t r = row_begin; r < row_end; ++r) record(r, row_max(data + r * V));
+  }
+
+  // row r's max m (NaN if the row holds one), found elsewhere
+  void record(int64_t r, acc_t m) const {
+    max.data_ptr<double>()[r] = static_cast<double>(m);
+    nan.data_ptr<bool>()[r] = std::isnan(m);
+    posinf.data_ptr<bool>()[r] = m == std::numeric_limits<acc_t>::infinity();
   }
 };
 
@@ -149,6 +164,10 @@ struct Residual {
   // scratch of the filters: top-k candidates, top-p (value, weight) candidates
   std::vector<acc_t> top_k_buffer, group_max;
   Values top_p_values, top_p_weights;
+  // step 0: the node's target and draft rows after it (sized when step 0 is on); logprobs: the raw values of the
+  // tokens step 0 changed (Accept::raw_log_sum_from_law)
+  std::vector<acc_t> penalized_r, penalized_q;
+  std::vector<double> changed_values;
 
   Residual(int64_t V, bool with_draft) : r(V), q(with_draft ? V : 0), block_sums((V + kBlock - 1) / kBlock) {}
 
@@ -261,7 +280,9 @@ inline double top_p_threshold(double* x, double* w, int64_t n, double P) {
   return threshold;
 }
 
-template <typename scalar_t>
+// row_t: the element type of the rows the laws are computed from: the logits' own (scalar_t), or acc_t when step 0
+// is on (Accept::penalize writes each node's row, in acc_t, into scratch).
+template <typename scalar_t, typename row_t = scalar_t>
 struct Accept {
   using acc_t = acc_type_t<scalar_t>;
   using Vec = Vectorized<acc_t>;
@@ -290,6 +311,19 @@ struct Accept {
   int32_t* accepted;  // (B, T), pre-filled with -1
   int32_t* num_accepted;
   int64_t* next_tokens;
+  FilterOrder order = FilterOrder::kHf;  // the set top-p normalizes over (process_row)
+  // step 0 (AcceptInputs), each null when off: penalties (B,), output counts (B, V), prompt bits (B, W), logit
+  // bias (B, K), min-tokens (B,) with stop tokens (B, S)
+  const float *repetition = nullptr, *frequency = nullptr, *presence = nullptr, *bias_values = nullptr;
+  const int32_t *counts = nullptr, *prompt = nullptr, *bias_ids = nullptr, *min_tokens = nullptr, *stop_ids = nullptr;
+  int64_t num_bias = 0, num_stop = 0;
+  bool penalized = false;  // step 0 on (row_t is acc_t then)
+  bool* stopped_empty = nullptr;  // (B, T) flags (with min_tokens): a real row min-tokens and the mask leave empty
+  // logprobs (return_logprobs = num_top >= 0): (B, T), (B, T, num_top), (B, T, num_top), pre-filled NaN / -1
+  int64_t num_top = -1;
+  bool processed_logprobs = false;
+  float *logprobs = nullptr, *top_logprobs = nullptr;
+  int64_t* top_ids = nullptr;
 
   static double reduce_sum(const Vec& v) {
     return static_cast<double>(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), v));
@@ -297,7 +331,7 @@ struct Accept {
 
   // The first index of the row's max (greedy's argmax, ties to the first), read again for the few rows
   // that need it. A NaN row (reported after the walk) has none: 0 keeps the walk in bounds.
-  int64_t first_argmax(const scalar_t* row, double max) const {
+  int64_t first_argmax(const row_t* row, double max) const {
     const acc_t m = static_cast<acc_t>(max);
     for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
       int64_t found = -1;
@@ -318,7 +352,7 @@ struct Accept {
   // dst = exp((row - max) * inv_t) by blocks; block_sums (if given) gets each block's sum. Returns the
   // total. exp_u20 (the exp of ATen's own softmax) is far cheaper than the 1-ulp exp; its 20-ulp error is
   // far below what any sampling test can see, and the residual stays a valid law.
-  double exp_row(const scalar_t* row, double max, double inv_t, acc_t* dst, double* block_sums) const {
+  double exp_row(const row_t* row, double max, double inv_t, acc_t* dst, double* block_sums) const {
     const Vec m(static_cast<acc_t>(max)), it(static_cast<acc_t>(inv_t));
     double total = 0;
     for (int64_t b0 = 0, k = 0; b0 < V; b0 += kBlock, ++k) {
@@ -427,8 +461,8 @@ struct Accept {
   }
 
   // for_each_vec over row[b0, b0 + n) with the disallowed entries at -inf; indices relative to b0.
-  template <typename VecFn, typename ScalarFn>
-  void masked_for_each(const scalar_t* row, int64_t b0, int64_t n, const MaskRow& mask, VecFn&& vec_fn,
+  template <typename E, typename VecFn, typename ScalarFn>
+  void masked_for_each(const E* row, int64_t b0, int64_t n, const MaskRow& mask, VecFn&& vec_fn,
                        ScalarFn&& scalar_fn) const {
     if (mask.words == nullptr) {
       for_each_vec(row + b0, n, vec_fn, scalar_fn);
@@ -448,7 +482,7 @@ struct Accept {
   }
 
   // The max over the allowed entries (-inf: none is finite; NaN propagates).
-  acc_t masked_max(const scalar_t* row, const MaskRow& mask) const {
+  acc_t masked_max(const row_t* row, const MaskRow& mask) const {
     Vec m(-kInf);
     acc_t tail = -kInf;
     masked_for_each(row, 0, V, mask, [&](const Vec& x, int64_t) { m = at::vec::maximum(m, x); },
@@ -458,7 +492,7 @@ struct Accept {
   }
 
   // The first allowed index holding the masked max M (greedy's argmax); 0 if there is none.
-  int64_t first_allowed_max(const scalar_t* row, const MaskRow& mask, acc_t M) const {
+  int64_t first_allowed_max(const row_t* row, const MaskRow& mask, acc_t M) const {
     if (mask.words == nullptr) return first_argmax(row, M);
     int64_t found = -1;
     for (int64_t b0 = 0; b0 < V && found < 0; b0 += kBlock) {
@@ -474,7 +508,7 @@ struct Accept {
 
   // The maxima of the row's groups of kGroup entries (disallowed at -inf, NaN as -inf) into `maxima`.
   static constexpr int64_t kGroup = 64;  // a multiple of every vector size, a divisor of kBlock
-  void group_maxima(const scalar_t* row, const MaskRow& mask, std::vector<acc_t>& maxima) const {
+  void group_maxima(const row_t* row, const MaskRow& mask, std::vector<acc_t>& maxima) const {
     maxima.resize((V + kGroup - 1) / kGroup);
     for (int64_t g = 0, g0 = 0; g0 < V; ++g, g0 += kGroup) {
       Vec m(-kInf);
@@ -489,7 +523,7 @@ struct Accept {
   // Top-k: the k-th largest allowed value (ties counted), kLowest when fewer than k are finite. The k-th
   // largest group maximum is a lower bound (k groups reach it, so k entries do): only the entries at or
   // above it, in the groups whose maximum reaches it, are candidates; std::nth_element on those.
-  acc_t top_k_threshold(const scalar_t* row, const MaskRow& mask, int64_t k, Residual<acc_t>& res) const {
+  acc_t top_k_threshold(const row_t* row, const MaskRow& mask, int64_t k, Residual<acc_t>& res) const {
     std::vector<acc_t>& maxima = res.group_max;
     std::vector<acc_t>& buffer = res.top_k_buffer;
     group_maxima(row, mask, maxima);
@@ -567,7 +601,7 @@ struct Accept {
 
   // dst = exp((x - M) * inv_t) on the allowed x >= threshold, 0 elsewhere, by blocks (block_sums if given);
   // the kept values are appended to `kept` when given. Returns the total.
-  double exp_kept(const scalar_t* row, const MaskRow& mask, acc_t M, double inv_t, acc_t threshold, acc_t* dst,
+  double exp_kept(const row_t* row, const MaskRow& mask, acc_t M, double inv_t, acc_t threshold, acc_t* dst,
                   double* block_sums, Values* kept) const {
     const Vec m(M), it(static_cast<acc_t>(inv_t)), thr(threshold), zero(acc_t(0));
     double total = 0;
@@ -608,7 +642,7 @@ struct Accept {
   }
 
   // Appends the values of the entries with dst >= floor (> 0) to `out`; returns the sum of the other entries.
-  double collect_above(const scalar_t* row, const acc_t* dst, acc_t floor, Values& out) const {
+  double collect_above(const row_t* row, const acc_t* dst, acc_t floor, Values& out) const {
     const Vec f(floor), zero(acc_t(0));
     Vec rest = zero;
     double tail = 0;
@@ -651,7 +685,7 @@ struct Accept {
   }
 
   // dst <- 0 where the row's value is < threshold, block sums refreshed; returns the new total.
-  double drop_below(const scalar_t* row, acc_t threshold, acc_t* dst, double* block_sums) const {
+  double drop_below(const row_t* row, acc_t threshold, acc_t* dst, double* block_sums) const {
     const Vec thr(threshold), zero(acc_t(0));
     double total = 0;
     for (int64_t b0 = 0, k = 0; b0 < V; b0 += kBlock, ++k) {
@@ -672,44 +706,438 @@ struct Accept {
   }
 
   // The processed law of one row into dst (unnormalized, block sums if given): exp((x - M) / t) on the kept
-  // tokens, M the masked max. Returns its total, 0 when no allowed logit is finite (bad input, reported
-  // after the walk; M is then -inf or NaN).
+  // tokens, M the masked max; the kept tokens are the allowed x >= threshold. Returns its total, 0 when no allowed
+  // logit is finite (bad input, reported after the walk; M is then -inf or NaN, the threshold +inf).
   struct Law {
     double total;
-    acc_t max;
+    acc_t max, threshold;
   };
-  Law process_row(const scalar_t* row, double raw_max, double inv_t, const Filters& f, const MaskRow& mask,
+  Law process_row(const row_t* row, double raw_max, double inv_t, const Filters& f, const MaskRow& mask,
                   acc_t* dst, double* block_sums, Residual<acc_t>& res) const {
     const acc_t M = mask.words != nullptr ? masked_max(row, mask) : static_cast<acc_t>(raw_max);
     if (!(M > -kInf)) {
       std::fill(dst, dst + V, acc_t(0));
       if (block_sums != nullptr) std::fill(block_sums, block_sums + (V + kBlock - 1) / kBlock, 0.0);
-      return {0.0, M};
+      return {0.0, M, kInf};
     }
     const acc_t top_k_thr = top_k_on(f) ? std::max(kLowest, top_k_threshold(row, mask, f.k, res)) : kLowest;
     const acc_t min_p_thr = f.min_p > 0.0 ? min_p_threshold(M, inv_t, f.min_p) : kLowest;
-    if (!(f.top_p < 1.0)) {
-      return {exp_kept(row, mask, M, inv_t, std::max(top_k_thr, min_p_thr), dst, block_sums, nullptr), M};
+    acc_t thr = std::max(top_k_thr, min_p_thr);  // (min-p's set depends on M only: the same in every order)
+    if (thr == kLowest && mask.words == nullptr && !(f.top_p < 1.0)) {  // every token kept (M is not NaN: no NaN)
+      return {exp_row(row, M, inv_t, dst, block_sums), M, thr};
     }
-    // top-p, over what top-k keeps: with top-k on, its (few) kept tokens are the candidates; else the
-    // tokens below top_p_floor (whose mass above is >= top_p Z: none is kept) are pruned first
+    if (!(f.top_p < 1.0)) return {exp_kept(row, mask, M, inv_t, thr, dst, block_sums, nullptr), M, thr};
+    // top-p normalizes over the set `base` keeps (filter_order): the top-k set ("hf"), the min-p and top-k set
+    // ("vllm"), every allowed token ("sglang"). With top-k in that set, its (few) kept tokens are the candidates;
+    // else the tokens below top_p_floor (whose mass above is >= top_p Z: none is kept) are pruned first
+    const acc_t base = order == FilterOrder::kHf ? top_k_thr : order == FilterOrder::kVllm ? thr : kLowest;
     Values& candidates = res.top_p_values;
     candidates.reset(V);
-    const bool few = top_k_on(f);
-    double total = exp_kept(row, mask, M, inv_t, top_k_thr, dst, block_sums, few ? &candidates : nullptr);
+    const bool few = top_k_on(f) && order != FilterOrder::kSglang;
+    double total = exp_kept(row, mask, M, inv_t, base, dst, block_sums, few ? &candidates : nullptr);
     double mass = 0;  // of the pruned tokens
     if (!few) {
       const double floor = top_p_floor(dst, total, f.top_p);
       mass = collect_above(row, dst, std::max(static_cast<acc_t>(floor), std::numeric_limits<acc_t>::min()),
                            candidates);
     }
-    if (candidates.size == 0) return {total, M};
-    mass += double_weights(candidates, M, inv_t, res.top_p_weights);  // the weights that decide, in double precision
-    const acc_t top_p_thr = static_cast<acc_t>(top_p_threshold(candidates.data.get(), res.top_p_weights.data.get(),
-                                                               candidates.size, f.top_p * mass));
-    const acc_t thr = std::max(top_p_thr, min_p_thr);
-    if (thr > top_k_thr) total = drop_below(row, thr, dst, block_sums);
-    return {total, M};
+    if (candidates.size > 0) {
+      mass += double_weights(candidates, M, inv_t, res.top_p_weights);  // the weights that decide, in double
+      thr = std::max(thr, static_cast<acc_t>(top_p_threshold(candidates.data.get(), res.top_p_weights.data.get(),
+                                                             candidates.size, f.top_p * mass)));
+    }
+    if (thr > base) total = drop_below(row, thr, dst, block_sums);
+    return {total, M, thr};
+  }
+
+  // The top logprobs' ranking: the n largest values offered, decreasing, ties by the lower id (tokens are offered in
+  // increasing order: a token enters only above the n-th kept value, the equal ones kept having lower ids, and
+  // after the equal ones). NaN ranks as -inf.
+  static constexpr int64_t kMaxTop = 20;  // (return_logprobs <= 20, _validation)
+  struct TopEntries {
+    int32_t ids[kMaxTop];
+    acc_t kept[kMaxTop];
+    int64_t n = 0, size = 0;
+    bool full = true;
+    acc_t bar = -kInf;  // the n-th kept value once full
+    void reset(int64_t count) {
+      n = count;
+      size = 0;
+      full = n == 0;
+      bar = n == 0 ? kInf : -kInf;  // (none enters when none is asked for)
+    }
+    void offer(acc_t x, int64_t v) {
+      if (!(x >= kLowest)) x = -kInf;
+      if (full && !(x > bar)) return;
+      int64_t at = 0;
+      while (at < size && !(x > kept[at])) ++at;
+      for (int64_t k = std::min(size, n - 1); k > at; --k) {
+        ids[k] = ids[k - 1];
+        kept[k] = kept[k - 1];
+      }
+      ids[at] = static_cast<int32_t>(v);
+      kept[at] = x;
+      size = std::min(size + 1, n);
+      full = size == n;
+      bar = kept[size - 1];
+    }
+    // tokens v0 .. v0 + lanes - 1 (one comparison unless one of them enters)
+    void offer_lanes(const Vec& x, int64_t v0) {
+      uint32_t lanes = full ? set_lanes(x > Vec(bar)) : (1u << Vec::size()) - 1;
+      if (lanes == 0) return;
+      acc_t values[Vec::size()];
+      x.store(values);
+      for (; lanes != 0; lanes &= lanes - 1) offer(values[__builtin_ctz(lanes)], v0 + __builtin_ctz(lanes));
+    }
+  };
+
+  // ------------------------------------------------------------------------------------------------
+  // step 0: penalties, logit bias, min-tokens (specdec.reference.penalized_row)
+  // ------------------------------------------------------------------------------------------------
+  // x as computed, never fused with the next operation: vLLM rounds f * count before the subtraction (an FMA
+  // would not; GCC contracts C++ by default), and the backends agree bit for bit only if every step is its own
+  // rounded operation. (The empty asm makes x a value the compiler cannot see through.)
+  template <typename T>
+  static T unfused(T x) {
+    asm volatile("" : "+m"(x));
+    return x;
+  }
+
+  struct Penalty {
+    acc_t repetition = 1, inv_repetition = 1, frequency = 0, presence = 0;
+    bool any() const { return repetition != 1 || frequency != 0 || presence != 0; }
+  };
+  Penalty penalty(int64_t b) const {
+    Penalty p;
+    if (repetition != nullptr) {
+      p.repetition = static_cast<acc_t>(repetition[b]);
+      p.inv_repetition = acc_t(1) / p.repetition;
+    }
+    if (frequency != nullptr) p.frequency = static_cast<acc_t>(frequency[b]);
+    if (presence != nullptr) p.presence = static_cast<acc_t>(presence[b]);
+    return p;
+  }
+  // steps a-c on one value whose token appears `count` times (output and path) and in the prompt or not
+  static acc_t penalize_value(acc_t x, int64_t count, bool in_prompt, const Penalty& p) {
+    if (p.repetition != 1 && (in_prompt || count > 0)) x = x * (x > 0 ? p.inv_repetition : p.repetition);
+    if (p.frequency != 0) x = x - unfused(p.frequency * static_cast<acc_t>(count));
+    if (p.presence != 0) x = x - unfused(p.presence * static_cast<acc_t>(count > 0));
+    return x;
+  }
+  bool in_prompt(int64_t b, int64_t v) const {
+    return prompt != nullptr && ((static_cast<uint32_t>(prompt[b * words() + (v >> 5)]) >> (v & 31)) & 1u);
+  }
+
+  // The draft tokens on node i's path (node 0's excluded), sorted: their multiplicities correct the counts.
+  void path_tokens(int64_t b, int64_t i, std::vector<int32_t>& path) const {
+    path.clear();
+    for (int64_t j = i; j > 0; j = parents[b * T + j]) path.push_back(tokens[b * T + j]);
+    std::sort(path.begin(), path.end());
+  }
+
+  // Request b's tokens that the penalties touch whatever the path (an output count > 0 or in the prompt), sorted,
+  // with their output counts and prompt flags, and the number of tokens it generated before the tree (the sum of
+  // its output counts): read once per request.
+  struct OutputTokens {
+    std::vector<int32_t> touched, touched_counts;
+    std::vector<char> touched_in_prompt;
+    int64_t generated = 0;
+  };
+  void output_tokens(int64_t b, OutputTokens& out) const {
+    const bool counted = penalty(b).any();
+    out.touched.clear();
+    out.touched_counts.clear();
+    out.touched_in_prompt.clear();
+    out.generated = 0;
+    if (counts == nullptr) return;
+    const int32_t* count = counts + b * V;
+    using IVec = Vectorized<int32_t>;
+    int64_t v = 0;
+    for (; v + IVec::size() <= V; v += IVec::size()) {  // (counts are mostly 0: the nonzero ones one by one)
+      uint32_t lanes = set_lanes(at::vec::cast<float>(IVec::loadu(count + v) != IVec(0)));  // (lanes as float bits)
+      for (; lanes != 0; lanes &= lanes - 1) {
+        const int64_t u = v + __builtin_ctz(lanes);
+        out.generated += count[u];
+        if (counted) out.touched.push_back(static_cast<int32_t>(u));
+      }
+    }
+    for (; v < V; ++v) {
+      out.generated += count[v];
+      if (counted && count[v] != 0) out.touched.push_back(static_cast<int32_t>(v));
+    }
+    if (!counted) return;
+    const size_t from_counts = out.touched.size();
+    for (int64_t w = 0; prompt != nullptr && w < words(); ++w) {
+      for (uint32_t bits = static_cast<uint32_t>(prompt[b * words() + w]); bits != 0; bits &= bits - 1) {
+        const int64_t u = w * 32 + __builtin_ctz(bits);
+        if (u < V && count[u] == 0) out.touched.push_back(static_cast<int32_t>(u));
+      }
+    }
+    std::inplace_merge(out.touched.begin(), out.touched.begin() + from_counts, out.touched.end());
+    out.touched_counts.resize(out.touched.size());
+    out.touched_in_prompt.resize(out.touched.size());
+    for (size_t k = 0; k < out.touched.size(); ++k) {
+      out.touched_counts[k] = count[out.touched[k]];
+      out.touched_in_prompt[k] = in_prompt(b, out.touched[k]);
+    }
+  }
+
+  // dst = node i's row src after step 0 (raw_max: src's max, NaN if it holds one, found by the copy when not
+  // raw_max_known; `path`, `special`: scratch); returns its max. vLLM's order: the logit bias (entries in the order
+  // given, each addition rounded), min-tokens' stop tokens at -inf, then the penalties with the counts of the output
+  // and the path. Every token outside out.touched, the path, the bias and the stop tokens is left as it is (its
+  // penalties subtract 0): dst is a copy of src with those few tokens computed again from src (the special ones last,
+  // over the output's), and its max is src's unless a changed token held it. raw_top (or null): ranks src's values
+  // for the top logprobs.
+  double penalize(int64_t b, int64_t i, const scalar_t* src, acc_t* dst, acc_t& raw_max, bool raw_max_known,
+                  const OutputTokens& out, std::vector<int32_t>& path, std::vector<int32_t>& special,
+                  TopEntries* raw_top) const {
+    const Penalty p = penalty(b);
+    const bool counted = p.any();
+    const int32_t* count = counts != nullptr ? counts + b * V : nullptr;
+    if (raw_top == nullptr && raw_max_known) {
+      load_row(src, dst, V);
+    } else {  // (the copy ranks src for the top logprobs, or finds its max, as it goes)
+      Vec lanes_max(-kInf), lanes_max2(-kInf);  // (two chains of maxima: one is latency-bound)
+      acc_t tail_max = -kInf;
+      for_each_vec(src, V,
+          [&](const Vec& x, int64_t v) {
+            x.store(dst + v);
+            if (raw_top != nullptr) raw_top->offer_lanes(x, v);
+            if ((v / Vec::size()) % 2 == 0) {
+              lanes_max = at::vec::maximum(lanes_max, x);
+            } else {
+              lanes_max2 = at::vec::maximum(lanes_max2, x);
+            }
+          },
+          [&](acc_t x, int64_t v) {
+            dst[v] = x;
+            if (raw_top != nullptr) raw_top->offer(x, v);
+            tail_max = std::isnan(tail_max) || x <= tail_max ? tail_max : x;  // (NaN sticks)
+          });
+      if (!raw_max_known) {
+        auto maximum = [](Vec x, Vec y) { return at::vec::maximum(x, y); };
+        const acc_t lanes = at::vec::vec_reduce_all<acc_t>(maximum, at::vec::maximum(lanes_max, lanes_max2));
+        raw_max = std::isnan(lanes) || std::isnan(tail_max) ? std::numeric_limits<acc_t>::quiet_NaN()
+                                                            : std::max(lanes, tail_max);
+      }
+    }
+    path_tokens(b, i, path);
+    const bool stopping = min_tokens != nullptr && out.generated + static_cast<int64_t>(path.size()) < min_tokens[b];
+    special.assign(path.begin(), path.end());
+    for (int64_t k = 0; k < num_bias; ++k) special.push_back(bias_ids[b * num_bias + k]);
+    for (int64_t k = 0; stopping && k < num_stop; ++k) special.push_back(stop_ids[b * num_stop + k]);
+    std::sort(special.begin(), special.end());
+    special.erase(std::unique(special.begin(), special.end()), special.end());
+    const acc_t old_max = static_cast<acc_t>(raw_max);
+    bool held_max = std::isnan(old_max);  // a changed token held src's max (then dst's is computed again)
+    acc_t new_max = -kInf;  // of the changed tokens (NaN sticks)
+    auto changed = [&](int64_t v, acc_t x) {
+      held_max |= static_cast<acc_t>(src[v]) == old_max;
+      new_max = std::isnan(new_max) || x <= new_max ? new_max : x;
+      dst[v] = x;
+    };
+    const int64_t num_touched = static_cast<int64_t>(out.touched.size());
+    int64_t touched_argmax = -1;  // the token of new_max among the output's (its value may be replaced below)
+    for (int64_t k = 0; k < num_touched; ++k) {
+      const int32_t v = out.touched[k];
+      const acc_t x = penalize_value(static_cast<acc_t>(src[v]), out.touched_counts[k], out.touched_in_prompt[k], p);
+      if (!(x <= new_max) && !std::isnan(new_max)) touched_argmax = v;
+      changed(v, x);
+    }
+    if (touched_argmax >= 0 && std::binary_search(special.begin(), special.end(), touched_argmax)) {
+      held_max = true;  // (new_max may be a value replaced by the special tokens' loop: computed again)
+    }
+    for (const int32_t v : special) {
+      if (v < 0) continue;  // (padding)
+      acc_t x = static_cast<acc_t>(src[v]);
+      for (int64_t k = 0; k < num_bias; ++k) {
+        if (bias_ids[b * num_bias + k] == v) x = x + static_cast<acc_t>(bias_values[b * num_bias + k]);
+      }
+      for (int64_t k = 0; stopping && k < num_stop; ++k) {
+        if (stop_ids[b * num_stop + k] == v) x = -kInf;
+      }
+      if (counted) {
+        const auto on_path = std::equal_range(path.begin(), path.end(), v);
+        x = penalize_value(x, int64_t{count[v]} + (on_path.second - on_path.first), in_prompt(b, v), p);
+      }
+      changed(v, x);
+    }
+    if (held_max) {
+      auto maximum = [](Vec x, Vec y) { return at::vec::maximum(x, y); };
+      return static_cast<double>(at::vec::reduce_all<acc_t>(maximum, dst, V));
+    }
+    return static_cast<double>(std::isnan(new_max) ? new_max : std::max(old_max, new_max));
+  }
+
+  // Whether min-tokens leaves request b's real node i (generated + depth tokens so far) a finite allowed token of
+  // its raw row (_validation.check_rows_after_min_tokens; the rows after step 0 are not checked, like there).
+  bool stop_leaves_a_token(int64_t b, int64_t i, int64_t generated, std::vector<int32_t>& path,
+                           std::vector<char>& stop) const {
+    path_tokens(b, i, path);
+    if (generated + static_cast<int64_t>(path.size()) >= min_tokens[b]) return true;
+    const scalar_t* row = target + (row_offsets[b] + i) * V;
+    const MaskRow mask{bitmask != nullptr ? bitmask + (row_offsets[b] + i) * words() : nullptr};
+    for (int64_t v = 0; v < V; ++v) {
+      if (!stop[v] && mask.allowed(v) && static_cast<acc_t>(row[v]) > -kInf) return true;
+    }
+    return false;
+  }
+
+  // ------------------------------------------------------------------------------------------------
+  // logprobs
+  // ------------------------------------------------------------------------------------------------
+  // Request b's logprobs (specdec.reference.log_law): at emitted position j (0..length), the log-law of its parent
+  // row at the emitted token (the next accepted node's, then next_token); the num_top largest entries ranked by the
+  // row's values (not by rounded logprobs), ties by the lower id. A position's log-law is log_softmax(values *
+  // scale), values being the row's allowed entries >= threshold (the others, and NaN, at -inf) and m their max
+  // (known from the walk): one pass over the row gives the exp sum and the top entries.
+  struct LogLaw {
+    double m, scale, log_sum;
+    acc_t threshold;
+    MaskRow mask;
+    template <typename E>
+    double at(const E* row, int64_t v) const {
+      const acc_t x = static_cast<acc_t>(row[v]);
+      const double value = mask.allowed(v) && x >= threshold ? static_cast<double>(x) : -kInfDouble;
+      return (value - m) * scale - log_sum;
+    }
+  };
+  static constexpr double kInfDouble = std::numeric_limits<double>::infinity();
+
+  // Position j of request b: row (the raw row, or node's row after step 0), its mask, threshold, max m and scale as
+  // above; writes the emitted token's logprob and the top entries. known_total (> 0, or 0: unknown): the exp sum when
+  // the walk's law is this log-law (its total), so the pass only ranks.
+  template <typename E>
+  void write_position(int64_t b, int64_t j, const E* row, const MaskRow& mask, acc_t threshold, double m, double scale,
+                      int64_t emitted, double known_total = 0) const {
+    TopEntries top;
+    top.reset(std::min(num_top, V));
+    const Vec vm(static_cast<acc_t>(m)), vs(static_cast<acc_t>(scale)), thr(threshold), zero(acc_t(0)), none(-kInf);
+    if (known_total > 0) {
+      masked_for_each(row, 0, V, mask,
+          [&](const Vec& given, int64_t i) { top.offer_lanes(Vec::blendv(none, given, given >= thr), i); },
+          [&](acc_t given, int64_t i) { top.offer(given >= threshold ? given : -kInf, i); });
+      write_entries(b, j, row, LogLaw{m, scale, std::log(known_total), threshold, mask}, top, emitted);
+      return;
+    }
+    double total = 0;
+    for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
+      Vec sum = zero;
+      double tail = 0;
+      masked_for_each(row, b0, std::min(kBlock, V - b0), mask,
+          [&](const Vec& given, int64_t i) {
+            const Vec keep = given >= thr;  // (NaN: dropped)
+            const Vec x = Vec::blendv(none, given, keep);
+            sum = sum + Vec::blendv(zero, ((x - vm) * vs).exp_u20(), keep);
+            top.offer_lanes(x, b0 + i);
+          },
+          [&](acc_t given, int64_t i) {
+            const bool keep = given >= threshold;
+            const acc_t x = keep ? given : -kInf;
+            tail += keep ? std::exp((x - static_cast<acc_t>(m)) * static_cast<acc_t>(scale)) : acc_t(0);
+            top.offer(x, b0 + i);
+          });
+      total += reduce_sum(sum) + tail;
+    }
+    write_entries(b, j, row, LogLaw{m, scale, std::log(total), threshold, mask}, top, emitted);
+  }
+
+  template <typename E>
+  void write_entries(int64_t b, int64_t j, const E* row, const LogLaw& law, const TopEntries& top,
+                     int64_t emitted) const {
+    logprobs[b * T + j] = static_cast<float>(law.at(row, emitted));
+    for (int64_t k = 0; k < top.n; ++k) {
+      const double value = static_cast<double>(top.kept[k]);
+      top_logprobs[(b * T + j) * num_top + k] = static_cast<float>((value - law.m) * law.scale - law.log_sum);
+      top_ids[(b * T + j) * num_top + k] = top.ids[k];
+    }
+  }
+
+  // Position j of request b whose parent row is node i's, the emitted token `emitted`: "raw" reads the row as given
+  // (its max from pass 1); "processed" the row after step 0 (`row`, with `max` its unmasked max) at the processed
+  // law's threshold (`threshold`, kLowest when unfiltered, and the law's masked max `law_max`) or, greedy, masked
+  // at temperature 1.
+  // law_total (> 0, or 0: unknown): the total of the walk's law at the node, which the processed log-law of a
+  // sampling request normalizes by (the same kept tokens, max and temperature), and the raw one too when the law is
+  // the raw row's at temperature 1 (no step 0, no mask, no token dropped).
+  void write_position_of(int64_t b, int64_t j, int64_t i, int64_t emitted, const row_t* row, acc_t law_max,
+                         acc_t threshold, bool greedy, double inv_t, const Filters& f, double law_total = 0) const {
+    const int64_t given = row_offsets[b] + i;
+    if (!processed_logprobs) {
+      const bool same_law = !greedy && !penalized && inv_t == 1.0 && f.mask == nullptr && threshold == kLowest;
+      write_position(b, j, target + given * V, MaskRow{}, kLowest, target_max[given], 1.0, emitted,
+                     same_law ? law_total : 0.0);
+      return;
+    }
+    const MaskRow mask{f.mask != nullptr ? f.mask + i * words() : nullptr};
+    write_position(b, j, row, mask, greedy ? kLowest : threshold, static_cast<double>(law_max), greedy ? 1.0 : inv_t,
+                   emitted, greedy ? 0.0 : law_total);
+  }
+
+  // A node's laws (Accept::run's `laws`): their totals, the target's (masked) max M, and the target row they were
+  // computed from (after step 0 when it is on: res' scratch, valid until the next call).
+  struct NodeLaws {
+    double r_sum, q_sum;
+    acc_t max;
+    const row_t* target_row;
+    acc_t threshold;  // the target law keeps the allowed values >= threshold
+  };
+
+  // The raw row's log exp sum at temperature 1 (shifted by its max m) from its node's law, when that law is
+  // exp(x - M) over every token of the row after step 0 (no mask, no token dropped): that row is the raw row but for
+  // the tokens step 0 changed (out.touched, and `special`: the node's path, bias and stop tokens, as penalize left
+  // them), so sum exp(raw - m) = exp(M - m) (Z - the law over the changed) + sum over the changed of exp(raw - m).
+  // False (not known) when the changed tokens hold half the law's mass or more (the difference would lose digits),
+  // or M and m are far apart (the law's small entries may have underflowed).
+  bool raw_log_sum_from_law(const scalar_t* raw, double m, const NodeLaws& law, const acc_t* r, const OutputTokens& out,
+                            const std::vector<int32_t>& special, std::vector<double>& shifted, double& log_sum) const {
+    const double M = static_cast<double>(law.max);
+    if (!(law.threshold == kLowest) || !(law.r_sum > 0) || !(std::abs(M - m) <= 20)) return false;  // (NaN: false)
+    double changed_law = 0;
+    shifted.clear();  // the changed tokens' raw - m
+    auto add = [&](int64_t v) {
+      changed_law += static_cast<double>(r[v]);
+      shifted.push_back(static_cast<double>(static_cast<acc_t>(raw[v])) - m);
+    };
+    for (const int32_t v : out.touched) add(v);
+    for (const int32_t v : special) {
+      if (v >= 0 && !std::binary_search(out.touched.begin(), out.touched.end(), v)) add(v);
+    }
+    if (!(changed_law <= 0.5 * law.r_sum)) return false;
+    using DVec = Vectorized<double>;
+    DVec lanes(0.0);
+    const int64_t n = static_cast<int64_t>(shifted.size());
+    int64_t k = 0;
+    for (; k + DVec::size() <= n; k += DVec::size()) lanes = lanes + DVec::loadu(shifted.data() + k).exp();
+    double changed_raw = at::vec::vec_reduce_all<double>(std::plus<DVec>(), lanes);
+    for (; k < n; ++k) changed_raw += std::exp(shifted[k]);
+    log_sum = std::log(std::exp(M - m) * (law.r_sum - changed_law) + changed_raw);
+    return true;
+  }
+
+  // The positions of a sampling walk that did not write them as it went (block and traversal verification): node
+  // rows computed again. node_row(i): node i's target row after step 0 and its max.
+  template <typename NodeRowFn>
+  void write_logprobs(int64_t b, int64_t length, int64_t token, const Filters& f, bool filtered, double inv_t,
+                      Residual<acc_t>& res, NodeRowFn&& node_row) const {
+    for (int64_t j = 0; j <= length; ++j) {
+      const int64_t i = accepted[b * T + j];
+      const int64_t emitted = j < length ? tokens[b * T + accepted[b * T + j + 1]] : token;
+      if (!processed_logprobs) {
+        write_position_of(b, j, i, emitted, nullptr, 0, kLowest, false, inv_t, f);
+        continue;
+      }
+      const auto [row, max] = node_row(i);
+      const MaskRow mask{f.mask != nullptr ? f.mask + i * words() : nullptr};
+      acc_t law_max = mask.words != nullptr ? masked_max(row, mask) : static_cast<acc_t>(max), threshold = kLowest;
+      if (filtered) {
+        const Law law = process_row(row, max, inv_t, f, mask, res.r.data(), nullptr, res);
+        law_max = law.max;
+        threshold = law.threshold;
+      }
+      write_position_of(b, j, i, emitted, row, law_max, threshold, false, inv_t, f);
+    }
   }
 
   // Whether an allowed entry of the row is finite (the value check of a masked row).
@@ -753,7 +1181,7 @@ struct Accept {
     double w = 1.0, w_tau = 1.0;
     int64_t tau = 0;
     for (int64_t i = 0; i <= gamma; ++i) {
-      const auto [r_sum, q_sum, M] = laws(i, i < gamma);
+      const auto [r_sum, q_sum, M, target_row, threshold] = laws(i, i < gamma);
       if (i > 0) {
         double h = w;
         if (i < gamma) {
@@ -772,15 +1200,13 @@ struct Accept {
       w = w == 0.0 ? 0.0 : std::min(w * ratio, 1.0);
       if (w == 0.0) break;
     }
-    const auto [r_sum, q_sum, M] = laws(tau, tau < gamma);
+    const auto [r_sum, q_sum, M, target_row, threshold] = laws(tau, tau < gamma);
     const double total = tau == gamma ? r_sum : subtract_residual(res, r_sum, q_sum * w_tau);
     const double u = rng.uniform();
     if (total > 0) return {tau, sample(res, total, u)};
     // no law to draw from: an empty row emits 0, a residual of probability 0 (by rounding) the argmax
     if (!(r_sum > 0)) return {tau, 0};
-    const int64_t row = row_offsets[b] + tau;
-    const MaskRow mask{f.mask != nullptr ? f.mask + tau * words() : nullptr};
-    return {tau, any(f) ? first_allowed_max(target + row * V, mask, M) : first_argmax(target + row * V, target_max[row])};
+    return {tau, first_allowed_max(target_row, MaskRow{f.mask != nullptr ? f.mask + tau * words() : nullptr}, M)};
   }
 
   // Traversal verification of request b's tree (the reference's _traversal_verify): post-order visits from
@@ -797,6 +1223,7 @@ struct Accept {
     struct Node {
       double c = 0, z = 1, w = 0, r_sum = 0, q_sum = 0;
       acc_t max = 0;
+      const row_t* row = nullptr;  // the target row the law was computed from (valid while res holds it)
       int64_t next_child = -1;
     };
     std::vector<Node> nodes(n);
@@ -806,10 +1233,11 @@ struct Accept {
     auto load = [&](int64_t v, double c) {
       Node& node = nodes[v];
       if (loaded != v) {
-        const auto [r_sum, q_sum, M] = laws(v, first_child[v] >= 0);
+        const auto [r_sum, q_sum, M, target_row, threshold] = laws(v, first_child[v] >= 0);
         node.r_sum = r_sum;
         node.q_sum = q_sum;
         node.max = M;
+        node.row = target_row;
         loaded = v;
         loaded_c = 0;
       }
@@ -827,10 +1255,8 @@ struct Accept {
       if (total > 0) return {v, sample(res, total, u)};
       // no law to draw from: an empty row emits 0, a residual of probability 0 (by rounding) the argmax
       if (!(nodes[v].r_sum > 0)) return {v, 0};
-      const int64_t row = row_offsets[b] + v;
-      const MaskRow mask{f.mask != nullptr ? f.mask + v * words() : nullptr};
-      return {v, any(f) ? first_allowed_max(target + row * V, mask, nodes[v].max)
-                        : first_argmax(target + row * V, target_max[row])};
+      return {v, first_allowed_max(nodes[v].row, MaskRow{f.mask != nullptr ? f.mask + v * words() : nullptr},
+                                   nodes[v].max)};
     };
     int64_t v = 0;
     double w = 1.0;
@@ -896,36 +1322,74 @@ struct Accept {
     const double inv_t = greedy ? 1.0 : 1.0 / temperature[b];  // (<= 1e5)
     RequestRng rng(seeds[b], offset + offsets[b]);
     acc_t *r = res.r.data(), *q = res.q.data();
-    std::vector<bool> scanned(lazy_target != nullptr ? T : 0, false);
+    // scanned[0 / 1][i]: the lazy statistics of node i's target / draft row are known (step 0's copy of a row finds
+    // them as it goes: node_row)
+    std::vector<bool> scanned[2] = {std::vector<bool>(lazy_target != nullptr ? T : 0, false),
+                                    std::vector<bool>(lazy_draft != nullptr ? T : 0, false)};
+    auto scan_row = [&](int64_t i, bool of_draft) {
+      const RowStats<scalar_t>* stats = of_draft ? lazy_draft : lazy_target;
+      if (stats == nullptr || scanned[of_draft][i]) return;
+      scanned[of_draft][i] = true;
+      stats->compute(row_offsets[b] + i, row_offsets[b] + i + 1);
+    };
     auto scan = [&](int64_t i) {
-      if (lazy_target == nullptr || scanned[i]) return;
-      scanned[i] = true;
-      lazy_target->compute(row_offsets[b] + i, row_offsets[b] + i + 1);
-      if (lazy_draft != nullptr) lazy_draft->compute(row_offsets[b] + i, row_offsets[b] + i + 1);
+      scan_row(i, false);
+      scan_row(i, true);
     };
     const Filters f = filters(b);
-    const bool filtered = any(f);  // else the plain path, as without the filters
+    const bool filtered = any(f) || penalized;  // else the plain path, as without the filters
+    OutputTokens output;
+    output_tokens(b, output);
+    std::vector<int32_t> path, special;
+    TopEntries* rank_raw = nullptr;  // when set, step 0 of a target row ranks the raw row into it
+    // Node i's target (draft: `of_draft`) row as the laws read it, after step 0 when it is on, and its max.
+    auto node_row = [&](int64_t i, bool of_draft) -> std::pair<const row_t*, double> {
+      const int64_t row = row_offsets[b] + i;
+      const scalar_t* given = (of_draft ? draft : target) + row * V;
+      if constexpr (std::is_same_v<row_t, acc_t>) {
+        if (penalized) {
+          acc_t* dst = of_draft ? res.penalized_q.data() : res.penalized_r.data();
+          const RowStats<scalar_t>* stats = of_draft ? lazy_draft : lazy_target;
+          const bool known = stats == nullptr || scanned[of_draft][i];
+          acc_t raw_max = known ? static_cast<acc_t>((of_draft ? draft_max : target_max)[row]) : acc_t(0);
+          const double max = penalize(b, i, given, dst, raw_max, known, output, path, special,
+                                      of_draft ? nullptr : rank_raw);
+          if (!known) {
+            scanned[of_draft][i] = true;
+            stats->record(row, raw_max);
+          }
+          return {dst, max};
+        }
+      }
+      if constexpr (std::is_same_v<row_t, scalar_t>) {
+        return {given, (of_draft ? draft_max : target_max)[row]};
+      } else {  // (16-bit rows are read as acc_t only with step 0 on)
+        TORCH_INTERNAL_ASSERT(false, "specdec::accept: acc_t rows without step 0");
+        return {nullptr, 0.0};
+      }
+    };
     int64_t node = 0, length = 0, token = -1;
     accepted[b * T] = 0;
-    // Node i's processed target law into res.r (block sums refreshed) and, when `with_q`, the draft's into
-    // res.q: (their totals, the target's masked max M).
+    // Node i's processed target law into res.r (block sums refreshed) and, when `with_q`, the draft's into res.q.
     auto laws = [&](int64_t i, bool with_q) {
-      const int64_t row = row_offsets[b] + i;
       const MaskRow mask{f.mask != nullptr ? f.mask + i * words() : nullptr};
-      scan(i);
-      acc_t M = static_cast<acc_t>(target_max[row]);
-      double r_sum;
+      if (!penalized) scan(i);  // (else node_row finds the statistics of the rows it reads)
+      const auto [target_row, max] = node_row(i, false);
+      NodeLaws out{0.0, 0.0, static_cast<acc_t>(max), target_row, kLowest};
       if (filtered) {
-        const Law law = process_row(target + row * V, target_max[row], inv_t, f, mask, r, res.block_sums.data(), res);
-        r_sum = law.total;
-        M = law.max;
+        const Law law = process_row(target_row, max, inv_t, f, mask, r, res.block_sums.data(), res);
+        out.r_sum = law.total;
+        out.max = law.max;
+        out.threshold = law.threshold;
       } else {
-        r_sum = exp_row(target + row * V, target_max[row], inv_t, r, res.block_sums.data());
+        out.r_sum = exp_row(target_row, max, inv_t, r, res.block_sums.data());
       }
-      const double q_sum = !with_q ? 0.0
-          : filtered ? process_row(draft + row * V, draft_max[row], inv_t, f, mask, q, nullptr, res).total
-                     : exp_row(draft + row * V, draft_max[row], inv_t, q, nullptr);
-      return std::make_tuple(r_sum, q_sum, M);
+      if (with_q) {
+        const auto [draft_row, q_max] = node_row(i, true);
+        out.q_sum = filtered ? process_row(draft_row, q_max, inv_t, f, mask, q, nullptr, res).total
+                             : exp_row(draft_row, q_max, inv_t, q, nullptr);
+      }
+      return out;
     };
     if (block && !greedy) {
       const auto [tau, drawn] = walk_block(b, n, f, rng, res, laws);
@@ -940,24 +1404,40 @@ struct Accept {
       token = drawn;
     }
     while (!((block || traversal) && !greedy)) {
-      const int64_t row = row_offsets[b] + node;
-      const scalar_t* target_row = target + row * V;
       const MaskRow mask{f.mask != nullptr ? f.mask + node * words() : nullptr};
-      scan(node);
+      if (!penalized) scan(node);  // (else node_row finds the statistics of the rows it reads)
       int64_t chosen = -1;
       if (greedy) {
-        // greedy: the argmax of the masked row (top-k, top-p and min-p never remove it)
-        const acc_t M = mask.words != nullptr ? masked_max(target_row, mask) : static_cast<acc_t>(target_max[row]);
-        const bool empty = mask.words != nullptr && !(M > -kInf);  // nothing allowed: stop, emit 0
-        token = empty ? 0 : mask.words != nullptr ? first_allowed_max(target_row, mask, M)
-                                                  : first_argmax(target_row, target_max[row]);
+        // greedy: the argmax of the row after step 0 and the mask (top-k, top-p and min-p never remove it)
+        const auto [target_row, max] = node_row(node, false);
+        const bool masked = mask.words != nullptr || penalized;
+        const acc_t M = mask.words != nullptr ? masked_max(target_row, mask) : static_cast<acc_t>(max);
+        const bool empty = masked && !(M > -kInf);  // nothing allowed: stop, emit 0
+        token = empty ? 0 : first_allowed_max(target_row, mask, M);
         for (int64_t c = empty ? -1 : first_child[node]; c >= 0 && chosen < 0; c = next_sibling[c]) {
           if (tokens[b * T + c] == token) chosen = c;
         }
+        if (num_top >= 0) write_position_of(b, length, node, token, target_row, M, kLowest, true, inv_t, f);
       } else {
         // a leaf's draft row is never needed: only the target law is sampled there; an empty target row
         // (bad input) accepts nothing
-        auto [r_sum, q_sum, M] = laws(node, draft != nullptr && first_child[node] >= 0);
+        // raw logprobs at temperature 1, step 0 on, no mask: step 0's copy of the row ranks the raw row, and the exp
+        // sum comes from the law's (raw_log_sum_from_law) when it can
+        const bool raw_from_law = num_top >= 0 && !processed_logprobs && penalized && inv_t == 1.0 && f.mask == nullptr;
+        TopEntries raw_top;
+        if (raw_from_law) {
+          raw_top.reset(std::min(num_top, V));
+          rank_raw = &raw_top;
+        }
+        const NodeLaws law = laws(node, draft != nullptr && first_child[node] >= 0);
+        rank_raw = nullptr;
+        const scalar_t* raw_row = target + (row_offsets[b] + node) * V;
+        const double raw_max = target_max[row_offsets[b] + node];
+        double raw_log_sum = 0;
+        const bool raw_known = raw_from_law && raw_log_sum_from_law(raw_row, raw_max, law, r, output, special,
+                                                                    res.changed_values, raw_log_sum);
+        double r_sum = law.r_sum;
+        const double q_sum = law.q_sum;
         const bool empty = filtered && !(r_sum > 0);
         const bool use_draft = draft != nullptr && first_child[node] >= 0 && !empty;
         for (int64_t c = empty ? -1 : first_child[node]; c >= 0 && chosen < 0; c = next_sibling[c]) {
@@ -980,8 +1460,14 @@ struct Accept {
           // r_sum <= 0 after a rejection: r == q, a rejection of probability 0 happened by rounding
           token = r_sum > 0 ? sample(res, r_sum, rng.uniform())
                   : empty   ? 0
-                  : filtered ? first_allowed_max(target_row, mask, M)
-                             : first_argmax(target_row, target_max[row]);
+                            : first_allowed_max(law.target_row, mask, law.max);
+        }
+        const int64_t emitted = chosen >= 0 ? tokens[b * T + chosen] : token;
+        if (raw_known) {
+          write_entries(b, length, raw_row, LogLaw{raw_max, 1.0, raw_log_sum, kLowest, MaskRow{}}, raw_top, emitted);
+        } else if (num_top >= 0) {  // (the row is still res' when step 0 is on: the next node's is not read yet)
+          write_position_of(b, length, node, emitted, law.target_row, law.max, law.threshold, false, inv_t, f,
+                            law.r_sum);
         }
       }
       if (chosen < 0) break;
@@ -996,20 +1482,44 @@ struct Accept {
         if (draft != nullptr) masked_empty[1][row] = !any_allowed_finite(draft + row * V, f.mask + i * words());
       }
     }
+    if (stopped_empty != nullptr) {  // the value check of min-tokens (reported after the walk)
+      std::vector<char> stop(V, 0);
+      for (int64_t k = 0; k < num_stop; ++k) {
+        if (stop_ids[b * num_stop + k] >= 0) stop[stop_ids[b * num_stop + k]] = 1;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        stopped_empty[row_offsets[b] + i] = !stop_leaves_a_token(b, i, output.generated, path, stop);
+      }
+    }
     num_accepted[b] = static_cast<int32_t>(length);
     next_tokens[b] = token;
+    if (num_top >= 0 && (block || traversal) && !greedy) {  // (the token-wise walk wrote them as it went)
+      write_logprobs(b, length, token, f, filtered, inv_t, res, [&](int64_t i) { return node_row(i, false); });
+    }
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Tensor& tokens, const Tensor& parents,
-                                              const std::optional<Tensor>& draft_in, const Tensor& temperature,
-                                              const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
-                                              const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k,
-                                              const std::optional<Tensor>& top_p, const std::optional<Tensor>& min_p,
-                                              const std::optional<Tensor>& token_bitmask, c10::string_view method,
-                                              bool probs, const std::optional<Tensor>& row_offsets) {
+template <typename T>
+const T* data_or_null(const Tensor& x) {
+  return x.defined() ? x.const_data_ptr<T>() : nullptr;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> accept_cpu(
+    const Tensor& target_in, const Tensor& tokens, const Tensor& parents, const std::optional<Tensor>& draft_in,
+    const Tensor& temperature, const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
+    const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p,
+    const std::optional<Tensor>& min_p, const std::optional<Tensor>& token_bitmask, c10::string_view method, bool probs,
+    const std::optional<Tensor>& row_offsets, const std::optional<Tensor>& repetition_penalty,
+    const std::optional<Tensor>& frequency_penalty, const std::optional<Tensor>& presence_penalty,
+    const std::optional<Tensor>& output_token_counts, const std::optional<Tensor>& prompt_token_mask,
+    const std::optional<Tensor>& logit_bias_ids, const std::optional<Tensor>& logit_bias_values,
+    const std::optional<Tensor>& min_tokens, const std::optional<Tensor>& stop_token_ids, c10::string_view filter_order,
+    int64_t return_logprobs, c10::string_view logprobs_mode) {
   AcceptInputs in = check_accept(target_in, tokens, parents, draft_in, temperature, seeds, num_nodes, offset, offsets,
-                                 top_k, top_p, min_p, token_bitmask, method, probs, row_offsets);
+                                 top_k, top_p, min_p, token_bitmask, method, probs, row_offsets, repetition_penalty,
+                                 frequency_penalty, presence_penalty, output_token_counts, prompt_token_mask,
+                                 logit_bias_ids, logit_bias_values, min_tokens, stop_token_ids, filter_order,
+                                 return_logprobs, logprobs_mode);
   const int64_t B = tokens.size(0), T = tokens.size(1), V = target_in.size(-1);
   const char* target_name = probs ? "target_probs" : "target_logits";
   const char* draft_name = probs ? "draft_probs" : "draft_logits";
@@ -1020,6 +1530,7 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
   // float32 log rounds probabilities one ulp apart to one value: greedy's argmax took the first of them);
   // negative entries are reported first, NaN / +inf / empty rows by the walk's own row checks
   if (probs) dtype = at::kDouble;
+  const bool penalized = in.step0();
   auto laws_of = [&](const Tensor& x, const char* name) {
     if (!probs) return x.to(dtype).contiguous();
     TORCH_CHECK_VALUE(!x.lt(0).any().item<bool>(), name, ": contains a negative value");
@@ -1032,6 +1543,16 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
   Tensor accepted = at::full({B, T}, -1, opts.dtype(at::kInt));
   Tensor num_accepted = at::empty({B}, opts.dtype(at::kInt));
   Tensor next_tokens = at::empty({B}, opts.dtype(at::kLong));
+  // logprobs: (B, T), (B, T, N), (B, T, N), NaN / -1 after the emitted positions; off: (B, 0), (B, 0, 0)
+  const bool with_logprobs = in.return_logprobs >= 0;
+  const int64_t N = std::max<int64_t>(in.return_logprobs, 0), positions = with_logprobs ? T : 0;
+  Tensor logprobs = at::full({B, positions}, std::numeric_limits<float>::quiet_NaN(), opts.dtype(at::kFloat));
+  Tensor top_logprobs = at::full({B, positions, with_logprobs ? N : 0}, std::numeric_limits<float>::quiet_NaN(),
+                                 opts.dtype(at::kFloat));
+  Tensor top_token_ids = at::full({B, positions, with_logprobs ? N : 0}, -1, opts.dtype(at::kLong));
+  // real rows that min-tokens' stop tokens (and the bitmask) leave without a finite value (with min_tokens)
+  const Tensor stopped_empty = in.min_tokens.defined()
+      ? at::zeros(target.sizes().slice(0, target.dim() - 1), opts.dtype(at::kBool)) : Tensor();
   // rows -inf on every allowed token (filled for real rows when there is a bitmask)
   Tensor masked_empty[2];
   for (auto& flags : masked_empty) {
@@ -1045,46 +1566,79 @@ std::tuple<Tensor, Tensor, Tensor> accept_cpu(const Tensor& target_in, const Ten
     if (draft.has_value()) ds.emplace(*draft);
     // (packed rows: all of them first, as rows between requests belong to no walk)
     const bool stats_in_walk = B >= at::get_num_threads() && !row_offsets.has_value();
-    const Accept<scalar_t> op{target.const_data_ptr<scalar_t>(),
-                              draft.has_value() ? draft->const_data_ptr<scalar_t>() : nullptr,
-                              ts.max.template const_data_ptr<double>(),
-                              ds.has_value() ? ds->max.template const_data_ptr<double>() : nullptr,
-                              stats_in_walk ? &ts : nullptr,
-                              stats_in_walk && ds.has_value() ? &*ds : nullptr,
-                              in.tokens.const_data_ptr<int32_t>(),
-                              in.parents.const_data_ptr<int32_t>(),
-                              in.num_nodes.const_data_ptr<int32_t>(),
-                              in.temperature.const_data_ptr<float>(),
-                              in.seeds.const_data_ptr<int64_t>(),
-                              in.offsets.const_data_ptr<int64_t>(),
-                              in.top_k.defined() ? in.top_k.const_data_ptr<int32_t>() : nullptr,
-                              in.top_p.defined() ? in.top_p.const_data_ptr<float>() : nullptr,
-                              in.min_p.defined() ? in.min_p.const_data_ptr<float>() : nullptr,
-                              in.token_bitmask.defined() ? in.token_bitmask.const_data_ptr<int32_t>() : nullptr,
-                              {masked_empty[0].defined() ? masked_empty[0].data_ptr<bool>() : nullptr,
-                               masked_empty[1].defined() ? masked_empty[1].data_ptr<bool>() : nullptr},
-                              T, V, offset, in.block, in.traversal, in.row_offsets.const_data_ptr<int64_t>(), row_offsets.has_value(),
-                              accepted.data_ptr<int32_t>(),
-                              num_accepted.data_ptr<int32_t>(),
-                              next_tokens.data_ptr<int64_t>()};
     auto stats = [&](int64_t row_begin, int64_t row_end) {
       ts.compute(row_begin, row_end);
       if (ds.has_value()) ds->compute(row_begin, row_end);
     };
-    // Walking needs only the request's own rows: with a request for every thread, one parallel region
-    // (each region wakes the thread team, costly on a busy machine) in which the walk scans its request's
-    // rows (Accept::lazy_target); else rows first, then requests. Bad logits are reported after both
-    // passes (outputs are the op's own, nothing of the caller's is written), and the walk stays in
-    // bounds on them.
-    if (!stats_in_walk) at::parallel_for(0, ts.max.numel(), 1, stats);
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      Residual<acc_t> res(V, draft.has_value());
-      for (int64_t b = begin; b < end; ++b) op.run(b, res);
-    });
-    check_logit_rows(target_name, ts.nan, ts.posinf, ts.max, in.num_nodes, masked_empty[0], probs);
+    // The walk; row_t: the rows' element type, acc_t with step 0 on (each node's row is penalized in acc_t)
+    auto walk = [&](auto row_type) {
+      using row_t = decltype(row_type);
+      Accept<scalar_t, row_t> op{target.const_data_ptr<scalar_t>(),
+                                draft.has_value() ? draft->const_data_ptr<scalar_t>() : nullptr,
+                                ts.max.template const_data_ptr<double>(),
+                                ds.has_value() ? ds->max.template const_data_ptr<double>() : nullptr,
+                                stats_in_walk ? &ts : nullptr,
+                                stats_in_walk && ds.has_value() ? &*ds : nullptr,
+                                in.tokens.const_data_ptr<int32_t>(),
+                                in.parents.const_data_ptr<int32_t>(),
+                                in.num_nodes.const_data_ptr<int32_t>(),
+                                in.temperature.const_data_ptr<float>(),
+                                in.seeds.const_data_ptr<int64_t>(),
+                                in.offsets.const_data_ptr<int64_t>(),
+                                in.top_k.defined() ? in.top_k.const_data_ptr<int32_t>() : nullptr,
+                                in.top_p.defined() ? in.top_p.const_data_ptr<float>() : nullptr,
+                                in.min_p.defined() ? in.min_p.const_data_ptr<float>() : nullptr,
+                                in.token_bitmask.defined() ? in.token_bitmask.const_data_ptr<int32_t>() : nullptr,
+                                {masked_empty[0].defined() ? masked_empty[0].data_ptr<bool>() : nullptr,
+                                 masked_empty[1].defined() ? masked_empty[1].data_ptr<bool>() : nullptr},
+                                T, V, offset, in.block, in.traversal, in.row_offsets.const_data_ptr<int64_t>(),
+                                row_offsets.has_value(),
+                                accepted.data_ptr<int32_t>(),
+                                num_accepted.data_ptr<int32_t>(),
+                                next_tokens.data_ptr<int64_t>()};
+      op.order = in.filter_order;
+      op.repetition = data_or_null<float>(in.repetition_penalty);
+      op.frequency = data_or_null<float>(in.frequency_penalty);
+      op.presence = data_or_null<float>(in.presence_penalty);
+      op.counts = data_or_null<int32_t>(in.output_token_counts);
+      op.prompt = data_or_null<int32_t>(in.prompt_token_mask);
+      op.bias_ids = data_or_null<int32_t>(in.logit_bias_ids);
+      op.bias_values = data_or_null<float>(in.logit_bias_values);
+      op.num_bias = in.logit_bias_ids.defined() ? in.logit_bias_ids.size(1) : 0;
+      op.min_tokens = data_or_null<int32_t>(in.min_tokens);
+      op.stop_ids = data_or_null<int32_t>(in.stop_token_ids);
+      op.num_stop = in.stop_token_ids.defined() ? in.stop_token_ids.size(1) : 0;
+      op.penalized = penalized;
+      op.stopped_empty = stopped_empty.defined() ? stopped_empty.data_ptr<bool>() : nullptr;
+      op.num_top = in.return_logprobs;
+      op.processed_logprobs = in.processed_logprobs;
+      op.logprobs = logprobs.data_ptr<float>();
+      op.top_logprobs = top_logprobs.data_ptr<float>();
+      op.top_ids = top_token_ids.data_ptr<int64_t>();
+      // Walking needs only the request's own rows: with a request for every thread, one parallel region
+      // (each region wakes the thread team, costly on a busy machine) in which the walk scans its request's
+      // rows (Accept::lazy_target); else rows first, then requests. Bad logits are reported after both
+      // passes (outputs are the op's own, nothing of the caller's is written), and the walk stays in
+      // bounds on them.
+      if (!stats_in_walk) at::parallel_for(0, ts.max.numel(), 1, stats);
+      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+        Residual<acc_t> res(V, draft.has_value());
+        if (penalized) {
+          res.penalized_r.resize(V);
+          res.penalized_q.resize(draft.has_value() ? V : 0);
+        }
+        for (int64_t b = begin; b < end; ++b) op.run(b, res);
+      });
+    };
+    if (penalized) {
+      walk(acc_t{});
+    } else {
+      walk(scalar_t{});
+    }
+    check_logit_rows(target_name, ts.nan, ts.posinf, ts.max, in.num_nodes, masked_empty[0], probs, stopped_empty);
     if (ds.has_value()) check_logit_rows(draft_name, ds->nan, ds->posinf, ds->max, in.num_nodes, masked_empty[1], probs);
   });
-  return {accepted, num_accepted, next_tokens};
+  return {accepted, num_accepted, next_tokens, logprobs, top_logprobs, top_token_ids};
 }
 
 }  // namespace

@@ -32,7 +32,11 @@ TORCH_LIBRARY(specdec, m) {
   m.def("accept(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, Tensor temperature, "
         "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None, Tensor? top_k=None, Tensor? top_p=None, "
         "Tensor? min_p=None, Tensor? token_bitmask=None, str method=\"token\", bool probs=False, "
-        "Tensor? row_offsets=None) -> (Tensor, Tensor, Tensor)");
+        "Tensor? row_offsets=None, Tensor? repetition_penalty=None, Tensor? frequency_penalty=None, "
+        "Tensor? presence_penalty=None, Tensor? output_token_counts=None, Tensor? prompt_token_mask=None, "
+        "Tensor? logit_bias_ids=None, Tensor? logit_bias_values=None, Tensor? min_tokens=None, "
+        "Tensor? stop_token_ids=None, str filter_order=\"hf\", int return_logprobs=-1, "
+        "str logprobs_mode=\"raw\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("kv_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
         "Tensor? block_table, float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("kv_rollback(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, Tensor accepted_nodes, "

@@ -147,6 +147,13 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
                             double k_scale, double v_scale, int64_t window_left, double logits_soft_cap,
                             const std::optional<Tensor>& row_offsets, int64_t max_nodes);
 
+// accept's filter_order: which set top-p normalizes over (specdec.sampling; the kept set is top-k ∩ top-p ∩ min-p)
+enum class FilterOrder {
+  kHf,      // "hf": the top-k set (Hugging Face's warpers: top-k, top-p, min-p)
+  kVllm,    // "vllm": the min-p ∩ top-k set (vLLM's sampler: min-p first)
+  kSglang,  // "sglang": every allowed token (SGLang's joint top-k / top-p)
+};
+
 struct AcceptInputs {
   Tensor tokens, parents, num_nodes, temperature, seeds;
   Tensor offsets;  // (B,) int64: request b's random-stream offset, offset + offsets[b] (offsets: 0 if absent)
@@ -156,22 +163,46 @@ struct AcceptInputs {
   bool block = false;  // method "block": block verification of chains
   bool traversal = false;  // method "traversal": traversal verification of trees (neither: "token")
   Tensor row_offsets;  // (B,) int64: node i of request b is row row_offsets[b] + i (padded: b * T)
+  // step 0 (in vLLM's order: the logit bias, min-tokens' stop tokens, the penalties), each undefined when absent,
+  // all contiguous and per request: repetition / frequency / presence penalty (B,) float32; output_token_counts
+  // (B, V) int32 (defined with any penalty or min_tokens); prompt_token_mask (B, ceil(V/32)) int32 (defined with
+  // the repetition penalty); logit_bias_ids (B, K) int32 (-1: padding) with logit_bias_values (B, K) float32;
+  // min_tokens (B,) int32 with stop_token_ids (B, S) int32 (-1: padding)
+  Tensor repetition_penalty, frequency_penalty, presence_penalty, output_token_counts, prompt_token_mask,
+      logit_bias_ids, logit_bias_values, min_tokens, stop_token_ids;
+  FilterOrder filter_order = FilterOrder::kHf;
+  int64_t return_logprobs = -1;  // -1: off; else the number N (0..20) of top logprobs per emitted position
+  bool processed_logprobs = false;  // logprobs_mode "processed" (else "raw")
+  // whether any request has step 0 on (else every row is used as given)
+  bool step0() const {
+    return repetition_penalty.defined() || frequency_penalty.defined() || presence_penalty.defined() ||
+           logit_bias_ids.defined() || min_tokens.defined();
+  }
 };
 constexpr int64_t kMaxOffset = int64_t{1} << 60;  // _validation.MAX_OFFSET
+constexpr int64_t kMaxLogprobs = 20;              // _validation.MAX_LOGPROBS: return_logprobs <= 20
 AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, const Tensor& parents,
                           const std::optional<Tensor>& draft_logits, const Tensor& temperature,
                           const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
                           const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k,
                           const std::optional<Tensor>& top_p, const std::optional<Tensor>& min_p,
                           const std::optional<Tensor>& token_bitmask, c10::string_view method, bool probs,
-                          const std::optional<Tensor>& row_offsets);
+                          const std::optional<Tensor>& row_offsets, const std::optional<Tensor>& repetition_penalty,
+                          const std::optional<Tensor>& frequency_penalty, const std::optional<Tensor>& presence_penalty,
+                          const std::optional<Tensor>& output_token_counts,
+                          const std::optional<Tensor>& prompt_token_mask, const std::optional<Tensor>& logit_bias_ids,
+                          const std::optional<Tensor>& logit_bias_values, const std::optional<Tensor>& min_tokens,
+                          const std::optional<Tensor>& stop_token_ids, c10::string_view filter_order,
+                          int64_t return_logprobs, c10::string_view logprobs_mode);
 // Per-row flags of a logits tensor, computed by the accept kernel's first pass; raises the errors of
 // _validation.check_accept ("contains NaN", "contains +inf", "a real node's row is entirely -inf", and with a
 // bitmask (masked_empty defined, (B, T) bool) "a real node's row is -inf on every token token_bitmask allows").
 // probs: the rows are log-probabilities taken of probabilities (accept's probs=True), and the empty rows' errors
-// say so ("all zeros", "0 on every token ...").
+// say so ("all zeros", "0 on every token ..."). stopped_empty (defined with min_tokens, (B, T) bool, set for real
+// rows only): the rows that min-tokens' stop tokens and the bitmask leave without a finite value ("min_tokens: ...").
 void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf,
-                      const Tensor& row_max, const Tensor& num_nodes, const Tensor& masked_empty, bool probs = false);
+                      const Tensor& row_max, const Tensor& num_nodes, const Tensor& masked_empty, bool probs = false,
+                      const Tensor& stopped_empty = Tensor());
 
 void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_new, const Tensor& v_new,
                      const Tensor& cache_lens, const std::optional<Tensor>& block_table, double k_scale,

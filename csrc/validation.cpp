@@ -251,6 +251,127 @@ bool shares_memory(const Tensor& a, const Tensor& b) {
   return rest == 0;
 }
 
+// _validation._choice: one of `choices`, else "name: expected one of ('a', 'b'), got 'x'".
+void check_choice(const char* name, c10::string_view x, std::initializer_list<const char*> choices) {
+  std::string names;
+  bool ok = false;
+  for (const char* c : choices) {
+    ok = ok || x == c;
+    names += (names.empty() ? "'" : ", '") + std::string(c) + "'";
+  }
+  TORCH_CHECK_VALUE(ok, name, ": expected one of (", names, "), got '", std::string(x), "'");
+}
+
+// A per-request penalty (B,) float -> float32 contiguous; finite, and > 0 for the repetition penalty (checked
+// after the cast, as _validation.normalize_penalty: a float64 beyond float32's range is inf there).
+Tensor penalty(const char* name, const std::optional<Tensor>& x, int64_t B, const c10::Device& device, bool positive) {
+  if (!x.has_value()) return Tensor();
+  check_tensor(name, *x, 1, kFloat, &device);
+  check_shape(name, *x, {B});
+  Tensor values = x->to(at::kFloat).contiguous();
+  const float* v = values.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(std::isfinite(v[b]) && (!positive || v[b] > 0), name,
+                      positive ? ": must be finite and > 0 (1: off)" : ": must be finite (0: off)");
+  }
+  return values;
+}
+
+// (B, K) int token ids, -1 = padding, else in [0, V) -> int32 contiguous (_validation._token_ids).
+Tensor token_ids(const char* name, const Tensor& x, int64_t B, int64_t V, const c10::Device& device) {
+  check_tensor(name, x, 2, kInt, &device);
+  TORCH_CHECK_VALUE(x.size(0) == B, name, ": expected shape (B, K) with B = ", B, ", got ", shape_str(x.sizes()));
+  const Tensor ids = x.to(at::kLong).contiguous();
+  const int64_t* v = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < ids.numel(); ++j) {
+    TORCH_CHECK_VALUE(v[j] >= -1 && v[j] < V, name, ": ids must be in [0, ", V, ") or -1 (padding)");
+  }
+  return ids.to(at::kInt).contiguous();
+}
+
+// _validation.check_sampling_params on the op's normalized arguments (each None: off for the whole batch), in its
+// order; fills in's step-0, filter-order and logprob fields.
+void check_sampling_params(AcceptInputs& in, int64_t B, int64_t V, const c10::Device& device,
+                           const std::optional<Tensor>& repetition_penalty,
+                           const std::optional<Tensor>& frequency_penalty,
+                           const std::optional<Tensor>& presence_penalty,
+                           const std::optional<Tensor>& output_token_counts,
+                           const std::optional<Tensor>& prompt_token_mask, const std::optional<Tensor>& logit_bias_ids,
+                           const std::optional<Tensor>& logit_bias_values, const std::optional<Tensor>& min_tokens,
+                           const std::optional<Tensor>& stop_token_ids, c10::string_view filter_order,
+                           int64_t return_logprobs, c10::string_view logprobs_mode) {
+  check_choice("filter_order", filter_order, {"hf", "vllm", "sglang"});
+  check_choice("logprobs_mode", logprobs_mode, {"raw", "processed"});
+  TORCH_CHECK_VALUE(return_logprobs >= -1 && return_logprobs <= kMaxLogprobs, "return_logprobs: must be in [0, ",
+                    kMaxLogprobs, "] (-1: off), got ", return_logprobs);
+  in.filter_order = filter_order == "vllm" ? FilterOrder::kVllm
+                    : filter_order == "sglang" ? FilterOrder::kSglang : FilterOrder::kHf;
+  in.return_logprobs = return_logprobs;
+  in.processed_logprobs = logprobs_mode == "processed";
+  in.repetition_penalty = penalty("repetition_penalty", repetition_penalty, B, device, true);
+  in.frequency_penalty = penalty("frequency_penalty", frequency_penalty, B, device, false);
+  in.presence_penalty = penalty("presence_penalty", presence_penalty, B, device, false);
+  TORCH_CHECK_TYPE(min_tokens.has_value() || !stop_token_ids.has_value(),
+                   "stop_token_ids: goes with min_tokens (the stop tokens masked until min_tokens)");
+  if (min_tokens.has_value()) {
+    check_tensor("min_tokens", *min_tokens, 1, kInt, &device);
+    check_shape("min_tokens", *min_tokens, {B});
+    const Tensor given = min_tokens->to(at::kLong).contiguous();
+    const int64_t* m = given.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK_VALUE(m[b] >= 0 && m[b] <= std::numeric_limits<int32_t>::max(),
+                        "min_tokens: must be in [0, 2**31) (0: off)");
+    }
+    in.min_tokens = given.to(at::kInt).contiguous();
+    TORCH_CHECK_TYPE(stop_token_ids.has_value(), "stop_token_ids: required with min_tokens");
+    in.stop_token_ids = token_ids("stop_token_ids", *stop_token_ids, B, V, device);
+  }
+  const char* needs_counts = in.repetition_penalty.defined() ? "repetition_penalty"
+                             : in.frequency_penalty.defined() ? "frequency_penalty"
+                             : in.presence_penalty.defined()  ? "presence_penalty"
+                             : in.min_tokens.defined()        ? "min_tokens" : nullptr;
+  if (output_token_counts.has_value()) {
+    check_tensor("output_token_counts", *output_token_counts, 2, kInt, &device);
+    check_shape("output_token_counts", *output_token_counts, {B, V});
+    const Tensor counts = output_token_counts->contiguous();
+    auto check_counts = [&](auto* c) {
+      for (int64_t j = 0; j < counts.numel(); ++j) {
+        TORCH_CHECK_VALUE(c[j] >= 0 && c[j] <= std::numeric_limits<int32_t>::max(),
+                          "output_token_counts: counts must be in [0, 2**31)");
+      }
+    };
+    if (counts.scalar_type() == ScalarType::Long) {
+      check_counts(counts.data_ptr<int64_t>());
+    } else {
+      check_counts(counts.data_ptr<int32_t>());
+    }
+    if (needs_counts != nullptr) in.output_token_counts = counts.to(at::kInt);
+  } else {
+    TORCH_CHECK_TYPE(needs_counts == nullptr, "output_token_counts: required with ", needs_counts,
+                     " (the counts the penalties read)");
+  }
+  if (prompt_token_mask.has_value()) {
+    check_tensor("prompt_token_mask", *prompt_token_mask, 2, {}, &device);
+    TORCH_CHECK_VALUE(prompt_token_mask->scalar_type() == ScalarType::Int, "prompt_token_mask: dtype ",
+                      dtype_name(prompt_token_mask->scalar_type()), " not supported (expected int32)");
+    check_shape("prompt_token_mask", *prompt_token_mask, {B, (V + 31) / 32});
+    if (in.repetition_penalty.defined()) in.prompt_token_mask = prompt_token_mask->contiguous();
+  }
+  // (named as the Python argument logit_bias = (ids, values) names them)
+  TORCH_CHECK_TYPE(logit_bias_ids.has_value() == logit_bias_values.has_value(),
+                   "logit_bias: expected (ids (B, K) int, values (B, K) float)");
+  if (logit_bias_ids.has_value()) {
+    in.logit_bias_ids = token_ids("logit_bias[0]", *logit_bias_ids, B, V, device);
+    check_tensor("logit_bias[1]", *logit_bias_values, 2, kFloat, &device);
+    check_shape("logit_bias[1]", *logit_bias_values, in.logit_bias_ids.sizes());
+    in.logit_bias_values = logit_bias_values->to(at::kFloat).contiguous();
+    const float* v = in.logit_bias_values.data_ptr<float>();
+    for (int64_t j = 0; j < in.logit_bias_values.numel(); ++j) {
+      TORCH_CHECK_VALUE(std::isfinite(v[j]), "logit_bias[1]: must be finite (as float32)");
+    }
+  }
+}
+
 }  // namespace
 
 TreeInputs check_build_tree(const Tensor& parents, const Tensor& num_nodes) {
@@ -337,7 +458,14 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
                           const Tensor& num_nodes, int64_t offset, const std::optional<Tensor>& offsets,
                           const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p,
                           const std::optional<Tensor>& min_p, const std::optional<Tensor>& token_bitmask,
-                          c10::string_view method, bool probs, const std::optional<Tensor>& row_offsets) {
+                          c10::string_view method, bool probs, const std::optional<Tensor>& row_offsets,
+                          const std::optional<Tensor>& repetition_penalty,
+                          const std::optional<Tensor>& frequency_penalty, const std::optional<Tensor>& presence_penalty,
+                          const std::optional<Tensor>& output_token_counts,
+                          const std::optional<Tensor>& prompt_token_mask, const std::optional<Tensor>& logit_bias_ids,
+                          const std::optional<Tensor>& logit_bias_values, const std::optional<Tensor>& min_tokens,
+                          const std::optional<Tensor>& stop_token_ids, c10::string_view filter_order,
+                          int64_t return_logprobs, c10::string_view logprobs_mode) {
   const char* target_name = probs ? "target_probs" : "target_logits";
   const char* draft_name = probs ? "draft_probs" : "draft_logits";
   // _validation.check_method
@@ -480,11 +608,14 @@ AcceptInputs check_accept(const Tensor& target_logits, const Tensor& tokens, con
       }
     }
   }
+  check_sampling_params(in, B, V, device, repetition_penalty, frequency_penalty, presence_penalty, output_token_counts,
+                        prompt_token_mask, logit_bias_ids, logit_bias_values, min_tokens, stop_token_ids, filter_order,
+                        return_logprobs, logprobs_mode);
   return in;
 }
 
 void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row_posinf, const Tensor& row_max,
-                      const Tensor& num_nodes, const Tensor& masked_empty, bool probs) {
+                      const Tensor& num_nodes, const Tensor& masked_empty, bool probs, const Tensor& stopped_empty) {
   const bool packed = row_max.dim() == 1;  // packed rows: every one is a node's
   const int64_t B = packed ? 1 : row_max.size(0), T = packed ? row_max.size(0) : row_max.size(1);
   const bool* nan = row_nan.data_ptr<bool>();
@@ -499,12 +630,20 @@ void check_logit_rows(const char* name, const Tensor& row_nan, const Tensor& row
                                                             : ": a real node's row is entirely -inf");
     }
   }
-  if (!masked_empty.defined()) return;
-  const bool* empty = masked_empty.data_ptr<bool>();
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 0; i < (packed ? T : nn[b]); ++i) {
-      TORCH_CHECK_VALUE(!empty[b * T + i], name, ": a real node's row is ", probs ? "0" : "-inf",
-                        " on every token token_bitmask allows");
+  if (masked_empty.defined()) {
+    const bool* empty = masked_empty.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < (packed ? T : nn[b]); ++i) {
+        TORCH_CHECK_VALUE(!empty[b * T + i], name, ": a real node's row is ", probs ? "0" : "-inf",
+                          " on every token token_bitmask allows");
+      }
+    }
+  }
+  if (stopped_empty.defined()) {  // (_validation.check_rows_after_min_tokens; only real rows are ever flagged)
+    const bool* empty = stopped_empty.data_ptr<bool>();
+    for (int64_t r = 0; r < B * T; ++r) {
+      TORCH_CHECK_VALUE(!empty[r], "min_tokens: masks every possible token of a real node's row (its stop tokens "
+                        "and the grammar mask leave none)");
     }
   }
 }

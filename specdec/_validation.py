@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import math
 import os
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -729,3 +730,168 @@ def normalize_seeds(seeds, B, device):
     _tensor("seeds", seeds, dim=1, dtypes=INT_DTYPES, device=device)
     _shape("seeds", seeds, (B,))
     return seeds.to(torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# accept's sampling parameters beyond the filters: step 0 (penalties, logit bias, min-tokens), the filter order,
+# logprobs (their law: specdec.reference.penalized_row, processed_keep and log_law)
+# ----------------------------------------------------------------------------------------------
+FILTER_ORDERS = ("hf", "vllm", "sglang")
+LOGPROBS_MODES = ("raw", "processed")
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(NamedTuple):
+    """accept's step-0 and logprob arguments, normalized as the op schema takes them (each None: off)."""
+    repetition_penalty: Optional[torch.Tensor]  # (B,) float32
+    frequency_penalty: Optional[torch.Tensor]  # (B,) float32
+    presence_penalty: Optional[torch.Tensor]  # (B,) float32
+    output_token_counts: Optional[torch.Tensor]  # (B, V) int32, contiguous
+    prompt_token_mask: Optional[torch.Tensor]  # (B, ceil(V/32)) int32
+    logit_bias_ids: Optional[torch.Tensor]  # (B, K) int32, -1 = padding
+    logit_bias_values: Optional[torch.Tensor]  # (B, K) float32
+    min_tokens: Optional[torch.Tensor]  # (B,) int32
+    stop_token_ids: Optional[torch.Tensor]  # (B, S) int32, -1 = padding
+    filter_order: str
+    return_logprobs: int  # -1: off
+    logprobs_mode: str
+
+
+def _choice(name, x, choices):
+    if not isinstance(x, str):
+        raise TypeError(f"{name}: expected a str, one of {choices}, got {type(x).__name__}")
+    if x not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {x!r}")
+
+
+def normalize_penalty(name, x, B, device, *, off):
+    """A penalty: None / a number / a (B,) float tensor -> None (off for every request) or (B,) float32; finite,
+    and > 0 for the repetition penalty (off = 1; frequency and presence: off = 0)."""
+    if x is None:
+        return None
+    rule = "must be finite and > 0 (1: off)" if off == 1.0 else "must be finite (0: off)"
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        if not (math.isfinite(x) and abs(x) <= FLOAT32_MAX and (off != 1.0 or x > 0)):
+            raise ValueError(f"{name}: {rule}, got {x}")
+        return None if x == off else torch.full((B,), float(x), dtype=torch.float32, device=device)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected None, a float or a (B,) float tensor, got {type(x).__name__}")
+    _tensor(name, x, dim=1, dtypes=FLOAT_DTYPES, device=device)
+    _shape(name, x, (B,))
+    x = x.to(torch.float32)
+    if value_checks_enabled():  # (after the cast: a float64 beyond float32's range is inf there)
+        _fail_if(name, ~torch.isfinite(x) | ((x <= 0) if off == 1.0 else torch.zeros_like(x, dtype=torch.bool)),
+                 rule)
+    return x
+
+
+def _token_ids(name, x, B, V, device, values):
+    """(B, K) int ids, -1 = padding, else in [0, V) -> int32."""
+    _tensor(name, x, dim=2, dtypes=INT_DTYPES, device=device)
+    if x.shape[0] != B:
+        raise ValueError(f"{name}: expected shape (B, K) with B = {B}, got {tuple(x.shape)}")
+    if values:
+        _fail_if(name, (x < -1) | (x >= V), f"ids must be in [0, {V}) or -1 (padding)")
+    return x.to(torch.int32)
+
+
+def check_sampling_params(V, B, device, repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
+                          output_token_counts=None, prompt_token_mask=None, logit_bias=None, min_tokens=None,
+                          stop_token_ids=None, filter_order="hf", return_logprobs=None, logprobs_mode="raw",
+                          values=True) -> SamplingParams:
+    """The checks of accept's step-0 and logprob arguments (specdec.accept's docstring) -> SamplingParams."""
+    values = values and value_checks_enabled()
+    _choice("filter_order", filter_order, FILTER_ORDERS)
+    _choice("logprobs_mode", logprobs_mode, LOGPROBS_MODES)
+    if return_logprobs is None:
+        return_logprobs = -1
+    elif not isinstance(return_logprobs, int) or isinstance(return_logprobs, bool):
+        raise TypeError(f"return_logprobs: expected None or an int, got {type(return_logprobs).__name__}")
+    elif not 0 <= return_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"return_logprobs: must be in [0, {MAX_LOGPROBS}] (None: off), got {return_logprobs}")
+    rep = normalize_penalty("repetition_penalty", repetition_penalty, B, device, off=1.0)
+    freq = normalize_penalty("frequency_penalty", frequency_penalty, B, device, off=0.0)
+    pres = normalize_penalty("presence_penalty", presence_penalty, B, device, off=0.0)
+    if min_tokens is None:
+        if stop_token_ids is not None:
+            raise TypeError("stop_token_ids: goes with min_tokens (the stop tokens masked until min_tokens)")
+    elif isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
+        if min_tokens < 0 or min_tokens > INT32_MAX:
+            raise ValueError(f"min_tokens: must be in [0, 2**31) (0: off), got {min_tokens}")
+        min_tokens = None if min_tokens == 0 else torch.full((B,), min_tokens, dtype=torch.int32, device=device)
+    elif isinstance(min_tokens, torch.Tensor):
+        _tensor("min_tokens", min_tokens, dim=1, dtypes=INT_DTYPES, device=device)
+        _shape("min_tokens", min_tokens, (B,))
+        if values:
+            _fail_if("min_tokens", (min_tokens < 0) | (min_tokens > INT32_MAX), "must be in [0, 2**31) (0: off)")
+        min_tokens = min_tokens.to(torch.int32)
+    else:
+        raise TypeError(f"min_tokens: expected None, an int or a (B,) int tensor, got {type(min_tokens).__name__}")
+    if min_tokens is not None:
+        if stop_token_ids is None:
+            raise TypeError("stop_token_ids: required with min_tokens")
+        stop_token_ids = _token_ids("stop_token_ids", stop_token_ids, B, V, device, values)
+    else:
+        stop_token_ids = None
+    needs_counts = [n for n, x in (("repetition_penalty", rep), ("frequency_penalty", freq),
+                                   ("presence_penalty", pres), ("min_tokens", min_tokens)) if x is not None]
+    if output_token_counts is not None:
+        _tensor("output_token_counts", output_token_counts, dim=2, dtypes=INT_DTYPES, device=device)
+        _shape("output_token_counts", output_token_counts, (B, V))
+        if values and output_token_counts.numel():  # (two reductions: a mask of (B, V) would cost more)
+            counts = output_token_counts
+            _fail_if("output_token_counts", (counts.amin() < 0) | (counts.amax() > INT32_MAX),
+                     "counts must be in [0, 2**31)")
+        output_token_counts = output_token_counts.to(torch.int32).contiguous() if needs_counts else None
+    elif needs_counts:
+        raise TypeError(f"output_token_counts: required with {needs_counts[0]} (the counts the penalties read)")
+    if prompt_token_mask is not None:
+        _tensor("prompt_token_mask", prompt_token_mask, dim=2, device=device)
+        if prompt_token_mask.dtype != torch.int32:
+            raise ValueError(f"prompt_token_mask: dtype {_dtype_name(prompt_token_mask.dtype)} not supported "
+                             "(expected int32)")
+        _shape("prompt_token_mask", prompt_token_mask, (B, (V + 31) // 32))
+        prompt_token_mask = prompt_token_mask.contiguous() if rep is not None else None
+    bias_ids = bias_values = None
+    if logit_bias is not None:
+        if not (isinstance(logit_bias, (tuple, list)) and len(logit_bias) == 2):
+            raise TypeError("logit_bias: expected (ids (B, K) int, values (B, K) float)")
+        bias_ids = _token_ids("logit_bias[0]", logit_bias[0], B, V, device, values)
+        _tensor("logit_bias[1]", logit_bias[1], dim=2, dtypes=FLOAT_DTYPES, device=device)
+        _shape("logit_bias[1]", logit_bias[1], tuple(bias_ids.shape))
+        bias_values = logit_bias[1].to(torch.float32)
+        if values:
+            _fail_if("logit_bias[1]", ~torch.isfinite(bias_values), "must be finite (as float32)")
+    return SamplingParams(rep, freq, pres, output_token_counts, prompt_token_mask, bias_ids, bias_values, min_tokens,
+                          stop_token_ids, filter_order, return_logprobs, logprobs_mode)
+
+
+def check_rows_after_min_tokens(name, rows, params: SamplingParams, parents, num_nodes, token_bitmask, probs,
+                                row_offsets=None):
+    """Value check: min-tokens never leaves a real node's row without a possible token (stop tokens masked at the
+    nodes that have not generated min_tokens yet, with the grammar mask). rows (B, T, V) or packed (N, V)."""
+    if params.min_tokens is None or not value_checks_enabled():
+        return
+    B, T = parents.shape
+    V = rows.shape[-1]
+    real = torch.arange(T, device=rows.device) < num_nodes.long().unsqueeze(1)
+    parents = parents.long().where(real, -1)  # (padding slots hold anything)
+    depth = torch.zeros((B, T), dtype=torch.long, device=rows.device)
+    for _ in range(T - 1):  # depth[i] = depth[parents[i]] + 1, settled from the root down
+        depth = torch.where(parents > 0, depth.gather(1, parents.clamp(min=0)) + 1,
+                            (parents == 0).long())
+    generated = params.output_token_counts.long().sum(-1, keepdim=True) + depth  # (B, T)
+    stopping = generated < params.min_tokens.long().unsqueeze(1)  # (B, T)
+    check = real & stopping
+    if not bool(check.any()):
+        return
+    b, i = check.nonzero(as_tuple=True)  # (only the rows min-tokens masks are read)
+    stops = torch.zeros((B, V + 1), dtype=torch.bool, device=rows.device)
+    stops.scatter_(1, params.stop_token_ids.long().where(params.stop_token_ids >= 0, V), True)
+    at = (b, i) if row_offsets is None else (row_offsets.long()[b] + i,)  # packed: row row_offsets[b] + i
+    banned = stops[b, :V]
+    if token_bitmask is not None:
+        banned = banned | ~unpack_bitmask(token_bitmask[at], V)
+    empty = 0.0 if probs else float("-inf")
+    _fail_if("min_tokens", rows[at].masked_fill(banned, empty).amax(-1) == empty,
+             "masks every possible token of a real node's row (its stop tokens and the grammar mask leave none)")

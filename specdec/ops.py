@@ -74,10 +74,16 @@ def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
 
 
 def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-                 top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None):
+                 top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None,
+                 repetition_penalty=None, frequency_penalty=None, presence_penalty=None, output_token_counts=None,
+                 prompt_token_mask=None, logit_bias_ids=None, logit_bias_values=None, min_tokens=None,
+                 stop_token_ids=None, filter_order="hf", return_logprobs=-1, logprobs_mode="raw"):
     B, T = tokens.shape
+    positions, N = (T, return_logprobs) if return_logprobs >= 0 else (0, 0)
     return (tokens.new_empty((B, T), dtype=torch.int32), tokens.new_empty((B,), dtype=torch.int32),
-            tokens.new_empty((B,), dtype=torch.int64))
+            tokens.new_empty((B,), dtype=torch.int64), tokens.new_empty((B, positions), dtype=torch.float32),
+            tokens.new_empty((B, positions, N), dtype=torch.float32),
+            tokens.new_empty((B, positions, N), dtype=torch.int64))
 
 
 def _fake_mutating(*args):
@@ -99,7 +105,11 @@ OPS = {spec.name: spec for spec in (
            "(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, Tensor temperature, "
            "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None, Tensor? top_k=None, Tensor? top_p=None, "
            "Tensor? min_p=None, Tensor? token_bitmask=None, str method=\"token\", bool probs=False, "
-           "Tensor? row_offsets=None) -> (Tensor, Tensor, Tensor)",
+           "Tensor? row_offsets=None, Tensor? repetition_penalty=None, Tensor? frequency_penalty=None, "
+           "Tensor? presence_penalty=None, Tensor? output_token_counts=None, Tensor? prompt_token_mask=None, "
+           "Tensor? logit_bias_ids=None, Tensor? logit_bias_values=None, Tensor? min_tokens=None, "
+           "Tensor? stop_token_ids=None, str filter_order=\"hf\", int return_logprobs=-1, "
+           "str logprobs_mode=\"raw\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
            reference.accept, _fake_accept, (".kernels.accept", "accept"), val.check_accept),
     OpSpec("kv_append",
            "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
@@ -216,12 +226,36 @@ class TreeInfo(NamedTuple):
     num_nodes: torch.Tensor
 
 
-class AcceptResult(NamedTuple):
-    """accepted_nodes (B, T) int32: the accepted path's node indices from 0, padded with -1;
-    num_accepted (B,) int32: accepted draft nodes; next_tokens (B,) int64: correction or bonus token."""
+class Logprobs(NamedTuple):
+    """The logprobs of accept's emitted tokens (return_logprobs=N): position j of request b is its emitted token j
+    (the accepted draft tokens, then the next token; AcceptResult.emitted_tokens), j <= num_accepted[b].
+    token_logprobs (B, T) float32: each emitted token's logprob, NaN after; top_logprobs (B, T, N) float32 and
+    top_token_ids (B, T, N) int64: the N largest logprobs of each emitted position's law and their tokens, in
+    decreasing order (ties: the lower id first), NaN / -1 after."""
+    token_logprobs: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_token_ids: torch.Tensor
+
+
+class _AcceptedPaths(NamedTuple):
     accepted_nodes: torch.Tensor
     num_accepted: torch.Tensor
     next_tokens: torch.Tensor
+
+
+class AcceptResult(_AcceptedPaths):
+    """accepted_nodes (B, T) int32: the accepted path's node indices from 0, padded with -1;
+    num_accepted (B,) int32: accepted draft nodes; next_tokens (B,) int64: correction or bonus token.
+    Unpacks as those three; .logprobs: a `Logprobs` when accept was asked for them, else None."""
+    logprobs: Optional[Logprobs] = None
+
+    @classmethod
+    def from_op(cls, outputs) -> "AcceptResult":
+        """The result of the op's six outputs (the logprob tensors are empty when they were not asked for)."""
+        result = cls(*outputs[:3])
+        if outputs[3].shape[1]:
+            result.logprobs = Logprobs(*outputs[3:])
+        return result
 
     def emitted_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) int64: request b's new tokens, the accepted draft tokens tokens[b, accepted_nodes[b, 1:]] then
@@ -295,6 +329,13 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
            top_k: Union[None, int, torch.Tensor] = None, top_p: Union[None, float, torch.Tensor] = None,
            min_p: Union[None, float, torch.Tensor] = None, token_bitmask: Optional[torch.Tensor] = None,
            method: str = "token", cu_num_nodes: Optional[torch.Tensor] = None, max_nodes: Optional[int] = None,
+           repetition_penalty: Union[None, float, torch.Tensor] = None,
+           frequency_penalty: Union[None, float, torch.Tensor] = None,
+           presence_penalty: Union[None, float, torch.Tensor] = None,
+           output_token_counts: Optional[torch.Tensor] = None, prompt_token_mask: Optional[torch.Tensor] = None,
+           logit_bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+           min_tokens: Union[None, int, torch.Tensor] = None, stop_token_ids: Optional[torch.Tensor] = None,
+           filter_order: str = "hf", return_logprobs: Optional[int] = None, logprobs_mode: str = "raw",
            backend: Optional[str] = None) -> AcceptResult:
     """Verify draft trees against the target: the longest accepted path plus one next token.
 
@@ -341,7 +382,27 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     token_bitmask (N, ceil(V/32)); num_nodes is then not given, and max_nodes, a Python int, bounds every
     request's nodes (the launch configuration depends on it, never on the data). The kernels read the packed
     rows in place; the results are the padded form's, (B, max_nodes) with indices within the request.
-    Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64).
+    Penalties, logit bias and min-tokens (step 0 of the processed law, before the mask; vLLM's meanings, order
+    and float32 arithmetic: specdec.reference.penalized_row), per request, each None (or a number meaning off)
+    = off for the batch: repetition_penalty (> 0; 1: off), frequency_penalty, presence_penalty (0: off): floats
+    or (B,) float tensors. The state they read, in vLLM's layouts: output_token_counts (B, V) int32, the counts
+    of each token in request b's output so far (its last committed token, the tree's root, included), required
+    with a penalty or min_tokens; prompt_token_mask (B, ceil(V/32)) int32, bit v % 32 of word v // 32 set iff
+    token v is in the prompt (None: no prompt token). Inside a tree, node i sees the counts plus the draft
+    tokens of its path from the root (node 0's excluded): what sampling without speculation would see there, so
+    each node has its own law, for the target and the drafter alike. logit_bias: (ids (B, K) int, -1 =
+    padding, values (B, K) float), added to the logits (entries in order). min_tokens (an int or (B,) int)
+    with stop_token_ids (B, S) int (-1 = padding): at a node where request b has generated fewer than
+    min_tokens[b] tokens (sum of output_token_counts[b] plus the node's path), its stop tokens are masked.
+    filter_order: the order of top-k, top-p and min-p, "hf" (default: top-k, top-p, min-p, as Hugging Face),
+    "vllm" (min-p first, as vLLM's sampler) or "sglang" (top-p over the whole law, jointly with top-k);
+    reference.processed_keep has each.
+    return_logprobs: None (off) or N in [0, 20]: the result's .logprobs holds the logprob of every emitted
+    token and the N largest logprobs at each emitted position (`Logprobs`); logprobs_mode "raw" (the target's
+    log-softmax as given) or "processed" (the law the token was sampled from; a greedy request's row after
+    step 0 and the mask at temperature 1), as vLLM's logprobs_mode names them.
+    Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64), and
+    .logprobs.
     """
     target_logits, draft_logits, probs = _accept_laws(target_logits, draft_logits, target_probs, draft_probs)
     if tokens is None or parents is None:
@@ -352,13 +413,22 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     # (the packed offsets' checks run on every backend: the op sees only the rows they give)
     tokens, parents, num_nodes, row_offsets = val.accept_nodes(cu_num_nodes, max_nodes, num_nodes, tokens, parents,
                                                                target_logits.shape[0])
+    # the sampling parameters first, like the filters: their checks come before the rows' values are read
+    params = val.check_sampling_params(target_logits.shape[-1], target_logits.shape[0] if cu_num_nodes is None
+                                       else tokens.shape[0], target_logits.device, repetition_penalty,
+                                       frequency_penalty, presence_penalty, output_token_counts, prompt_token_mask,
+                                       logit_bias, min_tokens, stop_token_ids, filter_order, return_logprobs,
+                                       logprobs_mode, values)
     num_nodes, temperature, seeds, offset, offsets, top_k, top_p, min_p, token_bitmask = OPS["accept"].check(
         target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, top_k, top_p, min_p,
         token_bitmask, method, probs, row_offsets, values)
+    if values:  # (the C++ op checks it itself)
+        val.check_rows_after_min_tokens("target_probs" if probs else "target_logits", target_logits, params,
+                                        parents, num_nodes, token_bitmask, probs, row_offsets)
     res = _call("accept", backend, target_logits.device, target_logits, tokens.to(torch.int32),
                 parents.to(torch.int32), draft_logits, temperature, seeds, num_nodes, offset, offsets, top_k, top_p,
-                min_p, token_bitmask, method, probs, row_offsets)
-    return AcceptResult(*res)
+                min_p, token_bitmask, method, probs, row_offsets, *params)
+    return AcceptResult.from_op(res)
 
 
 def _accept_laws(target_logits, draft_logits, target_probs, draft_probs):

@@ -11,6 +11,7 @@ Hq/Hkv query/KV heads, D head dim. A contiguous cache is (B, L_max, Hkv, D); a p
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -166,6 +167,79 @@ def children_of(parents_row: list[int], n: int) -> list[list[int]]:
 GREEDY_BELOW = float(torch.tensor(1e-5, dtype=torch.float32))
 
 
+class NodePenalties(NamedTuple):
+    """Step 0's inputs at one node of one request (`node_penalties`); None / neutral values are off.
+    counts (V,) int64: the request's output counts plus the node's path tokens; in_prompt (V,) bool;
+    repetition, frequency, presence: the request's penalties; bias: [(token, value)] in the order given;
+    stop (V,) bool: the stop tokens, masked at this node (min_tokens not reached yet), or None."""
+    counts: Optional[torch.Tensor] = None
+    in_prompt: Optional[torch.Tensor] = None
+    repetition: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+    bias: tuple = ()
+    stop: Optional[torch.Tensor] = None
+
+
+def penalized_row(row: torch.Tensor, pen: NodePenalties) -> torch.Tensor:
+    """Step 0 (before the mask), in the order and arithmetic of vLLM's model runner (its logits processors in list
+    order: the logit bias, each entry's value added in the order given, and min-tokens' stop tokens at -inf; then
+    the penalties: repetition on the tokens in the prompt or the output so far, x * (1 / r) above 0 and x * r
+    otherwise, frequency x -= f * count, presence x -= p * [count > 0]). The bias comes first: a repetition
+    penalty scales the biased logit. Each step is one rounded operation in float32 for 16- and 32-bit rows
+    (vLLM's dtype: every backend gets the same bits) and in float64 for float64 rows. -> float64 (V,)."""
+    dtype = torch.float64 if row.dtype == torch.float64 else torch.float32
+    x = row.to("cpu", dtype, copy=True)  # (the bias writes into it)
+    for token, value in pen.bias:
+        x[token] = x[token] + torch.tensor(value, dtype=dtype)
+    if pen.stop is not None:
+        x = x.masked_fill(pen.stop, -math.inf)
+    if pen.counts is not None:
+        present = pen.counts > 0
+        if pen.repetition != 1.0:
+            rep = torch.tensor(pen.repetition, dtype=dtype)
+            seen = present if pen.in_prompt is None else present | pen.in_prompt
+            x = torch.where(seen, x * torch.where(x > 0, 1.0 / rep, rep), x)
+        if pen.frequency != 0.0:
+            x = x - torch.tensor(pen.frequency, dtype=dtype) * pen.counts.to(dtype)
+        if pen.presence != 0.0:
+            x = x - torch.tensor(pen.presence, dtype=dtype) * present.to(dtype)
+    return x.double()
+
+
+def path_tokens(parents_row: list[int], tokens_row: list[int], i: int) -> list[int]:
+    """The draft tokens on the path from the root to node i, node 0's excluded (it is already in the output)."""
+    found = []
+    while i > 0:
+        found.append(tokens_row[i])
+        i = parents_row[i]
+    return found[::-1]
+
+
+def node_penalties(b: int, path: list[int], V: int, repetition_penalty=None, frequency_penalty=None,
+                   presence_penalty=None, output_token_counts=None, prompt_token_mask=None, logit_bias_ids=None,
+                   logit_bias_values=None, min_tokens=None, stop_token_ids=None) -> NodePenalties:
+    """Request b's step-0 inputs at a node whose path (its draft tokens, node 0's excluded) is `path`: the counts
+    see the output so far plus the path, and the node has generated sum(output counts) + len(path) tokens."""
+    counts = None
+    if output_token_counts is not None:
+        counts = output_token_counts[b].cpu().long().clone()
+        for x in path:
+            counts[x] += 1
+    in_prompt = None if prompt_token_mask is None else unpack_bits(prompt_token_mask[b].cpu(), V)
+    bias = ()
+    if logit_bias_ids is not None:
+        bias = tuple((int(x), float(v)) for x, v in zip(logit_bias_ids[b].tolist(), logit_bias_values[b].tolist())
+                     if x >= 0)
+    stop = None
+    if min_tokens is not None and int(output_token_counts[b].sum()) + len(path) < int(min_tokens[b]):
+        stop = torch.zeros(V, dtype=torch.bool)
+        stop[[x for x in stop_token_ids[b].tolist() if x >= 0]] = True
+    return NodePenalties(counts, in_prompt, 1.0 if repetition_penalty is None else float(repetition_penalty[b]),
+                         0.0 if frequency_penalty is None else float(frequency_penalty[b]),
+                         0.0 if presence_penalty is None else float(presence_penalty[b]), bias, stop)
+
+
 def mask_disallowed(logits_row: torch.Tensor, allowed) -> torch.Tensor:
     """Step 1: the row in float64, disallowed tokens (allowed[x] False) at -inf. allowed None: all allowed."""
     row = logits_row.double().cpu()
@@ -222,23 +296,36 @@ def min_p_keep(l: torch.Tensor, keep: torch.Tensor, min_p: float) -> torch.Tenso
     return keep & (p >= min_p * p.max())
 
 
+FILTER_ORDERS = ("hf", "vllm", "sglang")
+
+
 def processed_keep(logits_row: torch.Tensor, t: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                   allowed=None) -> torch.Tensor:
-    """(V,) bool: the tokens the processed law keeps (steps 1-5; t >= GREEDY_BELOW). Only finite l is ever kept."""
+                   allowed=None, filter_order: str = "hf") -> torch.Tensor:
+    """(V,) bool: the tokens the processed law keeps (steps 1-5; t >= GREEDY_BELOW). Only finite l is ever kept.
+
+    filter_order names whose steps 3-5 these are. min-p's set depends on the max only (kept by every filter), so
+    it is the same wherever it runs; the orders differ in the set top-p normalizes its softmax over:
+      "hf"     (Hugging Face's warpers, accept's default): top-k, top-p over the top-k set, min-p;
+      "vllm"   (vLLM's sampler applies min-p first): min-p, top-k, top-p over the min-p and top-k set;
+      "sglang" (SGLang's joint top-k / top-p): top-p over every finite l (not renormalized after top-k),
+               intersected with top-k, then min-p."""
     l = apply_temperature(mask_disallowed(logits_row, allowed), t)
     keep = l > -math.inf
-    keep = top_k_keep(l, keep, int(top_k))
-    keep = top_p_keep(l, keep, float(top_p))
-    return min_p_keep(l, keep, float(min_p))
+    k, p_top, p_min = int(top_k), float(top_p), float(min_p)
+    if filter_order == "vllm":
+        return top_p_keep(l, top_k_keep(l, min_p_keep(l, keep, p_min), k), p_top)
+    if filter_order == "sglang":
+        return min_p_keep(l, top_k_keep(l, keep, k) & top_p_keep(l, keep, p_top), p_min)
+    return min_p_keep(l, top_p_keep(l, top_k_keep(l, keep, k), p_top), p_min)
 
 
 def processed_probs(logits_row: torch.Tensor, t: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                    allowed=None) -> torch.Tensor:
+                    allowed=None, filter_order: str = "hf") -> torch.Tensor:
     """(V,) float64: the processed law of one row at temperature t >= GREEDY_BELOW, step 6: the softmax of
     l = logits / t renormalized over the kept tokens (processed_keep). All zeros when the mask leaves no finite
     logit. With every parameter off this is softmax(logits / t)."""
     l = apply_temperature(mask_disallowed(logits_row, allowed), t)
-    return softmax_over(l, processed_keep(logits_row, t, top_k, top_p, min_p, allowed))
+    return softmax_over(l, processed_keep(logits_row, t, top_k, top_p, min_p, allowed, filter_order))
 
 
 def greedy_token(logits_row: torch.Tensor, allowed=None):
@@ -357,8 +444,12 @@ def _traversal_verify(P, Q, tokens, kids, gen, fallback):
 
 
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None):
-    """Walk each request's tree from the root and return (accepted_nodes, num_accepted, next_tokens).
+           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None,
+           repetition_penalty=None, frequency_penalty=None, presence_penalty=None, output_token_counts=None,
+           prompt_token_mask=None, logit_bias_ids=None, logit_bias_values=None, min_tokens=None,
+           stop_token_ids=None, filter_order="hf", return_logprobs=-1, logprobs_mode="raw"):
+    """Walk each request's tree from the root and return (accepted_nodes, num_accepted, next_tokens, logprobs,
+    top_logprobs, top_token_ids).
 
     row_offsets (B,) (the packed form): target_logits, draft_logits (N, V) and token_bitmask (N, W) are packed
     rows, node i of request b being row row_offsets[b] + i; they are unpacked to (B, T, ...) first.
@@ -367,8 +458,11 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     what the logits log(probs) mean: everything below runs on those logs.
 
     At node i, the target's law p and (with draft logits) the drafter's law q are the processed laws of
-    rows target_logits[b, i] and draft_logits[b, i] (processed_probs: node i's row of token_bitmask, then
-    temperature, top_k[b], top_p[b], min_p[b]; None = off for every request).
+    rows target_logits[b, i] and draft_logits[b, i]: step 0 (`penalized_row` with `node_penalties`: the
+    penalties, logit bias and min-tokens of request b after node i's path; each argument None = off for every
+    request), then processed_probs (node i's row of token_bitmask, temperature, top_k[b], top_p[b], min_p[b] in
+    `filter_order`; None = off for every request). Greedy requests take the argmax of the row after step 0 and
+    the mask.
     Greedy (temperature < GREEDY_BELOW, 0 included): descend into the first child (node order) whose token is the
     argmax of the masked target row. Sampling: at each node the residual r starts as p; children are tried in node
     order. With draft logits (children drawn i.i.d. from q), child x is accepted iff u * q(x) < r(x), else
@@ -384,6 +478,9 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     (`_traversal_verify`): the subtrees are visited in post-order, one uniform per node that decides, then the
     draw. Greedy requests are unaffected by the method.
     Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
+    return_logprobs >= 0: logprobs[b, j] is the log-law of emitted token j (the accepted drafts, then the next
+    token) at its parent row, and top_logprobs / top_token_ids hold the return_logprobs largest entries of that
+    log-law (`log_law`), NaN / -1 after the emitted positions; -1: off, shapes (B, 0) and (B, 0, 0).
     """
     if row_offsets is not None:
         target_logits, draft_logits, token_bitmask = padded_rows(row_offsets, tokens.shape[1], target_logits,
@@ -395,66 +492,118 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     accepted = torch.full((B, T), -1, dtype=torch.int32)
     num_acc = torch.zeros(B, dtype=torch.int32)
     next_tok = torch.zeros(B, dtype=torch.int64)
+    N = max(return_logprobs, 0)
+    logprobs = torch.full((B, T if return_logprobs >= 0 else 0), math.nan, dtype=torch.float32)
+    top_shape = (B, T, N) if return_logprobs >= 0 else (B, 0, 0)
+    top_logprobs = torch.full(top_shape, math.nan, dtype=torch.float32)
+    top_ids = torch.full(top_shape, -1, dtype=torch.int64)
     allowed = None if token_bitmask is None else unpack_bits(token_bitmask.cpu(), V)  # (B, T, V)
+    step0 = dict(repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                 presence_penalty=presence_penalty, output_token_counts=output_token_counts,
+                 prompt_token_mask=prompt_token_mask, logit_bias_ids=logit_bias_ids,
+                 logit_bias_values=logit_bias_values, min_tokens=min_tokens, stop_token_ids=stop_token_ids)
+    penalized = any(x is not None for x in step0.values())
     for b in range(B):
         n = int(num_nodes[b])
-        kids = children_of(parents[b].tolist(), n)
+        parents_row, tokens_row = parents[b].tolist(), tokens[b].tolist()
+        kids = children_of(parents_row, n)
         t = float(temperature[b])
         k, p_top, p_min = request_filters(b, top_k, top_p, min_p)
         gen = request_generator(int(seeds[b]), offset + (0 if offsets is None else int(offsets[b])))
+
+        def row(logits, i, b=b, parents_row=parents_row, tokens_row=tokens_row):
+            """Node i's row after step 0 (float64), or as given when step 0 is off."""
+            if not penalized:
+                return logits[b, i]
+            pen = node_penalties(b, path_tokens(parents_row, tokens_row, i), V, **step0)
+            return penalized_row(logits[b, i], pen)
+
+        def law(logits, i, mask, b=b, t=t, k=k, p_top=p_top, p_min=p_min):
+            return processed_probs(row(logits, i), t, k, p_top, p_min, mask, filter_order)
+
         if method != "token" and t >= GREEDY_BELOW:
             rows = [None if allowed is None else allowed[b, i] for i in range(n)]
-            P = [processed_probs(target_logits[b, i], t, k, p_top, p_min, rows[i]) for i in range(n)]
-            Q = [processed_probs(draft_logits[b, i], t, k, p_top, p_min, rows[i]) for i in range(n)]
-            fallback = lambda i: greedy_token(target_logits[b, i], rows[i]) or 0  # noqa: E731
+            P = [law(target_logits, i, rows[i]) for i in range(n)]
+            Q = [law(draft_logits, i, rows[i]) for i in range(n)]
+            fallback = lambda i: greedy_token(row(target_logits, i), rows[i]) or 0  # noqa: E731
             if method == "block":
                 tau, token = _block_verify(P, Q, [int(tokens[b, i]) for i in range(1, n)], gen, fallback)
                 path = list(range(tau + 1))
             else:
-                path, token = _traversal_verify(P, Q, tokens[b].tolist(), kids, gen, fallback)
-            accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
-            num_acc[b], next_tok[b] = len(path) - 1, token
-            continue
-        path, node = [0], 0
-        while True:
-            mask = None if allowed is None else allowed[b, node]
-            chosen = None
-            if t < GREEDY_BELOW:
-                token = greedy_token(target_logits[b, node], mask)
-                if token is None:  # nothing allowed: stop here
-                    token = 0
-                else:
-                    chosen = next((c for c in kids[node] if int(tokens[b, c]) == token), None)
-            else:
-                r = processed_probs(target_logits[b, node], t, k, p_top, p_min, mask)
-                q = None if draft_logits is None else processed_probs(draft_logits[b, node], t, k, p_top, p_min, mask)
-                for c in (kids[node] if bool(r.sum() > 0) else []):  # an empty row accepts nothing
-                    x = int(tokens[b, c])
-                    u = float(torch.rand((), dtype=torch.float64, generator=gen))
-                    if q is not None:
-                        if u * q[x] < r[x]:
-                            chosen = c
-                            break
-                        r = torch.clamp(r - q, min=0.0)
-                        if not bool(r.sum() > 0):  # r == q: a rejection of probability 0 (q never draws x)
-                            break
-                    else:
-                        if u * r.sum() < r[x]:
-                            chosen = c
-                            break
-                        r[x] = 0.0
-                    r = r / r.sum()
-                if chosen is None:
-                    if bool(r.sum() > 0):
-                        token = int(torch.multinomial(r, 1, generator=gen))
-                    else:  # an empty row, or r == q above: the argmax of the masked row (0 if none)
-                        token = greedy_token(target_logits[b, node], mask) or 0
-            if chosen is None:
-                next_tok[b] = token
-                break
-            path.append(chosen)
-            node = chosen
+                path, token = _traversal_verify(P, Q, tokens_row, kids, gen, fallback)
+        else:
+            path, token = _tokenwise_verify(b, target_logits, draft_logits, tokens, kids, allowed, t, gen, row, law)
         accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
-        num_acc[b] = len(path) - 1
+        num_acc[b], next_tok[b] = len(path) - 1, token
+        if return_logprobs < 0:
+            continue
+        emitted = [tokens_row[c] for c in path[1:]] + [token]
+        for j, (r, e) in enumerate(zip(path, emitted)):
+            mask = None if allowed is None else allowed[b, r]
+            values, log_p = log_law(target_logits[b, r], row(target_logits, r), mask, t, k, p_top, p_min,
+                                    filter_order, logprobs_mode)
+            logprobs[b, j] = log_p[e]
+            top = torch.sort(values, descending=True, stable=True).indices[:N]  # (ties: the lower id first)
+            top_logprobs[b, j, : len(top)], top_ids[b, j, : len(top)] = log_p[top], top  # (N > V: padded)
     dev = target_logits.device
-    return accepted.to(dev), num_acc.to(dev), next_tok.to(dev)
+    return tuple(x.to(dev) for x in (accepted, num_acc, next_tok, logprobs, top_logprobs, top_ids))
+
+
+def log_law(raw_row, penalized, allowed, t, top_k=0, top_p=1.0, min_p=0.0, filter_order="hf", mode="raw"):
+    """(values, log-law), (V,) float64 each, of an emitted position whose parent row is raw_row (penalized: the same
+    row after step 0). "raw": log_softmax of the row as given. "processed": the log of the law the token was
+    sampled from, the processed law (temperature t >= GREEDY_BELOW); a greedy row's is log_softmax of the row
+    after step 0 and the mask (temperature 1, no filter: vLLM's convention). values rank the tokens for the top
+    logprobs: the row's own values (the dropped ones at -inf), so ranks never depend on a logprob's rounding."""
+    if mode == "raw":
+        values = raw_row.double().cpu()
+        return values, torch.log_softmax(values, 0)
+    values = mask_disallowed(penalized, allowed)
+    if t < GREEDY_BELOW:
+        return values, torch.log_softmax(values, 0)
+    keep = processed_keep(penalized, t, top_k, top_p, min_p, allowed, filter_order)
+    return values.masked_fill(~keep, -math.inf), processed_probs(penalized, t, top_k, top_p, min_p, allowed,
+                                                                 filter_order).log()
+
+
+def _tokenwise_verify(b, target_logits, draft_logits, tokens, kids, allowed, t, gen, row, law):
+    """One request's token-wise walk (accept's docstring): (accepted path, next token). row(logits, i): node i's
+    row after step 0; law(logits, i, mask): its processed law."""
+    path, node = [0], 0
+    while True:
+        mask = None if allowed is None else allowed[b, node]
+        chosen = None
+        if t < GREEDY_BELOW:
+            token = greedy_token(row(target_logits, node), mask)
+            if token is None:  # nothing allowed: stop here
+                token = 0
+            else:
+                chosen = next((c for c in kids[node] if int(tokens[b, c]) == token), None)
+        else:
+            r = law(target_logits, node, mask)
+            q = None if draft_logits is None else law(draft_logits, node, mask)
+            for c in (kids[node] if bool(r.sum() > 0) else []):  # an empty row accepts nothing
+                x = int(tokens[b, c])
+                u = float(torch.rand((), dtype=torch.float64, generator=gen))
+                if q is not None:
+                    if u * q[x] < r[x]:
+                        chosen = c
+                        break
+                    r = torch.clamp(r - q, min=0.0)
+                    if not bool(r.sum() > 0):  # r == q: a rejection of probability 0 (q never draws x)
+                        break
+                else:
+                    if u * r.sum() < r[x]:
+                        chosen = c
+                        break
+                    r[x] = 0.0
+                r = r / r.sum()
+            if chosen is None:
+                if bool(r.sum() > 0):
+                    token = int(torch.multinomial(r, 1, generator=gen))
+                else:  # an empty row, or r == q above: the argmax of the masked row (0 if none)
+                    token = greedy_token(row(target_logits, node), mask) or 0
+        if chosen is None:
+            return path, token
+        path.append(chosen)
+        node = chosen

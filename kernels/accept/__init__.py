@@ -9,7 +9,7 @@ int >= 0 and offsets (B,) int or None (request b's stream offset is offset + off
 top_k / top_p / min_p (B,) or None and token_bitmask (B, T, ceil(V/32)) int32 or None (all applied in the
 kernel: `_allowed`, and filters.py).
 Returns accepted_nodes (B, T) int32 (the path from node 0, padded with -1), num_accepted (B,) int32,
-next_tokens (B,) int64. Semantics are those of reference.accept.
+next_tokens (B,) int64, then the logprob outputs (`accept`). Semantics are those of reference.accept.
 Two switches of the input form (constexprs; everything below is unchanged by them):
   * PROBS: the rows hold probabilities (unnormalized, 0 = impossible), which mean what their logs mean as
     logits: each entry's log is taken in float32 as it is read (`_load_row`, then `_row_logits`; a masked lane
@@ -22,8 +22,9 @@ Reading order: the entry kernel `_accept_kernel` (launch.py: `_request`, `_resum
 pass or the walker's loop) -> the decision after a pass (decide.py: `_decide`, `_select_decide`) -> `_verify` ->
 the verifier: tokenwise.py (greedy, draft logits, given proposals), block.py or traversal.py. What they use:
 passes.py (the passes over a chunk or a row, the draw, the candidates), filters.py (top-k / top-p / min-p
-thresholds), rows.py (the request and every read of its rows), records.py (the walk's kinds and transition
-table, the named tuples, the records between launches). This file: the host side, the launcher `accept` and
+thresholds), penalties.py (step 0 at each read of a row), rows.py (the request and every read of its rows),
+records.py (the walk's kinds and transition table, the named tuples, the records between launches); after the
+walk, logprobs.py (the logprob outputs). This file: the host side, the launcher `accept` and
 the schedule `_config`.
 """
 from __future__ import annotations
@@ -34,7 +35,10 @@ import triton
 from specdec._layout import unpack_bitmask
 
 from .launch import _accept_kernel
-from .records import PART_FLOATS, PART_INTS, SEARCH_DOUBLES, SEARCH_FLOATS, SEARCH_INTS, STATE_FLOATS, STATE_INTS
+from .logprobs import emitted_logprobs, empty_logprobs
+from .penalties import penalty_args, penalized_rows
+from .records import (
+    FILTER_ORDERS, PART_FLOATS, PART_INTS, SEARCH_DOUBLES, SEARCH_FLOATS, SEARCH_INTS, STATE_FLOATS, STATE_INTS)
 
 # Candidates the draw after a last rejection with draft logits tries before it falls back to the Z pass: each
 # costs a scan of (a prefix of) one chunk of the target row instead of a pass over both rows, and is accepted
@@ -89,11 +93,12 @@ def _in_float32_range(rows, as_logits=False, allowed=None):
     """Rows as the kernel reads them (last dim contiguous). It computes in float32, so a float64 tensor comes as
     the same law within float32's range: each row of logits minus its largest finite allowed value (computed in
     float64; a copy, of float64 rows only; allowed: the rows' grammar mask, same shape, or None: the law is the
-    masked row, so a disallowed 1e300 must not push the allowed values out of float32's range). A shift changes no law and no filter, a huge finite value read as float32
-    would be inf, and after it the row's max is 0 and a value below it stays below it in float32 (a difference
-    smaller than float32's smallest normal value, 1.2e-38, which would round to 0 or a subnormal, is made that
-    value: exp of either is 1 in float32, so no law changes): greedy's argmax is the float64 one. Other dtypes fit
-    float32 as they are. as_logits: the rows are probabilities, returned as
+    masked row, so a disallowed 1e300 must not push the allowed values out of float32's range). A shift changes
+    no law and no filter, a huge finite value read as float32 would be inf, and after it the row's max is 0 and a
+    value below it stays below it in float32 (a difference smaller than float32's smallest normal value, 1.2e-38,
+    which would round to 0 or a subnormal, is made that value: exp of either is 1 in float32, so no law changes):
+    greedy's argmax is the float64 one. Other dtypes fit float32 as they are. as_logits: the rows are
+    probabilities, returned as
     their float64 logs (the law they mean; 0 is -inf), shifted the same way, for rows that hold float64
     probabilities (1 - 2**-53 and 1, a float32 tie, stay apart as logs)."""
     if as_logits:
@@ -108,9 +113,12 @@ def _in_float32_range(rows, as_logits=False, allowed=None):
 
 
 def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
-           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None, *,
-           block_v=None, num_splits=None, split_steps=None, num_warps=None, prefetch=None, trials=None,
-           num_pivots=None, cap=None, select_block=None, pair_block=None):
+           top_k=None, top_p=None, min_p=None, token_bitmask=None, method="token", probs=False, row_offsets=None,
+           repetition_penalty=None, frequency_penalty=None, presence_penalty=None, output_token_counts=None,
+           prompt_token_mask=None, logit_bias_ids=None, logit_bias_values=None, min_tokens=None, stop_token_ids=None,
+           filter_order="hf", return_logprobs=-1, logprobs_mode="raw", *, block_v=None, num_splits=None,
+           split_steps=None, num_warps=None, prefetch=None, trials=None, num_pivots=None, cap=None, select_block=None,
+           pair_block=None):
     """Normalized arguments of the `specdec::accept` schema (validated by specdec.ops.accept).
 
     Everything is fused: the grammar mask (token_bitmask) is read beside a walked row's logits (`_allowed`),
@@ -121,8 +129,17 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     Greedy requests take the greedy walk whatever the method. probs=True (PROBS): target_logits /
     draft_logits hold probabilities, read as their logs entry by entry. row_offsets (B,) int (PACKED): the rows
     are packed, (N, V) and token_bitmask (N, W), request b's node i at row row_offsets[b] + i (tokens, parents,
-    num_nodes (B, T) padded by specdec.ops.accept); read in place. Keyword tunables override `_config`
-    (tests use them to compare schedules, and a small `cap` / `num_pivots` to exercise the long searches).
+    num_nodes (B, T) padded by specdec.ops.accept); read in place. Step 0 (repetition_penalty ...
+    stop_token_ids, per request, None = off; HAS_PENALTIES) is fused into every read of a walked row
+    (penalties.py: the node's counts are the output counts plus its path's tokens); float64 rows get it on the
+    host, in float64, in the copy `_in_float32_range` makes of them. filter_order "hf" / "vllm" / "sglang"
+    (FILTER_ORDER) picks the set top-p normalizes over (filters.py). return_logprobs >= 0: the emitted tokens'
+    logprobs and top entries, one program per (request, position) after the walk (logprobs.py); the launch
+    configuration still depends on shapes only, and nothing syncs with the host.
+    Returns the op's six outputs: accepted_nodes, num_accepted, next_tokens, logprobs (B, T) / (B, 0),
+    top_logprobs (B, T, N) / (B, 0, 0), top_token_ids (B, T, N) / (B, 0, 0).
+    Keyword tunables override `_config` (tests use them to compare schedules, and a small `cap` / `num_pivots` to
+    exercise the long searches).
     """
     packed = row_offsets is not None
     B, T = tokens.shape  # (packed: B = len(row_offsets), T = max_nodes; the launch depends on shapes only)
@@ -143,12 +160,20 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     num_accepted = torch.empty((B,), dtype=torch.int32, device=dev)
     next_tokens = torch.empty((B,), dtype=torch.int64, device=dev)
     if B == 0:
-        return accepted, num_accepted, next_tokens
+        return (accepted, num_accepted, next_tokens, *empty_logprobs(B, T, return_logprobs, dev))
     # float64 probabilities come as their logs (both laws alike: the launch has one PROBS switch)
     logs = probs and any(x is not None and x.dtype == torch.float64 for x in (target_logits, draft_logits))
     probs = probs and not logs
     float64 = any(x is not None and x.dtype == torch.float64 for x in (target_logits, draft_logits))
     allowed = unpack_bitmask(token_bitmask, V) if float64 and token_bitmask is not None else None
+    pen = penalty_args(B, V, dev, repetition_penalty, frequency_penalty, presence_penalty, output_token_counts,
+                       prompt_token_mask, logit_bias_ids, logit_bias_values, min_tokens, stop_token_ids)
+    has_penalties = pen is not None and not float64
+    raw_target, raw_logs = target_logits, logs  # (the raw logprobs' rows: before step 0)
+    if pen is not None and float64:  # step 0 in float64 on the copy the shift makes anyway
+        rows = [None if x is None else penalized_rows(x.double().log() if logs else x, pen, tokens, parents,
+                                                      row_offsets) for x in (target_logits, draft_logits)]
+        target_logits, draft_logits, logs = rows[0], rows[1], False
     target = _in_float32_range(target_logits, logs, allowed)
     draft = None if draft_logits is None else _in_float32_range(draft_logits, logs, allowed)
     d = target if draft is None else draft
@@ -185,17 +210,24 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
         select = [state_i, state_f, state_f]
     # (request stride, node row stride) of a row tensor: packed rows (N, V) have no request stride
     strides = (lambda x: (0, x.stride(0))) if packed else (lambda x: (x.stride(0), x.stride(1)))
+    if pen is None:  # any tensors stand in, never read
+        pen = (num_nodes,) * 10 + (0,) * 4
     args = (target, d, tokens.contiguous(), parents.contiguous(), temperature.contiguous(), seeds.contiguous(),
             num_nodes.contiguous(), offsets, masks, row_offsets, top_k, top_p, min_p, accepted, num_accepted,
             next_tokens, state_i, state_f, part_f, part_i, *search, *select, T, V, W, *strides(target), *strides(d),
-            offset & 0x7FFFFFFF, offset >> 31)
+            offset & 0x7FFFFFFF, offset >> 31, *pen)
     meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, HAS_FILTERS=has_filters, PROBS=bool(probs),
                 PACKED=packed, BLOCK=method == "block" and draft is not None, TRAVERSAL=traversal, NUM_SPLITS=S,
                 SPLIT_V=split_v, BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T),
                 S_BLOCK=triton.next_power_of_2(S), PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=NP,
-                CAP=cap, SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], num_warps=cfg["num_warps"])
+                CAP=cap, SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], num_warps=cfg["num_warps"],
+                HAS_PENALTIES=has_penalties, FILTER_ORDER=FILTER_ORDERS[filter_order])
     steps = cfg["split_steps"]
     for step in range(steps):
         _accept_kernel[(B, S)](*args, (step + 1) % 2, WALKER=False, IS_FIRST=step == 0, **meta)
     _accept_kernel[(B,)](*args, (steps + 1) % 2, WALKER=True, IS_FIRST=steps == 0, **meta)
-    return accepted, num_accepted, next_tokens
+    raw_rows = None
+    if float64 and return_logprobs >= 0 and logprobs_mode == "raw":
+        raw_rows = _in_float32_range(raw_target, raw_logs)
+    return (accepted, num_accepted, next_tokens, *emitted_logprobs(args, meta, return_logprobs, logprobs_mode,
+                                                                   raw_rows))

@@ -18,6 +18,12 @@ Reads of a filtered row: statistics, pivots, gathering (3); top-p after top-k is
 gathered values when the gathering covered [lo, +inf) (k <= CAP entries kept); min-p alone: statistics
 twice. A bracket of more than CAP entries (ties of many values, or dense values) costs more pivot passes:
 each divides its key range by NUM_PIVOTS, and a bracket of one value is the threshold itself.
+Filter orders (FILTER_ORDER, `Request.order`) differ only in the set top-p's softmax is over (min-p's set
+depends on the max alone and top-k's sets nest, so the kept set is always top-k's, top-p's and min-p's in
+common): ORDER_HF, what top-k keeps (top-p's range starts at top-k's threshold); ORDER_VLLM, what min-p and
+top-k keep (every SELECT pass reads the row below the thresholds found so far, min-p's first, as dropped:
+`_select_row_chunk`'s floor); ORDER_SGLANG, the whole masked row (top-p's own search over it after top-k's,
+`_top_p_floor`: a gathering cannot serve both).
 Weights: exp((x - max x) / t) in float32, summed in float64 (the gathered values' in float64), so top-p's
 comparisons are those of the float64 reference unless the mass sits within ~1e-7 (relative) of top_p."""
 from __future__ import annotations
@@ -32,9 +38,9 @@ from triton.language.standard import _sum_combine as _SUM
 
 from .passes import _bounds
 from .records import (
-    FLT_LOWEST, GOAL_DONE, GOAL_K, GOAL_P, MODE_COMPACT, MODE_EVEN, MODE_FIRST, NEG_INF, POS_INF, SELECT, STATS, Search,
-    _updated)
-from .rows import _kept, _load_row, _row_logits, _rows, _uses_q
+    FLT_LOWEST, GOAL_DONE, GOAL_K, GOAL_P, MODE_COMPACT, MODE_EVEN, MODE_FIRST, NEG_INF, ORDER_SGLANG, ORDER_VLLM,
+    POS_INF, SELECT, STATS, Search, _updated)
+from .rows import _kept, _load_row, _rows, _uses_q, _values
 
 
 @triton.jit
@@ -73,6 +79,16 @@ def _min_p_threshold(req, m_x):
     for _ in tl.static_range(2):
         key = tl.where(_min_p_kept(_from_key(key - 1), m, t, log_min_p), key - 1, key)
     return _from_key(key)
+
+
+@triton.jit
+def _top_p_floor(req, tau_k):
+    """Where top-p's search starts after top-k's threshold tau_k: tau_k (its softmax over the top-k set), the
+    whole row for ORDER_SGLANG (over every masked token: top-p's set is intersected with top-k's afterwards)."""
+    lo = tau_k
+    if req.order == ORDER_SGLANG:
+        lo = tl.full((), FLT_LOWEST, tl.float32)
+    return lo
 
 
 @triton.jit
@@ -148,9 +164,12 @@ def _select_row_chunk(req, node, row, srch, s, rec, sb, NUM_PIVOTS: tl.constexpr
     n = tl.full((), 0, tl.int32)
     values = sb.gathered + rec * CAP
     j = tl.arange(0, NUM_PIVOTS)
+    floor = tl.full((), NEG_INF, tl.float32)
+    if req.order == ORDER_VLLM:  # top-k and top-p see only what the thresholds so far keep (min-p's first)
+        floor = srch.tau
     for start in range(lo, hi, SELECT_BLOCK):
         cols = start + ar
-        x = _kept(req, node, cols, _row_logits(_load_row(row + cols, cols < hi, req.probs), req.probs), NEG_INF)
+        x = _kept(req, node, cols, _values(req, node, cols, _load_row(row + cols, cols < hi, req.probs)), floor)
         weight = tl.exp((x - srch.m_x) * req.inv_t)
         if gather:
             inside = (x >= srch.lo) & (x < srch.hi)
@@ -222,7 +241,7 @@ def _narrow(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.constex
             # (top-k's: top-p's search next, over [lo, +inf))
             goal = tl.where((goal == GOAL_K) & (req.top_p < 1.0), GOAL_P, GOAL_DONE).to(tl.int32)
             mode = tl.full((), MODE_FIRST, tl.int32)
-            lo = new_lo
+            lo = _top_p_floor(req, new_lo)
             hi = tl.full((), POS_INF, tl.float32)
             c_hi = tl.full((), 0, tl.int32)
             f_hi = tl.full((), 0.0, tl.float64)
@@ -276,10 +295,10 @@ def _resolve(req, srch, recs, have, sb, NUM_PIVOTS: tl.constexpr, CAP: tl.conste
             tau_k = tl.minimum(tau_k, tl.reduce(tl.where(kept, xi, POS_INF), 0, _MIN))
         tau = tl.maximum(tau, tau_k)
         goal = tl.where(req.top_p < 1.0, GOAL_P, GOAL_DONE).to(tl.int32)
-        lo = tau_k
-        if hi == POS_INF:  # every value >= tau_k was gathered: top-p on them, below
+        lo = _top_p_floor(req, tau_k)
+        if (hi == POS_INF) & (req.order != ORDER_SGLANG):  # every value >= tau_k was gathered: top-p on them, below
             w = tl.reduce(tl.where(x >= tau_k, weight, 0.0), 0, _SUM)
-        else:  # top-p's own search over [tau_k, +inf)
+        else:  # top-p's own search over [lo, +inf)
             mode = tl.full((), MODE_FIRST, tl.int32)
             hi = tl.full((), POS_INF, tl.float32)
             c_hi = tl.full((), 0, tl.int32)

@@ -14,8 +14,8 @@ from triton.language.standard import _sum_combine as _SUM
 from .records import (
     CANDIDATE, CANDIDATE_TOKEN, Chunks, DONE, INT_MAX, NEG_INF, STATS, U_CANDIDATE, ZPASS, _part_records, _updated)
 from .rows import (
-    _emit, _kept, _kept_pair, _lane_lse, _load_row, _log_prob, _merge_lse, _residual, _row_logits, _rows, _scaled,
-    _target_values, _uniform_pair, _uses_q)
+    _emit, _kept, _kept_pair, _lane_lse, _load_row, _log_prob, _merge_lse, _residual, _rows, _scaled, _target_values,
+    _uniform_pair, _uses_q, _values)
 
 
 @triton.jit
@@ -83,8 +83,11 @@ def _chunk_pass(req, walk, s, use_q, HAS_DRAFT: tl.constexpr, SPLIT_V: tl.conste
         b = a
         if HAS_DRAFT:
             b, b_next, b_later = _next_tile(d_row, start, hi_q, b_next, b_later, BLOCK_V, PREFETCH, req.probs)
-        a = _target_values(a, req.greedy, req.probs)
-        b = _row_logits(b, req.probs)
+        a = _target_values(req, walk.node, start + ar, a)
+        if HAS_DRAFT:
+            b = _values(req, walk.node, start + ar, b)
+        else:
+            b = a
         a, b = _kept_pair(req, walk.node, start + ar, a, b, walk.tau_p, walk.tau_q)
         if stats:  # on raw values (scaled inside the fold: a max / t may overflow)
             best = tl.where(a > m_p, start + ar, best)  # strictly greater: a lane keeps its first maximum
@@ -158,9 +161,9 @@ def _total_mass(mass, NUM_SPLITS: tl.constexpr, S_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile(row, start, hi, ar, PROBS: tl.constexpr):
-    """float32 logits of entries start + ar of a row, -inf past hi (hi = start: nothing is read)."""
-    return _row_logits(_load_row(row + start + ar, start + ar < hi, PROBS), PROBS)
+def _tile(req, node, row, start, hi, ar):
+    """`_values` of entries start + ar of one of node's rows, -inf past hi (hi = start: nothing is read)."""
+    return _values(req, node, start + ar, _load_row(row + start + ar, start + ar < hi, req.probs))
 
 
 @triton.jit
@@ -179,10 +182,10 @@ def _locate(req, node, pick, thresh, c, law_p, law_q, tau_p, tau_q, HAS_DRAFT: t
     start = lo
     while (start < hi) & (token < 0):
         cols = start + ar
-        a = _scaled(req, _kept(req, node, cols, _tile(t_row, start, hi, ar, req.probs), tau_p), law_p)
+        a = _scaled(req, _kept(req, node, cols, _tile(req, node, t_row, start, hi, ar), tau_p), law_p)
         b = a
         if HAS_DRAFT:
-            b = _scaled(req, _kept(req, node, cols, _tile(d_row, start, hi_q, ar, req.probs), tau_q), law_q)
+            b = _scaled(req, _kept(req, node, cols, _tile(req, node, d_row, start, hi_q, ar), tau_q), law_q)
         r = _residual(a, b, law_p, law_q, c, HAS_DRAFT)
         if not HAS_DRAFT:
             if c >= 0:  # (not FROM_P)

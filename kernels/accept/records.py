@@ -119,6 +119,12 @@ W_K = tl.constexpr(1)
 SEARCH_DOUBLES = tl.constexpr(2)
 FLT_LOWEST = tl.constexpr(-3.4028234663852886e38)
 
+# filter_order (FILTER_ORDER): steps 3-5 differ only in the set top-p normalizes over (filters.py)
+ORDER_HF = tl.constexpr(0)  # over what top-k keeps (the default)
+ORDER_VLLM = tl.constexpr(1)  # over what min-p and top-k keep
+ORDER_SGLANG = tl.constexpr(2)  # over the whole (masked) row
+FILTER_ORDERS = {"hf": 0, "vllm": 1, "sglang": 2}
+
 
 class Stream(NamedTuple):
     """A request's Philox key and the counter words of its offset."""
@@ -157,9 +163,39 @@ class Request(NamedTuple):
     out_next: tl.tensor
     writer: tl.tensor  # chunk 0's program: writes the state and the path
     records: tl.tensor  # traversal: its node records (STATE_FLOATS float slots per node; see `_push_node`)
+    pen: Penalties  # step 0's inputs (neutral, nothing read, when the launch has none: HAS_PENALTIES off)
     # the launch's PROBS switch: the rows hold probabilities, read as their logs (`_load_row`, `_row_logits`).
     # A compile-time field rather than one more argument: every helper that reads a row has the request
     probs: tl.constexpr
+    # HAS_PENALTIES: every row read goes through step 0 (`_values`, penalties.py); FILTER_ORDER: ORDER_HF,
+    # ORDER_VLLM or ORDER_SGLANG, the set top-p normalizes over (filters.py)
+    penalties: tl.constexpr
+    order: tl.constexpr
+
+
+class Penalties(NamedTuple):
+    """Step 0's inputs of one request (penalties.py: `_request_penalties`, `_penalized`); the node's path is
+    chased at each read."""
+    rep: tl.tensor  # repetition penalty (float32; 1: off) and 1 / rep computed in float32
+    inv_rep: tl.tensor
+    freq: tl.tensor  # frequency and presence penalties (float32; 0: off)
+    pres: tl.tensor
+    counts: tl.tensor  # the request's output_token_counts row (int32 per token)
+    counted: tl.tensor  # entries of that row: V, or 0 without output_token_counts (nothing read)
+    prompt: tl.tensor  # the request's prompt_token_mask row (int32 words, bit v % 32 of word v // 32)
+    prompt_words: tl.tensor  # its words: ceil(V / 32), or 0 without a prompt mask (nothing read)
+    bias_ids: tl.tensor  # the request's logit_bias_ids / logit_bias_values rows, K entries (-1: padding)
+    bias_values: tl.tensor
+    K: tl.tensor
+    stop_ids: tl.tensor  # the request's stop_token_ids row, S entries (-1: padding)
+    S: tl.tensor
+    min_tokens: tl.tensor  # int32 (0: off)
+    generated: tl.tensor  # int64: the sum of the request's output counts
+    tok_row: tl.tensor  # the request's tokens and parents rows (T entries each)
+    par_row: tl.tensor
+    T: tl.tensor
+    V: tl.tensor
+    probs: tl.constexpr  # the entries are probabilities: step 0 on their float64 logs
 
 
 class RowLaw(NamedTuple):

@@ -1,5 +1,5 @@
 """Randomness, elementwise pieces and the request: its context (`_request`), its tree (children, tokens, the
-acceptance uniforms), and every read of one of its rows (`_load_row`, `_row_logits`, `_kept`, `_log_prob`)."""
+acceptance uniforms), and every read of one of its rows (`_load_row`, `_values`, `_kept`, `_log_prob`)."""
 from __future__ import annotations
 
 import triton
@@ -10,6 +10,7 @@ from triton.language.standard import _elementwise_max as _MAX
 from triton.language.standard import _elementwise_min as _MIN
 from triton.language.standard import _sum_combine as _SUM
 
+from .penalties import _penalized
 from .records import GREEDY_BELOW, NEG_INF, Request, STATE_FLOATS, STREAM_U, Stream, U_TEST
 
 
@@ -88,22 +89,38 @@ def _row_logits(x, PROBS: tl.constexpr):
 
 
 @triton.jit
-def _target_values(x, greedy, PROBS: tl.constexpr):
-    """`_row_logits` of a statistics pass's target tile. A greedy row of probabilities keeps them as they are
+def _values(req, node, cols, x):
+    """The values the walk uses of entries x (as `_load_row` read them) of tokens `cols` of node's row:
+    `_row_logits`, after step 0 when the launch has it (HAS_PENALTIES: `_penalized`, the node's path counts).
+    Every read of a row goes through here (or `_target_values`)."""
+    if req.penalties:
+        values = _penalized(req.pen, node, cols, x)
+    else:
+        values = _row_logits(x, req.probs)
+    return values
+
+
+@triton.jit
+def _target_values(req, node, cols, x):
+    """`_values` of a statistics pass's target tile. A greedy row of probabilities keeps them as they are
     (0 = impossible: -inf): its argmax is theirs, where a float32 log rounds probabilities an ulp apart to one
-    value (the first of them won)."""
-    x = x.to(tl.float32)
-    if PROBS:
-        x = tl.where(greedy, tl.where(x > 0.0, x, NEG_INF), tl.log(x))
-    return x
+    value (the first of them won); after step 0 it is the argmax of the penalized logs (`_penalized`)."""
+    if req.penalties:
+        values = _penalized(req.pen, node, cols, x)
+    else:
+        values = x.to(tl.float32)
+        if req.probs:
+            values = tl.where(req.greedy, tl.where(values > 0.0, values, NEG_INF), tl.log(values))
+    return values
 
 
 @triton.jit
 def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr, mask_ptr,
              row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W,
-             stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, HAS_OFFSETS: tl.constexpr,
-             HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr, T_BLOCK: tl.constexpr):
-    """The `Request` of this program (request program_id(0))."""
+             stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, pen, HAS_OFFSETS: tl.constexpr,
+             HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr, T_BLOCK: tl.constexpr,
+             HAS_PENALTIES: tl.constexpr, FILTER_ORDER: tl.constexpr):
+    """The `Request` of this program (request program_id(0)); pen: its `Penalties` (`_request_penalties`)."""
     b = tl.program_id(0)
     t = tl.load(temp_ptr + b)
     greedy = t < GREEDY_BELOW
@@ -147,7 +164,8 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
                    t_rows=t_rows, d_rows=d_rows, stride_tt=stride_tt, stride_dt=stride_dt, V=V, masks=masks, W=W,
                    t=tl.where(greedy, 1.0, t), k=k, top_p=top_p, min_p=min_p, filtered=filtered, path=acc_ptr + b * T,
                    out_num=num_acc_ptr + b, out_next=next_ptr + b, writer=tl.program_id(1) == 0,
-                   records=state_f_ptr + (2 * tl.num_programs(0) + b * T).to(tl.int64) * STATE_FLOATS, probs=PROBS)
+                   records=state_f_ptr + (2 * tl.num_programs(0) + b * T).to(tl.int64) * STATE_FLOATS, pen=pen,
+                   probs=PROBS, penalties=HAS_PENALTIES, order=FILTER_ORDER)
 
 
 @triton.jit
@@ -194,7 +212,7 @@ def _kept_pair(req, node, cols, a, b, tau_a, tau_b):
 def _log_prob(req, row, node, x, tau, law):
     """log p(x) of token x in the node's row of law `law`, -inf for an x outside the vocabulary or dropped by
     the node's processed law."""
-    raw = _row_logits(_load_row(row + x, (x >= 0) & (x < req.V), req.probs), req.probs)
+    raw = _values(req, node, x, _load_row(row + x, (x >= 0) & (x < req.V), req.probs))
     return _scaled(req, _kept(req, node, x, raw, tau), law) - law.lse
 
 

@@ -12,7 +12,7 @@ from triton.language.standard import _sum_combine as _SUM
 
 from .passes import _total_mass
 from .records import DONE, FROM_P, LOCATE, NEG_INF, Residual, STATS, TRIAL, ZPASS, _updated
-from .rows import _child, _descend, _emit, _first_child, _kept, _load_row, _log_prob, _row_logits, _rows, _scaled
+from .rows import _child, _descend, _emit, _first_child, _kept, _load_row, _log_prob, _rows, _scaled, _values
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def _rejected_masses(req, node, law_p, tau_p, SPLIT_V: tl.constexpr, S_BLOCK: tl
                      & (req.idx[None, :] < req.idx[:, None])).to(tl.int32), 1, _MAX) > 0
     rejected = child & (dup == 0) & (req.tok >= 0) & (req.tok < req.V)
     t_row, _ = _rows(req, node)
-    raw = _row_logits(_load_row(t_row + req.tok, rejected, req.probs), req.probs)
+    raw = _values(req, node, req.tok, _load_row(t_row + req.tok, rejected, req.probs))
     p = tl.exp(_scaled(req, _kept(req, node, req.tok, raw, tau_p), law_p) - law_p.lse)  # (a dropped token: p = 0)
     owner = req.tok // SPLIT_V
     return tl.reduce(tl.where(owner[:, None] == tl.arange(0, S_BLOCK)[None, :], p[:, None], 0.0), 0, _SUM)

@@ -8,14 +8,12 @@ it in place of its own (specdec.integrations.vllm_plugin does that).
 
 What changes is the verification. vLLM first materializes every request's processed fp32 logits
 (`sampler.apply_sampling_params`, chunked at 1 GB) and then runs its rejection kernels on them. Here accept
-reads the model's logits rows in place (packed form, `cu_num_nodes`) and fuses temperature, top-k, top-p and
-min-p, for every request whose law they define. The vLLM sampler it was given processes, on those requests'
-rows only, the requests that need more:
+reads the model's logits rows in place (packed form, `cu_num_nodes`) and fuses temperature, min-p, top-k and
+top-p in vLLM's order (filter_order="vllm": min-p first), for every request whose law they define. The vLLM
+sampler it was given processes, on those requests' rows only, the requests that need more:
   - requests that one of the sampler's logits processors modifies (logit bias, penalties, bad words, custom
     processors) or that a thinking budget can force: recorded as the sampler admits them
     (`Sampler.add_request`; the runner builds its rejection sampler before any request arrives);
-  - sampled requests with both min-p and top-p: vLLM applies min-p before top-k / top-p, accept after them,
-    and with top-p the two orders keep different sets;
   - sampled requests with a filter (top-k, top-p, min-p) when draft logits are given: vLLM's drafter draws
     from softmax(draft_logits / t), unfiltered, while accept would filter the draft's law like the target's.
 Those rows are then verified at temperature 1 against draft_logits / t: vLLM's law exactly.
@@ -155,7 +153,7 @@ class RejectionSampler:
             filters = {}
         else:
             temperature = torch.where(real, temperature, 0.0)
-            filters = batch.filters(seg_req, seg.req)
+            filters = dict(batch.filters(seg_req, seg.req), filter_order="vllm")
         draft = batch.draft_rows(rows_t, tokens, seg, dev)
         if draft is not None and processed:
             row_temperature = batch.temperature[seg_req].repeat_interleave(torch.from_numpy(seg.length).to(dev))
@@ -223,8 +221,7 @@ class _Batch:
         by_processor = np.zeros(len(idx_np), dtype=bool)
         for active in rs._processor_active:
             by_processor |= active[idx_np]
-        self.routed = (by_processor | sampling & (self.min_p_np > 0) & (self.top_p_np < 1)
-                       | sampling & filtered & (draft_logits is not None))
+        self.routed = by_processor | sampling & filtered & (draft_logits is not None)
         # Placeholders (-1 drafts) only fill the steps of requests still in their prefill: read them (a host
         # sync) only for batches that have some.
         self.placeholder = np.zeros(len(idx_np), dtype=bool)

@@ -11,6 +11,7 @@ import torch
 
 import specdec
 from .._validation import METHODS
+from ..reference import FILTER_ORDERS
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 DEFAULT_TREE = "chain:4"
@@ -56,6 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0 = off, default)")
+    g.add_argument("--filter-order", choices=FILTER_ORDERS, default="hf",
+                   help="the order of top-k, top-p and min-p: hf (default: top-k, top-p, min-p), vllm (min-p first) "
+                        "or sglang (top-p over the whole law, jointly with top-k)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="vLLM's: logits of tokens in the prompt or the output so far divided (> 0) or multiplied "
+                        "(<= 0) by it (1 = off, default)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="vLLM's: minus this times each token's count in the output so far (0 = off, default)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="vLLM's: minus this for each token in the output so far (0 = off, default)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+                   help="add BIAS to token id TOKEN's logit (repeat for several tokens)")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="hold the stop tokens (--stop-token-ids, default the EOS) back until this many tokens are "
+                        "generated (0 = off, default)")
+    g.add_argument("--stop-token-ids", help="comma-separated token ids that --min-tokens holds back (default: the EOS)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="report each generated token's logprob and the N best of its position (0..20; JSON output)")
+    g.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
+                   help="the target's log-softmax (raw, default) or the law the token was drawn from (processed)")
     g.add_argument("--method", choices=METHODS, default="token",
                    help="verifier of sampled drafts: token-wise (default), block verification (chains) or "
                         "traversal verification (static trees and chains)")
@@ -108,6 +129,28 @@ def make_drafter(args, target):
     return DraftModelDrafter(draft, tree, kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
 
 
+def step0_args(args) -> dict:
+    """generate's penalty, logit-bias and min-tokens arguments from the flags."""
+    bias = {}
+    for item in args.logit_bias:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = bias.get(int(token), 0.0) + float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias {item}: expected TOKEN=BIAS (an int, a number)") from None
+        if not sep:
+            raise ValueError(f"--logit-bias {item}: expected TOKEN=BIAS (an int, a number)")
+    stop = None
+    if args.stop_token_ids is not None:
+        try:
+            stop = [int(x) for x in args.stop_token_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--stop-token-ids {args.stop_token_ids}: expected comma-separated ints") from None
+    return dict(repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty, logit_bias=bias or None, min_tokens=args.min_tokens,
+                stop_token_ids=stop)
+
+
 def generate(args, vocab_group=None) -> dict:
     """One generate run; with args.tp > 1, in args.tp processes (each calls this with its vocab_group)."""
     if args.tp < 1:
@@ -149,7 +192,8 @@ def generate(args, vocab_group=None) -> dict:
     decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method, vocab_shard=shard,
                                    adaptive=adaptive, **graphs),
                 SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard, **graphs))
-    filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, filter_order=args.filter_order,
+                   **step0_args(args), logprobs=args.logprobs, logprobs_mode=args.logprobs_mode)
     t0 = time.perf_counter()
     for decoder in decoders[:1 + args.compare_ar]:  # warm-up, so that the timings compare steady states
         if args.compile or decoder.graph_class:  # every graph of the timed run: the same batch, length, tree, filters
@@ -175,6 +219,8 @@ def generate(args, vocab_group=None) -> dict:
               "temperature": args.temperature, **filters, "device": str(device), "dtype": args.dtype,
               "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "adaptive": adaptive, "compile_s": compile_s,
               "depth_chosen": spec.summary.get("depth_chosen"), "requests": spec.stats, "passes": args.passes}
+    if args.logprobs is not None:
+        result.update(token_logprobs=spec.logprobs, top_logprobs=spec.top_logprobs)
     if args.compare_ar:
         result.update(ar_tokens=ar.tokens, ar_tokens_per_s=ar.summary["tokens_per_s"], ar_wall_s=ar.summary["wall_s"],
                       identical=ar.tokens == spec.tokens,

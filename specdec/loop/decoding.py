@@ -21,6 +21,7 @@ captured graph (cuda_graphs) alike: a step runner (`_EagerSteps`, `_CompiledStep
 """
 from __future__ import annotations
 
+import math
 import time
 import types
 from dataclasses import dataclass, field, replace
@@ -34,8 +35,9 @@ from .adaptive import PROB_SCALE, AdaptiveDepth, StepSchedule, compiled_depths, 
 from .drafters.base import DepthControl, Drafter, NoDrafter, Proposal, StepState
 from .models.llama import Llama, compile_static
 from .._validation import check_method_name
-from ..reference import GREEDY_BELOW
-from ..sampling import SamplingParams, chain_acceptance_probs
+from ..ops import Logprobs
+from ..reference import FILTER_ORDERS, GREEDY_BELOW
+from ..sampling import Penalties, SamplingParams, chain_acceptance_probs
 
 CACHE_BUCKET = 256  # with compile=True or CUDA graphs, cache lengths are rounded up to a multiple of this
 # the batch shapes whose CUDA graphs (and the buffers they read) a decoder keeps across generate calls
@@ -58,10 +60,13 @@ class GenerationOutput:
     acceptance drops with depth, also where steps draft to different depths; None where none did),
     judged_by_depth (those steps' counts), wall_s, tokens_per_s; summary: the same over the batch, and prompt_s:
     the part of wall_s before the first step (the checks, the buffers, the prompts through the target and the
-    drafter)."""
+    drafter). With generate's logprobs=N: logprobs[b][j] is the logprob of tokens[b][j], top_logprobs[b][j] the N
+    best (token id, logprob) pairs of its position, best first."""
     tokens: list
     stats: list
     summary: dict = field(default_factory=dict)
+    logprobs: Optional[list] = None
+    top_logprobs: Optional[list] = None
 
 
 class SpeculativeDecoder:
@@ -155,14 +160,33 @@ class SpeculativeDecoder:
                  temperature: Union[float, Sequence[float]] = 0.0, seed: Union[int, Sequence[int]] = 0,
                  progress: bool = False, *, top_k: Union[int, Sequence[int]] = 0,
                  top_p: Union[float, Sequence[float]] = 1.0, min_p: Union[float, Sequence[float]] = 0.0,
-                 allowed_token_ids: Optional[Sequence[int]] = None) -> GenerationOutput:
+                 allowed_token_ids: Optional[Sequence[int]] = None, filter_order: str = "hf",
+                 repetition_penalty: Union[float, Sequence[float]] = 1.0,
+                 frequency_penalty: Union[float, Sequence[float]] = 0.0,
+                 presence_penalty: Union[float, Sequence[float]] = 0.0,
+                 logit_bias: Union[None, dict, Sequence[Optional[dict]]] = None,
+                 min_tokens: Union[int, Sequence[int]] = 0, stop_token_ids: Optional[Sequence] = None,
+                 logprobs: Optional[int] = None, logprobs_mode: str = "raw") -> GenerationOutput:
         """Generate for a batch of token-id prompts (each non-empty). temperature/seed: one for all or one
         per request (0 = greedy); request b samples with seed[b] (or seed + b). top_k/top_p/min_p: one for all
-        or one per request (off: 0, 1, 0), the filters of `specdec.accept`; allowed_token_ids: the only tokens
-        any request may emit (None: all). The drafter samples from the same processed law."""
+        or one per request (off: 0, 1, 0), the filters of `specdec.accept`, in filter_order ("hf", "vllm" or
+        "sglang"); allowed_token_ids: the only tokens any request may emit (None: all). Step 0 of accept's law,
+        vLLM's meanings, one for all or one per request: repetition_penalty (off 1), frequency_penalty,
+        presence_penalty (off 0) over the request's output so far (and its prompt, for the repetition penalty);
+        logit_bias a dict {token id: bias}; min_tokens (off 0): stop_token_ids (default: the EOS; ids for all
+        requests, or a list per request) are masked until a request has generated that many tokens (the loop
+        stops at the EOS alone). The drafter samples from the same processed law, along each draft path.
+        logprobs N (None: off; 0..20): the output's logprobs[b] lists each generated token's logprob, and
+        top_logprobs[b] its position's N best (token, logprob) pairs, of the law logprobs_mode names ("raw": the
+        target's log-softmax; "processed": the law the token was drawn from, `specdec.accept`). The penalties and
+        logprobs run with eager steps (neither compile nor CUDA graphs nor vocab_shard)."""
         t0 = time.perf_counter()
         s = self._start(prompts, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p,
-                        allowed_token_ids=allowed_token_ids)
+                        allowed_token_ids=allowed_token_ids, filter_order=filter_order,
+                        penalties=dict(repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                                       presence_penalty=presence_penalty, logit_bias=logit_bias,
+                                       min_tokens=min_tokens, stop_token_ids=stop_token_ids),
+                        logprobs=logprobs, logprobs_mode=logprobs_mode)
         _sync(s.tokens.device)  # (the prompts' kernels may still run: their time is the prompts')
         prompt_s = time.perf_counter() - t0
         B, depth = s.tokens.shape[0], self.drafter.max_depth
@@ -188,8 +212,8 @@ class SpeculativeDecoder:
             out.summary["depth_chosen"] = list(policy.chosen)  # steps per draft depth, 0 = plain decoding
         return out
 
-    def _start(self, prompts, max_new_tokens, temperature, seed, *, top_k, top_p, min_p,
-               allowed_token_ids) -> "_Batch":
+    def _start(self, prompts, max_new_tokens, temperature, seed, *, top_k, top_p, min_p, allowed_token_ids,
+               filter_order="hf", penalties=None, logprobs=None, logprobs_mode="raw") -> "_Batch":
         """generate's arguments checked, the batch's buffers, the prompts through the target and the drafter."""
         B, dev, T, depth = len(prompts), self.target.device, self.drafter.max_nodes, self.drafter.max_depth
         if B == 0 or any(len(p) == 0 for p in prompts):
@@ -205,8 +229,16 @@ class SpeculativeDecoder:
         # (chain_acceptance_probs is token-wise rejection sampling's acceptance per level of a chain)
         judge_probs = self.adaptive is not None and sampled and method == "token" and \
             self.drafter.max_nodes == self.drafter.max_depth + 1
+        logprobs = self._logprob_args(logprobs, logprobs_mode, filter_order)
         requests = B
         B = batch_bucket(B, self.batch_buckets) if self.batch_buckets else B
+        step0 = dict(penalties or {})
+        if step0.get("stop_token_ids") is None:
+            step0["stop_token_ids"] = () if self.eos is None else (self.eos,)
+        V = self.target.cfg.vocab_size
+        penalties = Penalties.for_batch(prompts, V, dev, **step0, padding=B - requests)
+        if penalties is not None:
+            self._eager_only(penalties.first_on())
         if B > requests:  # padding rows: one-token prompts, greedy, filters off, finished from the start
             pad = B - requests
             for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
@@ -216,7 +248,9 @@ class SpeculativeDecoder:
             top_k, top_p, min_p = (x if isinstance(x, (int, float)) else list(x) + [off] * pad
                                    for x, off in ((top_k, 0), (top_p, 1.0), (min_p, 0.0)))
         temp = torch.tensor(temps, dtype=torch.float32, device=dev)
-        params = SamplingParams.for_batch(B, self.target.cfg.vocab_size, dev, top_k, top_p, min_p, allowed_token_ids)
+        params = SamplingParams.for_batch(B, V, dev, top_k, top_p, min_p, allowed_token_ids)._replace(
+            penalties=penalties, filter_order=filter_order, logprobs=-1 if logprobs is None else logprobs,
+            logprobs_mode=logprobs_mode)
 
         prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
         # room for: prompt + max_new for live requests (+ a last tree) and one token per step once finished
@@ -233,6 +267,10 @@ class SpeculativeDecoder:
         cache.lens.zero_()
         s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T, requests,
                        judge_probs)
+        if logprobs is not None:  # (room for the last step's whole path past max_new_tokens)
+            s.logprobs = Logprobs(torch.full((B, max_new_tokens + T), math.nan, device=dev),
+                                  torch.full((B, max_new_tokens + T, logprobs), math.nan, device=dev),
+                                  torch.full((B, max_new_tokens + T, logprobs), -1, device=dev))
         # the last prompt token is the first root; a drafter on the target's features gets its hidden states
         hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
         if isinstance(self.drafter, StepState):  # (per call: a drafter may serve two loops)
@@ -243,6 +281,32 @@ class SpeculativeDecoder:
         if isinstance(self.drafter, DepthControl) and self.drafter.lagging and self.adaptive is None:
             self.drafter.catch_up(tokens, s.seq_lens)
         return s
+
+    def _logprob_args(self, logprobs, logprobs_mode, filter_order) -> Optional[int]:
+        """generate's logprobs (None or 0..20) checked; filter_order and logprobs_mode named as accept names
+        them."""
+        if filter_order not in FILTER_ORDERS:
+            raise ValueError(f"filter_order: expected one of {FILTER_ORDERS}, got {filter_order!r}")
+        if filter_order != "hf" and self.vocab_shard is not None:
+            raise ValueError("filter_order: the vocabulary-parallel accept (vocab_shard) filters in the 'hf' order")
+        if logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode: expected 'raw' or 'processed', got {logprobs_mode!r}")
+        if logprobs is None:
+            return None
+        if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 20:
+            raise ValueError(f"logprobs: expected None or an int in [0, 20], got {logprobs!r}")
+        self._eager_only("logprobs")
+        return logprobs
+
+    def _eager_only(self, name: str) -> None:
+        """Refuse generate's argument `name` unless the steps run eagerly on one device (a decoder without compile,
+        CUDA graphs and vocab_shard): the step-0 state and the logprob buffers are not carried through compiled or
+        replayed steps, nor through the vocabulary-parallel accept."""
+        mode = "compile" if self.compile else "cuda_graphs" if self.graph_class else \
+            "vocab_shard" if self.vocab_shard is not None else None
+        if mode is not None:
+            raise ValueError(f"{name}: runs with eager steps only, not with {mode} (a decoder with "
+                             f"{'cuda_graphs=False' if mode == 'cuda_graphs' else 'no ' + mode} runs it)")
 
     # one step, on the batch's buffers in place: _propose then _verify (with compile=True one graph per depth k,
     # or, for a drafter that proposes on the host, the verification alone)
@@ -287,6 +351,16 @@ class SpeculativeDecoder:
         where = (s.seq_lens.long().unsqueeze(1) + cols).clamp(max=s.tokens.shape[1] - 1)
         keep = cols < n_new.unsqueeze(1)
         s.tokens.scatter_(1, where, torch.where(keep, new, s.tokens.gather(1, where)))
+        if s.params.penalties is not None:  # (the output's counts, as accept reads them next step)
+            s.params.penalties.output_token_counts.scatter_add_(1, new.clamp(min=0), (keep & live.unsqueeze(1)).int())
+        if s.logprobs is not None:  # position j of the path is output token seq_lens - prompt_lens + j
+            at = (s.seq_lens - s.prompt_lens).long().unsqueeze(1) + cols
+            on = keep & live.unsqueeze(1) & (at < s.logprobs.token_logprobs.shape[1])
+            at = at.clamp(max=s.logprobs.token_logprobs.shape[1] - 1)
+            for buf, x in zip(s.logprobs, res.logprobs):
+                at_x = at.view(at.shape + (1,) * (x.dim() - 2)).expand_as(x)
+                on_x = on.view(on.shape + (1,) * (x.dim() - 2)).expand_as(x)
+                buf.scatter_(1, at_x, torch.where(on_x, x, buf.gather(1, at_x)))
         s.seq_lens += n_new.to(torch.int32)
 
         s.steps += live
@@ -331,7 +405,13 @@ class SpeculativeDecoder:
                    "tokens_per_step": int(s.emitted_live.sum()) / max(int(s.steps.sum()), 1),
                    **_acceptance(hist.sum(0), judged.sum(0), int(s.steps.sum())),
                    "wall_s": wall, "tokens_per_s": sum(len(o) for o in outs) / wall}
-        return GenerationOutput(outs, stats, summary)
+        out = GenerationOutput(outs, stats, summary)
+        if s.logprobs is not None:
+            lp, top, ids = (x.cpu() for x in s.logprobs)
+            out.logprobs = [lp[b, :len(seq)].tolist() for b, seq in enumerate(outs)]
+            out.top_logprobs = [[list(zip(ids[b, j].tolist(), top[b, j].tolist())) for j in range(len(seq))]
+                                for b, seq in enumerate(outs)]
+        return out
 
 
 def _acceptance(accepted_hist: torch.Tensor, judged_hist: torch.Tensor, steps: int) -> dict:
@@ -371,6 +451,9 @@ class _Batch:
     cols: torch.Tensor  # arange(max_nodes)
     requests: int  # the real requests, rows 0 .. requests - 1; the rest pad the batch to its bucket (done)
     judge_probs: bool  # the step reports its levels' acceptance probabilities (an adaptive loop, sampled chains)
+    # with generate's logprobs: (B, max_new + max_nodes) each output token's logprob, (B, max_new + max_nodes, N) the
+    # best N of its position (and their tokens), output token j at column j
+    logprobs: Optional[Logprobs] = None
 
     @classmethod
     def new(cls, tokens, prompt_lens, max_new, temp, seeds, params, method, cache, depth, max_nodes,
@@ -598,7 +681,7 @@ def _state_signature(obj, tensors: Optional[list] = None, _seen: Optional[dict] 
 def generate_ar(target: Llama, prompts, max_new_tokens: int = 128, temperature=0.0, seed=0,
                 progress: bool = False, kv_dtype: Optional[torch.dtype] = None, **filters) -> GenerationOutput:
     """Plain autoregressive decoding through the same ops (one-node trees): the baseline. filters: generate's
-    top_k, top_p, min_p, allowed_token_ids."""
+    keyword arguments (the filters, step 0 and logprobs)."""
     return SpeculativeDecoder(target, kv_dtype=kv_dtype).generate(prompts, max_new_tokens, temperature, seed, progress,
                                                                   **filters)
 

@@ -85,6 +85,59 @@ def test_opcheck_accept_with_filters():
                                                              *filters))
 
 
+def accept_with_sampling_params(method):
+    """accept's schema arguments with every step-0 argument, the filters and logprobs given (processed, in vLLM's
+    filter order). Chains whose every draft token dominates its parent's row (also after the penalties and the
+    bias), greedy / top-k 1: every request accepts its whole chain, so no output holds NaN padding (opcheck
+    compares outputs with NaN unequal)."""
+    gen = torch.Generator().manual_seed(2)
+    parents = torch.arange(-1, T - 1).expand(B, T).contiguous()
+    num_nodes = torch.full((B,), T, dtype=torch.int32)
+    best = torch.stack([torch.randperm(V - 3, generator=gen)[:T] + 3 for _ in range(B)])  # (0-2: stop tokens)
+    logits = torch.randn(B, T, V, generator=gen) * 0.1
+    logits.scatter_(2, best.unsqueeze(-1), 10.0)
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), best[:, :-1]], 1).int()
+    draft = logits.clone() if method == "traversal" else None
+    counts = torch.zeros(B, V, dtype=torch.int32)
+    counts[:, 1] = 1
+    counts[0, best[0, 1]] = 2
+    bias_ids = torch.tensor([[2, 2, -1], [0, 5, 11]], dtype=torch.int32)
+    step0 = (torch.tensor([1.3, 1.0]), torch.tensor([0.5, -0.2]), torch.tensor([0.0, 0.4]), counts,
+             torch.tensor([[0b1010], [0b0110]], dtype=torch.int32), bias_ids,
+             torch.tensor([[1.5, 0.5, 0.0], [-1.0, 2.0, 0.25]]), counts.sum(-1, dtype=torch.int32) + 2,
+             torch.tensor([[0, -1], [1, 2]], dtype=torch.int32))
+    filters = (torch.tensor([5, 1], dtype=torch.int32), torch.tensor([0.9, 0.8]), torch.tensor([0.05, 0.0]), None)
+    return (logits, tokens, parents, draft, torch.tensor([0.0, 0.9]), torch.tensor([3, 4]), num_nodes, 0, None,
+            *filters, method, False, None, *step0, "vllm", 3, "processed")
+
+
+ACCEPT_DEVICES = [pytest.param("cpu", id="cpp", marks=pytest.mark.skipif(not specdec.ops.HAS_CPP,
+                                                                         reason="the C++ op is not built")),
+                  pytest.param("cuda", id="triton", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="the Triton op runs on CUDA"))]
+
+
+@pytest.mark.parametrize("device", ACCEPT_DEVICES)
+@pytest.mark.parametrize("method", ["token", "traversal"])
+def test_opcheck_accept_with_sampling_params(device, method):
+    """The six outputs (logprobs (B, T), top logprobs and ids (B, T, N)) through the dispatcher, the fake
+    implementation and AOT dispatch; inputs unchanged (opcheck's schema test)."""
+    inputs = tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in accept_with_sampling_params(method))
+    torch.library.opcheck(torch.ops.specdec.accept.default, inputs)
+    out = torch.ops.specdec.accept.default(*inputs)
+    assert [o.dtype for o in out] == [torch.int32, torch.int32, torch.int64, torch.float32, torch.float32, torch.int64]
+    assert [tuple(o.shape) for o in out[3:]] == [(B, T), (B, T, 3), (B, T, 3)]
+    assert out[1].tolist() == [T - 1] * B  # (every position emitted: no padding)
+
+
+@pytest.mark.parametrize("device", ACCEPT_DEVICES)
+def test_accept_without_logprobs_returns_empty_logprob_outputs(device):
+    args = tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in op_samples()["accept"])
+    out = torch.ops.specdec.accept.default(*args)
+    assert len(out) == 6
+    assert [tuple(o.shape) for o in out[3:]] == [(B, 0), (B, 0, 0), (B, 0, 0)]
+
+
 def test_torch_compile_fullgraph_with_filters():
     """The Python scalars and tensors of the filters trace (the normalization makes no host read)."""
     x = sample_inputs()
@@ -99,6 +152,28 @@ def test_torch_compile_fullgraph_with_filters():
     top_p = torch.tensor([0.9, 0.5])
     for a, b in zip(compiled(x["logits"], top_p), step(x["logits"], top_p)):
         assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph_with_sampling_params():
+    """The step-0 arguments, the filter order and logprobs trace too: the six outputs equal eager's."""
+    x = sample_inputs()
+    counts = torch.zeros(B, V, dtype=torch.int32)
+    counts[:, 1] = 1
+
+    def step(logits, frequency_penalty):
+        return specdec.accept(logits, x["tokens"], x["parents"], temperature=x["temperature"], seeds=x["seeds"],
+                              num_nodes=x["num_nodes"], top_k=3, top_p=0.9, repetition_penalty=1.2,
+                              frequency_penalty=frequency_penalty, output_token_counts=counts,
+                              logit_bias=(torch.tensor([[2], [5]]), torch.tensor([[1.0], [-1.0]])), min_tokens=2,
+                              stop_token_ids=torch.tensor([[0], [3]]), filter_order="sglang", return_logprobs=2,
+                              logprobs_mode="processed")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    frequency_penalty = torch.tensor([0.5, 0.0])
+    got, want = compiled(x["logits"], frequency_penalty), step(x["logits"], frequency_penalty)
+    for a, b in zip((*got[:3], *got.logprobs), (*want[:3], *want.logprobs)):
+        assert torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)  # (NaN padding)
 
 
 def speculative_step(q, k, v, lens, parents, num_nodes, k_new, v_new, logits, tokens, temperature, seeds, steps):

@@ -296,20 +296,19 @@ def _processed_law(sampler, base, params):
     return torch.softmax(processed.double(), -1)
 
 
-@pytest.mark.parametrize("case", ["top_k_top_p_fused", "min_p_top_p_routed", "top_k_with_draft_logits_routed"])
+@pytest.mark.parametrize("case", ["top_k_top_p_fused", "min_p_top_p_fused", "top_k_with_draft_logits_routed"])
 def test_sampled_law_with_filters_is_vllms(case):
-    """The filters: fused into accept (given proposals), or processed by vLLM's sampler where accept's law would
-    differ (min-p with top-p: vLLM applies min-p first; filters with draft logits: vLLM's drafter draws
-    unfiltered). The emitted chain follows vLLM's processed law. The routed cases' rows are chosen so that
-    accept's own processing would give another law: min-p 0.5 then top-p 0.6 keeps tokens {0, 1} of
-    (.3, .25, .2, .15, .07, .03), top-p then min-p keeps {0, 1, 2}; with top-k 2 and the drafter's
-    (.25, .05, .34, .33, .02, .01), accept filtering the draft too would emit token 0 with probability .63, not
-    .3 / .55."""
+    """The filters: fused into accept in vLLM's order (given proposals), or processed by vLLM's sampler where
+    accept's law would differ (filters with draft logits: vLLM's drafter draws unfiltered). The emitted chain
+    follows vLLM's processed law. The rows are chosen so that another order or processing would give another
+    law: min-p 0.5 then top-p 0.6 keeps tokens {0, 1} of (.3, .25, .2, .15, .07, .03), top-p then min-p keeps
+    {0, 1, 2}; with top-k 2 and the drafter's (.25, .05, .34, .33, .02, .01), accept filtering the draft too
+    would emit token 0 with probability .63, not .3 / .55."""
     k, V = 2, 6
     base = torch.randn(k + 1, V) * 2
     if case == "top_k_top_p_fused":
         t, param, draft_base = 0.9, dict(top_k=4, top_p=0.8), torch.randn(k, V) * 2
-    elif case == "min_p_top_p_routed":
+    elif case == "min_p_top_p_fused":
         t, param, draft_base = 1.0, dict(min_p=0.5, top_p=0.6), torch.randn(k, V)
         base = torch.log(torch.tensor([0.3, 0.25, 0.2, 0.15, 0.07, 0.03])).repeat(k + 1, 1)
     else:
@@ -323,16 +322,17 @@ def test_sampled_law_with_filters_is_vllms(case):
     _assert_chain_law(mine, drafts, laws, case)
 
 
-def test_min_p_with_top_p_keeps_vllms_set_not_accepts():
-    """Negative control of the min-p/top-p routing: on this row the two orders keep different sets."""
+def test_min_p_with_top_p_keeps_vllms_set_in_vllms_order_only():
+    """Why the entry point passes filter_order="vllm": on this row the orders keep different sets, and accept's
+    "vllm" order keeps vLLM's."""
     base = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     param = dict(min_p=0.6, top_p=0.5)
     _, _, sampler = _pair(1, 4, 1, [SamplingParams(temperature=1.0, **param)])
     vllm_kept = _processed_law(sampler, base.repeat(2, 1), param)[0] > 0
-    from specdec.sampling import keep_mask
-    accept_kept = keep_mask(base, 1.0, top_p=0.5, min_p=0.6)[0]
+    from specdec.reference import processed_keep
     assert vllm_kept.tolist() == [True, False, False, False]
-    assert accept_kept.tolist() != vllm_kept.tolist()
+    assert processed_keep(base[0], 1.0, 0, 0.5, 0.6, None, "vllm").tolist() == vllm_kept.tolist()
+    assert processed_keep(base[0], 1.0, 0, 0.5, 0.6, None, "hf").tolist() != vllm_kept.tolist()
 
 
 @pytest.mark.parametrize("method", ["synthetic", "fly"])

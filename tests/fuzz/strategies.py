@@ -104,7 +104,9 @@ def outcome(name: str, kwargs: dict, backend: Optional[str]):
         result = call_op(name, kwargs, backend)
     except Exception as exc:  # what was raised is the property's to judge
         return None, (type(exc).__name__, str(exc)), kwargs
-    if isinstance(result, tuple):
+    if isinstance(result, specdec.AcceptResult) and result.logprobs is not None:
+        result = tuple(result) + tuple(result.logprobs)
+    elif isinstance(result, tuple):
         result = tuple(result)
     return result, None, kwargs
 
@@ -559,6 +561,48 @@ def accept_cases(draw, *, backend="torch", packed=None, probs=None, sampled=None
     for name in list(args):
         args[name] = some_layout(draw, args[name])
     return args
+
+
+@st.composite
+def sampling_params(draw, B, V):
+    """accept's step-0 and logprob arguments: penalties as numbers or (B,) tensors (neutral ones included), the
+    counts and prompt mask they read, a logit bias with padding and repeated ids, min-tokens reached at some
+    depth or not at all, a filter order, logprobs off, 0 or a few, raw or processed."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    counts = torch.randint(0, 3, (B, V), generator=gen) * (torch.rand(B, V, generator=gen) < 0.3)
+    out = {}
+
+    def penalty(off, values):
+        if draw(st.booleans()):
+            return draw(st.sampled_from([off] + values))
+        return torch.tensor([draw(st.sampled_from([off] + values)) for _ in range(B)],
+                            dtype=draw(st.sampled_from(FLOAT_DTYPES)))
+
+    if draw(st.booleans()):
+        out["repetition_penalty"] = penalty(1.0, [0.5, 1.3, 2.0])
+        if draw(st.booleans()):
+            out["prompt_token_mask"] = specdec.sampling.pack_bitmask(torch.rand(B, V, generator=gen) < 0.3)
+    for name in ("frequency_penalty", "presence_penalty"):
+        if draw(st.booleans()):
+            out[name] = penalty(0.0, [-1.5, 0.25, 2.0])
+    if draw(st.booleans()):
+        K = draw(st.integers(1, 4))
+        ids = torch.randint(-1, V, (B, K), generator=gen)
+        ids[:, -1] = draw(st.sampled_from([-1, V - 1]))
+        out["logit_bias"] = (index_tensor(draw, ids, big_ok=False),
+                             torch.tensor([[draw(st.sampled_from([-50.0, -1.0, 0.0, 0.5, 3.0, 1e4])) for _ in range(K)]
+                                           for _ in range(B)]))
+    if draw(st.booleans()):
+        out["min_tokens"] = draw(st.sampled_from([0, 1, 3, torch.tensor([int(counts[b].sum()) + draw(
+            st.integers(0, 3)) for b in range(B)])]))
+        S = draw(st.integers(1, 3))
+        out["stop_token_ids"] = index_tensor(draw, torch.randint(-1, V, (B, S), generator=gen), big_ok=False)
+    if any(k.endswith("penalty") or k == "min_tokens" for k in out):
+        out["output_token_counts"] = index_tensor(draw, counts, big_ok=False)
+    out["filter_order"] = draw(st.sampled_from(["hf", "vllm", "sglang"]))
+    out["return_logprobs"] = draw(st.sampled_from([None, 0, 1, 3]))
+    out["logprobs_mode"] = draw(st.sampled_from(["raw", "processed"]))
+    return {k: some_layout(draw, v) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
 @st.composite

@@ -133,6 +133,32 @@ def accept_nan_row(draw, args):
     return dict(args, **{law: x}), (law,)
 
 
+def accept_bad_sampling_parameter(draw, args):
+    """One of accept's step-0 or logprob arguments out of its domain (the others valid, or absent)."""
+    B = args["seeds"].shape[0]
+    V = args.get("target_logits", args.get("target_probs")).shape[-1]
+    counts = torch.zeros(B, V, dtype=torch.int32)
+    bad = draw(st.sampled_from([
+        (dict(repetition_penalty=draw(st.sampled_from([0.0, -1.0, math.nan, math.inf])), output_token_counts=counts),
+         "repetition_penalty"),
+        (dict(frequency_penalty=torch.full((B,), math.nan), output_token_counts=counts), "frequency_penalty"),
+        (dict(presence_penalty=0.5), "output_token_counts"),
+        (dict(presence_penalty=0.5, output_token_counts=counts - 1), "output_token_counts"),
+        (dict(presence_penalty=0.5, output_token_counts=torch.full((B, V), 2**40)), "output_token_counts"),
+        (dict(repetition_penalty=1.5, output_token_counts=counts,
+              prompt_token_mask=torch.zeros(B, (V + 31) // 32 + 1, dtype=torch.int32)), "prompt_token_mask"),
+        (dict(logit_bias=(torch.full((B, 2), draw(st.sampled_from([V, -2, 2**40]))), torch.zeros(B, 2))),
+         "logit_bias"),
+        (dict(logit_bias=(torch.zeros(B, 2, dtype=torch.int64), torch.full((B, 2), math.inf))), "logit_bias"),
+        (dict(min_tokens=-1, stop_token_ids=torch.zeros(B, 1, dtype=torch.int64), output_token_counts=counts),
+         "min_tokens"),
+        (dict(min_tokens=2, stop_token_ids=torch.full((B, 1), V), output_token_counts=counts), "stop_token_ids"),
+        (dict(return_logprobs=draw(st.sampled_from([21, -2]))), "return_logprobs"),
+        (dict(filter_order="top_p_first"), "filter_order"),
+    ]))
+    return dict(args, **bad[0]), (bad[1],)
+
+
 def accept_bad_parents(draw, args):
     if "cu_num_nodes" in args:
         return args, ANY
@@ -234,7 +260,8 @@ def rollback_cache_lens_overflow(draw, args):
 MUTATIONS = {
     "build_tree": GENERIC,
     "accept": GENERIC + [accept_tokens_out_of_range, accept_num_nodes_out_of_range, accept_bad_temperature,
-                         accept_bad_filter, accept_valid_extreme_filter, accept_nan_row, accept_bad_parents],
+                         accept_bad_filter, accept_valid_extreme_filter, accept_nan_row, accept_bad_parents,
+                         accept_bad_sampling_parameter],
     "tree_attention": GENERIC + [tree_attention_empty_heads, tree_attention_bad_cache_lens,
                                  tree_attention_bad_num_nodes, tree_attention_bad_numbers],
     "kv_append": GENERIC + [kv_append_bad_cache_lens],

@@ -82,7 +82,9 @@ class Drafter:
         temperature (B,) and the sampling filters `params` are fixed for the batch; request b's own sampling
         (if any) is driven by seeds[b] alone (`DraftRandom`), so its drafts never depend on the rest of
         the batch. A drafter that passes draft_logits samples from the law `params.process` gives them (accept
-        processes them the same way); given proposals may be anything."""
+        processes them the same way), at each node's token counts with penalties on (params.penalties: the output's
+        counts, which the loop updates in place after each step, plus the draft tokens on the node's path,
+        `child_counts`); given proposals may be anything."""
 
     def propose(self, tokens: torch.Tensor, seq_lens: torch.Tensor, temperature: torch.Tensor,
                 depth: Optional[int] = None) -> Proposal:
@@ -194,6 +196,18 @@ _DRAFT_SEED_MIX = 0x9E3779B97F4A7C15
 _MASK32 = 0xFFFFFFFF
 
 
+def child_counts(parent_counts: Optional[torch.Tensor], parent: torch.Tensor,
+                 children: torch.Tensor) -> Optional[torch.Tensor]:
+    """The token counts at new tree nodes (B, F, V) int32: those of each one's parent, parent_counts (B, P, V) with
+    parent (F,) or (B, F) the index among them, plus the node's own token children (B, F). None stays None (no
+    penalties)."""
+    if parent_counts is None:
+        return None
+    B, F = children.shape
+    counts = parent_counts.gather(1, parent.expand(B, F).unsqueeze(2).expand(-1, -1, parent_counts.shape[2]))
+    return counts.scatter_add(2, children.unsqueeze(2), torch.ones_like(counts[..., :1]))
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """x * c mod 2**32 for x (int64 in [0, 2**32)) and a 32-bit constant c, in 16-bit halves of c so that no
     product leaves int64 (signed overflow is undefined in the C++ and CUDA that Inductor generates)."""
@@ -232,9 +246,11 @@ class DraftRandom:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, rng: Optional[DraftRandom],
-           all_greedy: bool, params: SamplingParams = SamplingParams()) -> torch.Tensor:
-    """k children per row of logits (B, N, V), from the rows processed by `params` (masked, top-k/top-p/min-p
-    filtered): the top-k tokens for greedy requests (temperature 0), k i.i.d. draws from
+           all_greedy: bool, params: SamplingParams = SamplingParams(),
+           counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """k children per row of logits (B, N, V), from the rows processed by `params` (`SamplingParams.process`: step 0
+    at the rows' token counts counts (B, N, V), None: the output counts; masked, top-k/top-p/min-p filtered: the
+    law accept's q is at those nodes): the top-k tokens for greedy requests (temperature 0), k i.i.d. draws from
     softmax(processed / temperature) for the others, request b's from its stream of `rng` (every request draws
     the same count per call, so its stream never depends on the batch). Returns (B, N, k) int64. all_greedy
     (known when the batch starts) skips the softmax and the draws (rng may then be None).
@@ -242,7 +258,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, k: int, rng: Optiona
     A draw is the exponential race argmax_v p_v / E_v with E_v = -log u_v i.i.d. Exp(1): token v wins with
     probability p_v exactly (vLLM's sampler draws the same way)."""
     B, N, V = logits.shape
-    logits = params.process(logits, temperature)
+    logits = params.process(logits, temperature, counts)
     top = logits.topk(k, dim=-1).indices
     if all_greedy:
         return top

@@ -26,7 +26,7 @@ import specdec
 from ..models.llama import Llama, chain_tree
 from ...reference import GREEDY_BELOW
 from ...sampling import SamplingParams
-from .base import MAX_SKIPS, DepthControl, DraftRandom, Drafter, Proposal, StepState, sample
+from .base import MAX_SKIPS, DepthControl, DraftRandom, Drafter, Proposal, StepState, child_counts, sample
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,11 @@ class DraftModelDrafter(Drafter, DepthControl, StepState):
         the first level), for drafters that condition on their own hidden states (MTPDrafter)."""
         return self.model.forward_cached(tokens, self.cache, depth, mask, start=start)
 
+    def _root_counts(self):
+        """(B, 1, V) the token counts at the roots (the output so far), or None without penalties."""
+        pen = self.params.penalties
+        return None if pen is None else pen.output_token_counts.unsqueeze(1)
+
     def _propose_static(self, root, root_logits, depth):
         """The tree's first depth + 1 levels (a prefix in BFS order)."""
         levels = self.levels[:depth + 1]
@@ -227,14 +232,16 @@ class DraftModelDrafter(Drafter, DepthControl, StepState):
         out[:, 0] = root[:, 0]
         draft_logits = None if self.all_greedy else root_logits.new_zeros(B, T, V)
         level_logits = root_logits.unsqueeze(1)
+        level_counts = self._root_counts()
         for d in range(1, len(levels)):
             (ps, pe), (s, e) = levels[d - 1], levels[d]
             if draft_logits is not None:
                 draft_logits[:, ps:pe] = level_logits
             children = sample(level_logits, self.temperature, self.branching[d - 1], self.rng, self.all_greedy,
-                              self.params)
+                              self.params, level_counts)
             out[:, s:e] = children[:, self.local_parent[s:e], self.rank[s:e]]
-            if d + 1 < len(levels):  # expand this level: its children come next
+            if d + 1 < len(levels):  # expand this level: its children come next, from the law at its paths' counts
+                level_counts = child_counts(level_counts, self.local_parent[s:e], out[:, s:e])
                 level_logits = self._expand(out[:, s:e], self.local_parent[s:e].expand(B, -1),
                                             self.depth[:, s:e].expand(B, -1),
                                             self.mask[:, :e].expand(B, -1, -1)[..., :(e + 31) // 32], start=s)
@@ -256,9 +263,11 @@ class DraftModelDrafter(Drafter, DepthControl, StepState):
         frontier_slots = torch.zeros(B, 1, dtype=torch.long, device=dev)
         frontier_score = cand_score[0]
         logits = root_logits.unsqueeze(1)
+        frontier_counts = self._root_counts()
         next_id, next_slot = 1, 1
         for d in range(1, D + 1):
-            logp = torch.log_softmax(self.params.process(logits, self.temperature).float(), dim=-1)  # allowed only
+            logp = torch.log_softmax(self.params.process(logits, self.temperature, frontier_counts).float(),
+                                     dim=-1)  # allowed only
             top = logp.topk(k, dim=-1)  # (B, F, k)
             F_ = logits.shape[1]
             score = (frontier_score.unsqueeze(-1) + top.values).reshape(B, F_ * k)
@@ -278,6 +287,7 @@ class DraftModelDrafter(Drafter, DepthControl, StepState):
                 info = specdec.build_tree(fed_parents[:, :e])
                 toks = cand_tok[-1].gather(1, best)
                 logits = self._expand(toks, best // k, info.depth[:, next_slot:e], info.mask, start=next_slot)
+                frontier_counts = child_counts(frontier_counts, best // k, toks)
                 frontier_ids, frontier_slots = ids.gather(1, best), new_slots
                 frontier_score = score.gather(1, best)
                 next_slot = e

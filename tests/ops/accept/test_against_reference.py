@@ -54,7 +54,7 @@ def _batch(B, T, gen, *, dtype=torch.float32, kinds=("chain", "star", "random"),
 def _check_structure(res, batch):
     """The result is a valid root path of each tree, padded with -1, and the next token is a finite-logit
     entry of the last path node's target row (so in [0, V))."""
-    acc, num, nxt = res
+    acc, num, nxt = res[:3]
     B, T = batch["tokens"].shape
     assert acc.dtype == torch.int32 and acc.shape == (B, T)
     assert num.dtype == torch.int32 and num.shape == (B,)
@@ -293,7 +293,7 @@ def test_triton_reads_only_the_walked_rows(monkeypatch, schedule):
         law = torch.softmax(draft[:, i - 1] / torch.where(temps > 0, temps, 1.0).unsqueeze(1), -1)
         batch["tokens"][:, i] = torch.multinomial(law, 1, generator=gen).squeeze(1)
     spy = MemorySpy(monkeypatch)
-    res = AcceptResult(*triton_accept(target, batch["tokens"].int(), batch["parents"].int(), draft, temps,
+    res = AcceptResult.from_op(triton_accept(target, batch["tokens"].int(), batch["parents"].int(), draft, temps,
                                       batch["seeds"], batch["num_nodes"], 0, block_v=16, **schedule))
     _check_structure(res, batch)
     finals = [(int(res.num_accepted[b]) + 1 == int(batch["num_nodes"][b])) for b in range(B) if temps[b] > 0]
@@ -359,7 +359,9 @@ def hopper_compile_report() -> None:
              "min_p_ptr": "*fp32", "acc_ptr": "*i32", "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32",
              "state_f_ptr": "*fp32", "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "search_i_ptr": "*i32",
              "search_f_ptr": "*fp32", "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64",
-             "sel_value_ptr": "*fp32"}
+             "sel_value_ptr": "*fp32", "rep_ptr": "*fp32", "freq_ptr": "*fp32", "pres_ptr": "*fp32",
+             "counts_ptr": "*i32", "prompt_ptr": "*i32", "bias_ids_ptr": "*i32", "bias_values_ptr": "*fp32",
+             "min_tokens_ptr": "*i32", "stop_ids_ptr": "*i32", "generated_ptr": "*i64"}
     # (filters, block, draft, probs, packed, launches (first, walk)): every combination of the first three, the
     # two input-form switches on the split launch that streams both rows and the walker
     launches = ((True, False), (False, False), (False, True))
@@ -375,7 +377,8 @@ def hopper_compile_report() -> None:
                           SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
                           BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                           PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
-                          CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], WALKER=walk)
+                          CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], WALKER=walk,
+                          HAS_PENALTIES=False, FILTER_ORDER=0)
         # (V marked 16-divisible, as a launch marks V = 128256 and the padded vocabularies of most checkpoints:
         # unmarked, the filtered walker compiles to code with many more spills)
         kernel = compile_for_hopper(ka.launch._accept_kernel, types, constexprs, cfg["num_warps"],
@@ -462,7 +465,7 @@ def _check_support(res, batch):
     """_check_structure, and every emitted token (accepted drafts and the next token) has a positive
     probability under the processed target law at its parent node."""
     _check_structure(res, batch)
-    acc, num, nxt = res
+    acc, num, nxt = res[:3]
     for b in range(acc.shape[0]):
         path = acc[b, : int(num[b]) + 1].tolist()
         for prev, node in zip(path, path[1:]):
@@ -708,7 +711,7 @@ def test_triton_filtered_rows_reads(monkeypatch, schedule):
     min_p = torch.tensor([0.0, 0.0, 0.1, 0.05, 0.2, 0.01])
     passes = [1 if temps[b] == 0 else 3 if top_k[b] > 0 or top_p[b] < 1 else 2 for b in range(B)]
     spy = MemorySpy(monkeypatch)
-    res = AcceptResult(*triton_accept(target, batch["tokens"].int(), batch["parents"].int(), draft, temps,
+    res = AcceptResult.from_op(triton_accept(target, batch["tokens"].int(), batch["parents"].int(), draft, temps,
                                       batch["seeds"], batch["num_nodes"], 0, None, top_k, top_p, min_p, None, **schedule))
     reads = {name: spy.counts([x]) for name, x in (("target", target), ("draft", draft))}
     walked = {"target": set(), "draft": set()}
@@ -760,10 +763,10 @@ def test_triton_long_threshold_searches_find_the_same_thresholds(monkeypatch, dr
             batch["seeds"], batch["num_nodes"], 0, None, filters["top_k"], filters["top_p"], filters["min_p"],
             batch["token_bitmask"])
     spy = MemorySpy(monkeypatch)
-    base = AcceptResult(*triton_accept(*args))
+    base = AcceptResult.from_op(triton_accept(*args))
     default_reads = sum(spy.counts(rows).values())
     spy.loads.clear()
-    long = AcceptResult(*triton_accept(*args, cap=4, num_pivots=4))
+    long = AcceptResult.from_op(triton_accept(*args, cap=4, num_pivots=4))
     assert sum(spy.counts(rows).values()) > 1.5 * default_reads
     assert _same(base, long), f"{base} != {long}"
     split = dict(num_splits=3, split_steps=4 * (T + 1))
@@ -859,7 +862,7 @@ def test_triton_fuses_the_bitmask(monkeypatch, schedule):
         batch[name] = None
     mask = batch["token_bitmask"]
     spy = MemorySpy(monkeypatch)
-    res = AcceptResult(*triton_accept(batch["target_logits"], batch["tokens"].int(), batch["parents"].int(),
+    res = AcceptResult.from_op(triton_accept(batch["target_logits"], batch["tokens"].int(), batch["parents"].int(),
                                       batch["draft_logits"], temps, batch["seeds"], batch["num_nodes"], 0,
                                       token_bitmask=mask, block_v=16, **schedule))
     _check_support(res, batch)

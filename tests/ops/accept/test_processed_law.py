@@ -29,7 +29,7 @@ def random_rows(gen, N, V, *, ties: bool):
     return logits, t, top_k, top_p, min_p, allowed
 
 
-def reference_keep(logits, t, top_k, top_p, min_p, allowed):
+def reference_keep(logits, t, top_k, top_p, min_p, allowed, filter_order="hf"):
     rows = []
     for i in range(logits.shape[0]):
         a = None if allowed is None else allowed[i]
@@ -39,21 +39,40 @@ def reference_keep(logits, t, top_k, top_p, min_p, allowed):
             k = 0 if top_k is None else int(top_k[i])
             p = 1.0 if top_p is None else float(top_p[i])
             m = 0.0 if min_p is None else float(min_p[i])
-            rows.append(ref.processed_keep(logits[i], float(t[i]), k, p, m, a))
+            rows.append(ref.processed_keep(logits[i], float(t[i]), k, p, m, a, filter_order))
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("filter_order", ref.FILTER_ORDERS)
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
-@pytest.mark.parametrize("which", ["all", "top_k", "top_p", "min_p", "mask"])
-def test_keep_mask_equals_the_reference(ties, which):
+@pytest.mark.parametrize("which", ["all", "top_k", "top_p", "min_p", "mask", "top_k+top_p"])
+def test_keep_mask_equals_the_reference(ties, which, filter_order):
     gen = torch.Generator().manual_seed(3 + ties)
     for V in (1, 5, 37, 64):
         logits, t, top_k, top_p, min_p, allowed = random_rows(gen, 40, V, ties=ties)
         args = dict(top_k=top_k, top_p=top_p, min_p=min_p, allowed=allowed)
         if which != "all":
-            args = {k: (v if k == which or (which == "mask" and k == "allowed") else None) for k, v in args.items()}
-        got = sampling.keep_mask(logits, t, **args)
-        assert torch.equal(got, reference_keep(logits, t, **args)), (which, V)
+            args = {k: (v if k in which.split("+") or (which == "mask" and k == "allowed") else None)
+                    for k, v in args.items()}
+        got = sampling.keep_mask(logits, t, **args, filter_order=filter_order)
+        assert torch.equal(got, reference_keep(logits, t, **args, filter_order=filter_order)), (which, V)
+
+
+def test_filter_orders_differ_where_top_p_normalizes_over_another_set():
+    """p = (0.4, 0.3, 0.2, 0.1), top_k 2, top_p 0.5: over the top-k set (hf) the mass above the second token is
+    0.4 / 0.7 >= 0.5, so it goes; over the whole row (sglang) 0.4 < 0.5 keeps it. With min_p 0.3 and top_p 0.75,
+    vllm's min-p drops 0.1 first: over the three left the mass above 0.2 is 0.7 / 0.9 >= 0.75 and it goes, where
+    hf's top-p over the whole row keeps it (0.7 < 0.75)."""
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log().unsqueeze(0)
+    kept = {order: sampling.keep_mask(logits, 1.0, 2, 0.5, None, filter_order=order)[0].tolist()
+            for order in ref.FILTER_ORDERS}
+    assert kept == {"hf": [True, False, False, False], "vllm": [True, False, False, False],
+                    "sglang": [True, True, False, False]}
+    vllm = sampling.keep_mask(logits, 1.0, None, 0.75, 0.3, filter_order="vllm")[0].tolist()
+    hf = sampling.keep_mask(logits, 1.0, None, 0.75, 0.3, filter_order="hf")[0].tolist()
+    assert vllm == [True, True, False, False] and hf == [True, True, True, False]
+    with pytest.raises(ValueError, match="filter_order"):
+        sampling.keep_mask(logits, 1.0, 2, filter_order="tgi")
 
 
 def test_boundary_rows():
@@ -143,8 +162,8 @@ def test_sampling_params_for_batch():
     """Numbers for all requests or one per request; the off values give None (the accept fast path);
     allowed_token_ids becomes one packed (B, W) mask, a row per node for accept."""
     off = sampling.SamplingParams.for_batch(3, 40, "cpu")
-    assert all(x is None for x in off) and off.accept_kwargs(5) == dict(top_k=None, top_p=None, min_p=None,
-                                                                           token_bitmask=None)
+    assert all(x is None for x in off[:5]) and off.accept_kwargs(5) == dict(top_k=None, top_p=None, min_p=None,
+                                                                               token_bitmask=None)
     p = sampling.SamplingParams.for_batch(3, 40, "cpu", top_k=[0, 5, 0], top_p=0.9, min_p=[0.0, 0.0, 0.0],
                                           allowed_token_ids=[3, 33, 39])
     assert p.top_k.tolist() == [0, 5, 0] and p.top_k.dtype == torch.int32 and p.min_p is None
@@ -299,3 +318,160 @@ def test_drafter_sampler_at_tiny_temperatures_and_huge_logits():
     drawn = sample(huge.expand(1, 4000, 4), torch.tensor([0.5]), 1, DraftRandom([2], "cpu"), False)[0].flatten()
     counts = torch.bincount(drawn, minlength=4)
     assert counts[2:].sum() == 0 and 1800 < counts[0] < 2200, counts
+
+
+def random_penalties(gen, N, V, K=4, S=3):
+    """Per-row step-0 arguments of penalized_logits: counts with zeros, a prompt mask, penalties with neutral rows,
+    logit biases with repeated ids and padding, min-tokens on for some rows."""
+    counts = torch.randint(0, 3, (N, V), generator=gen, dtype=torch.int32) * (torch.rand(N, V, generator=gen) < 0.4)
+    in_prompt = torch.rand(N, V, generator=gen) < 0.3
+    rep = torch.rand(N, generator=gen) * 1.5 + 0.5
+    rep[::3] = 1.0
+    freq = torch.randn(N, generator=gen)
+    freq[1::3] = 0.0
+    pres = torch.randn(N, generator=gen)
+    pres[2::3] = 0.0
+    bias_ids = torch.randint(-1, min(V, 3), (N, K), generator=gen, dtype=torch.int32)  # (few ids: repeats)
+    bias_values = torch.randn(N, K, generator=gen) * 3
+    generated = counts.sum(-1)
+    min_tokens = (generated + torch.randint(-2, 3, (N,), generator=gen)).clamp(min=0).to(torch.int32)
+    stop_ids = torch.randint(-1, V, (N, S), generator=gen, dtype=torch.int32)
+    return dict(counts=counts, prompt_token_mask=_layout.pack_bitmask(in_prompt), repetition_penalty=rep,
+                frequency_penalty=freq, presence_penalty=pres, logit_bias_ids=bias_ids, logit_bias_values=bias_values,
+                min_tokens=min_tokens, stop_token_ids=stop_ids)
+
+
+def reference_penalized(logits, args):
+    """reference.penalized_row of each row, its NodePenalties from the per-row arguments."""
+    N, V = logits.shape
+    rows = []
+    for i in range(N):
+        def get(name, off):
+            x = args.get(name)
+            return off if x is None else float(x[i])
+        counts = args.get("counts")
+        mask = args.get("prompt_token_mask")
+        bias = () if args.get("logit_bias_ids") is None else tuple(
+            (int(x), float(v)) for x, v in zip(args["logit_bias_ids"][i].tolist(),
+                                               args["logit_bias_values"][i].tolist()) if x >= 0)
+        stop = None
+        if args.get("min_tokens") is not None and int(counts[i].sum()) < int(args["min_tokens"][i]):
+            stop = torch.zeros(V, dtype=torch.bool)
+            stop[[x for x in args["stop_token_ids"][i].tolist() if x >= 0]] = True
+        pen = ref.NodePenalties(None if counts is None else counts[i].long(),
+                                None if mask is None else _layout.unpack_bitmask(mask[i], V),
+                                get("repetition_penalty", 1.0), get("frequency_penalty", 0.0),
+                                get("presence_penalty", 0.0), bias, stop)
+        rows.append(ref.penalized_row(logits[i], pen))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("which", ["all", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                                   "logit_bias", "min_tokens"])
+def test_penalized_logits_equal_the_reference_bit_for_bit(dtype, which):
+    gen = torch.Generator().manual_seed(11)
+    for V in (1, 7, 45):
+        N = 30
+        logits = (torch.randn(N, V, generator=gen) * 3).to(dtype)
+        logits[torch.rand(N, V, generator=gen) < 0.1] = -INF
+        logits[torch.rand(N, V, generator=gen) < 0.1] = 0.0
+        args = random_penalties(gen, N, V)
+        if which != "all":
+            keep = {"counts", "prompt_token_mask", which} | ({"logit_bias_ids", "logit_bias_values"} if which ==
+                                                             "logit_bias" else set()) | \
+                ({"stop_token_ids"} if which == "min_tokens" else set())
+            args = {k: v for k, v in args.items() if k in keep}
+        got = sampling.penalized_logits(logits, **args)
+        assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        want = reference_penalized(logits, args)
+        # bit for bit: the same values, and -0.0 where the reference has -0.0
+        assert torch.equal(got.double(), want) and torch.equal(got.double().signbit(), want.signbit()), (which, V)
+
+
+def test_penalized_logits_without_a_penalty_or_bias_is_the_row():
+    logits = torch.randn(4, 9)
+    assert torch.equal(sampling.penalized_logits(logits), logits)
+    with pytest.raises(ValueError, match="counts"):
+        sampling.penalized_logits(logits, frequency_penalty=torch.ones(4))
+
+
+def test_node_counts_are_the_output_counts_plus_each_path():
+    gen = torch.Generator().manual_seed(2)
+    B, T, V = 3, 9, 6
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 3, 5, 6, 2], [-1, 0, 1, 2, 3, 4, 5, 6, 7], [-1] + [0] * 8])
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    base = torch.randint(0, 4, (B, V), generator=gen, dtype=torch.int32)
+    got = sampling.node_counts(base, tokens, parents)
+    assert got.dtype == torch.int32
+    for b in range(B):
+        for i in range(T):
+            want = ref.node_penalties(b, ref.path_tokens(parents[b].tolist(), tokens[b].tolist(), i), V,
+                                      output_token_counts=base).counts
+            assert torch.equal(got[b, i].long(), want), (b, i)
+
+
+@pytest.mark.parametrize("filter_order", ref.FILTER_ORDERS)
+def test_process_with_penalties_is_the_reference_law_at_each_node(filter_order):
+    """SamplingParams.process (what a drafter samples from) with step 0 at each node's counts: the reference's
+    processed law of the node (accept's q), tokens kept and probabilities to float rounding."""
+    gen = torch.Generator().manual_seed(8)
+    B, T, V = 3, 5, 30
+    prompts = [[1, 2, 3], [4], [5, 5, 6]]
+    pen = sampling.Penalties.for_batch(prompts, V, "cpu", repetition_penalty=[1.3, 1.0, 0.8], frequency_penalty=0.4,
+                                       presence_penalty=[0.0, 0.5, -0.3], logit_bias=[{2: 3.0}, None, {7: -1.5}],
+                                       min_tokens=[0, 2, 6], stop_token_ids=[[0], [0, 1], [9]])
+    pen.output_token_counts.copy_(torch.randint(0, 2, (B, V), generator=gen, dtype=torch.int32))
+    params = sampling.SamplingParams.for_batch(B, V, "cpu", top_k=[0, 6, 9], top_p=[1.0, 0.9, 0.95],
+                                               min_p=[0.1, 0.0, 0.05])
+    params = params._replace(penalties=pen, filter_order=filter_order)
+    parents = torch.tensor([[-1, 0, 1, 1, 2]] * B)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    logits = torch.randn(B, T, V, generator=gen) * 2
+    t = torch.tensor([0.7, 1.0, 1.3])
+    x = params.process(logits, t, pen.node_counts(tokens, parents))
+    law = torch.softmax(x.double() / t.double().view(B, 1, 1), -1)
+    step0 = pen.accept_kwargs()
+    bias = step0.pop("logit_bias")
+    step0.update(logit_bias_ids=bias[0], logit_bias_values=bias[1])
+    for b in range(B):
+        for i in range(T):
+            node = ref.node_penalties(b, ref.path_tokens(parents[b].tolist(), tokens[b].tolist(), i), V, **step0)
+            want = ref.processed_probs(ref.penalized_row(logits[b, i], node), float(t[b]), int(params.top_k[b]),
+                                       float(params.top_p[b]), float(params.min_p[b]), None, filter_order)
+            assert torch.equal(law[b, i] > 0, want > 0), (b, i)
+            torch.testing.assert_close(law[b, i], want, rtol=1e-6, atol=1e-7)
+
+
+def test_penalties_for_batch():
+    """Off everywhere gives None; per-request values; the prompt mask only with a repetition penalty; the
+    arguments refused name themselves."""
+    prompts = [[1, 2], [3]]
+    assert sampling.Penalties.for_batch(prompts, 10, "cpu") is None
+    assert sampling.Penalties.for_batch(prompts, 10, "cpu", stop_token_ids=[2]) is None  # (min_tokens off)
+    pen = sampling.Penalties.for_batch(prompts, 10, "cpu", repetition_penalty=[1.0, 1.2], logit_bias={4: 1.0},
+                                       min_tokens=[3, 0], stop_token_ids=[[2], [2, 5]])
+    assert pen.output_token_counts.shape == (2, 10) and int(pen.output_token_counts.sum()) == 0
+    assert _layout.unpack_bitmask(pen.prompt_token_mask, 10).nonzero().tolist() == [[0, 1], [0, 2], [1, 3]]
+    assert pen.logit_bias_ids.tolist() == [[4], [4]] and pen.stop_token_ids.tolist() == [[2, -1], [2, 5]]
+    assert pen.frequency_penalty is None and pen.min_tokens.tolist() == [3, 0]
+    for kwargs, name in ((dict(repetition_penalty=0.0), "repetition_penalty"),
+                         (dict(frequency_penalty=[1.0]), "frequency_penalty"),
+                         (dict(presence_penalty=math.nan), "presence_penalty"),
+                         (dict(logit_bias={10: 1.0}), "logit_bias"), (dict(logit_bias={1: math.inf}), "logit_bias"),
+                         (dict(min_tokens=-1), "min_tokens"),
+                         (dict(min_tokens=2, stop_token_ids=[-1]), "stop_token_ids")):
+        with pytest.raises(ValueError, match=name):
+            sampling.Penalties.for_batch(prompts, 10, "cpu", **kwargs)
+
+
+def test_penalties_for_batch_padding_rows_are_off():
+    """padding: rows after the requests' with every argument off (a batch padded to its bucket)."""
+    pen = sampling.Penalties.for_batch([[1], [2]], 10, "cpu", repetition_penalty=[1.5, 2.0], logit_bias={4: 1.0},
+                                       min_tokens=3, stop_token_ids=[5], padding=2)
+    assert pen.repetition_penalty.tolist() == [1.5, 2.0, 1.0, 1.0] and pen.output_token_counts.shape == (4, 10)
+    assert pen.logit_bias_ids.tolist() == [[4], [4], [-1], [-1]] and pen.min_tokens.tolist() == [3, 3, 0, 0]
+    assert _layout.unpack_bitmask(pen.prompt_token_mask, 10)[2:].sum() == 0
+    assert pen.first_on() == "repetition_penalty"
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        sampling.Penalties.for_batch([[1]], 10, "cpu", min_tokens=3)

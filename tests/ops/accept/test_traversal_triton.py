@@ -93,7 +93,7 @@ def test_traversal_schedules_agree_and_greedy_is_token_wise(filters):
     token = _run(batch, method="token")
     greedy = temps == 0
     assert all(torch.equal(x[greedy], y[greedy]) for x, y in zip(base, token))
-    acc, num, nxt = base
+    acc, num, nxt = base[:3]
     for b in range(B):
         path = acc[b, : int(num[b]) + 1].tolist()
         assert path[0] == 0 and all(int(batch["parents"][b, c]) == p for p, c in zip(path, path[1:])), (b, path)
@@ -228,7 +228,7 @@ def test_traversal_reads_exactly_the_rows_of_the_visited_nodes(monkeypatch, filt
     batch = _tree_batch(B, T, gen, temps, filters)
     batch["tokens"][0, 1:] = batch["target_logits"][0, 0].argmax()  # (a star of equal tokens: many rejections)
     spy = MemorySpy(monkeypatch)
-    acc, num, _ = _run(batch, **(dict(num_splits=3, split_steps=9) if filters else {}))
+    acc, num, _ = _run(batch, **(dict(num_splits=3, split_steps=9) if filters else {}))[:3]
     target, draft = batch["target_logits"], batch["draft_logits"]
     reads = {name: spy.counts([x]) for name, x in (("target", target), ("draft", draft))}
     monkeypatch.undo()
@@ -272,7 +272,7 @@ def test_traversal_reads_every_row_of_an_accepted_chain(monkeypatch):
                  draft_logits=target.clone(), temperature=torch.ones(B), seeds=torch.arange(B, dtype=torch.int64),
                  num_nodes=torch.full((B,), T, dtype=torch.int32))
     spy = MemorySpy(monkeypatch)
-    acc, num, _ = _run(batch)
+    acc, num, _ = _run(batch)[:3]
     reads = {name: spy.counts([batch[name]]) for name in ("target_logits", "draft_logits")}
     assert num.tolist() == [T - 1] * B and acc.tolist() == [list(range(T))] * B
     for b in range(B):
@@ -302,7 +302,9 @@ def hopper_compile_report() -> None:
              "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32", "state_f_ptr": "*fp32",
              "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "search_i_ptr": "*i32", "search_f_ptr": "*fp32",
              "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32",
-             "row_offsets_ptr": "*i64"}
+             "row_offsets_ptr": "*i64", "rep_ptr": "*fp32", "freq_ptr": "*fp32", "pres_ptr": "*fp32",
+             "counts_ptr": "*i32", "prompt_ptr": "*i32", "bias_ids_ptr": "*i32", "bias_values_ptr": "*fp32",
+             "min_tokens_ptr": "*i32", "stop_ids_ptr": "*i32", "generated_ptr": "*i64"}
     report = {}
     for method in ("token", "block", "traversal"):
         cfg = ka._config(T, Vb, 2, torch.device("cuda"), False, method == "block", method == "traversal")
@@ -317,7 +319,7 @@ def hopper_compile_report() -> None:
                                       BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                                       PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
                                       CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"],
-                                      WALKER=walk)
+                                      WALKER=walk, HAS_PENALTIES=False, FILTER_ORDER=0)
                     kernel = compile_for_hopper(ka.launch._accept_kernel, types, constexprs, cfg["num_warps"],
                                                 divisible_ints=("V",))
                     key = f"{method},filters={has_filters},draft={has_draft},first={first},walk={walk}"
