@@ -75,8 +75,8 @@ def accept_variants(x) -> list[tuple[str, dict]]:
 
 def accept_launch(x, kwargs):
     from specdec.kernels import accept as ka
-    return lambda: specdec.AcceptResult(*ka.accept(x.target_logits, x.tokens, x.parents, x.draft_logits,
-                                                   x.temperature, x.seeds, x.num_nodes, 0, **kwargs))
+    return lambda: specdec.AcceptResult.from_op(ka.accept(x.target_logits, x.tokens, x.parents, x.draft_logits,
+                                                           x.temperature, x.seeds, x.num_nodes, 0, **kwargs))
 
 
 def rollback_variants(x) -> list[tuple[str, dict]]:

@@ -244,9 +244,9 @@ def test_sweep_flags_an_accept_variant_that_changes_the_result(monkeypatch):
     from specdec.kernels import accept as ka
 
     def other_stream(x, kwargs):  # negative control: every non-default variant draws from another Philox offset
-        return lambda: specdec.AcceptResult(*ka.accept(x.target_logits, x.tokens, x.parents, x.draft_logits,
-                                                       x.temperature, x.seeds, x.num_nodes, 7 if kwargs else 0,
-                                                       **kwargs))
+        return lambda: specdec.AcceptResult.from_op(ka.accept(x.target_logits, x.tokens, x.parents, x.draft_logits,
+                                                               x.temperature, x.seeds, x.num_nodes, 7 if kwargs else 0,
+                                                               **kwargs))
     # the default and one schedule variant are enough to show a changed result is flagged
     monkeypatch.setitem(sweep.SWEEPS, "accept", (lambda x: sweep.accept_variants(x)[:2], other_stream))
     case = next(c for c in TOY if c.op == "accept")

@@ -165,15 +165,19 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     logs = probs and any(x is not None and x.dtype == torch.float64 for x in (target_logits, draft_logits))
     probs = probs and not logs
     float64 = any(x is not None and x.dtype == torch.float64 for x in (target_logits, draft_logits))
-    allowed = unpack_bitmask(token_bitmask, V) if float64 and token_bitmask is not None else None
     pen = penalty_args(B, V, dev, repetition_penalty, frequency_penalty, presence_penalty, output_token_counts,
                        prompt_token_mask, logit_bias_ids, logit_bias_values, min_tokens, stop_token_ids)
-    has_penalties = pen is not None and not float64
-    raw_target, raw_logs = target_logits, logs  # (the raw logprobs' rows: before step 0)
-    if pen is not None and float64:  # step 0 in float64 on the copy the shift makes anyway
-        rows = [None if x is None else penalized_rows(x.double().log() if logs else x, pen, tokens, parents,
-                                                      row_offsets) for x in (target_logits, draft_logits)]
-        target_logits, draft_logits, logs = rows[0], rows[1], False
+    # Step 0 on the host, in float64, for float64 rows (on the copy the shift makes anyway) and for probabilities:
+    # their penalized float64 logs, shifted by the row's max, keep apart near-equal probabilities (greedy's argmax)
+    # that penalized logs rounded to float32 in the kernel would tie.
+    host_step0 = pen is not None and (float64 or probs)
+    has_penalties = pen is not None and not host_step0
+    raw_target, raw_logs = target_logits, logs or probs  # (the raw logprobs' rows: before step 0)
+    if host_step0:
+        rows = [None if x is None else penalized_rows(x.double().log() if logs or probs else x, pen, tokens,
+                                                      parents, row_offsets) for x in (target_logits, draft_logits)]
+        target_logits, draft_logits, logs, probs, float64 = rows[0], rows[1], False, False, True
+    allowed = unpack_bitmask(token_bitmask, V) if float64 and token_bitmask is not None else None
     target = _in_float32_range(target_logits, logs, allowed)
     draft = None if draft_logits is None else _in_float32_range(draft_logits, logs, allowed)
     d = target if draft is None else draft
