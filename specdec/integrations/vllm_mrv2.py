@@ -8,14 +8,19 @@ it in place of its own (specdec.integrations.vllm_plugin does that).
 
 What changes is the verification. vLLM first materializes every request's processed fp32 logits
 (`sampler.apply_sampling_params`, chunked at 1 GB) and then runs its rejection kernels on them. Here accept
-reads the model's logits rows in place (packed form, `cu_num_nodes`) and fuses temperature, min-p, top-k and
-top-p in vLLM's order (filter_order="vllm": min-p first), for every request whose law they define. The vLLM
-sampler it was given processes, on those requests' rows only, the requests that need more:
-  - requests that one of the sampler's logits processors modifies (logit bias, penalties, bad words, custom
-    processors) or that a thinking budget can force: recorded as the sampler admits them
-    (`Sampler.add_request`; the runner builds its rejection sampler before any request arrives);
-  - sampled requests with a filter (top-k, top-p, min-p) when draft logits are given: vLLM's drafter draws
-    from softmax(draft_logits / t), unfiltered, while accept would filter the draft's law like the target's.
+reads the model's logits rows in place (packed form, `cu_num_nodes`) and fuses, in vLLM's order, the logit
+bias and min-tokens, the repetition, frequency and presence penalties (reading vLLM's own state:
+output_bin_counts, prompt_bin_mask, its bias and stop-token buffers, gathered by request state), then
+temperature, min-p, top-k and top-p (filter_order="vllm": min-p first). Along a draft chain a row's penalties
+count the drafts before it, as vLLM's penalty kernel does. The vLLM sampler it was given processes, on those
+requests' rows only, the requests that need more:
+  - requests that another logits processor modifies (bad words, custom processors) or that a thinking budget
+    can force, recorded as the sampler admits them (`Sampler.add_request`; the runner builds its rejection
+    sampler before any request arrives); requests with allowed_token_ids; min-tokens with structured output
+    (vLLM restores the stop tokens when the grammar masks every other token; accept refuses an empty row);
+  - sampled requests with a filter, a penalty, a bias or min-tokens when draft logits are given: vLLM's
+    drafter draws from softmax(draft_logits / t), unprocessed, while accept would process the draft's law
+    like the target's.
 Those rows are then verified at temperature 1 against draft_logits / t: vLLM's law exactly.
 The grammar bitmask is not the sampler's in vLLM 0.34: the runner applies it to the logits in place before
 this call, so the rows read here are already masked.
@@ -24,9 +29,11 @@ The rules are vLLM's: greedy requests (temperature 0; vLLM maps t < 1e-5 to 0, a
 while they equal the target's argmax; sampled ones use token-wise rejection sampling ("standard") or block
 verification ("block"), against the cached draft logits (`DraftLogitsCache`, pre-temperature) when given, else
 against the proposals as one-hot drafts. A draft id of -1 (a placeholder, `gather_draft_sampled`) is rejected at
-its position. num_sampled / num_rejected are vLLM's (`get_num_sampled_and_rejected`), and logprobs are
-computed by vLLM's own `_get_logprobs_tensors` on the logits vLLM would use (the raw ones, or the processed ones
-for the processed modes, materialized only then).
+its position. num_sampled / num_rejected are vLLM's (`get_num_sampled_and_rejected`). Logprobs in vLLM's
+"raw_logprobs" mode come out of accept (return_logprobs: the emitted tokens' and the top N at each emitted
+row, N <= 20, with the ranks from one comparison pass over the rows) when no request is routed and none asks for
+logprob_token_ids; otherwise vLLM's own `_get_logprobs_tensors` computes them on the logits vLLM would use (the
+raw ones, or the processed ones for the processed modes, materialized only then).
 Randomness: request b draws from specdec's stream (sampling_states.seeds[b], pos of its first logits row), so
 its draws are deterministic per (seed, position), as vLLM's are; they are not vLLM's numbers.
 
@@ -41,6 +48,7 @@ import numpy as np
 import torch
 
 import specdec
+from specdec import _validation as val
 
 LOSSLESS_METHODS = {"standard": "token", "block": "block"}
 LOSSY_METHODS = ("synthetic", "fly")
@@ -68,16 +76,25 @@ class RejectionSampler:
         self.num_speculative_steps = spec_config.num_speculative_tokens
         self.enable_adaptive_verification = False
         self.method = LOSSLESS_METHODS[method]
-        # per request state: whether a logits processor or the thinking budget modifies its logits
+        from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
+        from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
+
+        # vLLM's penalties, logit bias and min-tokens states, whose buffers accept reads; per request state,
+        # whether another logits processor (bad words, a custom one) or the thinking budget modifies its logits
+        self.penalties = next(p for p in sampler.logits_processors if isinstance(p, PenaltiesState))
+        self.logit_bias = next(p for p in sampler.logits_processors if isinstance(p, LogitBiasState))
         max_num_reqs = sampler.sampling_states.max_num_reqs
         self._processor_active = []
         for processor in (*sampler.logits_processors, sampler.thinking_budget_state):
+            if processor is self.penalties or processor is self.logit_bias:
+                continue
             active = np.zeros(max_num_reqs, dtype=bool)
             processor.add_request = _recording(processor.add_request, active)
             self._processor_active.append(active)
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None):
         from vllm.config.model import PROCESSED_LOGPROBS_MODES
+        from vllm.v1.outputs import LogprobsTensors
         from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
         from vllm.v1.worker.gpu.metrics.logits import get_num_nans
         from vllm.v1.worker.gpu.sample.output import SamplerOutput, SamplingMaskTensors
@@ -95,9 +112,19 @@ class RejectionSampler:
         B, T = input_batch.num_reqs, self.num_speculative_steps + 1
         sampled = torch.full((B, T), -1, dtype=torch.int64, device=logits.device)
         num_sampled = torch.zeros(B, dtype=torch.int32, device=logits.device)
+        logprobs_dims = sampler.get_logprobs_dims(input_batch.idx_mapping_np)
+        # raw logprobs come out of accept when every request is fused and asks for at most accept's number of
+        # top entries, with no logprob_token_ids; otherwise vLLM computes them (_get_logprobs_tensors)
+        fused_logprobs = None
+        if (logprobs_dims is not None and sampler.logprobs_mode == "raw_logprobs" and logprobs_dims[1] == 0
+                and logprobs_dims[0] <= val.MAX_LOGPROBS and not batch.routed.any()):
+            rows = (logits.shape[0], 1 + logprobs_dims[0])
+            fused_logprobs = (torch.zeros(rows, dtype=torch.int64, device=logits.device),
+                              torch.full(rows, float("-inf"), device=logits.device))
         fused = ~batch.routed
         if fused.any():
-            self._verify(batch, logits, batch.all_rows, fused, processed=False, out=(sampled, num_sampled))
+            self._verify(batch, logits, batch.all_rows, fused, processed=False, out=(sampled, num_sampled),
+                         logprobs=fused_logprobs)
         if batch.routed.any():
             routed_reqs = np.flatnonzero(batch.routed)
             rows = batch.rows_of(routed_reqs)
@@ -107,15 +134,23 @@ class RejectionSampler:
             sampler.trace_replay_state.apply_trace_to_verified(
                 sampled, num_sampled, draft_sampled, input_batch.cu_num_logits, input_batch.idx_mapping)
 
-        logprobs_dims = sampler.get_logprobs_dims(input_batch.idx_mapping_np)
         wants_processed = (logprobs_dims is not None and sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES
                            or sampler.return_sampling_mask)
         all_processed = batch.processed_logits(np.arange(B), batch.all_rows) if wants_processed else None
-        logprobs_tensors = VllmRejectionSampler._get_logprobs_tensors(
-            self, sampled, num_sampled,
-            all_processed if sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES else logits,
-            input_batch.cu_num_logits, input_batch.cu_num_logits_np, input_batch.expanded_idx_mapping,
-            logprobs_dims)
+        if fused_logprobs is not None:
+            token_ids, scores = fused_logprobs
+            # (vLLM's ranks: the entries of the raw row at least the emitted token's; rows past the emitted
+            # ones hold token 0, which vLLM's consumers slice away, as vLLM's own)
+            ranks = (logits >= logits.gather(1, token_ids[:, :1])).sum(-1)
+            expanded = logits.shape[0] != B
+            logprobs_tensors = LogprobsTensors(token_ids, scores, ranks, input_batch.cu_num_logits_np.tolist()
+                                               if expanded else None)
+        else:
+            logprobs_tensors = VllmRejectionSampler._get_logprobs_tensors(
+                self, sampled, num_sampled,
+                all_processed if sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES else logits,
+                input_batch.cu_num_logits, input_batch.cu_num_logits_np, input_batch.expanded_idx_mapping,
+                logprobs_dims)
         sampling_mask_tensors = None
         if sampler.return_sampling_mask:
             max_num_kept = int(np.max(sampler.sampling_states.top_k.np[input_batch.idx_mapping_np]))
@@ -130,7 +165,7 @@ class RejectionSampler:
                              sampling_mask_tensors=sampling_mask_tensors)
 
     def _verify(self, batch: "_Batch", target: torch.Tensor, rows: np.ndarray, reqs: np.ndarray, *,
-                processed: bool, out) -> None:
+                processed: bool, out, logprobs=None) -> None:
         """Verify the requests `reqs` (a (B,) bool mask) with one accept call on `target`, whose row r is the
         batch's logits row rows[r] (the rows of whole requests, in batch order), and write their sampled tokens
         and counts into out = (sampled (B, T), num_sampled (B,)).
@@ -139,7 +174,10 @@ class RejectionSampler:
         its drafts are placeholders (vLLM emits then one token, from that row); the cut-off rows and the
         requests not in `reqs` ride along as greedy segments whose results are dropped. With processed rows
         (vLLM's processing applied, temperature included) a sampled request is verified at temperature 1,
-        unfiltered, against draft_logits / t."""
+        unfiltered, against draft_logits / t; with the model's rows, accept applies the requests' penalties,
+        logit bias and min-tokens (`_Batch.sampling_params`) and filters. logprobs: None, or (token ids, scores),
+        (rows, 1 + N) each, vLLM's layout (the emitted token, then the N largest), written at the kept
+        segments' emitted rows from accept's raw logprobs (model rows only)."""
         dev = target.device
         seg = batch.segments(rows, reqs)
         seg_req = torch.from_numpy(seg.req).to(dev)
@@ -148,22 +186,26 @@ class RejectionSampler:
         tokens = batch.draft_sampled[rows_t].clamp(min=0)  # placeholders lie only in dropped segments
         temperature = batch.temperature[seg_req]
         sampling = real & (temperature != 0)
+        start = torch.from_numpy(seg.start).to(dev)
+        first_pos = batch.pos[rows_t][start]
         if processed:
             temperature = sampling.float()  # (the processed rows carry the temperature)
-            filters = {}
+            params = {}
         else:
             temperature = torch.where(real, temperature, 0.0)
-            filters = dict(batch.filters(seg_req, seg.req), filter_order="vllm")
+            params = dict(batch.filters(seg_req, seg.req), **batch.sampling_params(seg, seg_req, first_pos),
+                          filter_order="vllm")
+            if logprobs is not None:
+                params.update(return_logprobs=logprobs[0].shape[1] - 1, logprobs_mode="raw")
         draft = batch.draft_rows(rows_t, tokens, seg, dev)
         if draft is not None and processed:
             row_temperature = batch.temperature[seg_req].repeat_interleave(torch.from_numpy(seg.length).to(dev))
             draft = draft.float() / torch.where(row_temperature > 0, row_temperature, 1.0).unsqueeze(1)
-        start = torch.from_numpy(seg.start).to(dev)
         T = self.num_speculative_steps + 1
         res = specdec.accept(target, tokens, torch.from_numpy(seg.parents).to(dev), draft_logits=draft,
-                             temperature=temperature, seeds=batch.seeds[seg_req], offset=batch.pos[rows_t][start],
+                             temperature=temperature, seeds=batch.seeds[seg_req], offset=first_pos,
                              method=self.method, cu_num_nodes=torch.from_numpy(seg.cu).to(dev), max_nodes=T,
-                             **filters)
+                             **params)
         # emitted tokens of a chain: the accepted drafts (rows start + 1 ..), then the next token
         i = torch.arange(T, device=dev)
         num = res.num_accepted.long().unsqueeze(1)
@@ -172,6 +214,12 @@ class RejectionSampler:
         keep = torch.from_numpy(np.flatnonzero(seg.real)).to(dev)
         out[0][seg_req[keep]] = emitted[keep]
         out[1][seg_req[keep]] = (res.num_accepted[keep] + 1).to(out[1].dtype)
+        if logprobs is not None:  # the emitted positions' rows (rows = all rows: a row's index is its own)
+            lp = res.logprobs
+            at = (i <= num) & torch.from_numpy(seg.real).to(dev).unsqueeze(1)
+            row = (start.unsqueeze(1) + i)[at]
+            logprobs[0][row] = torch.cat([emitted[at].unsqueeze(1), lp.top_token_ids[at]], 1)
+            logprobs[1][row] = torch.cat([lp.token_logprobs[at].unsqueeze(1), lp.top_logprobs[at]], 1)
 
 
 def _recording(add_request, active: np.ndarray):
@@ -216,12 +264,22 @@ class _Batch:
             if draft_logits.values.shape[-1] != self.vocab_size:
                 raise ValueError(f"draft_logits: vocabulary {draft_logits.values.shape[-1]} differs from the "
                                  f"target's {self.vocab_size}")
+        self.penalties, self.logit_bias = rs.penalties, rs.logit_bias
+        lb = rs.logit_bias
+        self.use_penalty = rs.penalties.use_penalty[idx_np]
+        self.num_logit_bias = lb.num_logit_bias.np[idx_np]
+        self.use_min_tokens = lb.num_stop_token_ids.np[idx_np] > 0  # (set only with min_tokens > 0)
         sampling = states.temperature.np[idx_np] != 0
         filtered = (self.top_k_np < states.vocab_size) | (self.top_p_np < 1) | (self.min_p_np > 0)
-        by_processor = np.zeros(len(idx_np), dtype=bool)
+        step0 = self.use_penalty | (self.num_logit_bias > 0) | self.use_min_tokens
+        # routed to vLLM's processing: requests that another processor modifies; allowed_token_ids (a -inf
+        # overwrite of the row); min-tokens with structured output (vLLM restores the stop tokens when the
+        # grammar masked every other token, where accept refuses an empty row)
+        by_processor = (lb.num_allowed_token_ids.np[idx_np] > 0) | (
+            self.use_min_tokens & (lb.restore_when_all_masked.np[idx_np] != 0))
         for active in rs._processor_active:
             by_processor |= active[idx_np]
-        self.routed = by_processor | sampling & filtered & (draft_logits is not None)
+        self.routed = by_processor | sampling & (filtered | step0) & (draft_logits is not None)
         # Placeholders (-1 drafts) only fill the steps of requests still in their prefill: read them (a host
         # sync) only for batches that have some.
         self.placeholder = np.zeros(len(idx_np), dtype=bool)
@@ -255,6 +313,46 @@ class _Batch:
             out["top_p"] = self.top_p[seg_req]
         if np.any(self.min_p_np[seg_req_np] > 0):
             out["min_p"] = self.min_p[seg_req]
+        return out
+
+    def sampling_params(self, seg: _Segments, seg_req: torch.Tensor, first_pos: torch.Tensor) -> dict:
+        """accept's penalties, logit bias and min-tokens per segment from vLLM's states (read from its buffers,
+        gathered by request state), each left out when off for all the kept segments. vLLM counts a request's
+        output (output_bin_counts) from its prefill only for requests with a penalty, so the counts of the
+        others are zeros here. min-tokens: vLLM masks the stop tokens at a row of position pos while
+        pos + 1 < prompt_len + min_tokens (min_lens); accept's node at depth d has generated sum(counts) + d
+        tokens, so the segment's min_tokens is its remaining count from the root, plus sum(counts)."""
+        out = {}
+        real = seg.real
+        pen = self.use_penalty[seg.req] & real
+        min_tok = self.use_min_tokens[seg.req] & real
+        num_bias = np.where(real, self.num_logit_bias[seg.req], 0)
+        state = self.input_batch.idx_mapping[seg_req].long()
+        dev = first_pos.device
+        if pen.any() or min_tok.any():
+            pen_t = torch.from_numpy(pen).to(dev)
+            counts = torch.where(pen_t.unsqueeze(1), self.penalties.output_bin_counts[state], 0)
+            out["output_token_counts"] = counts
+        if pen.any():
+            ps = self.penalties
+            out.update(repetition_penalty=ps.repetition_penalty.gpu[state],
+                       frequency_penalty=ps.frequency_penalty.gpu[state],
+                       presence_penalty=ps.presence_penalty.gpu[state],
+                       prompt_token_mask=torch.where(pen_t.unsqueeze(1), ps.prompt_bin_mask[state], 0))
+        lb = self.logit_bias
+        if num_bias.any():
+            K = int(num_bias.max())
+            given = torch.arange(K, device=dev) < torch.from_numpy(num_bias).to(dev).unsqueeze(1)
+            out["logit_bias"] = (torch.where(given, lb.logit_bias_token_ids.gpu[state, :K], -1),
+                                 torch.where(given, lb.logit_bias.gpu[state, :K], 0.0))
+        if min_tok.any():
+            num_stop = np.where(min_tok, lb.num_stop_token_ids.np[self.input_batch.idx_mapping_np[seg.req]], 0)
+            S = int(num_stop.max())
+            given = torch.arange(S, device=dev) < torch.from_numpy(num_stop).to(dev).unsqueeze(1)
+            remaining = (lb.min_lens.gpu[state] - first_pos - 1).clamp(min=0)
+            min_tok_t = torch.from_numpy(min_tok).to(dev)
+            out["min_tokens"] = torch.where(min_tok_t, remaining + counts.sum(-1), 0).to(torch.int32)
+            out["stop_token_ids"] = torch.where(given, lb.stop_token_ids.gpu[state, :S], -1)
         return out
 
     def draft_rows(self, rows_t: torch.Tensor, tokens: torch.Tensor, seg: _Segments, dev) -> Optional[torch.Tensor]:

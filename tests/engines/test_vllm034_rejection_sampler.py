@@ -167,6 +167,18 @@ def _assert_same_output(ours, theirs):
     assert torch.equal(ours.sampled_token_ids[valid], theirs.sampled_token_ids[valid])
 
 
+def _assert_same_logprobs(ours, theirs):
+    """The logprobs vLLM's consumers read (LogprobsLists.slice_request: each request's first num_sampled rows):
+    the same token ids and ranks, logprobs to 1e-5 (accept computes raw ones in its own kernel)."""
+    lp, vllm_lp = ours.logprobs_tensors, theirs.logprobs_tensors
+    cu = vllm_lp.cu_num_generated_tokens or list(range(len(ours.num_sampled) + 1))
+    assert lp.cu_num_generated_tokens == vllm_lp.cu_num_generated_tokens
+    rows = torch.cat([torch.arange(cu[b], cu[b] + int(n)) for b, n in enumerate(theirs.num_sampled)])
+    assert torch.equal(lp.logprob_token_ids[rows], vllm_lp.logprob_token_ids[rows])
+    assert torch.equal(lp.selected_token_ranks[rows], vllm_lp.selected_token_ranks[rows])
+    torch.testing.assert_close(lp.logprobs[rows], vllm_lp.logprobs[rows], rtol=0, atol=1e-5)
+
+
 def _greedy_batch(B, k, V, match):
     """Logits and drafts where request b's first match[b] drafts equal the target's argmax."""
     logits = torch.randn(B * (k + 1), V)
@@ -192,9 +204,7 @@ def test_greedy_equals_vllm_with_filters_penalties_and_logprobs(logprobs_mode):
         batch = decode_batch(torch.randint(0, V, (B,)), drafts)
         mine, vllms = ours(logits, batch), theirs(logits, batch)
         _assert_same_output(mine, vllms)
-        for a, b in zip(mine.logprobs_tensors[:3], vllms.logprobs_tensors[:3]):
-            assert torch.equal(a, b)
-        assert mine.logprobs_tensors.cu_num_generated_tokens == vllms.logprobs_tensors.cu_num_generated_tokens
+        _assert_same_logprobs(mine, vllms)
 
 
 def test_penalties_change_the_greedy_result_as_in_vllm():
@@ -219,6 +229,88 @@ def test_placeholder_drafts_are_rejected_as_in_vllm():
     mine = ours(logits, batch)
     _assert_same_output(mine, theirs(logits, batch))
     assert mine.num_sampled.tolist() == [1, 1, 1]
+
+
+PROMPT, OUTPUT = [1, 2], [3, 3]  # (a request's history, PREFILL_LEN tokens: its prompt, then its output so far)
+
+
+def _admit_with_history(sampler: Sampler, params: list, root: torch.Tensor) -> None:
+    """admit(), for requests whose prompt is PROMPT and whose output so far is OUTPUT then `root` (B,), the
+    token the runner sampled last: vLLM's bincount counts the output from its prefill (penalty requests),
+    post_update the root, as after the prefill's step."""
+    rs = sampler.req_states
+    for i in range(len(params)):
+        rs.prompt_len.np[i] = len(PROMPT)
+        rs.all_token_ids.gpu[i, :PREFILL_LEN] = torch.tensor(PROMPT + OUTPUT)
+    rs.prompt_len.copy_to_uva()
+    admit(sampler, params)
+    sampler.penalties_state.output_bin_counts[torch.arange(len(params)), root] += 1
+
+
+def _processed_rows(sampler: Sampler, logits: torch.Tensor, batch: InputBatch) -> torch.Tensor:
+    """vLLM's processed fp32 rows of a decode batch (Sampler.apply_sampling_params, the drafts as input ids)."""
+    return sampler.apply_sampling_params(
+        logits.clone(), batch.expanded_idx_mapping, batch.idx_mapping, batch.idx_mapping_np, batch.positions,
+        batch.input_ids, batch.expanded_local_pos, batch.seq_lens_cpu_upper_bound.numpy())
+
+
+STEP0_PARAMS = [
+    dict(repetition_penalty=2.0, frequency_penalty=0.8, presence_penalty=0.5),
+    dict(logit_bias={5: 3.0, 7: -2.0, 3: 1.5}, min_tokens=4, stop_token_ids=[9, 11]),
+    dict(repetition_penalty=0.7, presence_penalty=-0.5, logit_bias={2: 2.5}, min_tokens=5, stop_token_ids=[4],
+         top_k=6),
+    dict(frequency_penalty=-1.0, min_tokens=6, stop_token_ids=[0, 6, 13]),
+    dict(allowed_token_ids=[1, 3, 5, 7, 9, 11, 13]),  # (routed to vLLM's processing)
+    dict(),
+]
+
+
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs"])
+def test_greedy_with_penalties_bias_and_min_tokens_equals_vllm(logprobs_mode):
+    """Penalties, logit bias and min-tokens fused into accept, on vLLM's own state (its output counts from the
+    prefill plus the root, its prompt mask, its bias and stop-token buffers): the same tokens, counts and
+    logprobs as vLLM's rejection sampler on its processed logits. The drafts are vLLM's processed argmax along
+    the chain (so penalties from the drafts before a row decide), each request broken at its own depth; min-tokens
+    (the root at position 4 of a 2-token prompt) ends inside the chain. The test fails if the drafts on the path
+    were not counted: the chain of argmaxes without them differs."""
+    B, k, V = len(STEP0_PARAMS), 4, 16
+    params = [SamplingParams(temperature=0.0, logprobs=3, **p) for p in STEP0_PARAMS]
+    ours, theirs, sampler = _pair(B, V, k, [], logprobs_mode=logprobs_mode)
+    gen = torch.Generator().manual_seed(5)
+    root = torch.randint(0, V, (B,), generator=gen)
+    _admit_with_history(sampler, params, root)
+    for trial in range(3):
+        logits = torch.randn(B * (k + 1), V, generator=gen) * 2
+        drafts = torch.zeros(B, k, dtype=torch.long)
+        for j in range(k):  # (row j's processing reads the drafts before it)
+            rows = _processed_rows(sampler, logits, decode_batch(root, drafts)).view(B, k + 1, V)
+            drafts[:, j] = rows[:, j].argmax(-1)
+        without_path = _processed_rows(sampler, logits, decode_batch(root, torch.zeros_like(drafts)))
+        assert not torch.equal(without_path.view(B, k + 1, V)[:, :k].argmax(-1), drafts)
+        broken_at = torch.randint(0, k + 1, (B,), generator=gen)
+        for b, m in enumerate(broken_at.tolist()):
+            if m < k:
+                drafts[b, m] = (drafts[b, m] + 1) % V
+        batch = decode_batch(root, drafts)
+        mine, vllms = ours(logits, batch), theirs(logits, batch)
+        _assert_same_output(mine, vllms)
+        assert mine.num_sampled.tolist() == (broken_at + 1).tolist()
+        _assert_same_logprobs(mine, vllms)
+
+
+def test_step0_requests_are_fused_and_the_others_routed():
+    """Which requests reach vLLM's processing: allowed_token_ids, bad words and min-tokens under a structured
+    output go there; penalties, bias and min-tokens alone do not (their rows are never processed by vLLM)."""
+    B, k, V = len(STEP0_PARAMS), 2, 16
+    sampler = make_sampler(B, V, k)
+    ours = vllm_mrv2.RejectionSampler(sampler, make_spec_config(k), DEVICE)
+    _admit_with_history(sampler, [SamplingParams(temperature=0.0, **p) for p in STEP0_PARAMS], torch.zeros(B).long())
+    batch = decode_batch(torch.zeros(B, dtype=torch.long), torch.zeros(B, k, dtype=torch.long))
+    processed = []
+    apply = sampler.apply_sampling_params
+    sampler.apply_sampling_params = lambda logits, *a, **kw: processed.append(a[1].tolist()) or apply(logits, *a, **kw)
+    ours(torch.randn(B * (k + 1), V), batch)
+    assert processed == [[4]]
 
 
 def _sampled_run(rejection_sampler, B, base, draft_base, temperature, with_draft_logits, seed):
@@ -294,6 +386,33 @@ def _processed_law(sampler, base, params):
         torch.zeros(k + 1, dtype=torch.int32), torch.arange(k + 1, dtype=torch.int32),
         np.array([PREFILL_LEN + k + 1], dtype=np.int32))
     return torch.softmax(processed.double(), -1)
+
+
+@pytest.mark.parametrize("param", [
+    dict(repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4, logit_bias={1: 1.0, 3: -0.5},
+         min_tokens=5, stop_token_ids=[0, 2]),
+    dict(repetition_penalty=0.8, presence_penalty=-0.7, logit_bias={4: 1.2}, min_tokens=4, stop_token_ids=[3],
+         top_p=0.85, min_p=0.05),
+], ids=["penalties_bias_min_tokens", "with_filters"])
+def test_sampled_law_with_penalties_bias_and_min_tokens_is_vllms(param):
+    """Sampled requests with penalties, a logit bias and min-tokens, fused into accept (proposals, no draft
+    logits): the emitted chain follows vLLM's processed law at each row, the drafts before a row counted (vLLM's
+    apply_sampling_params on the same chain and state). The drafts are fixed and repeat tokens of the history
+    (tokens 3 and 1), so the penalties change the law along the chain; the stop tokens are masked at the first
+    rows only (the root at position 4 of a 2-token prompt)."""
+    k, V, t, B = 3, 6, 0.9, 3000
+    ours, _, sampler = _pair(B, V, k, [])
+    root = torch.full((B,), 3, dtype=torch.long)
+    _admit_with_history(sampler, [SamplingParams(temperature=t, seed=i, **param) for i in range(B)], root)
+    base = torch.randn(k + 1, V, generator=torch.Generator().manual_seed(2))
+    drafts = torch.tensor([[3, 1, 3]]).expand(B, k)
+    batch = decode_batch(root, drafts)
+    rows = _processed_rows(sampler, base, decode_batch(root[:1], drafts[:1]))  # (request state 0's rows)
+    laws = torch.softmax(rows.double(), -1)
+    unpenalized = torch.softmax(base.double() / t, -1)
+    assert (laws - unpenalized).abs().max() > 0.05  # (the parameters change the law)
+    mine = ours(base.repeat(B, 1), batch)
+    _assert_chain_law(mine, drafts, laws, "penalties, bias, min-tokens")
 
 
 @pytest.mark.parametrize("case", ["top_k_top_p_fused", "min_p_top_p_fused", "top_k_with_draft_logits_routed"])
