@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
-DEPS := torch==2.13.0 "triton>=3.0" numpy pytest pytest-xdist pytest-random-order pytest-benchmark scipy safetensors tqdm hypothesis
+DEPS := torch==2.13.0 "triton>=3.0" numpy pytest pytest-xdist pytest-random-order pytest-benchmark scipy safetensors tqdm hypothesis xgrammar==0.2.8
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 # the suite on both cores (one torch thread per worker), in a new shuffled order each run so that no test can
 # lean on another having run first; `make test TEST_SEED=N` repeats run N's order, PYTEST_ARGS adds options

@@ -93,10 +93,13 @@ setup(
     # every import of the package at run time (the CLI loads safetensors checkpoints)
     # (numpy: torch warns at every start without it; ninja: torch's builder of the C++ ops on first use)
     install_requires=["torch>=2.4", "safetensors>=0.4", "numpy", "ninja"],
-    # optional: Triton kernels (GPU, or CPU through TRITON_INTERPRET=1), progress bars, Hugging Face tokenizers
-    # and the comparison rows of the end-to-end benchmark; without them those features are skipped
+    # optional: Triton kernels (GPU, or CPU through TRITON_INTERPRET=1), progress bars, Hugging Face tokenizers,
+    # the grammars of structured outputs (specdec.loop.grammar) and the comparison rows of the end-to-end benchmark;
+    # without them those features are skipped
     extras_require={"triton": ["triton>=3.0"], "progress": ["tqdm"], "hf": ["transformers"],
-                    "test": ["pytest", "pytest-xdist", "pytest-random-order", "numpy", "scipy", "pytest-benchmark", "hypothesis"],
+                    "structured": ["xgrammar==0.2.8"],
+                    "test": ["pytest", "pytest-xdist", "pytest-random-order", "numpy", "scipy", "pytest-benchmark", "hypothesis",
+                             "xgrammar==0.2.8"],
                     "bench": ["pytest-benchmark", "numpy", "transformers"]},
     # vLLM loads every `vllm.general_plugins` entry point in each of its processes; specdec's changes nothing
     # unless SPECDEC_VLLM_REJECTION_SAMPLER=1 (then its model runner builds specdec's rejection sampler)

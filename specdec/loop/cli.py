@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -77,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report each generated token's logprob and the N best of its position (0..20; JSON output)")
     g.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
                    help="the target's log-softmax (raw, default) or the law the token was drawn from (processed)")
+    structured = g.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE|JSON",
+                            help="structured output: every output is a JSON document of this schema (a file, or the "
+                                 "schema itself)")
+    structured.add_argument("--regex", help="structured output: every output matches this regular expression")
+    structured.add_argument("--grammar", metavar="FILE",
+                            help="structured output: every output is in this EBNF grammar's language (rule root)")
     g.add_argument("--method", choices=METHODS, default="token",
                    help="verifier of sampled drafts: token-wise (default), block verification (chains) or "
                         "traversal verification (static trees and chains)")
@@ -151,6 +159,28 @@ def step0_args(args) -> dict:
                 stop_token_ids=stop)
 
 
+def grammar_arg(args) -> Optional[dict]:
+    """generate's grammar spec from --json-schema, --regex or --grammar (None: free)."""
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.grammar is not None:
+        try:
+            with open(args.grammar) as f:
+                return {"ebnf": f.read()}
+        except OSError as e:
+            raise ValueError(f"--grammar {args.grammar}: {e.strerror}") from None
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if os.path.isfile(text):
+        with open(text) as f:
+            text = f.read()
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema: neither a file nor a JSON schema ({e})") from None
+
+
 def generate(args, vocab_group=None) -> dict:
     """One generate run; with args.tp > 1, in args.tp processes (each calls this with its vocab_group)."""
     if args.tp < 1:
@@ -193,7 +223,8 @@ def generate(args, vocab_group=None) -> dict:
                                    adaptive=adaptive, **graphs),
                 SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard, **graphs))
     filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, filter_order=args.filter_order,
-                   **step0_args(args), logprobs=args.logprobs, logprobs_mode=args.logprobs_mode)
+                   **step0_args(args), logprobs=args.logprobs, logprobs_mode=args.logprobs_mode,
+                   grammar=grammar_arg(args))
     t0 = time.perf_counter()
     for decoder in decoders[:1 + args.compare_ar]:  # warm-up, so that the timings compare steady states
         if args.compile or decoder.graph_class:  # every graph of the timed run: the same batch, length, tree, filters

@@ -33,7 +33,9 @@ import specdec
 from .. import distributed
 from .adaptive import PROB_SCALE, AdaptiveDepth, StepSchedule, compiled_depths, measure_target_costs
 from .drafters.base import DepthControl, Drafter, NoDrafter, Proposal, StepState
+from .grammar import GrammarBackend, TreeMasks, XGrammarBackend
 from .models.llama import Llama, compile_static
+from .models.tokenizer import VOCAB_SIZE
 from .._validation import check_method_name
 from ..ops import Logprobs
 from ..reference import FILTER_ORDERS, GREEDY_BELOW
@@ -73,7 +75,7 @@ class SpeculativeDecoder:
     def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
                  block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token",
                  vocab_shard=None, adaptive=False, compile: bool = False, cuda_graphs=None,
-                 batch_buckets: Optional[Sequence[int]] = None):
+                 batch_buckets: Optional[Sequence[int]] = None, grammar_backend: Optional[GrammarBackend] = None):
         """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
         kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
         method: accept's verifier for sampling requests: "token", "block" (chains) or "traversal" (any
@@ -97,7 +99,10 @@ class SpeculativeDecoder:
         and with which filters: `_GraphedSteps.begin`), the KEPT_GRAPH_SETS most recent ones. Or a class with
         CudaStepGraph's interface (the tests emulate CUDA graphs on the CPU with one).
         batch_buckets: the batch sizes a batch runs at, padded with finished requests that ride along (default:
-        BATCH_BUCKETS with compile or CUDA graphs, whose graphs are per batch size; the exact size eagerly)."""
+        BATCH_BUCKETS with compile or CUDA graphs, whose graphs are per batch size; the exact size eagerly).
+        grammar_backend: compiles generate's `grammar` specs for the target's vocabulary (specdec.loop.grammar;
+        default: xgrammar over the shipped byte vocabulary, for a target of its 260 tokens, the EOS its stop
+        token)."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -141,6 +146,7 @@ class SpeculativeDecoder:
             raise ValueError(f"batch_buckets: {batch_buckets!r} must be batch sizes >= 1")
         self.batch_buckets = batch_buckets if batch_buckets is not None else \
             BATCH_BUCKETS if compile or self.graph_class else ()
+        self.grammar_backend = grammar_backend
 
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
@@ -166,7 +172,7 @@ class SpeculativeDecoder:
                  presence_penalty: Union[float, Sequence[float]] = 0.0,
                  logit_bias: Union[None, dict, Sequence[Optional[dict]]] = None,
                  min_tokens: Union[int, Sequence[int]] = 0, stop_token_ids: Optional[Sequence] = None,
-                 logprobs: Optional[int] = None, logprobs_mode: str = "raw") -> GenerationOutput:
+                 logprobs: Optional[int] = None, logprobs_mode: str = "raw", grammar=None) -> GenerationOutput:
         """Generate for a batch of token-id prompts (each non-empty). temperature/seed: one for all or one
         per request (0 = greedy); request b samples with seed[b] (or seed + b). top_k/top_p/min_p: one for all
         or one per request (off: 0, 1, 0), the filters of `specdec.accept`, in filter_order ("hf", "vllm" or
@@ -178,15 +184,20 @@ class SpeculativeDecoder:
         stops at the EOS alone). The drafter samples from the same processed law, along each draft path.
         logprobs N (None: off; 0..20): the output's logprobs[b] lists each generated token's logprob, and
         top_logprobs[b] its position's N best (token, logprob) pairs, of the law logprobs_mode names ("raw": the
-        target's log-softmax; "processed": the law the token was drawn from, `specdec.accept`). The penalties and
-        logprobs run with eager steps (neither compile nor CUDA graphs nor vocab_shard)."""
+        target's log-softmax; "processed": the law the token was drawn from, `specdec.accept`). grammar: structured
+        output (specdec.loop.grammar): a spec {"json_schema": dict or JSON text} | {"regex": str} | {"ebnf": str}
+        for every request, or a list of specs or None (free), one per request; each step walks the draft tree with
+        each constrained request's matcher and accept verifies under the per-node masks (the drafter drafts under
+        them too); a constrained request ends at the EOS, which its grammar allows only once its output is complete
+        (max_new_tokens still applies). A bad spec raises ValueError naming `grammar` before anything runs. The
+        penalties, logprobs and grammar run with eager steps (neither compile nor CUDA graphs nor vocab_shard)."""
         t0 = time.perf_counter()
         s = self._start(prompts, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p,
                         allowed_token_ids=allowed_token_ids, filter_order=filter_order,
                         penalties=dict(repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                                        presence_penalty=presence_penalty, logit_bias=logit_bias,
                                        min_tokens=min_tokens, stop_token_ids=stop_token_ids),
-                        logprobs=logprobs, logprobs_mode=logprobs_mode)
+                        logprobs=logprobs, logprobs_mode=logprobs_mode, grammar=grammar)
         _sync(s.tokens.device)  # (the prompts' kernels may still run: their time is the prompts')
         prompt_s = time.perf_counter() - t0
         B, depth = s.tokens.shape[0], self.drafter.max_depth
@@ -213,7 +224,7 @@ class SpeculativeDecoder:
         return out
 
     def _start(self, prompts, max_new_tokens, temperature, seed, *, top_k, top_p, min_p, allowed_token_ids,
-               filter_order="hf", penalties=None, logprobs=None, logprobs_mode="raw") -> "_Batch":
+               filter_order="hf", penalties=None, logprobs=None, logprobs_mode="raw", grammar=None) -> "_Batch":
         """generate's arguments checked, the batch's buffers, the prompts through the target and the drafter."""
         B, dev, T, depth = len(prompts), self.target.device, self.drafter.max_nodes, self.drafter.max_depth
         if B == 0 or any(len(p) == 0 for p in prompts):
@@ -230,6 +241,7 @@ class SpeculativeDecoder:
         judge_probs = self.adaptive is not None and sampled and method == "token" and \
             self.drafter.max_nodes == self.drafter.max_depth + 1
         logprobs = self._logprob_args(logprobs, logprobs_mode, filter_order)
+        matchers = self._matchers(grammar, B)
         requests = B
         B = batch_bucket(B, self.batch_buckets) if self.batch_buckets else B
         step0 = dict(penalties or {})
@@ -267,6 +279,9 @@ class SpeculativeDecoder:
         cache.lens.zero_()
         s = _Batch.new(tokens, prompt_lens, max_new_tokens, temp, seeds, params, method, cache, depth, T, requests,
                        judge_probs)
+        if any(m is not None for m in matchers):  # (padding rows are free)
+            s.grammar = TreeMasks(matchers + [None] * (B - requests), V, self.grammar_backend.stop_token_ids, dev)
+        self.drafter.grammar = s.grammar
         if logprobs is not None:  # (room for the last step's whole path past max_new_tokens)
             s.logprobs = Logprobs(torch.full((B, max_new_tokens + T), math.nan, device=dev),
                                   torch.full((B, max_new_tokens + T, logprobs), math.nan, device=dev),
@@ -298,6 +313,21 @@ class SpeculativeDecoder:
         self._eager_only("logprobs")
         return logprobs
 
+    def _matchers(self, grammar, batch_size: int) -> list:
+        """generate's `grammar` as a matcher per request (None: free), every spec compiled (so checked) first."""
+        if grammar is None or isinstance(grammar, (list, tuple)) and all(g is None for g in grammar):
+            return [None] * batch_size
+        self._eager_only("grammar")
+        if self.eos is None:
+            raise ValueError("grammar: a constrained request ends at the EOS; the decoder has no eos_token_id")
+        if self.grammar_backend is None:
+            V = self.target.cfg.vocab_size
+            if V != VOCAB_SIZE:
+                raise ValueError(f"grammar: the target's vocabulary ({V} tokens) is not the shipped byte vocabulary "
+                                 f"({VOCAB_SIZE}); give the decoder a grammar_backend for it")
+            self.grammar_backend = XGrammarBackend.byte_vocabulary(V, self.eos)
+        return self.grammar_backend.matchers(grammar, batch_size)
+
     def _eager_only(self, name: str) -> None:
         """Refuse generate's argument `name` unless the steps run eagerly on one device (a decoder without compile,
         CUDA graphs and vocab_shard): the step-0 state and the logprob buffers are not carried through compiled or
@@ -315,6 +345,8 @@ class SpeculativeDecoder:
 
     def _propose(self, s: "_Batch", k: Optional[int]) -> Proposal:
         """k: the depth to draft (None: the drafter's whole tree; 0: the root alone, plain decoding)."""
+        if s.grammar is not None:
+            s.grammar.begin_step(s.done.tolist())
         if k == 0:
             return NoDrafter().propose(s.tokens, s.seq_lens, s.temp)
         return self.drafter.propose(s.tokens, s.seq_lens, s.temp, depth=k)
@@ -329,8 +361,13 @@ class SpeculativeDecoder:
             logits, hidden = logits
             hidden_kw = {"target_hidden": hidden}
         Tp = prop.tokens.shape[1]
+        accept_kw = s.params.accept_kwargs(Tp)
+        if s.grammar is not None and s.grammar.constrained:
+            rows = s.grammar.tree_bitmask(prop.tokens, prop.parents, prop.num_nodes)
+            fixed = accept_kw["token_bitmask"]
+            accept_kw["token_bitmask"] = rows if fixed is None else rows & fixed
         res = self._accept(logits, prop, temperature=s.temp, seeds=s.seeds, num_nodes=prop.num_nodes, offset=s.steps,
-                           method="token" if k == 0 else s.method, **s.params.accept_kwargs(Tp))
+                           method="token" if k == 0 else s.method, **accept_kw)
         live = ~s.done
         num_acc = torch.where(live, res.num_accepted, 0)
         s.cache.rollback(res.accepted_nodes, num_acc)
@@ -362,6 +399,10 @@ class SpeculativeDecoder:
                 on_x = on.view(on.shape + (1,) * (x.dim() - 2)).expand_as(x)
                 buf.scatter_(1, at_x, torch.where(on_x, x, buf.gather(1, at_x)))
         s.seq_lens += n_new.to(torch.int32)
+        if s.grammar is not None:  # (eager steps only: host reads)
+            for b, n in enumerate(n_new.tolist()):
+                if s.grammar.live[b]:
+                    s.grammar.advance(b, new[b, :n].tolist())
 
         s.steps += live
         s.emitted_live += torch.where(live, n_new, 0)
@@ -454,6 +495,7 @@ class _Batch:
     # with generate's logprobs: (B, max_new + max_nodes) each output token's logprob, (B, max_new + max_nodes, N) the
     # best N of its position (and their tokens), output token j at column j
     logprobs: Optional[Logprobs] = None
+    grammar: Optional[TreeMasks] = None  # with generate's grammar: the requests' matchers (eager steps only)
 
     @classmethod
     def new(cls, tokens, prompt_lens, max_new, temp, seeds, params, method, cache, depth, max_nodes,

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..._layout import unpack_bitmask
 from ...ops import TreeInfo
 from ...reference import GREEDY_BELOW
 from ...sampling import SamplingParams
@@ -75,6 +76,12 @@ class Drafter:
     proposes_on_host: bool = False
     # start, commit and skip take the target's hidden states (target_hidden=)
     uses_target_hidden: bool = False
+    # set by the loop for each batch: the grammars' per-node masks (grammar.TreeMasks), None when every request is
+    # free. A drafter that samples children (draft_logits) draws them from its law masked by the node's row
+    # (`grammar_masked`): accept's q at a node is the law masked by that row, so a drafter that ignored it would
+    # not be the law accept judges (the output would leave the target's law); ranking drafters skip forbidden
+    # tokens with it
+    grammar = None
 
     def start(self, tokens: torch.Tensor, seq_lens: torch.Tensor, max_len: int, temperature: torch.Tensor,
               seeds: Sequence[int], params: SamplingParams = SamplingParams()) -> None:
@@ -194,6 +201,15 @@ class NoDrafter(Drafter, StepState):
 # their Philox streams by seeds[b], and a draw must not be correlated with the test that judges it
 _DRAFT_SEED_MIX = 0x9E3779B97F4A7C15
 _MASK32 = 0xFFFFFFFF
+
+
+def grammar_masked(logits: torch.Tensor, bitmask: Optional[torch.Tensor]) -> torch.Tensor:
+    """logits (B, N, V) with the tokens that bitmask (B, N, W) int32 forbids at -inf (None: unchanged). Step 0 keeps
+    -inf at -inf and the filters come after the mask, so `sample` on the result draws from the processed law
+    under the mask, the law accept computes for the node."""
+    if bitmask is None:
+        return logits
+    return logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
 
 
 def child_counts(parent_counts: Optional[torch.Tensor], parent: torch.Tensor,

@@ -26,7 +26,8 @@ import specdec
 from ..models.llama import Llama, chain_tree
 from ...reference import GREEDY_BELOW
 from ...sampling import SamplingParams
-from .base import MAX_SKIPS, DepthControl, DraftRandom, Drafter, Proposal, StepState, child_counts, sample
+from .base import (MAX_SKIPS, DepthControl, DraftRandom, Drafter, Proposal, StepState, child_counts, grammar_masked,
+                   sample)
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,13 @@ class DraftModelDrafter(Drafter, DepthControl, StepState):
         pen = self.params.penalties
         return None if pen is None else pen.output_token_counts.unsqueeze(1)
 
+    def _grammar_rows(self, tokens, ids, parent_ids):
+        """The grammar's rows (B, F, W) of the nodes about to be expanded (`grammar.TreeMasks.rows`: tokens (B, F),
+        ids and parent_ids (F,) or (B, F) in this proposal's numbering), or None without a constrained request."""
+        if self.grammar is None or not self.grammar.constrained:
+            return None
+        return self.grammar.rows(tokens, ids, parent_ids)
+
     def _propose_static(self, root, root_logits, depth):
         """The tree's first depth + 1 levels (a prefix in BFS order)."""
         levels = self.levels[:depth + 1]
@@ -235,10 +243,11 @@ class DraftModelDrafter(Drafter, DepthControl, StepState):
         level_counts = self._root_counts()
         for d in range(1, len(levels)):
             (ps, pe), (s, e) = levels[d - 1], levels[d]
-            if draft_logits is not None:
+            if draft_logits is not None:  # (unmasked: accept masks them with the same rows)
                 draft_logits[:, ps:pe] = level_logits
-            children = sample(level_logits, self.temperature, self.branching[d - 1], self.rng, self.all_greedy,
-                              self.params, level_counts)
+            rows = self._grammar_rows(out[:, ps:pe], torch.arange(ps, pe, device=out.device), self.parents[ps:pe])
+            children = sample(grammar_masked(level_logits, rows), self.temperature, self.branching[d - 1], self.rng,
+                              self.all_greedy, self.params, level_counts)
             out[:, s:e] = children[:, self.local_parent[s:e], self.rank[s:e]]
             if d + 1 < len(levels):  # expand this level: its children come next, from the law at its paths' counts
                 level_counts = child_counts(level_counts, self.local_parent[s:e], out[:, s:e])
@@ -262,12 +271,14 @@ class DraftModelDrafter(Drafter, DepthControl, StepState):
         frontier_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
         frontier_slots = torch.zeros(B, 1, dtype=torch.long, device=dev)
         frontier_score = cand_score[0]
+        frontier_parents, frontier_tokens = cand_parent[0], root  # (the grammar's walk names nodes by candidate id)
         logits = root_logits.unsqueeze(1)
         frontier_counts = self._root_counts()
         next_id, next_slot = 1, 1
         for d in range(1, D + 1):
-            logp = torch.log_softmax(self.params.process(logits, self.temperature, frontier_counts).float(),
-                                     dim=-1)  # allowed only
+            rows = self._grammar_rows(frontier_tokens, frontier_ids, frontier_parents)
+            logp = torch.log_softmax(self.params.process(grammar_masked(logits, rows), self.temperature,
+                                                         frontier_counts).float(), dim=-1)  # allowed only
             top = logp.topk(k, dim=-1)  # (B, F, k)
             F_ = logits.shape[1]
             score = (frontier_score.unsqueeze(-1) + top.values).reshape(B, F_ * k)
@@ -288,6 +299,7 @@ class DraftModelDrafter(Drafter, DepthControl, StepState):
                 toks = cand_tok[-1].gather(1, best)
                 logits = self._expand(toks, best // k, info.depth[:, next_slot:e], info.mask, start=next_slot)
                 frontier_counts = child_counts(frontier_counts, best // k, toks)
+                frontier_parents, frontier_tokens = cand_parent[-1].gather(1, best), toks
                 frontier_ids, frontier_slots = ids.gather(1, best), new_slots
                 frontier_score = score.gather(1, best)
                 next_slot = e

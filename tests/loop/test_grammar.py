@@ -1,0 +1,455 @@
+"""Structured outputs in the loop (specdec.loop.grammar): a grammar per request (JSON schema, regex, EBNF) drives
+per-node masks through the draft trees. Every constrained output is valid, greedy speculative output equals
+greedy masked autoregressive decoding for every drafter and tree shape, the sampled law is the masked processed
+law (with a negative control), the matchers' state follows the output, bad grammars are refused by name."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from specdec.loop.cli import ASSETS, main as cli_main
+from specdec.loop.decoding import SpeculativeDecoder, generate_ar
+from specdec.loop.drafters import DraftModelDrafter, Drafter, MTPDrafter, NgramDrafter, Proposal, SuffixDrafter
+from specdec.loop.models.hf import load_model
+from specdec.loop.models.mtp import load_mtp
+from specdec.loop.models.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
+from specdec.reference import processed_probs
+from specdec._layout import unpack_bitmask
+
+from test_loop import chi_square_two_tokens
+
+xgrammar = pytest.importorskip("xgrammar")
+from specdec.loop.grammar import ALL_ALLOWED, TreeMasks, XGrammarBackend  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOK = ByteTokenizer()
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "age", "tags"]}
+NESTED = {"type": "object", "properties": {"point": {"type": "object", "properties": {
+    "x": {"type": "number", "minimum": -9, "maximum": 9}, "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["x", "y"]}, "ok": {"type": "boolean"}}, "required": ["point", "ok"]}
+ENUMS = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                          "size": {"type": "integer", "minimum": 1, "maximum": 99}},
+         "required": ["color", "size"]}
+ITEMS = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["id"]}}},
+    "required": ["items"]}
+SCHEMAS = {"person": PERSON, "nested": NESTED, "enums": ENUMS, "items": ITEMS}
+PROMPTS = [TOK.encode(p) for p in ("import json\nx = ", "data = ", "def f():\n    return ", "# config\n")]
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_model(os.path.join(ASSETS, "target")), load_model(os.path.join(ASSETS, "draft"))
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return XGrammarBackend.byte_vocabulary(VOCAB_SIZE, EOS)
+
+
+def judge(backend, spec, tokens) -> bool:
+    """A fresh matcher of spec takes the output and then the EOS (so the output is complete)."""
+    m = backend.matchers(spec, 1)[0]
+    return all(m.accept(t) for t in tokens + [EOS]) and m.is_terminated()
+
+
+def validates(schema, value) -> bool:
+    """A small JSON-schema check of the keywords SCHEMAS use (type, properties, required, enum, min/max, items,
+    maxItems, maxLength), independent of xgrammar."""
+    kind = schema.get("type")
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    if kind == "object":
+        return isinstance(value, dict) and set(schema["required"]) <= set(value) and set(value) <= \
+            set(schema["properties"]) and all(validates(schema["properties"][k], v) for k, v in value.items())
+    if kind == "array":
+        return isinstance(value, list) and len(value) <= schema.get("maxItems", len(value)) and \
+            all(validates(schema["items"], v) for v in value)
+    if kind in ("integer", "number"):
+        ok = isinstance(value, int) if kind == "integer" else isinstance(value, (int, float))
+        return ok and not isinstance(value, bool) and schema.get("minimum", value) <= value <= \
+            schema.get("maximum", value)
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    if kind == "boolean":
+        return isinstance(value, bool)
+    return kind is None
+
+
+# ----------------------------------------------------------------------------------------------
+# every constrained output is valid
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_constrained_outputs_validate(shipped, backend, name):
+    """Batch 1 greedy, batch 4 greedy and sampled (T = 0.8, three seed sets) with a free request among three
+    constrained ones: every constrained output ends at the EOS and is a JSON document of its schema (13 outputs a
+    schema, 52 over the four); the free request is the unconstrained output."""
+    target, draft = shipped
+    schema = SCHEMAS[name]
+    spec = {"json_schema": schema}
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"))
+    n = 96
+    outputs = decoder.generate(PROMPTS[:1], n, grammar=spec).tokens
+    mixed = [spec, None, spec, spec]
+    for temperature, seed in ((0.0, 0), (0.8, 10), (0.8, 20), (0.8, 30)):
+        out = decoder.generate(PROMPTS, n, temperature, seed, grammar=mixed).tokens
+        outputs += [out[0], out[2], out[3]]
+        if temperature == 0.0:
+            assert out[1] == generate_ar(target, PROMPTS[1:2], n).tokens[0]
+    assert len(outputs) == 13
+    for tokens in outputs:
+        assert len(tokens) < n, TOK.decode(tokens)  # ended at the EOS, not at max_new_tokens
+        assert judge(backend, spec, tokens), TOK.decode(tokens)
+        assert validates(schema, json.loads(TOK.decode(tokens))), TOK.decode(tokens)
+
+
+def test_regex_and_ebnf_outputs_match(shipped, backend):
+    """A regex and an EBNF grammar, greedy and sampled, speculative with a tree: each output is in the language."""
+    target, draft = shipped
+    specs = [{"regex": r"(import|from) [a-z]{1,6}( as [a-z]{1,3})?\n"},
+             {"ebnf": 'root ::= "[" num ("," num)* "]"\nnum ::= [1-9] [0-9]?'}]
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,2,1"))
+    for temperature in (0.0, 1.0):
+        out = decoder.generate(PROMPTS[:2], 64, temperature, seed=3, grammar=specs).tokens
+        for spec, tokens in zip(specs, out):
+            assert judge(backend, spec, tokens), (spec, TOK.decode(tokens))
+
+
+def test_the_validity_check_can_fail(backend):
+    """The judges reject what they should: a truncated document, a wrong enum value, a number out of range."""
+    assert not judge(backend, {"json_schema": ENUMS}, list(b'{"color": "red", "size": 5'))
+    assert judge(backend, {"json_schema": ENUMS}, list(b'{"color": "red", "size": 5}'))
+    assert not judge(backend, {"json_schema": ENUMS}, list(b'{"color": "pink", "size": 5}'))
+    assert not validates(ENUMS, {"color": "pink", "size": 5}) and not validates(ENUMS, {"color": "red", "size": 0})
+
+
+# ----------------------------------------------------------------------------------------------
+# greedy speculative == greedy masked AR by full forwards
+# ----------------------------------------------------------------------------------------------
+def masked_greedy_ar(target, backend, prompts, specs, n):
+    """Greedy decoding sharing nothing with the loop but the grammar engine: at each position the full forward of
+    the whole sequence, the argmax over the tokens a fresh matcher fed the output allows; up to the EOS."""
+    outs = []
+    with torch.no_grad():
+        for prompt, spec in zip(prompts, specs):
+            m = None if spec is None else backend.matchers(spec, 1)[0]
+            seq, out = list(prompt), []
+            while len(out) < n:
+                row = target(torch.tensor([seq]))[0, -1]
+                if m is not None:
+                    bits = torch.zeros(1, (VOCAB_SIZE + 31) // 32, dtype=torch.int32)
+                    m.fill(bits, 0)
+                    row = row.masked_fill(~unpack_bitmask(bits[0], VOCAB_SIZE), float("-inf"))
+                token = int(row.argmax())
+                if token == EOS:
+                    break
+                assert m is None or m.accept(token)
+                seq.append(token)
+                out.append(token)
+            outs.append(out)
+    return outs
+
+
+GREEDY_SPECS = [{"json_schema": PERSON}, {"regex": r"[a-z_]{2,12}\(\d, \d\)"}, None]
+
+
+@pytest.fixture(scope="module")
+def greedy_expected(shipped, backend):
+    return masked_greedy_ar(shipped[0], backend, PROMPTS[:3], GREEDY_SPECS, 48)
+
+
+@pytest.mark.parametrize("drafter", ["model:chain:4", "model:tree:2,2,1", "model:parents:-1,0,0,1,1,3",
+                                     "model:dynamic:7,3,2", "mtp:chain:3", "mtp:dynamic:6,3,2", "ngram", "suffix",
+                                     "auto"])
+def test_greedy_under_a_grammar_equals_masked_ar(shipped, greedy_expected, drafter):
+    """For each drafter and tree shape (auto: adaptive depths over chain:8, plain steps included), a JSON schema, a
+    regex and a free request in one batch: the output equals masked greedy AR token for token. The grammar
+    matters: the unconstrained outputs differ."""
+    target, draft = shipped
+    kind, _, tree = drafter.partition(":")
+    if kind == "model":
+        d = DraftModelDrafter(draft, tree)
+    elif kind == "mtp":
+        d = MTPDrafter(target, load_mtp(os.path.join(ASSETS, "mtp"), target.cfg), tree)
+    elif kind == "ngram":
+        d = NgramDrafter(num_tokens=4)
+    elif kind == "suffix":
+        d = SuffixDrafter(max_depth=4, max_tokens=8)
+    else:
+        d = DraftModelDrafter(draft, "chain:8")
+    decoder = SpeculativeDecoder(target, d, adaptive=kind == "auto")
+    out = decoder.generate(PROMPTS[:3], 48, grammar=GREEDY_SPECS)
+    assert out.tokens == greedy_expected
+    assert generate_ar(target, PROMPTS[:2], 48).tokens != greedy_expected[:2]
+
+
+def test_greedy_masked_ar_through_the_loop(shipped, greedy_expected):
+    """Plain decoding through the loop (one-node trees) under the grammars equals the full-forward reference too."""
+    assert generate_ar(shipped[0], PROMPTS[:3], 48, grammar=GREEDY_SPECS).tokens == greedy_expected
+
+
+class ForbiddenChains(Drafter):
+    """Given proposals that leave the grammar: a chain 'x', 'y', 'z' under the root and a second child '{' (the
+    only token a JSON object starts with), so that the walk meets forbidden nodes and a forbidden node's child."""
+
+    max_nodes, max_depth = 5, 3
+
+    def propose(self, tokens, seq_lens, temperature, depth=None):
+        B = tokens.shape[0]
+        root = tokens.gather(1, (seq_lens.long() - 1).unsqueeze(1))
+        rest = torch.tensor([ord(c) for c in "xyz{"]).expand(B, 4)
+        parents = torch.tensor([-1, 0, 1, 2, 0], dtype=torch.int32).expand(B, 5)
+        return Proposal(torch.cat((root, rest), 1), parents, torch.full((B,), 5, dtype=torch.int32))
+
+
+def test_forbidden_draft_nodes_are_unreachable(shipped, greedy_expected):
+    """A drafter proposing forbidden tokens (and children under them): the walk skips their subtrees, the output
+    still equals masked greedy AR, and the JSON request's first step accepts the '{' node."""
+    target = shipped[0]
+    out = SpeculativeDecoder(target, ForbiddenChains()).generate(PROMPTS[:3], 48, grammar=GREEDY_SPECS)
+    assert out.tokens == greedy_expected
+    assert out.stats[0]["acceptance_by_depth"][0] > 0
+
+
+def test_tree_masks_walk(backend):
+    """TreeMasks on a hand-made tree under the regex a[bc]*d: the root allows 'a' alone; the node 'a' allows b, c,
+    d; a forbidden node ('z') and its subtree get all-ones rows (never read: the parent's row forbids 'z'); a node
+    after the stop token allows the EOS alone; the matcher is back at the committed output afterwards."""
+    m = backend.matchers({"regex": "a[bc]*d"}, 1)[0]
+    masks = TreeMasks([m, None], VOCAB_SIZE, [EOS], "cpu")
+    masks.begin_step([False, False])
+    #          node: 0 root, 1 'a', 2 'z', 3 'b' (under a), 4 'q' (under z), 5 'd' (under a), 6 EOS (under d)
+    tokens = torch.tensor([[0, ord("a"), ord("z"), ord("b"), ord("q"), ord("d"), EOS]]).expand(2, -1)
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 1, 5]], dtype=torch.int32).expand(2, -1)
+    bits = masks.tree_bitmask(tokens, parents, torch.tensor([7, 7]))
+    allowed = unpack_bitmask(bits, VOCAB_SIZE)
+    assert allowed[0, 0].nonzero().flatten().tolist() == [ord("a")]
+    assert allowed[0, 1].nonzero().flatten().tolist() == [ord("b"), ord("c"), ord("d")]
+    assert allowed[0, 3].nonzero().flatten().tolist() == [ord("b"), ord("c"), ord("d")]
+    assert allowed[0, 5].nonzero().flatten().tolist() == [EOS]
+    assert allowed[0, 6].nonzero().flatten().tolist() == [EOS]
+    assert (bits[0, 2] == ALL_ALLOWED).all() and (bits[0, 4] == ALL_ALLOWED).all()
+    assert (bits[1] == ALL_ALLOWED).all()  # the free request
+    fresh = backend.matchers({"regex": "a[bc]*d"}, 1)[0]
+    assert m.accept(ord("a")) and not fresh.accept(ord("b"))  # back home: 'a' is the first token again
+
+
+# ----------------------------------------------------------------------------------------------
+# the sampled law is the masked processed law
+# ----------------------------------------------------------------------------------------------
+LAW_SPEC = {"regex": r"[a-t][a-z]{1,3}"}  # after "import s": the likely 'y' and 'u' are forbidden first
+LAW_PROMPT = TOK.encode("import os\nimport s")
+
+
+def masked_two_token_law(target, backend, temperature):
+    """{(x1, x2): p} of the first two tokens under the processed law masked by the grammar."""
+    m = backend.matchers(LAW_SPEC, 1)[0]
+
+    def allowed():
+        bits = torch.zeros(1, (VOCAB_SIZE + 31) // 32, dtype=torch.int32)
+        m.fill(bits, 0)
+        return unpack_bitmask(bits[0], VOCAB_SIZE)
+
+    with torch.no_grad():
+        p1 = processed_probs(target(torch.tensor([LAW_PROMPT]))[0, -1], temperature, allowed=allowed())
+        firsts = p1.nonzero().flatten().tolist()
+        rows = target(torch.tensor([LAW_PROMPT + [x] for x in firsts]))[:, -1]
+    law = {}
+    for i, x1 in enumerate(firsts):
+        assert m.accept(x1)
+        p2 = processed_probs(rows[i], temperature, allowed=allowed())
+        m.rollback(1)
+        law.update({(x1, x2): float(p1[x1] * p2[x2]) for x2 in p2.nonzero().flatten().tolist()})
+    return law
+
+
+class MaskBlindDrafter(DraftModelDrafter):
+    """Draws its children from the unmasked law while accept is told (draft_logits + token_bitmask) that q is the
+    masked law: not lossless."""
+
+    def _grammar_rows(self, tokens, ids, parent_ids):
+        return None
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "tree:2,1"])
+def test_sampled_law_under_a_grammar_is_the_masked_law(shipped, backend, tree):
+    """Many seeds in one batch, draft logits (the drafter samples from its masked law): the first two tokens follow
+    the target's processed law under the grammar's masks (chi-square), and never leave its support."""
+    target, draft = shipped
+    n, temperature = 600, 1.0
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree)).generate(
+        [LAW_PROMPT] * n, 2, temperature, seed=list(range(5000, 5000 + n)), grammar=LAW_SPEC)
+    law = masked_two_token_law(target, backend, temperature)
+    stat, threshold, cells = chi_square_two_tokens(out.tokens, law, n)
+    assert len(cells) >= 3
+    assert all(tuple(t[:2]) in law for t in out.tokens)
+    assert stat < threshold, stat
+
+
+def test_sampled_law_test_detects_a_mask_blind_drafter(shipped, backend):
+    """Negative control: the same run with a drafter that ignores the mask fails the chi-square."""
+    target, draft = shipped
+    n, temperature = 600, 1.0
+    out = SpeculativeDecoder(target, MaskBlindDrafter(draft, "chain:3")).generate(
+        [LAW_PROMPT] * n, 2, temperature, seed=list(range(5000, 5000 + n)), grammar=LAW_SPEC)
+    stat, threshold, _ = chi_square_two_tokens(out.tokens, masked_two_token_law(target, backend, temperature), n)
+    assert stat > threshold
+
+
+def test_drafters_propose_allowed_tokens_only(shipped, monkeypatch):
+    """The draft model drafts under the masks (static trees, greedy and sampled): every draft node's token is
+    allowed by its parent's row, so no slot goes to a forbidden token, unless its parent has more children than
+    allowed tokens (greedy top-2 where the grammar forces one token)."""
+    target, draft = shipped
+    seen = []
+    for tree in ("chain:4", "tree:2,2,1"):
+        decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, tree))
+        verify = decoder._verify
+
+        def checked(s, prop, k):
+            bits = s.grammar.tree_bitmask(prop.tokens, prop.parents, prop.num_nodes)
+            allowed = unpack_bitmask(bits, VOCAB_SIZE)
+            for b in range(prop.tokens.shape[0]):
+                parents = prop.parents[b, :int(prop.num_nodes[b])].tolist()
+                for i in range(1, len(parents) if s.grammar.live[b] else 0):
+                    row = allowed[b, parents[i]]
+                    seen.append(bool(row[int(prop.tokens[b, i])]) or int(row.sum()) < parents.count(parents[i]))
+            verify(s, prop, k)
+
+        monkeypatch.setattr(decoder, "_verify", checked)
+        for temperature in (0.0, 1.0):
+            decoder.generate(PROMPTS, 40, temperature, grammar={"json_schema": ITEMS})
+    assert len(seen) > 100 and all(seen)
+
+
+# ----------------------------------------------------------------------------------------------
+# matcher state, stopping, refusals
+# ----------------------------------------------------------------------------------------------
+def test_matcher_state_follows_the_output(shipped, backend, monkeypatch):
+    """After every step each live constrained request's matcher allows what a fresh matcher fed the output so far
+    allows (and is terminated alike), greedy and sampled, with a tree."""
+    target, draft = shipped
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,2,1"))
+    verify, checks = decoder._verify, []
+    specs = [{"json_schema": PERSON}, {"json_schema": NESTED}, None, {"regex": r"[a-z]+(, [a-z]+)*\."}]
+
+    def checked(s, prop, k):
+        verify(s, prop, k)
+        for b, spec in enumerate(specs):
+            if spec is None or not s.grammar.live[b]:
+                continue
+            output = s.tokens[b, int(s.prompt_lens[b]):int(s.seq_lens[b])].tolist()
+            output = output[:output.index(EOS) + 1] if EOS in output else output
+            fresh = backend.matchers(spec, 1)[0]
+            assert all(fresh.accept(t) for t in output)
+            mine = s.grammar.cursors[b].matcher
+            assert mine.is_terminated() == fresh.is_terminated()
+            if not fresh.is_terminated():
+                a, f = (torch.zeros(1, (VOCAB_SIZE + 31) // 32, dtype=torch.int32) for _ in range(2))
+                mine.fill(a, 0)
+                fresh.fill(f, 0)
+                assert torch.equal(a, f)
+            checks.append(b)
+
+    monkeypatch.setattr(decoder, "_verify", checked)
+    for temperature in (0.0, 0.8):
+        decoder.generate(PROMPTS, 60, temperature, seed=7, grammar=specs)
+    assert len(checks) > 20
+
+
+def test_stopping_at_termination_and_max_new_tokens(shipped):
+    """A grammar whose language is one string ends its request right after it (the EOS is then the only token
+    allowed); max_new_tokens still cuts a longer one."""
+    target, draft = shipped
+    out = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4")).generate(
+        PROMPTS[:2], 20, grammar=[{"regex": "hello"}, {"regex": "x{30}"}])
+    assert TOK.decode(out.tokens[0]) == "hello"
+    assert TOK.decode(out.tokens[1]) == "x" * 20
+
+
+def test_a_free_batch_passes_no_mask(shipped, monkeypatch):
+    """Every request free (grammar None or all None entries): accept gets no token_bitmask; with a constrained
+    request it gets one row per node."""
+    target, draft = shipped
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"))
+    masks, accept = [], decoder._accept
+
+    def spy(logits, prop, **kwargs):
+        masks.append(kwargs["token_bitmask"])
+        return accept(logits, prop, **kwargs)
+
+    monkeypatch.setattr(decoder, "_accept", spy)
+    decoder.generate(PROMPTS[:2], 8)
+    decoder.generate(PROMPTS[:2], 8, grammar=[None, None])
+    assert masks and all(m is None for m in masks)
+    masks.clear()
+    decoder.generate(PROMPTS[:2], 8, grammar=[None, {"regex": "[a-z]+"}])
+    assert masks and all(m is not None and m.shape == (2, 5, (VOCAB_SIZE + 31) // 32) for m in masks)
+
+
+@pytest.mark.parametrize("grammar", [
+    {"json_schema": "{"}, {"json_schema": {"type": "nonsense"}}, {"regex": "("}, {"ebnf": "root ::= "},
+    {"ebnf": "start ::= \"a\""}, {"yaml": "a: 1"}, {"regex": 3}, {"regex": "a", "ebnf": "root ::= \"a\""}, "a+",
+    [{"regex": "a"}], [{"regex": "a"}, {"regex": "("}]])
+def test_bad_grammars_are_refused_by_name(shipped, grammar):
+    """A bad spec, schema, regex or grammar, or a list of the wrong length: ValueError naming `grammar`, raised
+    before anything runs (the same decoder then serves the same requests, nothing lost)."""
+    target, draft = shipped
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"))
+    with pytest.raises(ValueError, match="grammar"):
+        decoder.generate(PROMPTS[:2], 8, grammar=grammar)
+    again = decoder.generate(PROMPTS[:2], 8, grammar=[{"regex": "[a-z]+"}, None]).tokens
+    fresh = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"))
+    assert again == fresh.generate(PROMPTS[:2], 8, grammar=[{"regex": "[a-z]+"}, None]).tokens
+
+
+def test_grammar_needs_eager_steps_and_a_known_vocabulary(shipped):
+    """compile=True refuses grammar by name (its steps carry no host walk); so does a target whose vocabulary is not
+    the byte vocabulary, without a grammar_backend."""
+    target, draft = shipped
+    with pytest.raises(ValueError, match="grammar: runs with eager steps only, not with compile"):
+        SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"), compile=True).generate(
+            PROMPTS[:1], 4, grammar={"regex": "a"})
+    from test_loop import tiny
+    small = tiny(0, vocab=24, eos=3)
+    with pytest.raises(ValueError, match="grammar: the target's vocabulary"):
+        generate_ar(small, [[1, 2]], 4, grammar={"regex": "a"})
+
+
+def test_missing_xgrammar_names_the_extra(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(ImportError, match=r"specdec\[structured\]"):
+        XGrammarBackend.byte_vocabulary(VOCAB_SIZE, EOS)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+def test_cli_grammar_options(capsys, tmp_path):
+    """--json-schema (a file or inline JSON), --regex, --grammar FILE constrain the text; two at once is refused."""
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(ENUMS))
+    ebnf_file = tmp_path / "g.ebnf"
+    ebnf_file.write_text('root ::= "[" [0-9] "]"')
+    base = ["generate", "--no-progress", "--json", "--prompt", "x = ", "--max-new-tokens", "48"]
+    for extra, check in (
+            (["--json-schema", str(schema_file)], lambda t: validates(ENUMS, json.loads(t))),
+            (["--json-schema", json.dumps(ENUMS)], lambda t: validates(ENUMS, json.loads(t))),
+            (["--regex", "[a-z]{3}"], lambda t: len(t) == 3 and t.isalpha()),
+            (["--grammar", str(ebnf_file)], lambda t: len(t) == 3 and t[0] == "[" and t[2] == "]")):
+        assert cli_main(base + extra) == 0
+        text = json.loads(capsys.readouterr().out)["text"][0]
+        assert check(text), (extra, text)
+    with pytest.raises(SystemExit):
+        cli_main(base + ["--regex", "a", "--grammar", str(ebnf_file)])
+    assert "not allowed with" in capsys.readouterr().err
+    assert cli_main(base + ["--json-schema", "{not json"]) == 2
+    assert "--json-schema" in capsys.readouterr().err
