@@ -9,11 +9,13 @@ drafts then the recovered or bonus token, padded with -1 (PLACEHOLDER_TOKEN_ID).
 
 What happens where, as in vLLM 0.33: `forward` asks the given sampler for the bonus tokens (vLLM's call:
 `sampler(logits=bonus rows, sampling_metadata with max_num_logprobs=-1, predict_bonus_token=True,
-logprobs_mode_override=...)`), applies vLLM's logits processors to the target rows (penalties, allowed-token
-mask, bad words with the drafts, min-tokens, thinking budget: vLLM's own functions), verifies, and returns
+logprobs_mode_override=...)`), applies vLLM's logits processors to the target rows (allowed-token mask, bad
+words with the drafts, min-tokens, thinking budget: vLLM's own functions; the penalties too where a draft law is
+given to sampled requests or processed logprobs are asked for), verifies, and returns
 logprobs when `sampling_metadata.max_num_logprobs` is set (through the sampler's `compute_logprobs` and
-`gather_logprobs`). The rest of vLLM's `apply_sampling_constraints` (temperature, top-k, top-p) is not
-materialized: it is fused into one accept call. vLLM 0.33's min-p and logit bias are logits processors that its
+`gather_logprobs`). The repetition, frequency and presence penalties (counts from the request's output
+token ids, the drafts of each row's path counted by accept) and the rest of vLLM's `apply_sampling_constraints`
+(temperature, top-k, top-p) are not materialized: they are fused into one accept call. vLLM 0.33's min-p and logit bias are logits processors that its
 rejection sampler leaves to the Sampler, so they reach the bonus token only (the draft positions' law is the
 processors above, then temperature, top-k, top-p); the same here.
 
@@ -41,6 +43,7 @@ from torch import nn
 
 import specdec
 from specdec import _validation as val
+from .._layout import pack_bitmask
 from ..sampling import processed_tree_logits
 from . import seeds_from
 
@@ -174,10 +177,11 @@ def _temperature(sampling_metadata, B: int, device) -> torch.Tensor:
 
 
 def _verify(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
-            bonus, sampling_metadata, temperature, top_k=None, top_p=None) -> torch.Tensor:
+            bonus, sampling_metadata, temperature, top_k=None, top_p=None, penalties=None) -> torch.Tensor:
     """One accept call over the batch. target_logits [num_tokens, V] float; temperature (B,) (0: greedy), applied
     with top_k / top_p ((B,) or None) to the target rows; draft_probs [num_tokens, V] or None, the drafter's law
-    as given. Returns vLLM's output layout."""
+    as given. penalties: accept's penalty arguments (`_penalties`) or None; given only where the target's law
+    alone is processed (no draft_probs, or all greedy). Returns vLLM's output layout."""
     B, T, dev = len(num_draft_tokens), max_spec_len + 1, target_logits.device
     if target_logits.shape[0] == 0:  # no drafts anywhere: the bonus tokens alone
         out = torch.full((B, T), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
@@ -197,11 +201,30 @@ def _verify(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens
         draft = draft_probs[positions].float().log() * t_sampled.view(B, 1, 1)
     res = specdec.accept(target, chains.tokens, chains.parents, draft_logits=draft, temperature=temperature,
                          top_k=top_k, top_p=top_p, seeds=_seeds(sampling_metadata, num_draft_tokens, dev),
-                         num_nodes=chains.lengths + 1)
+                         num_nodes=chains.lengths + 1, **(penalties or {}))
     out = res.emitted_tokens(chains.tokens)
     complete = (res.num_accepted.long() == chains.num_drafts).unsqueeze(1)
     at_end = torch.arange(out.shape[1], device=out.device) == chains.num_drafts.unsqueeze(1)
     return torch.where(complete & at_end, bonus.unsqueeze(1), out).to(torch.int32)
+
+
+def _penalties(sampling_metadata, B: int, V: int, device) -> dict:
+    """accept's penalty arguments from vLLM 0.33's metadata: its per-request penalties, output_token_counts
+    (B, V) counted from output_token_ids (the output so far, root included; the -1 placeholders of async
+    scheduling skipped, as vLLM pads them out) and prompt_token_mask from prompt_token_ids (B, P), padded with V.
+    accept counts the drafts of each row's path itself (vLLM: _combine_outputs_with_spec_tokens)."""
+    outputs = sampling_metadata.output_token_ids
+    flat = torch.tensor([t for out in outputs for t in out], dtype=torch.int64)
+    request = torch.repeat_interleave(torch.arange(B), torch.tensor([len(out) for out in outputs], dtype=torch.int64))
+    real = flat >= 0
+    counts = torch.zeros((B, V), dtype=torch.int32)
+    counts.index_put_((request[real], flat[real]), torch.ones((), dtype=torch.int32), accumulate=True)
+    prompt = sampling_metadata.prompt_token_ids
+    in_prompt = torch.zeros((B, V + 1), dtype=torch.bool, device=prompt.device).scatter_(1, prompt.long(), True)
+    return dict(repetition_penalty=sampling_metadata.repetition_penalties.to(device),
+                frequency_penalty=sampling_metadata.frequency_penalties.to(device),
+                presence_penalty=sampling_metadata.presence_penalties.to(device),
+                output_token_counts=counts.to(device), prompt_token_mask=pack_bitmask(in_prompt[:, :V]).to(device))
 
 
 def rejection_sample(
@@ -314,13 +337,23 @@ class RejectionSampler(nn.Module):
         )
         bonus = _check_bonus("sampler", bonus_output.sampled_token_ids, B, V, dev)
         raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
-        target_logits = self.apply_logits_processors(raw_target_logits.clone(), sampling_metadata, metadata)
+        # the penalties go into accept where only the target's law is processed (vLLM leaves draft_probs as
+        # given) and no logprobs need vLLM's processed rows; the other processors (-inf masks, forcing) run here
+        penalties = None
+        if (not getattr(sampling_metadata, "no_penalties", True) and num_tokens > 0
+                and (draft_probs is None or sampling_metadata.all_greedy)
+                and not (self.is_processed_logprobs_mode and sampling_metadata.max_num_logprobs is not None)):
+            penalties = _penalties(sampling_metadata, B, V, dev)
+            processors_metadata = dataclasses.replace(sampling_metadata, no_penalties=True)
+        else:
+            processors_metadata = sampling_metadata
+        target_logits = self.apply_logits_processors(raw_target_logits.clone(), processors_metadata, metadata)
 
         temperature = _temperature(sampling_metadata, B, dev)
         top_k, top_p = getattr(sampling_metadata, "top_k", None), getattr(sampling_metadata, "top_p", None)
         output_token_ids = _verify(metadata.draft_token_ids, num_draft, metadata.max_spec_len,
                                    metadata.cu_num_draft_tokens, draft_probs, target_logits, bonus,
-                                   sampling_metadata, temperature, top_k, top_p)
+                                   sampling_metadata, temperature, top_k, top_p, penalties)
         logprobs_tensors = None
         if getattr(sampling_metadata, "max_num_logprobs", None) is not None:
             if self.is_processed_logprobs_mode:

@@ -176,6 +176,40 @@ def test_sampled_laws_and_accepted_length_against_vllm(with_draft_probs):
     assert accepted["specdec"].mean() >= accepted["vllm"].mean() - 4 * se, accepted
 
 
+def test_sampled_law_with_penalties_is_vllms():
+    """Penalties fused into accept (forward, proposals without draft_probs): the first token follows vLLM's
+    penalized law at the first row (vLLM's apply_all_penalties on the request's output and prompt), the second,
+    given the first draft accepted, its law at the second row, where the draft counts too. The drafts repeat an
+    output token, so the path changes the law (checked)."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+    B, k, V, t = 2000, 2, 6, 0.9
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(k, V, generator=gen)
+    output = [2, 1]
+    prompt = torch.tensor([[3, 4, V]]).expand(B, 3)
+    rep, freq, pres = torch.full((B,), 1.6), torch.full((B,), 0.7), torch.full((B,), 0.4)
+
+    def laws_given(path):
+        penalized = apply_all_penalties(base.clone(), prompt[:k], pres[:k], freq[:k], rep[:k],
+                                        [output, output + path])
+        return torch.softmax(penalized.double() / t, -1)
+
+    d = int(laws_given([0])[0].argmax())  # (the first row's law does not depend on the path)
+    laws, drafts = laws_given([d]), [[d, d]] * B
+    assert (laws_given([(d + 1) % V])[1] - laws[1]).abs().max() > 0.05
+    sampling = _sampling_metadata(B, torch.full((B,), t), no_penalties=False, prompt_token_ids=prompt,
+                                  frequency_penalties=freq, presence_penalties=pres, repetition_penalties=rep,
+                                  output_token_ids=[output] * B, spec_token_ids=drafts)
+    metadata = SpecDecodeMetadata.make_dummy(drafts, device=base.device)
+    metadata.target_logits_indices = torch.arange(B * k)
+    metadata.bonus_logits_indices = torch.empty(0, dtype=torch.int32)
+    bonus = torch.zeros(B, 1, dtype=torch.long)
+    out = ours.RejectionSampler(_mock_sampler(bonus)).forward(metadata, None, base.repeat(B, 1), sampling)
+    tokens = out.sampled_token_ids.long()
+    assert_law(tokens[:, 0], laws[0], "first token")
+    assert_law(tokens[tokens[:, 0] == d, 1], laws[1], "second token, the first draft accepted")
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs", "raw_logits"])
 def test_logprobs_and_parse_output_equal_vllms(logprobs_mode, sampled, monkeypatch):
