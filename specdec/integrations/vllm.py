@@ -15,9 +15,9 @@ given to sampled requests or processed logprobs are asked for), verifies, and re
 logprobs when `sampling_metadata.max_num_logprobs` is set (through the sampler's `compute_logprobs` and
 `gather_logprobs`). The repetition, frequency and presence penalties (counts from the request's output
 token ids, the drafts of each row's path counted by accept) and the rest of vLLM's `apply_sampling_constraints`
-(temperature, top-k, top-p) are not materialized: they are fused into one accept call. vLLM 0.33's min-p and logit bias are logits processors that its
-rejection sampler leaves to the Sampler, so they reach the bonus token only (the draft positions' law is the
-processors above, then temperature, top-k, top-p); the same here.
+(temperature, top-k, top-p) are not materialized: they are fused into one accept call. vLLM 0.33's min-p and
+logit bias are logits processors that its rejection sampler leaves to the Sampler, so they reach the bonus token
+only (the draft positions' law is the processors above, then temperature, top-k, top-p); the same here.
 
 The rules are vLLM's: a greedy request (all_greedy, or temperature 0) keeps drafts while they equal the
 target's argmax, then emits the argmax (or the bonus); a sampled one accepts draft x with probability
