@@ -28,9 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     g.add_argument("--target", default=os.path.join(ASSETS, "target"), help="target checkpoint folder (HF format)")
-    g.add_argument("--drafter", choices=("model", "mtp", "ngram", "suffix"), default="model",
-                   help="a separate draft model (--draft), the target's own MTP module (--mtp), prompt lookup, or "
-                        "suffix decoding (trees from the request's and earlier outputs' matched suffixes)")
+    g.add_argument("--drafter", choices=("model", "mtp", "ngram", "suffix", "none"), default="model",
+                   help="a separate draft model (--draft), the target's own MTP module (--mtp), prompt lookup, "
+                        "suffix decoding (trees from the request's and earlier outputs' matched suffixes), or none "
+                        "(plain decoding: with --jump-forward, the grammar's forced tokens alone are drafted)")
     g.add_argument("--draft", default=os.path.join(ASSETS, "draft"), help="draft checkpoint folder (HF format)")
     g.add_argument("--mtp", help="MTP module folder (DeepSeek-V3 or Qwen3-Next names; default: the --target folder "
                                  "when it holds MTP layers, else the shipped specdec/loop/assets/mtp)")
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--regex", help="structured output: every output matches this regular expression")
     structured.add_argument("--grammar", metavar="FILE",
                             help="structured output: every output is in this EBNF grammar's language (rule root)")
+    g.add_argument("--jump-forward", type=int, default=0, metavar="N",
+                   help="with a grammar: propose up to N tokens the grammar forces as a chain instead of the "
+                        "drafter's tree (--drafter none, ngram or suffix; default 0: off)")
     g.add_argument("--method", choices=METHODS, default="token",
                    help="verifier of sampled drafts: token-wise (default), block verification (chains) or "
                         "traversal verification (static trees and chains)")
@@ -115,6 +119,8 @@ def make_drafter(args, target):
     from .drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, SuffixDrafter, parse_tree
     from .models.hf import load_model
     from .models.mtp import load_mtp, mtp_folder
+    if args.drafter == "none":
+        return None
     tree = parse_tree(AUTO_TREE if args.tree == "auto" else args.tree)
     if args.drafter in ("ngram", "suffix"):
         if tree.parents is None or list(tree.parents) != list(range(-1, len(tree.parents) - 1)):
@@ -220,7 +226,7 @@ def generate(args, vocab_group=None) -> dict:
     adaptive = args.adaptive or args.tree == "auto"
     graphs = dict(compile=args.compile, cuda_graphs=args.cuda_graphs)
     decoders = (SpeculativeDecoder(target, drafter, kv_dtype=kv_dtype, method=args.method, vocab_shard=shard,
-                                   adaptive=adaptive, **graphs),
+                                   adaptive=adaptive, jump_forward=args.jump_forward, **graphs),
                 SpeculativeDecoder(target, kv_dtype=kv_dtype, vocab_shard=shard, **graphs))
     filters = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, filter_order=args.filter_order,
                    **step0_args(args), logprobs=args.logprobs, logprobs_mode=args.logprobs_mode,
@@ -230,7 +236,7 @@ def generate(args, vocab_group=None) -> dict:
         if args.compile or decoder.graph_class:  # every graph of the timed run: the same batch, length, tree, filters
             decoder.generate(prompts, args.max_new_tokens, args.temperature, args.seed, **filters)
         else:
-            decoder.generate(prompts[:1], 4)
+            decoder.generate(prompts[:1], 4, grammar=filters["grammar"])  # (a grammar engine loads here too)
     compile_s = time.perf_counter() - t0 if args.compile else None
     progress = not args.no_progress and not args.json and sys.stderr.isatty()
     fastest = [None, None]  # speculative, AR
@@ -249,7 +255,8 @@ def generate(args, vocab_group=None) -> dict:
               "steps": spec.summary["steps"], "drafter": args.drafter, "tree": args.tree, "method": args.method,
               "temperature": args.temperature, **filters, "device": str(device), "dtype": args.dtype,
               "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "adaptive": adaptive, "compile_s": compile_s,
-              "depth_chosen": spec.summary.get("depth_chosen"), "requests": spec.stats, "passes": args.passes}
+              "depth_chosen": spec.summary.get("depth_chosen"), "requests": spec.stats, "passes": args.passes,
+              **{key: spec.summary[key] for key in ("grammar_s", "forced_tokens") if key in spec.summary}}
     if args.logprobs is not None:
         result.update(token_logprobs=spec.logprobs, top_logprobs=spec.top_logprobs)
     if args.compare_ar:
@@ -305,6 +312,9 @@ def print_text(r: dict) -> None:
     if r.get("depth_chosen"):
         chosen = ", ".join(f"{k}: {n}" for k, n in enumerate(r["depth_chosen"]) if n)
         print(f"steps per draft depth chosen (adaptive, 0 = plain decoding): {chosen}")
+    if "grammar_s" in r:
+        print(f"grammar: {r['forced_tokens']} tokens emitted by jump-forward; the matchers' host time "
+              f"{r['grammar_s'] * 1e3:.1f} ms over {r['steps']} steps")
     if r.get("compile_s") is not None:
         print(f"torch.compile: the warm-up run (compiling each graph, or loading it from the cache) took "
               f"{r['compile_s']:.1f} s, not counted above")

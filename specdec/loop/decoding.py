@@ -75,7 +75,8 @@ class SpeculativeDecoder:
     def __init__(self, target: Llama, drafter: Optional[Drafter] = None, *, eos_token_id: Optional[int] = None,
                  block_size: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None, method: str = "token",
                  vocab_shard=None, adaptive=False, compile: bool = False, cuda_graphs=None,
-                 batch_buckets: Optional[Sequence[int]] = None, grammar_backend: Optional[GrammarBackend] = None):
+                 batch_buckets: Optional[Sequence[int]] = None, grammar_backend: Optional[GrammarBackend] = None,
+                 jump_forward: int = 0):
         """block_size: page the target's KV cache in blocks of this many tokens (default contiguous).
         kv_dtype: the target's KV cache dtype, its own (default) or float8 (torch.float8_e4m3fn / e5m2).
         method: accept's verifier for sampling requests: "token", "block" (chains) or "traversal" (any
@@ -102,7 +103,12 @@ class SpeculativeDecoder:
         BATCH_BUCKETS with compile or CUDA graphs, whose graphs are per batch size; the exact size eagerly).
         grammar_backend: compiles generate's `grammar` specs for the target's vocabulary (specdec.loop.grammar;
         default: xgrammar over the shipped byte vocabulary, for a target of its 260 tokens, the EOS its stop
-        token)."""
+        token).
+        jump_forward: under a grammar, a step where a request's grammar forces its next tokens (masks that allow one
+        token each) proposes up to this many of them as that request's chain instead of the drafter's tree; the
+        target verifies them like any draft, and accepts them all (a forced token's processed probability is 1).
+        For proposals that carry no drafter state: no drafter (plain decoding), prompt lookup, suffix decoding
+        (the draft model and MTP draft the forced tokens themselves, under the masks, to their depth)."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -147,6 +153,15 @@ class SpeculativeDecoder:
         self.batch_buckets = batch_buckets if batch_buckets is not None else \
             BATCH_BUCKETS if compile or self.graph_class else ()
         self.grammar_backend = grammar_backend
+        if jump_forward < 0 or jump_forward and (method != "token" or self.adaptive is not None or
+                                                 not (self.drafter.max_nodes == 1 or self.drafter.proposes_on_host)):
+            raise ValueError(f"jump_forward: {jump_forward} needs >= 0, and for > 0 method 'token', no adaptive "
+                             f"depth, and no drafter, prompt lookup or suffix decoding (proposals without drafter "
+                             f"state), not {type(self.drafter).__name__}")
+        self.jump_forward = jump_forward
+        # the largest proposal a step verifies, and its depth: the drafter's, or a forced chain
+        self.max_nodes = max(self.drafter.max_nodes, 1 + jump_forward)
+        self.max_depth = max(self.drafter.max_depth, jump_forward)
 
     def _default_policy(self, batch_size: int, max_depth: int, device) -> AdaptiveDepth:
         """A policy for this batch; it starts from what the previous generate call's policy learned (the draft
@@ -219,6 +234,8 @@ class SpeculativeDecoder:
             bar.close()
         out = self._collect(s, step_times, time.perf_counter() - t0)
         out.summary["prompt_s"] = prompt_s
+        if s.grammar is not None:  # the matchers' host time, and the emitted tokens jump-forward proposed
+            out.summary.update(grammar_s=s.grammar.host_s, forced_tokens=s.grammar.forced_emitted)
         if policy is not None:
             out.summary["depth_chosen"] = list(policy.chosen)  # steps per draft depth, 0 = plain decoding
         return out
@@ -226,7 +243,7 @@ class SpeculativeDecoder:
     def _start(self, prompts, max_new_tokens, temperature, seed, *, top_k, top_p, min_p, allowed_token_ids,
                filter_order="hf", penalties=None, logprobs=None, logprobs_mode="raw", grammar=None) -> "_Batch":
         """generate's arguments checked, the batch's buffers, the prompts through the target and the drafter."""
-        B, dev, T, depth = len(prompts), self.target.device, self.drafter.max_nodes, self.drafter.max_depth
+        B, dev, T, depth = len(prompts), self.target.device, self.max_nodes, self.max_depth
         if B == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one request, each with at least one token (e.g. BOS)")
         if max_new_tokens < 1:
@@ -349,7 +366,10 @@ class SpeculativeDecoder:
             s.grammar.begin_step(s.done.tolist())
         if k == 0:
             return NoDrafter().propose(s.tokens, s.seq_lens, s.temp)
-        return self.drafter.propose(s.tokens, s.seq_lens, s.temp, depth=k)
+        prop = self.drafter.propose(s.tokens, s.seq_lens, s.temp, depth=k)
+        if self.jump_forward and s.grammar is not None and s.grammar.constrained:
+            prop = s.grammar.with_forced_chains(prop, self.jump_forward)
+        return prop
 
     def _verify(self, s: "_Batch", prop: Proposal, k: Optional[int]) -> None:
         """The target's forward over the proposal, accept, both rollbacks and the token bookkeeping."""

@@ -20,9 +20,13 @@ Three layers, so that another engine (llguidance) needs only the first two:
 from __future__ import annotations
 
 import json
+import time
 from typing import Optional, Sequence
 
 import torch
+
+from .._layout import unpack_bitmask
+from .drafters.base import Proposal
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # all 32 bits set: every token allowed (a free request's row, and the row of a node accept never reaches)
@@ -195,7 +199,11 @@ class TreeMasks:
     Per step: `begin_step` (which requests are live), then the drafter may ask `rows` for the nodes it expands (by
     its own ids: static trees' node indices, dynamic trees' candidate ids), then `tree_bitmask` gives accept the
     whole proposal's (B, T, W) (the rows found by paths the drafter already asked for are reused), then `advance`
-    feeds each live constrained request's emitted tokens to its matcher.
+    feeds each live constrained request's emitted tokens to its matcher. With jump-forward, `with_forced_chains`
+    replaces a request's proposal by the tokens its grammar forces, before the walk.
+
+    host_s: the host time spent in these calls (the matchers' walks), over the batch's steps; forced_emitted: the
+    emitted tokens that came from forced chains.
 
     A draft token the grammar forbids makes its node and its subtree unreachable: accept rejects the token at its
     parent (whose row forbids it) before it could descend there, greedy or sampling. The walk does not descend
@@ -213,6 +221,8 @@ class TreeMasks:
         self.live = [c is not None for c in self.cursors]  # constrained and unfinished
         self._rows: list = [{} for _ in self.cursors]  # per request: path -> its row (None: forbidden) this step
         self._paths: list = [{} for _ in self.cursors]  # per request: drafter id -> path this step
+        self._forced = [0] * len(self.cursors)  # per request: the forced chain proposed this step
+        self.host_s, self.forced_emitted = 0.0, 0
 
     @property
     def constrained(self) -> bool:
@@ -225,6 +235,7 @@ class TreeMasks:
         for rows, paths in zip(self._rows, self._paths):
             rows.clear()
             paths.clear()
+        self._forced = [0] * len(self.cursors)
 
     def _row(self, b: int, path: tuple) -> Optional[torch.Tensor]:
         """(W,) int32 the tokens allowed after path, None where the path leaves the grammar."""
@@ -248,6 +259,7 @@ class TreeMasks:
         (B, F) or (F,) (its own numbering within the step), each the child of the node parent_ids names (-1: the
         node is the root; tokens then unused), tokens (B, F) their tokens. Free, finished and unreachable nodes'
         rows are all-ones."""
+        t0 = time.perf_counter()
         B, F = tokens.shape
         out = torch.full((B, F, self.W), ALL_ALLOWED, dtype=torch.int32)
         if not self.constrained:
@@ -267,11 +279,13 @@ class TreeMasks:
                 paths[ids[b][j]] = None if row is None else path
                 if row is not None:
                     out[b, j] = row
+        self.host_s += time.perf_counter() - t0
         return out.to(self.device)
 
     def tree_bitmask(self, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
         """accept's token_bitmask (B, T, W) int32 of a proposal (tokens, parents (B, T) in BFS order, num_nodes
         (B,)), on the batch's device; every matcher is back at its committed output afterwards."""
+        t0 = time.perf_counter()
         B, T = tokens.shape
         out = torch.full((B, T, self.W), ALL_ALLOWED, dtype=torch.int32)
         toks, par, n = tokens.tolist(), parents.tolist(), num_nodes.tolist()
@@ -289,11 +303,13 @@ class TreeMasks:
                 else:
                     out[b, i] = row
             self.cursors[b].home()
+        self.host_s += time.perf_counter() - t0
         return out.to(self.device)
 
     def advance(self, b: int, tokens: Sequence[int]) -> None:
         """Request b emitted tokens (its accepted draft tokens and the next token): feed them to its matcher, up to
         the stop token. Each was allowed by its parent node's row, so the matcher takes it."""
+        t0 = time.perf_counter()
         cursor = self.cursors[b]
         cursor.home()
         for t in tokens:
@@ -302,6 +318,50 @@ class TreeMasks:
             if not cursor.matcher.accept(t):
                 raise RuntimeError(f"grammar: request {b}'s emitted token {t} is outside its grammar (a mask "
                                    "was not applied)")
+        self.forced_emitted += min(self._forced[b], len(tokens) - 1)
+        self.host_s += time.perf_counter() - t0
+
+    def forced(self, b: int, limit: int) -> list:
+        """The tokens request b's grammar forces after its committed output, at most limit: while the mask allows
+        exactly one token (the stop token included, which ends the chain)."""
+        cursor, row = self.cursors[b], torch.empty(1, self.W, dtype=torch.int32)
+        cursor.home()
+        chain = []
+        while len(chain) < limit and not cursor.matcher.is_terminated():
+            cursor.matcher.fill(row, 0)
+            allowed = unpack_bitmask(row[0], self.V).nonzero().flatten().tolist()
+            if len(allowed) != 1 or not cursor.goto(tuple(chain) + (allowed[0],)):
+                break
+            chain.append(allowed[0])
+        cursor.home()
+        return chain
+
+    def with_forced_chains(self, prop: Proposal, limit: int) -> Proposal:
+        """prop with each live constrained request whose grammar forces its next tokens proposing the chain of them
+        (at most limit) instead: given proposals (no draft logits, no drafter bookkeeping), verified like any. A
+        forced token is the only one its mask allows, so its processed probability is 1: accept takes it, greedy or
+        sampling, and the law is unchanged (the draws that would have produced it are not needed)."""
+        t0 = time.perf_counter()
+        B = prop.tokens.shape[0]
+        chains = [self.forced(b, limit) if self.live[b] else [] for b in range(B)]
+        self.host_s += time.perf_counter() - t0
+        if not any(chains):
+            return prop
+        T = max(prop.tokens.shape[1], 1 + max(len(c) for c in chains))
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        parents = torch.zeros(B, T, dtype=torch.int32)  # (padding nodes' parents are never read)
+        tokens[:, :prop.tokens.shape[1]], parents[:, :prop.tokens.shape[1]] = prop.tokens.cpu(), prop.parents.cpu()
+        num_nodes = prop.num_nodes.cpu().clone()
+        for b, chain in enumerate(chains):
+            if chain:
+                m = len(chain)
+                tokens[b, 1:1 + m] = torch.tensor(chain)
+                parents[b, 1:] = 0
+                parents[b, 1:1 + m] = torch.arange(m, dtype=torch.int32)
+                num_nodes[b] = 1 + m
+                self._forced[b] = m
+        dev = prop.tokens.device
+        return Proposal(tokens.to(dev), parents.to(dev), num_nodes.to(dev))
 
 
 def _bit(k: int) -> int:

@@ -167,12 +167,13 @@ def greedy_expected(shipped, backend):
 
 @pytest.mark.parametrize("drafter", ["model:chain:4", "model:tree:2,2,1", "model:parents:-1,0,0,1,1,3",
                                      "model:dynamic:7,3,2", "mtp:chain:3", "mtp:dynamic:6,3,2", "ngram", "suffix",
-                                     "auto"])
+                                     "auto", "none+jump", "ngram+jump", "suffix+jump"])
 def test_greedy_under_a_grammar_equals_masked_ar(shipped, greedy_expected, drafter):
-    """For each drafter and tree shape (auto: adaptive depths over chain:8, plain steps included), a JSON schema, a
-    regex and a free request in one batch: the output equals masked greedy AR token for token. The grammar
-    matters: the unconstrained outputs differ."""
+    """For each drafter and tree shape (auto: adaptive depths over chain:8, plain steps included; +jump: with
+    jump-forward, forced tokens proposed as chains), a JSON schema, a regex and a free request in one batch: the
+    output equals masked greedy AR token for token. The grammar matters: the unconstrained outputs differ."""
     target, draft = shipped
+    drafter, jump, _ = drafter.partition("+")
     kind, _, tree = drafter.partition(":")
     if kind == "model":
         d = DraftModelDrafter(draft, tree)
@@ -182,11 +183,14 @@ def test_greedy_under_a_grammar_equals_masked_ar(shipped, greedy_expected, draft
         d = NgramDrafter(num_tokens=4)
     elif kind == "suffix":
         d = SuffixDrafter(max_depth=4, max_tokens=8)
-    else:
+    elif kind == "auto":
         d = DraftModelDrafter(draft, "chain:8")
-    decoder = SpeculativeDecoder(target, d, adaptive=kind == "auto")
+    else:
+        d = None
+    decoder = SpeculativeDecoder(target, d, adaptive=kind == "auto", jump_forward=6 if jump else 0)
     out = decoder.generate(PROMPTS[:3], 48, grammar=GREEDY_SPECS)
     assert out.tokens == greedy_expected
+    assert (out.summary["forced_tokens"] > 10) == bool(jump)  # (the schema's keys are forced)
     assert generate_ar(target, PROMPTS[:2], 48).tokens != greedy_expected[:2]
 
 
@@ -329,6 +333,60 @@ def test_drafters_propose_allowed_tokens_only(shipped, monkeypatch):
     assert len(seen) > 100 and all(seen)
 
 
+def test_jump_forward_adds_tokens_per_step(shipped):
+    """Plain decoding with jump-forward under a schema with fixed keys: several tokens a step (every forced token
+    is accepted), the forced ones counted, the output that of plain masked decoding."""
+    target = shipped[0]
+    spec = {"json_schema": PERSON}
+    plain = generate_ar(target, PROMPTS[:2], 64, grammar=spec)
+    jump = SpeculativeDecoder(target, jump_forward=8).generate(PROMPTS[:2], 64, grammar=spec)
+    assert jump.tokens == plain.tokens
+    assert plain.summary["tokens_per_step"] == 1.0 and jump.summary["tokens_per_step"] > 1.5
+    assert jump.summary["forced_tokens"] >= 20 and plain.summary["forced_tokens"] == 0
+    assert jump.summary["acceptance_rate_by_depth"][0] == 1.0
+
+
+JUMP_SPEC = {"regex": r"[a-t]-[a-z]{1,3}"}  # the second token is forced
+
+
+def test_sampled_law_with_jump_forward(shipped, backend):
+    """Sampling with jump-forward and no drafter: the forced '-' is proposed and accepted, and the free tokens
+    around it, the first and the third, follow the masked processed law (chi-square)."""
+    target = shipped[0]
+    n, temperature = 600, 1.0
+    out = SpeculativeDecoder(target, jump_forward=4).generate(
+        [LAW_PROMPT] * n, 3, temperature, seed=list(range(7000, 7000 + n)), grammar=JUMP_SPEC)
+    assert all(t[1] == ord("-") for t in out.tokens) and out.summary["forced_tokens"] == n
+    m = backend.matchers(JUMP_SPEC, 1)[0]
+    bits = torch.zeros(1, (VOCAB_SIZE + 31) // 32, dtype=torch.int32)
+    with torch.no_grad():
+        m.fill(bits, 0)
+        p1 = processed_probs(target(torch.tensor([LAW_PROMPT]))[0, -1], temperature,
+                             allowed=unpack_bitmask(bits[0], VOCAB_SIZE))
+        firsts = p1.nonzero().flatten().tolist()
+        rows = target(torch.tensor([LAW_PROMPT + [x, ord("-")] for x in firsts]))[:, -1]
+    assert m.accept(firsts[0]) and m.accept(ord("-"))
+    m.fill(bits, 0)  # (the third token's mask, [a-z], does not depend on the first)
+    allowed3 = unpack_bitmask(bits[0], VOCAB_SIZE)
+    law = {}
+    for i, x1 in enumerate(firsts):
+        p3 = processed_probs(rows[i], temperature, allowed=allowed3)
+        law.update({(x1, x3): float(p1[x1] * p3[x3]) for x3 in p3.nonzero().flatten().tolist()})
+    stat, threshold, cells = chi_square_two_tokens([[t[0], t[2]] for t in out.tokens], law, n)
+    assert len(cells) >= 3
+    assert stat < threshold, stat
+
+
+def test_jump_forward_needs_stateless_proposals(shipped):
+    """A drafter with its own cache (the draft model drafts the forced tokens itself), an adaptive loop or another
+    verifier than 'token': jump_forward is refused by name."""
+    target, draft = shipped
+    for kwargs in (dict(drafter=DraftModelDrafter(draft, "chain:4")), dict(adaptive=True),
+                   dict(method="block"), dict(jump_forward=-1)):
+        with pytest.raises(ValueError, match="jump_forward"):
+            SpeculativeDecoder(target, **{"jump_forward": 4, **kwargs})
+
+
 # ----------------------------------------------------------------------------------------------
 # matcher state, stopping, refusals
 # ----------------------------------------------------------------------------------------------
@@ -439,12 +497,14 @@ def test_cli_grammar_options(capsys, tmp_path):
     schema_file.write_text(json.dumps(ENUMS))
     ebnf_file = tmp_path / "g.ebnf"
     ebnf_file.write_text('root ::= "[" [0-9] "]"')
-    base = ["generate", "--no-progress", "--json", "--prompt", "x = ", "--max-new-tokens", "48"]
+    base = ["generate", "--no-progress", "--json", "--prompt", "x = ", "--max-new-tokens", "48", "--threads", "1"]
     for extra, check in (
             (["--json-schema", str(schema_file)], lambda t: validates(ENUMS, json.loads(t))),
             (["--json-schema", json.dumps(ENUMS)], lambda t: validates(ENUMS, json.loads(t))),
             (["--regex", "[a-z]{3}"], lambda t: len(t) == 3 and t.isalpha()),
-            (["--grammar", str(ebnf_file)], lambda t: len(t) == 3 and t[0] == "[" and t[2] == "]")):
+            (["--grammar", str(ebnf_file)], lambda t: len(t) == 3 and t[0] == "[" and t[2] == "]"),
+            (["--drafter", "ngram", "--jump-forward", "8", "--json-schema", str(schema_file)],
+             lambda t: validates(ENUMS, json.loads(t)))):
         assert cli_main(base + extra) == 0
         text = json.loads(capsys.readouterr().out)["text"][0]
         assert check(text), (extra, text)
