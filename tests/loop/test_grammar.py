@@ -282,13 +282,16 @@ class MaskBlindDrafter(DraftModelDrafter):
         return None
 
 
-@pytest.mark.parametrize("tree", ["chain:3", "tree:2,1"])
+@pytest.mark.parametrize("tree", ["chain:3", "tree:2,1", "mtp:chain:2"])
 def test_sampled_law_under_a_grammar_is_the_masked_law(shipped, backend, tree):
-    """Many seeds in one batch, draft logits (the drafter samples from its masked law): the first two tokens follow
-    the target's processed law under the grammar's masks (chi-square), and never leave its support."""
+    """Many seeds in one batch, draft logits (the draft model or MTP samples from its masked law): the first two
+    tokens follow the target's processed law under the grammar's masks (chi-square), and never leave its
+    support."""
     target, draft = shipped
     n, temperature = 600, 1.0
-    out = SpeculativeDecoder(target, DraftModelDrafter(draft, tree)).generate(
+    d = MTPDrafter(target, load_mtp(os.path.join(ASSETS, "mtp"), target.cfg), tree[4:]) if tree.startswith("mtp") \
+        else DraftModelDrafter(draft, tree)
+    out = SpeculativeDecoder(target, d).generate(
         [LAW_PROMPT] * n, 2, temperature, seed=list(range(5000, 5000 + n)), grammar=LAW_SPEC)
     law = masked_two_token_law(target, backend, temperature)
     stat, threshold, cells = chi_square_two_tokens(out.tokens, law, n)
@@ -308,12 +311,13 @@ def test_sampled_law_test_detects_a_mask_blind_drafter(shipped, backend):
 
 
 def test_drafters_propose_allowed_tokens_only(shipped, monkeypatch):
-    """The draft model drafts under the masks (static trees, greedy and sampled): every draft node's token is
-    allowed by its parent's row, so no slot goes to a forbidden token, unless its parent has more children than
-    allowed tokens (greedy top-2 where the grammar forces one token)."""
+    """The draft model drafts under the masks (static and dynamic trees, greedy and sampled): every draft node's
+    token is allowed by its parent's row, so no slot goes to a forbidden token, unless its parent has more children
+    than allowed tokens (greedy top-2 where the grammar forces one token; a dynamic tree ranks a parent's top-2,
+    a forbidden one at -inf, chosen only where fewer allowed candidates remain)."""
     target, draft = shipped
     seen = []
-    for tree in ("chain:4", "tree:2,2,1"):
+    for tree, width in (("chain:4", None), ("tree:2,2,1", None), ("dynamic:7,3,2", 2)):
         decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, tree))
         verify = decoder._verify
 
@@ -324,7 +328,8 @@ def test_drafters_propose_allowed_tokens_only(shipped, monkeypatch):
                 parents = prop.parents[b, :int(prop.num_nodes[b])].tolist()
                 for i in range(1, len(parents) if s.grammar.live[b] else 0):
                     row = allowed[b, parents[i]]
-                    seen.append(bool(row[int(prop.tokens[b, i])]) or int(row.sum()) < parents.count(parents[i]))
+                    children = width or parents.count(parents[i])
+                    seen.append(bool(row[int(prop.tokens[b, i])]) or int(row.sum()) < children)
             verify(s, prop, k)
 
         monkeypatch.setattr(decoder, "_verify", checked)
