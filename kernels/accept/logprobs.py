@@ -14,12 +14,15 @@ ranked by the row's values themselves (raw: the entries as given, probabilities 
 tie two of them; processed: the masked values, the dropped ones at -inf), ties by the lower id. Positions past
 num_accepted get NaN / -1.
 
-One pass over the row does it all (`_position_pass`): per-lane (max, sum exp) as the walk's statistics, the
+One read of the row does it all (`_position_pass`): per-lane (max, sum exp) as the walk's statistics, the
 token's value, and a running top-N merge (`_merge_top`): a tile enters the list only through the entries that
 beat its current last one, so after the first tiles of a row a tile costs one compare per entry and one
 reduction; a threshold search for the N-th value instead would read the row at least twice more (pivots, then
-gathering). A filtered "processed" row is read more: the statistics pass for its max, the filters' search passes
-(none for min-p alone: closed-form), then the pass through its threshold.
+gathering). In every mode, filtered or not, each emitted row is read exactly once beyond what the walk reads: a
+filtered "processed" row's threshold is the one the walk found for that node when it took its law (`_start_node`
+records it, RECORD_TAUS, in a (B, T) float32 scratch; every sampling node of the path gets there before its
+children's tests or its draw, in every method), the same float from the same search of the same values, so the
+kept set and the logprobs are those a search here would give. A greedy row needs none: no filter applies to it.
 """
 from __future__ import annotations
 
@@ -32,9 +35,9 @@ from triton.language.standard import _elementwise_max as _MAX
 from triton.language.standard import _elementwise_min as _MIN
 from triton.language.standard import _sum_combine as _SUM
 
-from .filters import _new_search, _select_row_chunk, _select_step
+from .launch import _accept_kernel
 from .penalties import _request_penalties
-from .records import GOAL_DONE, INT_MAX, NEG_INF, POS_INF, SelectBuffers
+from .records import INT_MAX, NEG_INF, POS_INF
 from .rows import _kept, _lane_lse, _load_row, _merge_lse, _request, _row_logits, _rows, _shift, _values
 
 MODES = ("raw", "processed")
@@ -106,47 +109,26 @@ def _position_pass(req, node, row, token, tau, inv_t, n_top, PROCESSED: tl.const
 
 
 @triton.jit
-def _threshold(req, node, row, rec, sb, NUM_SPLITS: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-               S_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr,
-               PAIR_BLOCK: tl.constexpr):
-    """The kept-set threshold of a filtered row (raw values below it are dropped): its max from a statistics
-    pass, then the filters' search (`_new_search`, `_select_row_chunk`, `_select_step`) on this program's own
-    search records (from record `rec`, NUM_SPLITS of them), a pass at a time."""
-    max_x = _position_pass(req, node, row, -1, NEG_INF, req.inv_t, 0, True, 1, BLOCK_V)[0]
-    srch = _new_search(req, max_x, True)
-    sidx = tl.arange(0, S_BLOCK)
-    while srch.goal != GOAL_DONE:
-        tl.debug_barrier()  # (the previous step's reads of the records are done)
-        for s in range(NUM_SPLITS):
-            _select_row_chunk(req, node, row, srch, s, rec + s, sb, NUM_PIVOTS, CAP, SPLIT_V, SELECT_BLOCK)
-        tl.debug_barrier()
-        srch = _select_step(req, srch, rec + sidx, sidx < NUM_SPLITS, sb, NUM_PIVOTS, CAP, PAIR_BLOCK, S_BLOCK)[0]
-    return srch.tau
-
-
-@triton.jit
 def _logprobs_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
                      mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
-                     state_f_ptr, logprobs_ptr, top_lp_ptr, top_ids_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr,
-                     T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, rep_ptr, freq_ptr,
-                     pres_ptr, counts_ptr, prompt_ptr, bias_ids_ptr, bias_values_ptr, min_tokens_ptr, stop_ids_ptr,
-                     generated_ptr, counted, prompt_words, K, S, N, HAS_OFFSETS: tl.constexpr,
-                     HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr,
-                     PROCESSED: tl.constexpr, T_BLOCK: tl.constexpr, N_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, S_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                     CAP: tl.constexpr, SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr,
-                     HAS_PENALTIES: tl.constexpr, FILTER_ORDER: tl.constexpr):
+                     state_f_ptr, taus_ptr, logprobs_ptr, top_lp_ptr, top_ids_ptr, T, V, W, stride_tb, stride_tt,
+                     stride_db, stride_dt, offset_lo, offset_hi, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr,
+                     bias_ids_ptr, bias_values_ptr, min_tokens_ptr, stop_ids_ptr, generated_ptr, counted,
+                     prompt_words, K, S, N, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
+                     PROBS: tl.constexpr, PACKED: tl.constexpr, PROCESSED: tl.constexpr, T_BLOCK: tl.constexpr,
+                     N_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PENALTIES: tl.constexpr,
+                     FILTER_ORDER: tl.constexpr):
     """Position j = program_id(1) of request b = program_id(0), after the walk wrote its outputs: logprobs[b, j]
     and its N (<= N_BLOCK) top entries (top_lp / top_ids (B, T, N)), or NaN / -1 past num_accepted[b]. The
-    arguments before logprobs_ptr are the walk's (`_request`'s); sel_*: the filters' search records, NUM_SPLITS
-    per program (read only for a filtered "processed" row); rep_ptr ... S: step 0's (read only when PROCESSED)."""
+    arguments before logprobs_ptr are the walk's (`_request`'s); taus_ptr: the (B, T) thresholds the walk recorded
+    (RECORD_TAUS), read only for a filtered "processed" row; rep_ptr ... S: step 0's (read only when PROCESSED)."""
     pen = _request_penalties(tl.program_id(0), rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, bias_ids_ptr,
                              bias_values_ptr, min_tokens_ptr, stop_ids_ptr, generated_ptr, counted, prompt_words, K, S,
                              tokens_ptr, parents_ptr, T, V, PROBS, HAS_PENALTIES)
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
                    mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
                    state_f_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, pen,
-                   HAS_OFFSETS, HAS_FILTERS, PROBS, PACKED, T_BLOCK, HAS_PENALTIES, FILTER_ORDER)
+                   taus_ptr, HAS_OFFSETS, HAS_FILTERS, PROBS, PACKED, T_BLOCK, HAS_PENALTIES, FILTER_ORDER, False)
     j = tl.program_id(1)
     at = tl.program_id(0).to(tl.int64) * T + j
     slot = tl.arange(0, N_BLOCK)
@@ -166,11 +148,8 @@ def _logprobs_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, s
         if PROCESSED:
             inv_t = req.inv_t
             if HAS_FILTERS:
-                if req.filtered:
-                    sb = SelectBuffers(sel_count_ptr, sel_count_ptr, sel_count_ptr, sel_count_ptr, sel_mass_ptr,
-                                       sel_value_ptr)
-                    tau = _threshold(req, node, row, at * NUM_SPLITS, sb, NUM_SPLITS, SPLIT_V, BLOCK_V, S_BLOCK,
-                                     NUM_PIVOTS, CAP, SELECT_BLOCK, PAIR_BLOCK)
+                if req.filtered:  # (the walk found the node's law, through its threshold, before it went on)
+                    tau = tl.load(req.taus + node)
         max_x, sum_x, x_token, top_v, top_i = _position_pass(req, node, row, token, tau, inv_t, N, PROCESSED,
                                                              N_BLOCK, BLOCK_V)
         shift = _shift(max_x)
@@ -203,36 +182,28 @@ def emitted_logprobs(args, meta, return_logprobs: int, logprobs_mode: str, raw_r
     """The op's logprob outputs after the walk: (logprobs (B, T) float32, top_logprobs (B, T, N) float32,
     top_token_ids (B, T, N) int64), N = max(return_logprobs, 0); shapes (B, 0), (B, 0, 0) when off
     (return_logprobs < 0). args / meta: the walk's launch arguments and constexprs (`accept`), after the walk
-    has run; T is the walk's, the launch a function of the shapes only. raw_rows: the target rows "raw" reads
-    when they are not the walk's (float64 rows, which the walk reads after step 0 or shifted by the mask's max:
-    the raw rows shifted by their own max, same layout), else None."""
-    (target, d, tokens, parents, temperature, seeds, num_nodes, offsets, masks, row_offsets, top_k, top_p, min_p,
-     accepted, num_accepted, next_tokens, _, state_f) = args[:18]
-    T, V, W = args[26:29]
-    offset_lo, offset_hi = args[33:35]
-    pen = args[35:]
+    has run (with RECORD_TAUS when "processed" has filters); T is the walk's, the launch a function of the shapes
+    only. raw_rows: the target rows "raw" reads when they are not the walk's (float64 rows, which the walk reads
+    after step 0 or shifted by the mask's max: the raw rows shifted by their own max, same layout), else None."""
+    walk = dict(zip(_accept_kernel.arg_names, args))
+    T, accepted = walk["T"], walk["acc_ptr"]
     B, dev = accepted.shape[0], accepted.device
     logprobs, top_lp, top_ids = empty_logprobs(B, T, return_logprobs, dev)
     if return_logprobs < 0 or B == 0:
         return logprobs, top_lp, top_ids
     N = return_logprobs
     processed = logprobs_mode == "processed"
-    if not processed and raw_rows is not None:
-        target = raw_rows
+    assert meta["RECORD_TAUS"] == (processed and meta["HAS_FILTERS"]), "the walk records the thresholds read here"
+    target = raw_rows if not processed and raw_rows is not None else walk["target_ptr"]
     strides = (0, target.stride(0)) if meta["PACKED"] else (target.stride(0), target.stride(1))
-    S, NP, cap = meta["NUM_SPLITS"], meta["NUM_PIVOTS"], meta["CAP"]
-    searched = processed and meta["HAS_FILTERS"]
-    records = B * T * S if searched else 1  # (without a search: never read)
-    sel_count = torch.empty((records, NP), dtype=torch.int32, device=dev)
-    sel_mass = torch.empty((records, NP), dtype=torch.float64, device=dev)
-    sel_value = torch.empty((records if searched else 1, cap), dtype=torch.float32, device=dev)
+    # the walk's arguments by name (draft_ptr: any pointer, never read), then the outputs and the rows read
+    values = dict(walk, target_ptr=target, draft_ptr=target, logprobs_ptr=logprobs, top_lp_ptr=top_lp,
+                  top_ids_ptr=top_ids, N=N, **dict(zip(("stride_tb", "stride_tt", "stride_db", "stride_dt"),
+                                                       strides + strides)))
+    names = _logprobs_kernel.arg_names
     _logprobs_kernel[(B, T)](
-        target, target, tokens, parents, temperature, seeds, num_nodes, offsets, masks, row_offsets, top_k, top_p,
-        min_p, accepted, num_accepted, next_tokens, state_f, logprobs, top_lp, top_ids, sel_count, sel_mass, sel_value,
-        T, V, W, *strides, *strides, offset_lo, offset_hi, *pen, N, PROCESSED=processed,
-        N_BLOCK=triton.next_power_of_2(max(N, 1)),
-        HAS_PENALTIES=meta["HAS_PENALTIES"] and processed,
-        **{name: meta[name] for name in ("HAS_OFFSETS", "HAS_FILTERS", "PROBS", "PACKED", "T_BLOCK", "NUM_SPLITS",
-                                         "SPLIT_V", "BLOCK_V", "S_BLOCK", "NUM_PIVOTS", "CAP", "SELECT_BLOCK",
-                                         "PAIR_BLOCK", "FILTER_ORDER", "num_warps")})
+        *(values[name] for name in names[: names.index("N") + 1]), PROCESSED=processed,
+        N_BLOCK=triton.next_power_of_2(max(N, 1)), HAS_PENALTIES=meta["HAS_PENALTIES"] and processed,
+        **{name: meta[name] for name in ("HAS_OFFSETS", "HAS_FILTERS", "PROBS", "PACKED", "T_BLOCK", "BLOCK_V",
+                                         "FILTER_ORDER", "num_warps")})
     return logprobs, top_lp, top_ids

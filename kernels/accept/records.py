@@ -163,6 +163,7 @@ class Request(NamedTuple):
     out_next: tl.tensor
     writer: tl.tensor  # chunk 0's program: writes the state and the path
     records: tl.tensor  # traversal: its node records (STATE_FLOATS float slots per node; see `_push_node`)
+    taus: tl.tensor  # the threshold of each node's target row, T float32 (record_taus: `_start_node` writes them)
     pen: Penalties  # step 0's inputs (neutral, nothing read, when the launch has none: HAS_PENALTIES off)
     # the launch's PROBS switch: the rows hold probabilities, read as their logs (`_load_row`, `_row_logits`).
     # A compile-time field rather than one more argument: every helper that reads a row has the request
@@ -171,6 +172,9 @@ class Request(NamedTuple):
     # ORDER_VLLM or ORDER_SGLANG, the set top-p normalizes over (filters.py)
     penalties: tl.constexpr
     order: tl.constexpr
+    # RECORD_TAUS: the walk writes each node's target threshold once its law is known, for the processed
+    # logprobs (logprobs.py), which read the emitted rows once, through it, instead of searching them again
+    record_taus: tl.constexpr
 
 
 class Penalties(NamedTuple):

@@ -117,10 +117,12 @@ def _target_values(req, node, cols, x):
 @triton.jit
 def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr, mask_ptr,
              row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W,
-             stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, pen, HAS_OFFSETS: tl.constexpr,
+             stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, pen, taus_ptr, HAS_OFFSETS: tl.constexpr,
              HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr, T_BLOCK: tl.constexpr,
-             HAS_PENALTIES: tl.constexpr, FILTER_ORDER: tl.constexpr):
-    """The `Request` of this program (request program_id(0)); pen: its `Penalties` (`_request_penalties`)."""
+             HAS_PENALTIES: tl.constexpr, FILTER_ORDER: tl.constexpr, RECORD_TAUS: tl.constexpr):
+    """The `Request` of this program (request program_id(0)); pen: its `Penalties` (`_request_penalties`);
+    taus_ptr: (B, T) float32, the nodes' target thresholds (RECORD_TAUS: written by the walk; read by the
+    logprobs; else never touched)."""
     b = tl.program_id(0)
     t = tl.load(temp_ptr + b)
     greedy = t < GREEDY_BELOW
@@ -164,8 +166,9 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
                    t_rows=t_rows, d_rows=d_rows, stride_tt=stride_tt, stride_dt=stride_dt, V=V, masks=masks, W=W,
                    t=tl.where(greedy, 1.0, t), k=k, top_p=top_p, min_p=min_p, filtered=filtered, path=acc_ptr + b * T,
                    out_num=num_acc_ptr + b, out_next=next_ptr + b, writer=tl.program_id(1) == 0,
-                   records=state_f_ptr + (2 * tl.num_programs(0) + b * T).to(tl.int64) * STATE_FLOATS, pen=pen,
-                   probs=PROBS, penalties=HAS_PENALTIES, order=FILTER_ORDER)
+                   records=state_f_ptr + (2 * tl.num_programs(0) + b * T).to(tl.int64) * STATE_FLOATS,
+                   taus=taus_ptr + b.to(tl.int64) * T, pen=pen, probs=PROBS, penalties=HAS_PENALTIES,
+                   order=FILTER_ORDER, record_taus=RECORD_TAUS)
 
 
 @triton.jit

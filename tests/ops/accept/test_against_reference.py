@@ -6,6 +6,8 @@ Inputs are built on the CPU; the tested backend runs on tests.helpers.DEVICE (SP
 runs the compiled kernel on a GPU), the reference on the CPU."""
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import triton
@@ -341,9 +343,25 @@ def test_triton_reads_only_the_walked_rows(monkeypatch, schedule):
 # compiled code for an H100/H200 (sm_90), no GPU needed: the interpreter runs code the compiler
 # rejects (e.g. a name bound only under a constexpr branch) and says nothing of registers
 # ----------------------------------------------------------------------------------------------
-def hopper_compile_report() -> None:
-    """Prints (JSON) the spilled bytes of every launch variant at the benchmark shape (bf16, T 8, V 128256), and
-    of the probabilities (PROBS) and packed-row (PACKED) switches on the token-wise draft-logits launches.
+HOPPER_TYPES = {
+    "target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "parents_ptr": "*i32", "temp_ptr": "*fp32",
+    "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "offsets_ptr": "*i64", "mask_ptr": "*i32", "row_offsets_ptr": "*i64",
+    "top_k_ptr": "*i32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "acc_ptr": "*i32", "num_acc_ptr": "*i32",
+    "next_ptr": "*i64", "state_i_ptr": "*i32", "state_f_ptr": "*fp32", "part_f_ptr": "*fp32", "part_i_ptr": "*i32",
+    "search_i_ptr": "*i32", "search_f_ptr": "*fp32", "search_d_ptr": "*fp64", "sel_count_ptr": "*i32",
+    "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32", "rep_ptr": "*fp32", "freq_ptr": "*fp32", "pres_ptr": "*fp32",
+    "counts_ptr": "*i32", "prompt_ptr": "*i32", "bias_ids_ptr": "*i32", "bias_values_ptr": "*fp32",
+    "min_tokens_ptr": "*i32", "stop_ids_ptr": "*i32", "generated_ptr": "*i64", "taus_ptr": "*fp32",
+    "logprobs_ptr": "*fp32", "top_lp_ptr": "*fp32", "top_ids_ptr": "*i64"}
+
+
+def hopper_compile_report(group: str) -> None:
+    """Prints (JSON) the spilled bytes of launch variants at the benchmark shape (bf16, T 8, V 128256), by `group`:
+    "walk", every launch variant of the walk without step 0 (filters, block, draft; the probabilities (PROBS) and
+    packed-row (PACKED) switches on the token-wise draft-logits launches; the filtered launches that record their
+    thresholds for the processed logprobs, RECORD_TAUS); "penalties", the same methods with step 0 fused
+    (HAS_PENALTIES), the filtered ones in each filter order (FILTER_ORDER changes their SELECT passes' code);
+    "logprobs", the logprobs kernel (raw / processed, with and without filters and step 0; 32 top slots).
     Runs in a fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
     import json
 
@@ -353,47 +371,60 @@ def hopper_compile_report() -> None:
     T, V = 8, 128_256
     cfg = ka._config(T, V, 2, torch.device("cuda"))
     S = cfg["num_splits"]
-    types = {"target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "parents_ptr": "*i32",
-             "temp_ptr": "*fp32", "seeds_ptr": "*i64", "num_nodes_ptr": "*i32", "offsets_ptr": "*i64",
-             "mask_ptr": "*i32", "row_offsets_ptr": "*i64", "top_k_ptr": "*i32", "top_p_ptr": "*fp32",
-             "min_p_ptr": "*fp32", "acc_ptr": "*i32", "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32",
-             "state_f_ptr": "*fp32", "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "search_i_ptr": "*i32",
-             "search_f_ptr": "*fp32", "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64",
-             "sel_value_ptr": "*fp32", "rep_ptr": "*fp32", "freq_ptr": "*fp32", "pres_ptr": "*fp32",
-             "counts_ptr": "*i32", "prompt_ptr": "*i32", "bias_ids_ptr": "*i32", "bias_values_ptr": "*fp32",
-             "min_tokens_ptr": "*i32", "stop_ids_ptr": "*i32", "generated_ptr": "*i64"}
-    # (filters, block, draft, probs, packed, launches (first, walk)): every combination of the first three, the
-    # two input-form switches on the split launch that streams both rows and the walker
-    launches = ((True, False), (False, False), (False, True))
-    variants = [(has_filters, block, has_draft, False, False, launch)
-                for has_filters, block in ((False, False), (True, False), (False, True))
-                for has_draft in ((True, False) if not block else (True,)) for launch in launches]
-    variants += [(False, False, True, True, False, launch) for launch in launches[1:]]
-    variants += [(False, False, True, False, True, launches[1])]
+    split_v = triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"]
+    shape = dict(HAS_OFFSETS=True, NUM_SPLITS=S, SPLIT_V=split_v,
+                 BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S), PREFETCH=cfg["prefetch"],
+                 TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"], CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"],
+                 PAIR_BLOCK=cfg["pair_block"])
+    # (V marked 16-divisible, as a launch marks V = 128256 and the padded vocabularies of most checkpoints:
+    # unmarked, the filtered walker compiles to code with many more spills)
     report = {}
-    for has_filters, block, has_draft, probs, packed, (first, walk) in variants:
-        constexprs = dict(HAS_DRAFT=has_draft, HAS_OFFSETS=True, HAS_FILTERS=has_filters, PROBS=probs, PACKED=packed,
-                          BLOCK=block, TRAVERSAL=False, IS_FIRST=first, NUM_SPLITS=S,
-                          SPLIT_V=triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"],
-                          BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
-                          PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"],
-                          CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], WALKER=walk,
-                          HAS_PENALTIES=False, FILTER_ORDER=0)
-        # (V marked 16-divisible, as a launch marks V = 128256 and the padded vocabularies of most checkpoints:
-        # unmarked, the filtered walker compiles to code with many more spills)
-        kernel = compile_for_hopper(ka.launch._accept_kernel, types, constexprs, cfg["num_warps"],
+    if group == "logprobs":
+        fn = ka.logprobs._logprobs_kernel
+        for processed, has_filters, penalties in [(p, f, q) for p in (True, False) for f in (False, True)
+                                                  for q in (False, True)]:
+            constexprs = dict(HAS_OFFSETS=True, HAS_FILTERS=has_filters, PROBS=False, PACKED=False,
+                              PROCESSED=processed, T_BLOCK=T, N_BLOCK=32, BLOCK_V=cfg["block_v"],
+                              HAS_PENALTIES=penalties, FILTER_ORDER=0)
+            kernel = compile_for_hopper(fn, HOPPER_TYPES, constexprs, cfg["num_warps"], divisible_ints=("V",))
+            report[f"logprobs,processed={processed},filters={has_filters},penalties={penalties}"] = \
+                spilled_bytes(kernel)
+        print(json.dumps(report))
+        return
+    # (filters, block, draft, probs, packed, record_taus, order, launches (first, walk)): every combination of the
+    # first three, the two input-form switches on the split launch that streams both rows and the walker
+    launches = ((True, False), (False, False), (False, True))
+    penalties = group == "penalties"
+    variants = [(has_filters, block, has_draft, False, False, False, order, launch)
+                for has_filters, block in ((False, False), (True, False), (False, True))
+                for has_draft in ((True, False) if not block else (True,))
+                for order in ((0, 1, 2) if has_filters and penalties else (0,)) for launch in launches]
+    if not penalties:
+        variants += [(False, False, True, True, False, False, 0, launch) for launch in launches[1:]]
+        variants += [(False, False, True, False, True, False, 0, launches[1])]
+        variants += [(True, False, has_draft, False, False, True, 0, launch) for has_draft in (True, False)
+                     for launch in launches]
+    for has_filters, block, has_draft, probs, packed, record_taus, order, (first, walk) in variants:
+        constexprs = dict(shape, HAS_DRAFT=has_draft, HAS_FILTERS=has_filters, PROBS=probs, PACKED=packed,
+                          BLOCK=block, TRAVERSAL=False, IS_FIRST=first, WALKER=walk, HAS_PENALTIES=penalties,
+                          FILTER_ORDER=order, RECORD_TAUS=record_taus)
+        kernel = compile_for_hopper(ka.launch._accept_kernel, HOPPER_TYPES, constexprs, cfg["num_warps"],
                                     divisible_ints=("V",))
         name = f"filters={has_filters},block={block},draft={has_draft},first={first},walk={walk}"
-        name += ",probs=True" if probs else ",packed=True" if packed else ""
+        name += ",probs=True" if probs else ",packed=True" if packed else ",record_taus=True" if record_taus else ""
+        name += f",order={order}" if has_filters and penalties else ""
         report[name] = spilled_bytes(kernel)
     print(json.dumps(report))
 
 
 @needs_the_compiler
-def test_compiles_for_hopper():
-    """Every launch variant compiles for sm_90; register spills stay negligible."""
+@pytest.mark.parametrize("group", ["walk", "penalties", "logprobs"])
+def test_compiles_for_hopper(group):
+    """Every launch variant of the walk and of the logprobs kernel compiles for sm_90 (each group in a process of
+    its own: minutes of compiling for "walk" and "penalties", whose filtered walkers take a minute or two each on
+    a busy 2-core machine); register spills stay negligible (<= 64 bytes a thread)."""
     report = report_from_fresh_process("from tests.ops.accept.test_against_reference import hopper_compile_report; "
-                                       "hopper_compile_report()")
+                                       f"hopper_compile_report({group!r})", timeout=1800)
     assert all(spilled is None or spilled <= 64 for spilled in report.values()), report
 
 
@@ -737,6 +768,55 @@ def test_triton_filtered_rows_reads(monkeypatch, schedule):
                    for i in range(int(batch["num_nodes"][b]) - 1) for x in ((target, draft)[name == "draft"],)}
         assert set(reads[name]) - lookups <= walked[name], f"{name}: rows off the walked path were read"
     _check_support(res, dict(batch, target_logits=target, draft_logits=draft, top_k=top_k, top_p=top_p, min_p=min_p))
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+@pytest.mark.parametrize("filter_order", ["hf", "vllm", "sglang"])
+@pytest.mark.parametrize("method,draft", [("token", True), ("token", False), ("block", True), ("traversal", True)],
+                         ids=["token-draft_logits", "token-given", "block", "traversal"])
+def test_triton_logprobs_read_each_emitted_row_once(monkeypatch, mode, filter_order, method, draft):
+    """What return_logprobs costs in reads, element by element (the spy): the op's reads with return_logprobs=3
+    minus its reads without are exactly one read of each emitted position's row (its parent node's target row)
+    and nothing else, in both modes, for greedy requests and for sampling ones with top-k, top-p and min-p
+    (alone and together, in each filter order): the filters' thresholds come from the walk, which found them
+    reading the same rows, never from a search of the logprobs' own."""
+    from specdec.kernels.accept import accept as triton_accept
+
+    gen = torch.Generator().manual_seed(69 + len(filter_order) + 2 * draft)
+    B, T = 7, 4
+    temps = torch.tensor([1.0, 0.8, 0.0, 1.2, 1.0, 0.9, 0.0])
+    batch = _batch(B, T, gen, draft=draft, temperature=temps, kinds=("chain",) if method == "block" else
+                   ("chain", "star", "random"))
+    target = batch["target_logits"] * 3
+    proposer = target + 0.3 * torch.randn(B, T, V, generator=gen)
+    for b in range(B):  # tokens from the proposer's law at their parent: long paths
+        for i in range(1, int(batch["num_nodes"][b])):
+            law = torch.softmax(proposer[b, int(batch["parents"][b, i])] / max(float(temps[b]), 1e-3), -1)
+            batch["tokens"][b, i] = int(torch.multinomial(law, 1, generator=gen))
+    draft_logits = proposer if draft else None
+    top_k = torch.tensor([8, 0, 5, 0, 6, 30, 0], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.9, 0.9, 1.0, 0.8, 0.95, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.05, 0.1, 0.01, 0.0])
+    args = (target, batch["tokens"].int(), batch["parents"].int(), draft_logits, temps, batch["seeds"],
+            batch["num_nodes"], 0, None, top_k, top_p, min_p, None)
+    options = dict(method=method, filter_order=filter_order, logprobs_mode=mode)
+    reads = {}
+    for n in (-1, 3):
+        spy = MemorySpy(monkeypatch)
+        res = AcceptResult.from_op(triton_accept(*args, **options, return_logprobs=n))
+        reads[n] = spy.counts([target])
+        monkeypatch.undo()
+        if n < 0:
+            plain = res
+    assert all(torch.equal(x, y) for x, y in zip(plain[:3], res[:3]))  # (logprobs change no draw)
+    rows = element_addresses(target)
+    emitted = {a for b in range(B) for node in res.accepted_nodes[b, : int(res.num_accepted[b]) + 1].tolist()
+               for a in rows[b, node].tolist()}
+    extra = {a: reads[3].get(a, 0) - reads[-1].get(a, 0) for a in set(reads[3]) | set(reads[-1]) | emitted}
+    assert {a for a, n in extra.items() if n} <= emitted, "rows no position emits from were read"
+    assert all(extra[a] == 1 for a in emitted), sorted(collections.Counter(extra[a] for a in emitted).items())
+    assert int(res.num_accepted.max()) >= 2
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")

@@ -296,6 +296,33 @@ def test_sampled_laws_equal_the_reference_at_every_emitted_position(backend, fil
 
 
 @pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+@pytest.mark.parametrize("filter_order", ["hf", "vllm", "sglang"])
+@pytest.mark.parametrize("method", ["block", "traversal"])
+def test_sampled_laws_of_block_and_traversal_paths_equal_the_reference(backend, filter_order, method):
+    """The processed laws at the emitted positions of block verification's chains and traversal's trees (paths a
+    node of which may be left and re-entered, or its law taken again) are the reference's, kept sets included: a
+    backend that takes a filtered row's threshold from the walk must have it for every node of these paths."""
+    gen = torch.Generator().manual_seed(4326 + len(filter_order) + len(method))
+    B, T = 8, 5
+    temps = torch.tensor([1.0, 0.7, 1.3, 0.0, 0.9, 1.0, 1.1, 0.6])
+    batch = dict(_random_batch(B, T, gen, temperature=temps), **_filters(B, gen), filter_order=filter_order)
+    if method == "block":
+        batch["parents"] = torch.arange(-1, T - 1).expand(B, T).clone()
+    draft = batch["target_logits"] + 0.2 * torch.randn(B, T, V, generator=gen)
+    for b in range(B):  # tokens from the filtered draft law at their parent (before step 0): long paths
+        filters = ref.request_filters(b, batch["top_k"], batch["top_p"], batch["min_p"])
+        for i in range(1, int(batch["num_nodes"][b])):
+            law = ref.processed_probs(draft[b, int(batch["parents"][b, i])], max(float(temps[b]), 0.5), *filters,
+                                      filter_order=filter_order)
+            batch["tokens"][b, i] = int(torch.multinomial(law, 1, generator=gen))
+    batch["draft_logits"] = draft
+    params = _random_params(B, gen)
+    got = _accept(backend, **batch, **params, method=method, return_logprobs=V, logprobs_mode="processed")
+    _check_laws_at_the_emitted_positions(got, batch, params, "processed")
+    assert int(got[1].max()) >= 2
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
 @pytest.mark.parametrize("method", ["token", "block", "traversal"])
 def test_the_drafters_law_gets_the_same_step0(backend, method):
     """Draft logits equal to the target's: with q processed like p at each node (same path counts), q = p and
