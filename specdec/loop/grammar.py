@@ -139,9 +139,10 @@ class XGrammarBackend(GrammarBackend):
     @classmethod
     def byte_vocabulary(cls, vocab_size: int, eos_token_id: int) -> "XGrammarBackend":
         """The shipped models' vocabulary (specdec.loop.models.tokenizer): token b < 256 is byte b; the ids past
-        the bytes (BOS, EOS, reserved) are special tokens no grammar emits, the EOS its stop token."""
-        names = [bytes([i]) for i in range(256)] + [f"<special_{i}>".encode() for i in range(256, vocab_size)]
-        return cls(names, [eos_token_id])
+        the bytes (BOS, EOS, reserved) are special tokens no grammar emits, the EOS its stop token. (xgrammar takes
+        a token whose bytes are empty for a special one; given their names as bytes, a JSON string or a regex's
+        `.` would allow "<bos>" as text.)"""
+        return cls([bytes([i]) for i in range(256)] + [b""] * (vocab_size - 256), [eos_token_id])
 
     def compile(self, kind, source):
         try:

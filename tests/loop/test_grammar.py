@@ -245,6 +245,20 @@ def test_tree_masks_walk(backend):
     assert m.accept(ord("a")) and not fresh.accept(ord("b"))  # back home: 'a' is the first token again
 
 
+def test_special_tokens_are_never_text(backend):
+    """Inside a JSON string and under a regex's `.`, every byte may come but no special token (BOS, the reserved
+    ids): they are not text. The EOS is allowed only where the output may end."""
+    m = backend.matchers({"json_schema": {"type": "object", "properties": {"s": {"type": "string"}}}}, 1)[0]
+    assert all(m.accept(t) for t in b'{"s": "')
+    r = backend.matchers({"regex": ".*"}, 1)[0]
+    for matcher in (m, r):
+        bits = torch.zeros(1, (VOCAB_SIZE + 31) // 32, dtype=torch.int32)
+        matcher.fill(bits, 0)
+        allowed = unpack_bitmask(bits[0], VOCAB_SIZE)
+        assert int(allowed[:256].sum()) > 90 and not allowed[256] and not allowed[258:].any()
+        assert bool(allowed[EOS]) == (matcher is r)
+
+
 # ----------------------------------------------------------------------------------------------
 # the sampled law is the masked processed law
 # ----------------------------------------------------------------------------------------------
