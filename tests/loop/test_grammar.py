@@ -488,12 +488,26 @@ def test_bad_grammars_are_refused_by_name(shipped, grammar):
 
 
 def test_grammar_needs_eager_steps_and_a_known_vocabulary(shipped):
-    """compile=True refuses grammar by name (its steps carry no host walk); so does a target whose vocabulary is not
-    the byte vocabulary, without a grammar_backend."""
+    """compile=True and CUDA graphs (emulated: a class of CudaStepGraph's interface) refuse grammar by name (their
+    steps carry no host walk); so does a target whose vocabulary is not the byte vocabulary, without a
+    grammar_backend."""
     target, draft = shipped
-    with pytest.raises(ValueError, match="grammar: runs with eager steps only, not with compile"):
-        SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"), compile=True).generate(
-            PROMPTS[:1], 4, grammar={"regex": "a"})
+
+    class Replayed:
+        def __init__(self, fn, pool):
+            fn()
+
+        def replay(self):
+            raise AssertionError("a grammar step was replayed")
+
+        @staticmethod
+        def new_pool(device):
+            return None
+
+    for mode, kwargs in (("compile", dict(compile=True)), ("cuda_graphs", dict(cuda_graphs=Replayed))):
+        with pytest.raises(ValueError, match=f"grammar: runs with eager steps only, not with {mode}"):
+            SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"), **kwargs).generate(
+                PROMPTS[:1], 4, grammar={"regex": "a"})
     from test_loop import tiny
     small = tiny(0, vocab=24, eos=3)
     with pytest.raises(ValueError, match="grammar: the target's vocabulary"):
