@@ -28,7 +28,8 @@ TORCH_LIBRARY(specdec, m) {
   m.def("build_tree(Tensor parents, Tensor num_nodes) -> (Tensor, Tensor)");
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, Tensor tree_mask, "
         "Tensor? block_table, Tensor num_nodes, float scale, float k_scale=1.0, float v_scale=1.0, "
-        "int window_left=-1, float logits_soft_cap=0.0, Tensor? row_offsets=None, int max_nodes=0) -> (Tensor, Tensor)");
+        "int window_left=-1, float logits_soft_cap=0.0, Tensor? row_offsets=None, int max_nodes=0, "
+        "Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def("accept(Tensor target_logits, Tensor tokens, Tensor parents, Tensor? draft_logits, Tensor temperature, "
         "Tensor seeds, Tensor num_nodes, int offset, Tensor? offsets=None, Tensor? top_k=None, Tensor? top_p=None, "
         "Tensor? min_p=None, Tensor? token_bitmask=None, str method=\"token\", bool probs=False, "

@@ -145,7 +145,8 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
                             const Tensor& cache_lens, const Tensor& tree_mask,
                             const std::optional<Tensor>& block_table, const Tensor& num_nodes, double scale,
                             double k_scale, double v_scale, int64_t window_left, double logits_soft_cap,
-                            const std::optional<Tensor>& row_offsets, int64_t max_nodes);
+                            const std::optional<Tensor>& row_offsets, int64_t max_nodes,
+                            const std::optional<Tensor>& sinks);
 
 // accept's filter_order: which set top-p normalizes over (specdec.sampling; the kept set is top-k ∩ top-p ∩ min-p)
 enum class FilterOrder {

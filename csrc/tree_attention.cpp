@@ -12,7 +12,10 @@
 //   window_left      int: -1 = no window, else (>= T - 1) node i, at position L + depth_i (depth_i = the
 //                    tree nodes it sees - 1), sees only committed positions >= L + depth_i - window_left
 //   logits_soft_cap  float >= 0: c > 0 turns every score s into c * tanh(s / c) before masking; 0 = off
-// -> out (B, T, Hq, D) q.dtype, lse (B, T, Hq) float32 (natural-log sum of exp of the scaled, capped scores)
+//   sinks            (Hq,) float32 or None: query head h's softmax denominator gains exp(sinks[h]) (gpt-oss's
+//                    attention sinks: a logit with no value, neither scaled nor capped; -inf = no sink)
+// -> out (B, T, Hq, D) q.dtype, lse (B, T, Hq) float32 (natural-log sum of exp of the scaled, capped scores,
+//    and of the sink)
 //
 // One work item per (request, KV head): its T x G query rows (G = Hq / Hkv, the GQA group) share every
 // K/V row, so each row is loaded (and converted to fp32) once for all of them. Flash-style online
@@ -26,7 +29,8 @@
 // row is reduced across the lanes, and O += p V adds a scaled V row to each output row.
 // A sliding window starts the key blocks at the item's smallest window start (the keys before it are
 // never read) and masks, per query row, the keys between that and the row's own start; the soft cap is
-// applied to each block's scores (vectorized tanh) before the masks.
+// applied to each block's scores (vectorized tanh) before the masks. A sink joins a row's softmax statistics once,
+// when the row is written (write_rows), as one more score with no value.
 #include "specdec.h"
 
 #include <algorithm>
@@ -114,6 +118,7 @@ struct TreeAttention {
   acc_t v_scale;
   int64_t window_left;  // -1: no window
   acc_t soft_cap;       // 0: no cap
+  const float* sinks;   // (Hq,), or nullptr: no sinks
   scalar_t* out;  // contiguous (B, T, Hq, D)
   float* lse;     // contiguous (B, T, Hq)
 
@@ -226,14 +231,24 @@ struct TreeAttention {
   }
 
   // out and lse of the item's query rows m0 .. m0 + M - 1 from O (row m0 + m, dim d at o[m * om + d * od]) and the
-  // softmax statistics
+  // softmax statistics, a sink folded in: exp(sink) joins the sum (both at the larger of the max and the sink),
+  // O is rescaled alike; a sink of -inf leaves max, sum and O as they are (rescale exp(0) = 1, exp(-inf) = 0)
   void write_rows(int64_t b, int64_t kv_head, int64_t m0, int64_t M, const acc_t* o, int64_t om, int64_t od,
                   const Scratch& w) const {
+    constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
     for (int64_t m = 0; m < M; ++m) {
       const int64_t row = query_row(b, kv_head, m0 + m);
-      const acc_t inv = v_scale / w.row_sum[m];
+      acc_t row_max = w.row_max[m], row_sum = w.row_sum[m], rescale = 1;
+      if (sinks != nullptr) {
+        const acc_t sink = sinks[row % Hq], new_max = std::max(row_max, sink);
+        const acc_t shift = new_max == kNegInf ? acc_t(0) : new_max;
+        rescale = std::exp(row_max - shift);
+        row_sum = row_sum * rescale + std::exp(sink - shift);
+        row_max = new_max;
+      }
+      const acc_t inv = v_scale * rescale / row_sum;
       for (int64_t d = 0; d < D; ++d) out[row * D + d] = static_cast<scalar_t>(o[m * om + d * od] * inv);
-      lse[row] = static_cast<float>(w.row_max[m] + std::log(w.row_sum[m]));
+      lse[row] = static_cast<float>(row_max + std::log(row_sum));
     }
   }
 
@@ -366,12 +381,13 @@ std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& 
                                               const std::optional<Tensor>& block_table, const Tensor& num_nodes_in,
                                               double scale, double k_scale, double v_scale, int64_t window_left,
                                               double logits_soft_cap, const std::optional<Tensor>& row_offsets_in,
-                                              int64_t max_nodes) {
+                                              int64_t max_nodes, const std::optional<Tensor>& sinks_in) {
   Tensor num_nodes = check_tree_attention(q_in, k_in, v_in, cache_lens, tree_mask_in, block_table, num_nodes_in,
                                           scale, k_scale, v_scale, window_left, logits_soft_cap, row_offsets_in,
-                                          max_nodes);
+                                          max_nodes, sinks_in);
   const bool packed = row_offsets_in.has_value();
   const Tensor q = q_in.contiguous(), tree_mask = tree_mask_in.contiguous(), lens = cache_lens.contiguous();
+  const Tensor sinks = sinks_in.has_value() ? sinks_in->contiguous() : Tensor();
   // rows are read as D contiguous values; any other layout is copied once
   const Tensor k_cache = k_in.stride(-1) == 1 ? k_in : k_in.contiguous();
   const Tensor v_cache = v_in.stride(-1) == 1 ? v_in : v_in.contiguous();
@@ -395,7 +411,8 @@ std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& 
                   num_nodes.const_data_ptr<int32_t>(), row_offsets.const_data_ptr<int64_t>(), packed, T, Hq, Hkv,
                   D, tree_mask.size(-1),
                   static_cast<acc_t>(scale * k_scale), static_cast<acc_t>(v_scale), window_left,
-                  static_cast<acc_t>(logits_soft_cap), out.data_ptr<scalar_t>(), lse.data_ptr<float>()};
+                  static_cast<acc_t>(logits_soft_cap), sinks.defined() ? sinks.const_data_ptr<float>() : nullptr,
+                  out.data_ptr<scalar_t>(), lse.data_ptr<float>()};
       at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
         typename Op::Scratch scratch(D, T, Hq / Hkv);
         for (int64_t item = begin; item < end; ++item) op.run(item / Hkv, item % Hkv, scratch);

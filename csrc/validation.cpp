@@ -386,7 +386,7 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
                             const Tensor& tree_mask, const std::optional<Tensor>& block_table,
                             const Tensor& num_nodes, double scale, double k_scale, double v_scale,
                             int64_t window_left, double logits_soft_cap, const std::optional<Tensor>& row_offsets,
-                            int64_t max_nodes) {
+                            int64_t max_nodes, const std::optional<Tensor>& sinks) {
   // packed (row_offsets given): q (N, Hq, D) and tree_mask (N, W) rows, node i of request b at row_offsets[b] + i
   const bool packed = row_offsets.has_value();
   check_tensor("q", q, packed ? 3 : 4, kFloat);
@@ -418,7 +418,19 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
                     T - 1, " (a node always sees its ancestors), got ", window_left);
   TORCH_CHECK_VALUE(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0,
                     "logits_soft_cap: must be a finite number >= 0 (0 = no cap), got ", format_g(logits_soft_cap));
+  if (sinks.has_value()) {  // one logit per query head
+    check_tensor("sinks", *sinks, 1, {ScalarType::Float}, &device);
+    check_shape("sinks", *sinks, {Hq});
+  }
 
+  if (sinks.has_value()) {  // (the value checks from here on)
+    const Tensor logits = sinks->contiguous();
+    const float* s = logits.const_data_ptr<float>();
+    for (int64_t h = 0; h < Hq; ++h) {
+      TORCH_CHECK_VALUE(!std::isnan(s[h]) && s[h] != std::numeric_limits<float>::infinity(),
+                        "sinks: every entry must be a finite logit or -inf (no sink), got NaN or +inf");
+    }
+  }
   check_num_nodes_range(nn, T);
   // the committed prefix is read from position 0, or from the window's first position
   check_positions(

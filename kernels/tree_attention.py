@@ -9,7 +9,8 @@ q (B, T, Hq, D); caches (B, L_max, Hkv, D) contiguous when block_table is None, 
 e5m2) holding K / k_scale and V / v_scale; cache_lens (B,) int32;
 tree_mask (B, T, ceil(T/32)) int32 packed ancestor-or-self bits; num_nodes (B,) int32. Node i attends
 to the committed prefix [0, cache_lens[b]) unmasked (or its last positions: window_left) and to tree position
-cache_lens[b] + j iff bit j of tree_mask[b, i] is set. Padding nodes (i >= num_nodes[b]) get out = 0, lse = -inf.
+cache_lens[b] + j iff bit j of tree_mask[b, i] is set. sinks: None or (Hq,) float32 logits in the softmax's
+denominator. Padding nodes (i >= num_nodes[b]) get out = 0, lse = -inf.
 
 Design (decode verification is memory-bound: the prefix K/V are nearly all the bytes):
   * One code path for both layouts: a contiguous cache is a paged cache with block_size = L_max and
@@ -23,10 +24,11 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
     computed on the device from cache_lens). Partial results are merged by LSE weight in a second
     kernel. The tree part is handled by the last split.
   * Bytes: K and V of the cache_lens[b] + num_nodes[b] positions, once per row tile (one tile while
-    T * group <= 128, or 64 at D = 256; half as many rows with fp32 operands), q read, out and lse written; with S > 1 splits also the
-    partials, B*S*T*Hq*(D*e + 4) bytes written and read back by the merge. They are stored in q's dtype
-    (e its size; the LSEs stay fp32), as vLLM's split-KV decode does: at B=1, L=8K fp32 partials would add
-    half as many bytes again as the prefix itself, for a rounding the final cast to q's dtype repeats.
+    T * group <= 128, or 64 at D = 256; half as many rows with fp32 operands), q read, out and lse written;
+    with S > 1 splits also the partials, B*S*T*Hq*(D*e + 4) bytes written and read back by the merge. They are
+    stored in q's dtype (e its size; the LSEs stay fp32), as vLLM's split-KV decode does: at B=1, L=8K fp32
+    partials would add half as many bytes again as the prefix itself, for a rounding the final cast to q's
+    dtype repeats. Sinks add Hq * 4 bytes.
   * Online softmax in fp32 (exp2 with log2(e) folded into the scale); dots accumulate in fp32 from
     fp16/bf16 operands on GPU (fp32 operands in IEEE precision, not TF32). The CPU interpreter upcasts
     every tile to fp32 right after the load (its bf16 arithmetic is wrong).
@@ -41,6 +43,11 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
     split heuristic sizes splits from the window, not the cache. Soft-capping (logits_soft_cap > 0)
     maps the scores through cap * tanh(score / cap) before the softmax. Both are constexpr branches: the
     plain kernel compiles without them.
+  * Attention sinks (gpt-oss; sinks (Hq,) float32, SINKS constexpr): query head h's softmax denominator gains
+    exp(sinks[h]), a logit with no value. It joins a row's statistics once, after its last key: at the end of
+    the main kernel with one split, in the merge with several (a split's partial is the plain attention of its
+    keys; the merge weighs them and the sink by their LSEs), so the lse includes it. Folded at the larger of the
+    row's max and the sink (no overflow for a sink far above the scores); a sink of -inf changes no bit.
   * float8 caches (vLLM's fp8 KV cache, per-tensor scales): tiles are widened to q's dtype after the load
     (exact: every e4m3/e5m2 value is a bf16 and an fp16 value), k_scale is folded into the score scale and
     v_scale into the final normalization, so the prefix costs half the bytes of a 16-bit cache.
@@ -202,11 +209,23 @@ def _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_P
 
 
 @triton.jit
+def _fold_sink(m_i, l_i, acc, sink):
+    """The running (max, sum, accumulator) with one more score, `sink` (log2 domain), that has no value: exp2(sink)
+    joins the sum, everything at the larger of the max and the sink. A sink no larger than the max rescales
+    nothing (a sink of -inf changes no bit); a row that saw no key (max -inf) then holds the sink alone."""
+    m_new = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    rescale = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
+    return m_new, l_i * rescale + tl.exp2(sink - m_safe), acc * rescale[:, None]
+
+
+@triton.jit
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_lens_ptr, tree_mask_ptr, block_table_ptr, num_nodes_ptr, row_offsets_ptr,
     out_ptr, lse_ptr,  # final outputs (NUM_SPLITS == 1) or per-split partials (out: partial dtype; lse: fp32)
+    sinks_ptr,  # (Hq,) float32, read with SINKS only
     qk_scale, v_scale, cap, window_left, T, block_size,
-    stride_cache_lens, stride_num_nodes, stride_row_offsets,
+    stride_cache_lens, stride_num_nodes, stride_row_offsets, stride_sinks,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kn, stride_kp, stride_kh, stride_kd,
     stride_vn, stride_vp, stride_vh, stride_vd,
@@ -216,7 +235,7 @@ def _tree_attention_kernel(
     stride_lb, stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, IDENTITY_TABLE: tl.constexpr,
-    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, PACKED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, PACKED: tl.constexpr, SINKS: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -304,6 +323,8 @@ def _tree_attention_kernel(
         m_i, l_i, acc = _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_PRECISION,
                                              SOFT_CAP)
 
+    if SINKS and NUM_SPLITS == 1:  # (with splits, the merge folds the sink in, once)
+        m_i, l_i, acc = _fold_sink(m_i, l_i, acc, tl.load(sinks_ptr + head * stride_sinks) * _LOG2E)
     # Rows that saw no key (an empty split, a padding node) end with l = 0: out 0, lse -inf.
     seen = (l_i > 0) & (node < real_nodes)
     l_safe = tl.where(seen, l_i, 1.0)
@@ -321,15 +342,17 @@ def _tree_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes_ptr, row_offsets_ptr,
-                         stride_num_nodes, stride_row_offsets, stride_pb, stride_ps, stride_pt, stride_ph, stride_pd,
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes_ptr, row_offsets_ptr, sinks_ptr,
+                         stride_num_nodes, stride_row_offsets, stride_sinks,
+                         stride_pb, stride_ps, stride_pt, stride_ph, stride_pd,
                          stride_qb, stride_qs, stride_qt, stride_qh,
                          stride_ob, stride_ot, stride_oh, stride_od,
                          stride_lb, stride_lt, stride_lh,
                          NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PACKED: tl.constexpr):
+                         PACKED: tl.constexpr, SINKS: tl.constexpr):
     """out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, for one (request, node, head).
     Empty splits carry lse_s = -inf (weight 0); if every split is empty the row is padding: 0 / -inf.
+    SINKS: the head's sink joins the sum as one more term of lse with no value (a real node's row only).
     PACKED: the final row of node i of request b is row_offsets[b] + i, written for real nodes only."""
     head = tl.program_id(0)
     node = tl.program_id(1)
@@ -349,9 +372,16 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes
     part_lse = tl.load(part_lse_ptr + b * stride_qb + s * stride_qs + node * stride_qt + head * stride_qh,
                        mask=s_ok, other=float("-inf"))
     m = tl.max(part_lse, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head * stride_sinks)
+        if not PACKED:  # (a packed padding node returned above)
+            sink = tl.where(node < tl.load(num_nodes_ptr + b * stride_num_nodes), sink, float("-inf"))
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     weight = tl.exp(part_lse - m_safe)
     total = tl.sum(weight, 0)
+    if SINKS:
+        total += tl.exp(sink - m_safe)
     part_out = tl.load(part_out_ptr + b * stride_pb + node * stride_pt + head * stride_ph
                        + s[:, None] * stride_ps + d[None, :] * stride_pd, mask=s_ok[:, None], other=0.0)
     part_out = part_out.to(tl.float32)
@@ -366,12 +396,14 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                    tree_mask: torch.Tensor, block_table: Optional[torch.Tensor], num_nodes: torch.Tensor,
                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window_left: int = -1,
-                   logits_soft_cap: float = 0.0, row_offsets: Optional[torch.Tensor] = None, max_nodes: int = 0, *,
-                   num_splits: Optional[int] = None, config: Optional[TileConfig] = None,
+                   logits_soft_cap: float = 0.0, row_offsets: Optional[torch.Tensor] = None, max_nodes: int = 0,
+                   sinks: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None,
+                   config: Optional[TileConfig] = None,
                    out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                    partial_dtype: Optional[torch.dtype] = None):
     """Launcher (normalized args of the `specdec::tree_attention` schema); returns (out, lse).
 
+    sinks: None or (Hq,) float32, per-head logits in the softmax's denominator (the op's `sinks`).
     Keyword-only extras for tests, benchmarks and engines: `num_splits` overrides the split-KV heuristic
     (`choose_num_splits`), `config` the tile heuristic (`choose_config`), `partial_dtype` the dtype of the
     split partial outputs (default q.dtype), and `out` (B, T, Hq, D) q.dtype / `lse` (B, T, Hq) float32
@@ -400,6 +432,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # the kernel never reads the table of a contiguous cache: any int32 tensor stands in, with strides 0
     table, table_strides = (cache_lens, (0, 0)) if identity_table else (block_table, block_table.stride())
     offsets = row_offsets if packed else num_nodes  # (padded: any int tensor stands in, never read)
+    sink_logits = cache_lens if sinks is None else sinks  # (no sinks: any tensor stands in, never read)
     # (the heuristics read shapes only: a padded batch's, packed or not)
     shaped = torch.empty((B, T, Hq, D), dtype=q.dtype, device="meta") if packed else q
     config = config or default_config(shaped, k_cache)
@@ -423,21 +456,23 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         att_lse = torch.empty((B, num_splits, T, Hq), dtype=torch.float32, device=q.device)
 
     _tree_attention_kernel[(row_tiles, Hkv * num_splits, B)](
-        q, k_cache, v_cache, cache_lens, tree_mask, table, num_nodes, offsets, att_out, att_lse,
+        q, k_cache, v_cache, cache_lens, tree_mask, table, num_nodes, offsets, att_out, att_lse, sink_logits,
         scale * k_scale * LOG2E, v_scale, logits_soft_cap * LOG2E, window_left, T, block_size,
-        cache_lens.stride(0), num_nodes.stride(0), offsets.stride(0),
+        cache_lens.stride(0), num_nodes.stride(0), offsets.stride(0), sink_logits.stride(0),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *table_strides,
         *att_out.stride(), *att_lse.stride(),
         GROUP=group, HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         COMPUTE_DTYPE=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         IDENTITY_TABLE=identity_table, WINDOW=window_left >= 0, SOFT_CAP=logits_soft_cap > 0, PACKED=packed,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SINKS=sinks is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(Hq, T, B)](
-            att_out, att_lse, final_out, final_lse, num_nodes, offsets, num_nodes.stride(0), offsets.stride(0),
+            att_out, att_lse, final_out, final_lse, num_nodes, offsets, sink_logits, num_nodes.stride(0),
+            offsets.stride(0), sink_logits.stride(0),
             *att_out.stride(), *att_lse.stride(), *final_out.stride(), *final_lse.stride(),
             NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=D, PACKED=packed,
+            SINKS=sinks is not None,
         )
     return out, lse

@@ -243,7 +243,7 @@ def check_positions(cache_shape, cache_lens, block_table, extent, *, what="the T
 
 def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=None,
                          v_scale=None, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0,
-                         values=True):
+                         sinks=None, values=True):
     packed = row_offsets is not None  # q (N, Hq, D), tree_mask (N, W): node i of request b at row_offsets[b] + i
     _tensor("q", q, dim=3 if packed else 4, dtypes=FLOAT_DTYPES)
     if packed:
@@ -281,7 +281,13 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
     logits_soft_cap = _number("logits_soft_cap", logits_soft_cap)
     if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
         raise ValueError(f"logits_soft_cap: must be a finite number >= 0 (0 = no cap), got {logits_soft_cap:g}")
+    if sinks is not None:  # one logit per query head
+        _tensor("sinks", sinks, dim=1, dtypes=(torch.float32,), device=dev)
+        _shape("sinks", sinks, (Hq,))
     if values and value_checks_enabled():
+        if sinks is not None:
+            _fail_if("sinks", torch.isnan(sinks) | (sinks == math.inf), "every entry must be a finite logit or -inf "
+                     "(no sink), got NaN or +inf")
         nn = num_nodes.long()
         check_num_nodes_range(nn, T)
         # the committed prefix is read from position 0, or from the window's first position

@@ -69,7 +69,8 @@ def _fake_build_tree(parents, num_nodes):
 
 
 def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
-                         v_scale=1.0, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0):
+                         v_scale=1.0, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0,
+                         sinks=None):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -98,7 +99,8 @@ OPS = {spec.name: spec for spec in (
     OpSpec("tree_attention",
            "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, Tensor tree_mask, Tensor? block_table, "
            "Tensor num_nodes, float scale, float k_scale=1.0, float v_scale=1.0, int window_left=-1, "
-           "float logits_soft_cap=0.0, Tensor? row_offsets=None, int max_nodes=0) -> (Tensor, Tensor)",
+           "float logits_soft_cap=0.0, Tensor? row_offsets=None, int max_nodes=0, Tensor? sinks=None) "
+           "-> (Tensor, Tensor)",
            reference.tree_attention, _fake_tree_attention, (".kernels.tree_attention", "tree_attention"),
            val.check_tree_attention),
     OpSpec("accept",
@@ -285,8 +287,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    tree_mask: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
                    num_nodes: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                    k_scale: Optional[float] = None, v_scale: Optional[float] = None, window_left: int = -1,
-                   logits_soft_cap: float = 0.0, return_lse: bool = False, cu_num_nodes: Optional[torch.Tensor] = None,
-                   max_nodes: Optional[int] = None, backend: Optional[str] = None):
+                   logits_soft_cap: float = 0.0, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
+                   cu_num_nodes: Optional[torch.Tensor] = None, max_nodes: Optional[int] = None,
+                   backend: Optional[str] = None):
     """Attention of T draft-tree queries over the committed prefix plus their ancestors.
 
     q: (B, T, Hq, D). k_cache, v_cache: (B, L_max, Hkv, D) contiguous, or (num_blocks, block_size, Hkv, D)
@@ -298,8 +301,13 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     w - 1): node i, at position cache_lens[b] + depth_i (depth_i = the tree nodes it sees - 1, TreeInfo.depth),
     sees committed positions >= cache_lens[b] + depth_i - window_left only; -1 = no window, else >= T - 1 so
     every node still sees its ancestors. logits_soft_cap c > 0 (Gemma 2): scores become c * tanh(score / c).
-    Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 (of the capped scores) if return_lse.
-    Padding nodes get out = 0 and lse = -inf.
+    sinks (gpt-oss's attention sinks): None or (Hq,) float32 on q's device, a learned logit per query head in the
+    softmax's denominator with no value: with s_j the scaled (and capped) scores of the keys node i sees,
+    out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[h])); the sink itself is neither scaled nor capped.
+    -inf is no sink (the same result, bit for bit); NaN and +inf are refused (value checks).
+    Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 (of the capped scores, and the sink:
+    log(sum_j exp(s_j) + exp(sinks[h])), so out * exp(lse) is the numerator) if return_lse.
+    Padding nodes get out = 0 and lse = -inf (no sink there).
     Packed (ragged) form, as accept's: with cu_num_nodes (B + 1,), q is (N, Hq, D) and tree_mask (N, ceil(T/32))
     with T = max_nodes (a Python int), request b's nodes being rows cu_num_nodes[b] .. cu_num_nodes[b + 1] - 1;
     num_nodes is then not given. Returns out (N, Hq, D) and lse (N, Hq), read and written in place (no padding).
@@ -314,10 +322,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         num_nodes, row_offsets = val.packed_rows(cu_num_nodes, max_nodes, q.shape[0])
     num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap = OPS["tree_attention"].check(
         q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale, v_scale, window_left,
-        logits_soft_cap, row_offsets, max_nodes, _python_value_checks(backend, q))
+        logits_soft_cap, row_offsets, max_nodes, sinks, _python_value_checks(backend, q))
     out, lse = _call("tree_attention", backend, q.device, q, k_cache, v_cache, cache_lens, tree_mask,
                      block_table, num_nodes, scale, k_scale, v_scale, window_left, logits_soft_cap, row_offsets,
-                     max_nodes)
+                     max_nodes, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -470,6 +478,8 @@ class LayerCalls:
         calls = specdec.ops.LayerCalls(cache_lens, tree_mask, write_start=..., block_table=..., num_nodes=...)
         for layer: calls.kv_append(k_cache, v_cache, k, v); out = calls.tree_attention(q, k_cache, v_cache)
 
+    A layer's own arguments: window_left (sliding-window layers) and sinks (its attention sinks, (Hq,) float32).
+
     cache_lens: tree_attention's (node 0's slot); write_start: kv_append's cache_lens (default cache_lens).
     Other arguments as the ops'; backend is resolved once."""
 
@@ -496,16 +506,17 @@ class LayerCalls:
         _, scales, chosen = self._append
         _dispatch("kv_append", chosen, k_cache, v_cache, k_new, v_new, self.write_start, self.block_table, *scales)
 
-    def tree_attention(self, q, k_cache, v_cache, window_left: int = -1) -> torch.Tensor:
-        sig = self._signature(q, k_cache, v_cache, extra=(window_left,))
+    def tree_attention(self, q, k_cache, v_cache, window_left: int = -1, *,
+                       sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        sig = self._signature(q, k_cache, v_cache, *(() if sinks is None else (sinks,)), extra=(window_left,))
         if self._attend is None or self._attend[0] != sig:
             normalized = OPS["tree_attention"].check(
                 q, k_cache, v_cache, self.cache_lens, self.tree_mask, self.block_table, self.num_nodes, None,
-                self.k_scale, self.v_scale, window_left, 0.0, None, 0, _python_value_checks(self.backend, q))
+                self.k_scale, self.v_scale, window_left, 0.0, None, 0, sinks, _python_value_checks(self.backend, q))
             self._attend = (sig, normalized, resolve_backend(self.backend, q.device))
         _, (num_nodes, scale, k_scale, v_scale, window, cap), chosen = self._attend
         out, _ = _dispatch("tree_attention", chosen, q, k_cache, v_cache, self.cache_lens, self.tree_mask,
-                           self.block_table, num_nodes, scale, k_scale, v_scale, window, cap)
+                           self.block_table, num_nodes, scale, k_scale, v_scale, window, cap, None, 0, sinks)
         return out
 
 

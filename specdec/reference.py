@@ -65,21 +65,24 @@ def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
-                   v_scale=1.0, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0):
+                   v_scale=1.0, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0, sinks=None):
     """out (B, T, Hq, D) in q.dtype and lse (B, T, Hq) float32.
 
     Node i of request b attends to committed positions [0, L) (L = cache_lens[b]) and to tree position
     L + j for every j whose bit is set in tree_mask[b, i]. Keys are k_cache * k_scale, values
     v_cache * v_scale (scales other than 1 come with float8 caches). With window_left >= 0, node i (at
     position L + depth_i, depth_i = its set bits - 1) sees only committed positions >= L + depth_i -
-    window_left. With logits_soft_cap c > 0 the scores are c * tanh(score / c). Padding nodes get out = 0,
-    lse = -inf. row_offsets (B,) (the packed form): q (N, Hq, D) and tree_mask (N, W) rows, node i of request b at
-    row row_offsets[b] + i, T = max_nodes; unpacked first, and the outputs packed back.
+    window_left. With logits_soft_cap c > 0 the scores are c * tanh(score / c). sinks (Hq,) float32 (gpt-oss's
+    attention sinks): query head h's scores gain one more column, the logit sinks[h] (neither scaled nor capped),
+    in the softmax and then dropped (it has no value): out shrinks by the sink's share, lse includes it; -inf is
+    no sink. Padding nodes get out = 0, lse = -inf. row_offsets (B,) (the packed form): q (N, Hq, D)
+    and tree_mask (N, W) rows, node i of request b at row row_offsets[b] + i, T = max_nodes; unpacked first, and
+    the outputs packed back.
     """
     if row_offsets is not None:
         rows = packed_row_index(row_offsets.cpu(), max_nodes, q.shape[0])
         out_p, lse_p = tree_attention(q[rows], k_cache, v_cache, cache_lens, tree_mask[rows], block_table, num_nodes,
-                                      scale, k_scale, v_scale, window_left, logits_soft_cap)
+                                      scale, k_scale, v_scale, window_left, logits_soft_cap, sinks=sinks)
         real = torch.arange(max_nodes) < num_nodes.cpu().long().unsqueeze(1)
         out, lse = q.new_zeros(q.shape), torch.full(q.shape[:-1], -math.inf, device=q.device)
         out[rows[real]], lse[rows[real]] = out_p[real], lse_p[real]
@@ -106,8 +109,11 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
             prefix = torch.arange(first, L).unsqueeze(0) >= (L + depth - window_left).unsqueeze(1)
         allowed = torch.cat([prefix, allowed_tree[b, :n]], dim=1)  # (n, L+T-first)
         scores = scores.masked_fill(~allowed, -math.inf)
+        if sinks is not None:  # one more column, the sink's logit: in the softmax's denominator, dropped after
+            scores = torch.cat([scores, sinks.cpu().double().view(Hq, 1, 1).expand(Hq, n, 1)], dim=-1)
         lse[b, :n] = torch.logsumexp(scores, -1).T
-        out[b, :n] = torch.einsum("hip,phd->ihd", torch.softmax(scores, -1), vals)
+        weights = torch.softmax(scores, -1)[..., :vals.shape[0]]
+        out[b, :n] = torch.einsum("hip,phd->ihd", weights, vals)
     return out.to(q.dtype).to(q.device), lse.float().to(q.device)
 
 

@@ -609,8 +609,8 @@ def sampling_params(draw, B, V):
 def attention_cases(draw, *, backend="torch", packed=None):
     """Keyword arguments of specdec.tree_attention (valid): ragged trees, GQA, fp16/bf16/fp32/fp64 q with caches in
     q's dtype or float8 with scales, contiguous or paged caches (NHD / HND / interleaved K|V), windows, soft caps,
-    scale, the packed form; every tensor as a contiguous, strided, permuted or expanded view (caches: unit stride
-    along D)."""
+    attention sinks, scale, the packed form; every tensor as a contiguous, strided, permuted or expanded view
+    (caches: unit stride along D)."""
     triton = backend == "triton"
     B = draw(st.integers(1, 2 if triton else 3))
     T = draw(st.integers(1, 4 if triton else 6))
@@ -636,6 +636,9 @@ def attention_cases(draw, *, backend="torch", packed=None):
         args["logits_soft_cap"] = draw(st.sampled_from([0.0, 0.5, 30.0]))
     if draw(st.booleans()):
         args["scale"] = draw(st.sampled_from([0.0, 1e-3, 0.25, 2.0]))
+    if draw(st.booleans()):  # attention sinks: none (-inf), below, among and far above the scores
+        args["sinks"] = torch.tensor([draw(st.sampled_from([-math.inf, -30.0, -1.0, 0.0, 2.5, 40.0, 1e30]))
+                                      for _ in range(Hq)], dtype=torch.float32)
     packed = draw(st.booleans()) if packed is None else packed
     if packed:
         args["cu_num_nodes"] = index_tensor(draw, cu_of(num_nodes))
@@ -644,7 +647,7 @@ def attention_cases(draw, *, backend="torch", packed=None):
         args["tree_mask"] = to_packed(args["tree_mask"], num_nodes)
     else:
         args["num_nodes"] = index_tensor(draw, num_nodes)
-    for name in ("q", "cache_lens", "tree_mask", "block_table", "num_nodes", "cu_num_nodes"):
+    for name in ("q", "cache_lens", "tree_mask", "block_table", "num_nodes", "cu_num_nodes", "sinks"):
         if name in args:
             args[name] = some_layout(draw, args[name], keep_last=name == "q")
     return args

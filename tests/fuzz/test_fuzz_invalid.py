@@ -200,6 +200,17 @@ def tree_attention_bad_numbers(draw, args):
     return dict(args, **{name: value}), (name,)
 
 
+def tree_attention_bad_sinks(draw, args):
+    """sinks: NaN or +inf at some head (-inf is valid: no sink), or one logit too many."""
+    Hq = args["q"].shape[-2]
+    sinks = torch.zeros(Hq, dtype=torch.float32)
+    if draw(st.booleans()):
+        sinks[draw(st.integers(0, Hq - 1))] = draw(st.sampled_from([math.nan, math.inf]))
+    else:
+        sinks = torch.zeros(Hq + 1, dtype=torch.float32)
+    return dict(args, sinks=sinks), ("sinks",)
+
+
 def kv_append_bad_cache_lens(draw, args):
     lens = args["cache_lens"].clone()
     lens[0] = draw(st.sampled_from([-1, 2**31 - 1, 2**31 - 2, -(2**31)]))
@@ -263,7 +274,7 @@ MUTATIONS = {
                          accept_bad_filter, accept_valid_extreme_filter, accept_nan_row, accept_bad_parents,
                          accept_bad_sampling_parameter],
     "tree_attention": GENERIC + [tree_attention_empty_heads, tree_attention_bad_cache_lens,
-                                 tree_attention_bad_num_nodes, tree_attention_bad_numbers],
+                                 tree_attention_bad_num_nodes, tree_attention_bad_numbers, tree_attention_bad_sinks],
     "kv_append": GENERIC + [kv_append_bad_cache_lens],
     "kv_rollback": GENERIC + [rollback_path_out_of_range, rollback_aliased_caches, rollback_cache_lens_overflow],
 }

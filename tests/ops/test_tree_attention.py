@@ -143,17 +143,25 @@ def test_window_leaves_freed_blocks_alone(backend):
         run(case, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_attention_sinks_from_lse(backend):
-    """docs/ops.md's recipe for attention sinks (gpt-oss: a learned per-head logit in every softmax's
-    denominator): out * sigmoid(lse - sink) equals attention with a sink key whose value is 0."""
+# ----------------------------------------------------------------------------------------------
+# attention sinks (gpt-oss): a learned logit per query head in the softmax's denominator, with no value
+# ----------------------------------------------------------------------------------------------
+def random_sinks(Hq, gen):
+    """(Hq,) float32 logits around the scores' logsumexp (about 5 here), head 0's -inf (no sink), the last one 6."""
+    sinks = torch.randn(Hq, generator=gen) * 2 + 3
+    sinks[0], sinks[-1] = -math.inf, 6.0
+    return sinks
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+def test_sinks_by_hand(backend):
+    """The spec by hand (gpt-oss's eager attention): scores of every key a node sees plus the sink's logit, unscaled,
+    softmax, the sink's weight dropped; lse = logsumexp of the scores and the sink."""
     gen = torch.Generator().manual_seed(6)
     case = make_case(gen, B=2, T=5, Hkv=2, group=2, lens=(9, 20), kinds=("random",))
-    sinks = torch.randn(4, generator=gen) * 2  # (Hq,)
-    out, lse = run(case, backend)
-    with_sinks = out * torch.sigmoid(lse - sinks).unsqueeze(-1)
-    # by hand: scores of every key a node sees, plus the sink's logit, softmax, weights of the real keys only
     B, T, Hq, D = case["q"].shape
+    sinks = random_sinks(Hq, gen)
+    out, lse = run(dict(case, sinks=sinks), backend, scale=0.3)
     bits = reference.unpack_bits(case["tree_mask"], T)
     for b in range(B):
         L = int(case["cache_lens"][b])
@@ -161,9 +169,164 @@ def test_attention_sinks_from_lse(backend):
             seen = torch.cat([torch.arange(L), L + bits[b, i].nonzero().flatten()])
             for h in range(Hq):
                 keys, vals = case["k_cache"][b, seen, h // 2].double(), case["v_cache"][b, seen, h // 2].double()
-                scores = keys @ case["q"][b, i, h].double() * D ** -0.5
-                weights = torch.softmax(torch.cat([scores, sinks[h:h + 1].double()]), 0)[:-1]
-                torch.testing.assert_close(with_sinks[b, i, h].double(), weights @ vals, atol=2e-5, rtol=2e-5)
+                logits = torch.cat([keys @ case["q"][b, i, h].double() * 0.3, sinks[h:h + 1].double()])
+                weights = torch.softmax(logits, 0)[:-1]
+                torch.testing.assert_close(out[b, i, h].double(), weights @ vals, atol=2e-5, rtol=2e-5)
+                torch.testing.assert_close(lse[b, i, h].double(), torch.logsumexp(logits, 0), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("window_left,cap", [(-1, 0.0), (20, 2.0)], ids=["plain", "window-cap"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_match_reference(backend, dtype, window_left, cap, paged):
+    """Sinks on random trees with ragged node counts and GQA, with and without a window and soft-capping (the sink
+    itself is neither: the reference adds it after both)."""
+    gen = torch.Generator().manual_seed(60 + window_left + paged + 10 * FLOAT_DTYPES.index(dtype))
+    case = make_case(gen, dtype=dtype, kinds=("random", "chain"), paged=paged, window_left=window_left)
+    case["sinks"] = random_sinks(case["q"].shape[2], gen)
+    kw = dict(window_left=window_left, logits_soft_cap=cap)
+    check_against_reference(run(case, backend, **kw), case, **kw)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_with_float8_cache(backend, paged):
+    """The sink is a logit: k_scale scales the scores, not the sink; v_scale the values, not its (absent) value."""
+    gen = torch.Generator().manual_seed(61 + paged)
+    case = make_case(gen, B=3, T=6, Hkv=2, group=2, D=64, dtype=torch.bfloat16, lens=(0, 21, 50), paged=paged)
+    case = dict(to_float8(case, torch.float8_e4m3fn, k_scale=0.011, v_scale=0.37), sinks=random_sinks(4, gen))
+    kw = dict(k_scale=0.011, v_scale=0.37)
+    check_against_reference(run(case, backend, **kw), case, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_packed(backend):
+    """The packed form (rows of every request flattened) with sinks, a paged cache and a window, against the
+    reference's packed form; every packed row written."""
+    gen = torch.Generator().manual_seed(62)
+    case = make_case(gen, B=3, T=7, Hkv=2, group=2, D=32, lens=(5, 0, 23), paged=True, window_left=12)
+    nn = case["num_nodes"]
+    rows = torch.cat([b * 7 + torch.arange(int(nn[b])) for b in range(3)])
+    packed = dict(case, q=case["q"].flatten(0, 1)[rows], tree_mask=case["tree_mask"].flatten(0, 1)[rows],
+                  num_nodes=None, cu_num_nodes=torch.cat([torch.zeros(1, dtype=torch.int32), nn.cumsum(0).int()]),
+                  max_nodes=7, sinks=random_sinks(4, gen))
+    kw = dict(window_left=12, logits_soft_cap=20.0)
+    out, lse = run(packed, backend, **kw)
+    ref_out, ref_lse = run(packed, "torch", **kw)
+    assert out.shape == (len(rows), 4, 32) and lse.shape == (len(rows), 4)
+    assert_close(out, ref_out, torch.float32)
+    assert_close(lse, ref_lse, torch.float32)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_triton_sinks_split_kv(num_splits):
+    """Split-KV with sinks (folded in once: in the merge with several splits, at the end of the main kernel with
+    one), empty splits included (cache_lens 0 and 1), a window and soft-capping, small tiles, into NaN-poisoned
+    outputs; padding nodes stay 0 / -inf."""
+    gen = torch.Generator().manual_seed(63 + num_splits)
+    case = make_case(gen, B=4, T=7, Hkv=2, group=2, dtype=torch.float16, lens=(0, 1, 37, 130), paged=True,
+                     window_left=40)
+    B, T, Hq, D = case["q"].shape
+    out = poison_(torch.empty(B, T, Hq, D, dtype=torch.float16, device=DEVICE))
+    lse = poison_(torch.empty(B, T, Hq, dtype=torch.float32, device=DEVICE))
+    sinks = random_sinks(Hq, gen)
+    config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    triton_call(case, 1.0, 1.0, 40, 5.0, None, 0, to_device(sinks), num_splits=num_splits, config=config, out=out,
+                lse=lse)
+    check_against_reference((out, lse), case, window_left=40, logits_soft_cap=5.0, sinks=sinks)
+
+
+def sink_variants(backend, case, sinks, **kw):
+    """(out, lse) on `backend`, on the CPU: the public op, and on Triton also split-KV (3 splits, small tiles)."""
+    results = [run(dict(case, sinks=sinks), backend, **kw)]
+    if backend == "triton":
+        config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+        results.append(tuple(x.cpu() for x in triton_call(
+            case, 1.0, 1.0, kw.get("window_left", -1), kw.get("logits_soft_cap", 0.0), None, 0, to_device(sinks),
+            num_splits=3, config=config)))
+    return results
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+def test_sink_of_minus_inf_is_no_sink(backend):
+    """Every head's sink at -inf gives the result without sinks, bit for bit (out and lse), split or not, with a
+    window and soft-capping."""
+    gen = torch.Generator().manual_seed(64)
+    case = make_case(gen, B=3, T=6, Hkv=2, group=2, lens=(3, 45, 90), paged=True, window_left=50)
+    kw = dict(window_left=50, logits_soft_cap=4.0)
+    none = torch.full((4,), -math.inf)
+    for i, (out, lse) in enumerate(sink_variants(backend, case, none, **kw)):
+        if i == 0:
+            expected = run(case, backend, **kw)
+        else:  # the same split count without sinks
+            config = ta.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+            expected = tuple(x.cpu() for x in triton_call(case, 1.0, 1.0, 50, 4.0, num_splits=3, config=config))
+        assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1]), i
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+def test_large_sink_shrinks_out_keeps_numerator(backend, dtype):
+    """A sink of 10 (above every row's logsumexp, about 5) leaves the numerator sum_j exp(s_j) v_j = out * exp(lse)
+    as it is without sinks: out * exp(lse - lse_without) equals out without sinks, while out itself shrinks and lse
+    is logaddexp(lse_without, 10). A sink of 300 (exp overflows in float32) gives out 0 and lse 300, finite."""
+    gen = torch.Generator().manual_seed(65 + FLOAT_DTYPES.index(dtype))
+    case = make_case(gen, B=2, T=5, Hkv=2, group=2, dtype=dtype, lens=(40, 70), kinds=("random",))
+    B, T, Hq, D = case["q"].shape
+    plain_out, plain_lse = run(case, backend)
+    real = torch.arange(T).unsqueeze(0) < case["num_nodes"].unsqueeze(1)
+    for out, lse in sink_variants(backend, case, torch.full((Hq,), 10.0)):
+        out, lse, expected_out, expected_lse = out[real], lse[real], plain_out[real], plain_lse[real]
+        assert_close(lse, torch.logaddexp(expected_lse, torch.tensor(10.0)), torch.float32)
+        assert_close(out.float() * torch.exp(lse - expected_lse).unsqueeze(-1), expected_out.float(), dtype)
+        assert (out.float().abs().amax(-1) < expected_out.float().abs().amax(-1) * 0.2).all()
+    for out, lse in sink_variants(backend, case, torch.full((Hq,), 300.0)):
+        assert (out[real] == 0).all() and (lse[real] == 300.0).all()
+        assert (out[~real] == 0).all() and (lse[~real] == -math.inf).all()
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+def test_bad_sinks_are_named(backend):
+    """sinks: a (Hq,) float32 tensor on q's device; NaN and +inf are refused (-inf is no sink). The C++ op itself
+    (no Python checks before it) refuses the same with the same messages."""
+    gen = torch.Generator().manual_seed(66)
+    case = make_case(gen, B=2, T=4, Hkv=1, group=2, D=16, lens=(3, 9))
+    bad = [([0.0, 0.0], TypeError, "sinks: expected a torch.Tensor, got list"),
+           (torch.zeros(2, dtype=torch.float64), TypeError, "sinks: dtype float64 not supported"),
+           (torch.zeros(2, dtype=torch.bfloat16), TypeError, "sinks: dtype bfloat16 not supported"),
+           (torch.zeros(1, 2), ValueError, r"sinks: expected 1 dimensions, got shape \(1, 2\)"),
+           (torch.zeros(1), ValueError, r"sinks: expected shape \(2,\), got \(1,\)"),
+           (torch.tensor([0.0, math.nan]), ValueError, "sinks: every entry must be a finite logit or -inf"),
+           (torch.tensor([math.inf, 0.0]), ValueError, "sinks: every entry must be a finite logit or -inf")]
+    for sinks, error, message in bad:
+        with pytest.raises(error, match="^" + message):
+            run(dict(case, sinks=sinks), backend)
+        if backend == "cpp" and isinstance(sinks, torch.Tensor):
+            args = [case[name] for name in ("q", "k_cache", "v_cache", "cache_lens", "tree_mask", "block_table",
+                                            "num_nodes")]
+            with pytest.raises(error, match="^" + message):
+                torch.ops.specdec.tree_attention(*args, 0.25, sinks=sinks)
+    run(dict(case, sinks=torch.tensor([-math.inf, 1e30])), backend)
+
+
+def test_sinks_through_layer_calls_and_opcheck():
+    """LayerCalls passes a layer's sinks (checked with its first call: a NaN is named); the op with sinks passes
+    torch.library.opcheck (schema, fake tensors, AOT dispatch) on the registered CPU kernel."""
+    gen = torch.Generator().manual_seed(67)
+    case = make_case(gen, B=2, T=4, Hkv=1, group=2, D=16, lens=(3, 9))
+    sinks = random_sinks(2, gen)
+    calls = specdec.ops.LayerCalls(case["cache_lens"], case["tree_mask"], num_nodes=case["num_nodes"])
+    expected = specdec.tree_attention(case["q"], case["k_cache"], case["v_cache"], case["cache_lens"],
+                                      case["tree_mask"], num_nodes=case["num_nodes"], sinks=sinks)
+    assert torch.equal(calls.tree_attention(case["q"], case["k_cache"], case["v_cache"], sinks=sinks), expected)
+    fresh = specdec.ops.LayerCalls(case["cache_lens"], case["tree_mask"], num_nodes=case["num_nodes"])
+    with pytest.raises(ValueError, match="^sinks: every entry"):
+        fresh.tree_attention(case["q"], case["k_cache"], case["v_cache"], sinks=torch.tensor([0.0, math.nan]))
+    args = tuple(case[name] for name in ("q", "k_cache", "v_cache", "cache_lens", "tree_mask", "block_table",
+                                         "num_nodes"))
+    torch.library.opcheck(torch.ops.specdec.tree_attention.default, (*args, 0.25), {"sinks": sinks})
 
 
 def test_window_limits_what_the_reference_sees():
@@ -380,28 +543,30 @@ def spilled_bytes(kernel):
 
 
 def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap: bool = False,
-                  packed: bool = False, head_dim: int = 128) -> None:
+                  packed: bool = False, head_dim: int = 128, sinks: bool = False) -> None:
     """Prints (JSON) what compiling the kernels at the benchmark shape gives: bf16 q, D 128, T 16, GQA 4, a
     `cache` ("bf16", "fp8e4nv", or "fp32": fp32 q and cache, IEEE dots) KV cache, with a sliding window and
-    soft-capping if `window_cap`, packed rows if `packed`. Runs in a fresh process without TRITON_INTERPRET (the
-    interpreter's patches break the compiler)."""
+    soft-capping if `window_cap`, packed rows if `packed`, attention sinks if `sinks`. Runs in a fresh process
+    without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
     import json
     q = "fp32" if cache == "fp32" else "bf16"
     config = ta.choose_config(16 * 4, head_dim, 4 if q == "fp32" else 2)
     types = {"q_ptr": f"*{q}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "cache_lens_ptr": "*i32",
              "tree_mask_ptr": "*i32", "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64",
-             "out_ptr": f"*{q}", "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "cap": "fp32"}
+             "out_ptr": f"*{q}", "lse_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
+             "cap": "fp32"}
     constexprs = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                       NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q == "fp32" else "tf32", IDENTITY_TABLE=not paged,
                       COMPUTE_DTYPE=triton.language.float32 if q == "fp32" else triton.language.bfloat16,
-                      WINDOW=window_cap, SOFT_CAP=window_cap, PACKED=packed,
+                      WINDOW=window_cap, SOFT_CAP=window_cap, PACKED=packed, SINKS=sinks,
                       stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_mw=1, stride_tc=1,
-                      stride_cache_lens=1, stride_num_nodes=1, stride_row_offsets=1)
+                      stride_cache_lens=1, stride_num_nodes=1, stride_row_offsets=1, stride_sinks=1)
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
     merge_types = {"part_out_ptr": f"*{q}", "part_lse_ptr": "*fp32", "out_ptr": f"*{q}", "lse_ptr": "*fp32",
-                   "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64"}
+                   "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64", "sinks_ptr": "*fp32"}
     merge_constexprs = dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-                            PACKED=packed, stride_pd=1, stride_od=1, stride_num_nodes=1, stride_row_offsets=1)
+                            PACKED=packed, SINKS=sinks, stride_pd=1, stride_od=1, stride_num_nodes=1,
+                            stride_row_offsets=1, stride_sinks=1)
     merge = compile_for_hopper(ta._merge_splits_kernel, merge_types, merge_constexprs)
     print(json.dumps({"wgmma": "wgmma" in kernel.asm["ptx"], "fma": "fma.rn.f32" in kernel.asm["ptx"],
                       "shared": kernel.metadata.shared,
@@ -409,15 +574,19 @@ def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap:
 
 
 @needs_the_compiler
-@pytest.mark.parametrize("paged,num_splits,cache,window_cap,packed", [
-    (False, 1, "bf16", False, False), (True, 4, "bf16", False, False), (False, 1, "fp8e4nv", False, False),
-    (True, 4, "bf16", True, False), (True, 4, "bf16", False, True)],
-    ids=["contiguous", "paged-split", "contiguous-fp8", "paged-split-window-cap", "paged-split-packed"])
-def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache, window_cap, packed):
+@pytest.mark.parametrize("paged,num_splits,cache,window_cap,packed,sinks", [
+    (False, 1, "bf16", False, False, False), (True, 4, "bf16", False, False, False),
+    (False, 1, "fp8e4nv", False, False, False), (True, 4, "bf16", True, False, False),
+    (True, 4, "bf16", False, True, False), (False, 1, "bf16", False, False, True), (True, 4, "bf16", True, True, True)],
+    ids=["contiguous", "paged-split", "contiguous-fp8", "paged-split-window-cap", "paged-split-packed",
+         "contiguous-sinks", "paged-split-window-cap-packed-sinks"])
+def test_compiles_for_hopper_at_the_benchmark_shape(paged, num_splits, cache, window_cap, packed, sinks):
     """Tensor-core dots (wgmma), no register spills, and shared memory for two programs per SM
-    (228 KiB per SM, 1 KiB reserved per program)."""
+    (228 KiB per SM, 1 KiB reserved per program). Sinks: folded at the main kernel's end (one split), in the merge
+    (several)."""
+    args = (paged, num_splits, cache, window_cap, packed, 128, sinks)
     report = report_from_fresh_process(f"from tests.ops.test_tree_attention import hopper_report; "
-                                      f"hopper_report{(paged, num_splits, cache, window_cap, packed)!r}", timeout=300)
+                                      f"hopper_report{args!r}", timeout=300)
     assert report["wgmma"]
     assert report["shared"] <= 113 * 1024
     assert report["spilled"] in (0, None) and report["merge_spilled"] in (0, None)
