@@ -104,11 +104,14 @@ class SpeculativeDecoder:
         grammar_backend: compiles generate's `grammar` specs for the target's vocabulary (specdec.loop.grammar;
         default: xgrammar over the shipped byte vocabulary, for a target of its 260 tokens, the EOS its stop
         token).
-        jump_forward: under a grammar, a step where a request's grammar forces its next tokens (masks that allow one
-        token each) proposes up to this many of them as that request's chain instead of the drafter's tree; the
-        target verifies them like any draft, and accepts them all (a forced token's processed probability is 1).
-        For proposals that carry no drafter state: no drafter (plain decoding), prompt lookup, suffix decoding
-        (the draft model and MTP draft the forced tokens themselves, under the masks, to their depth)."""
+        jump_forward: under a grammar, up to this many tokens a request's grammar forces (masks that allow one token
+        each) are proposed as a chain instead of the request's tree; the target verifies them like any draft, and
+        accepts them all (a forced token's processed probability is 1). With no drafter, prompt lookup or suffix
+        decoding (proposals without drafter state) wherever a token is forced; with the draft model, which drafts
+        forced tokens itself under the masks, where at least the step's depth are: the drafter then hears that
+        none of its nodes was accepted and its cache catches up on the chain before it drafts again
+        (`DepthControl.catch_up`). Not with MTP (it cannot catch up: it needs the target's hidden state of each
+        token)."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -153,12 +156,16 @@ class SpeculativeDecoder:
         self.batch_buckets = batch_buckets if batch_buckets is not None else \
             BATCH_BUCKETS if compile or self.graph_class else ()
         self.grammar_backend = grammar_backend
+        stateless = self.drafter.max_nodes == 1 or self.drafter.proposes_on_host
+        catches_up = isinstance(self.drafter, DepthControl) and self.drafter.max_skips is None
         if jump_forward < 0 or jump_forward and (method != "token" or self.adaptive is not None or
-                                                 not (self.drafter.max_nodes == 1 or self.drafter.proposes_on_host)):
+                                                 not (stateless or catches_up)):
             raise ValueError(f"jump_forward: {jump_forward} needs >= 0, and for > 0 method 'token', no adaptive "
-                             f"depth, and no drafter, prompt lookup or suffix decoding (proposals without drafter "
-                             f"state), not {type(self.drafter).__name__}")
+                             f"depth, and a drafter that proposes without state of its own or catches up on skipped "
+                             f"steps (not {type(self.drafter).__name__})")
         self.jump_forward = jump_forward
+        # forced chains replace a proposal wherever a token is forced (else where the step's depth are)
+        self.jump_stateless = stateless
         # the largest proposal a step verifies, and its depth: the drafter's, or a forced chain
         self.max_nodes = max(self.drafter.max_nodes, 1 + jump_forward)
         self.max_depth = max(self.drafter.max_depth, jump_forward)
@@ -368,7 +375,8 @@ class SpeculativeDecoder:
             return NoDrafter().propose(s.tokens, s.seq_lens, s.temp)
         prop = self.drafter.propose(s.tokens, s.seq_lens, s.temp, depth=k)
         if self.jump_forward and s.grammar is not None and s.grammar.constrained:
-            prop = s.grammar.with_forced_chains(prop, self.jump_forward)
+            at_least = 1 if self.jump_stateless else self.drafter.max_depth if k is None else k
+            prop = s.grammar.with_forced_chains(prop, self.jump_forward, at_least)
         return prop
 
     def _verify(self, s: "_Batch", prop: Proposal, k: Optional[int]) -> None:
@@ -393,6 +401,14 @@ class SpeculativeDecoder:
         s.cache.rollback(res.accepted_nodes, num_acc)
         if k == 0:
             self.drafter.skip(**hidden_kw)
+        elif s.grammar is not None and any(s.grammar.replaced):
+            # a forced chain replaced some requests' trees: none of their drafter's nodes was accepted but the root,
+            # and its cache catches up on the chain before the next proposal (the loop's catch_up)
+            replaced = torch.tensor(s.grammar.replaced, device=num_acc.device)
+            root_only = torch.where(s.cols[:Tp] == 0, 0, -1).to(res.accepted_nodes.dtype)
+            self.drafter.commit(prop, torch.where(replaced.unsqueeze(1), root_only, res.accepted_nodes),
+                                torch.where(replaced, 0, num_acc), **hidden_kw)
+            self.drafter.lagging = not self.jump_stateless
         else:
             self.drafter.commit(prop, res.accepted_nodes, num_acc, **hidden_kw)
 

@@ -223,6 +223,7 @@ class TreeMasks:
         self._rows: list = [{} for _ in self.cursors]  # per request: path -> its row (None: forbidden) this step
         self._paths: list = [{} for _ in self.cursors]  # per request: drafter id -> path this step
         self._forced = [0] * len(self.cursors)  # per request: the forced chain proposed this step
+        self.replaced = [False] * len(self.cursors)  # per request: a forced chain replaced its tree this step
         self.host_s, self.forced_emitted = 0.0, 0
 
     @property
@@ -237,6 +238,7 @@ class TreeMasks:
             rows.clear()
             paths.clear()
         self._forced = [0] * len(self.cursors)
+        self.replaced = [False] * len(self.cursors)
 
     def _row(self, b: int, path: tuple) -> Optional[torch.Tensor]:
         """(W,) int32 the tokens allowed after path, None where the path leaves the grammar."""
@@ -337,21 +339,23 @@ class TreeMasks:
         cursor.home()
         return chain
 
-    def with_forced_chains(self, prop: Proposal, limit: int) -> Proposal:
-        """prop with each live constrained request whose grammar forces its next tokens proposing the chain of them
-        (at most limit) instead: given proposals (no draft logits, no drafter bookkeeping), verified like any. A
-        forced token is the only one its mask allows, so its processed probability is 1: accept takes it, greedy or
-        sampling, and the law is unchanged (the draws that would have produced it are not needed)."""
+    def with_forced_chains(self, prop: Proposal, limit: int, at_least: int = 1) -> Proposal:
+        """prop with each live constrained request whose grammar forces at least at_least (>= 1) of its next tokens
+        proposing the chain of them (at most limit) instead of its tree; `replaced` says which. A forced token is
+        the only one its mask allows, so its processed probability is 1, whatever the target's and the drafter's
+        rows hold (the chain's draft_logits rows are zeros): accept takes it, greedy or sampling, and the law is
+        unchanged. The other requests keep their trees (and the proposal its drafter bookkeeping, cache_slots, for
+        those)."""
         t0 = time.perf_counter()
-        B = prop.tokens.shape[0]
+        B, T0 = prop.tokens.shape
         chains = [self.forced(b, limit) if self.live[b] else [] for b in range(B)]
+        chains = [c if len(c) >= max(at_least, 1) else [] for c in chains]
         self.host_s += time.perf_counter() - t0
         if not any(chains):
             return prop
-        T = max(prop.tokens.shape[1], 1 + max(len(c) for c in chains))
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        parents = torch.zeros(B, T, dtype=torch.int32)  # (padding nodes' parents are never read)
-        tokens[:, :prop.tokens.shape[1]], parents[:, :prop.tokens.shape[1]] = prop.tokens.cpu(), prop.parents.cpu()
+        T = max(T0, 1 + max(len(c) for c in chains))
+        grow = lambda x, value: torch.cat((x, x.new_full((B, T - T0) + x.shape[2:], value)), 1)  # noqa: E731
+        tokens, parents = grow(prop.tokens.cpu(), 0), grow(prop.parents.cpu(), 0)  # (padding parents: never read)
         num_nodes = prop.num_nodes.cpu().clone()
         for b, chain in enumerate(chains):
             if chain:
@@ -361,8 +365,11 @@ class TreeMasks:
                 parents[b, 1:1 + m] = torch.arange(m, dtype=torch.int32)
                 num_nodes[b] = 1 + m
                 self._forced[b] = m
+                self.replaced[b] = True
         dev = prop.tokens.device
-        return Proposal(tokens.to(dev), parents.to(dev), num_nodes.to(dev))
+        draft_logits = None if prop.draft_logits is None else grow(prop.draft_logits, 0.0)
+        cache_slots = None if prop.cache_slots is None else grow(prop.cache_slots.expand(B, T0), 0)
+        return Proposal(tokens.to(dev), parents.to(dev), num_nodes.to(dev), draft_logits, cache_slots)
 
 
 def _bit(k: int) -> int:

@@ -167,7 +167,8 @@ def greedy_expected(shipped, backend):
 
 @pytest.mark.parametrize("drafter", ["model:chain:4", "model:tree:2,2,1", "model:parents:-1,0,0,1,1,3",
                                      "model:dynamic:7,3,2", "mtp:chain:3", "mtp:dynamic:6,3,2", "ngram", "suffix",
-                                     "auto", "none+jump", "ngram+jump", "suffix+jump"])
+                                     "auto", "none+jump", "ngram+jump", "suffix+jump", "model:chain:4+jump",
+                                     "model:dynamic:7,3,2+jump"])
 def test_greedy_under_a_grammar_equals_masked_ar(shipped, greedy_expected, drafter):
     """For each drafter and tree shape (auto: adaptive depths over chain:8, plain steps included; +jump: with
     jump-forward, forced tokens proposed as chains), a JSON schema, a regex and a free request in one batch: the
@@ -365,17 +366,41 @@ def test_jump_forward_adds_tokens_per_step(shipped):
     assert jump.summary["acceptance_rate_by_depth"][0] == 1.0
 
 
+def test_jump_forward_with_the_draft_model(shipped, greedy_expected):
+    """The draft model with jump-forward: a request whose grammar forces at least the draft's depth verifies the
+    forced chain instead of its tree. The output is masked greedy AR's, more tokens a step than without; with the
+    target as its own draft every drafted token is still accepted after such steps (greedy and sampling), so the
+    draft's cache caught up on the forced tokens exactly."""
+    target, draft = shipped
+    specs = GREEDY_SPECS[:2]
+    plain = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4")).generate(PROMPTS[:2], 48, grammar=specs)
+    jump = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:4"), jump_forward=16).generate(
+        PROMPTS[:2], 48, grammar=specs)
+    assert jump.tokens == plain.tokens == greedy_expected[:2]
+    assert jump.summary["forced_tokens"] > 10 and jump.summary["tokens_per_step"] > plain.summary["tokens_per_step"]
+    for temperature in (0.0, 1.0):
+        out = SpeculativeDecoder(target, DraftModelDrafter(target, "chain:3"), jump_forward=16).generate(
+            PROMPTS[:2], 48, temperature, seed=5, grammar={"json_schema": PERSON})
+        assert out.summary["forced_tokens"] > 10
+        assert out.summary["acceptance_rate_by_depth"][:3] == [1.0, 1.0, 1.0]
+
+
 JUMP_SPEC = {"regex": r"[a-t]-[a-z]{1,3}"}  # the second token is forced
 
 
-def test_sampled_law_with_jump_forward(shipped, backend):
-    """Sampling with jump-forward and no drafter: the forced '-' is proposed and accepted, and the free tokens
-    around it, the first and the third, follow the masked processed law (chi-square)."""
-    target = shipped[0]
+@pytest.mark.parametrize("drafter", [None, "chain:1"])
+def test_sampled_law_with_jump_forward(shipped, backend, drafter):
+    """Sampling with jump-forward, no drafter or the draft model (depth 1: a forced token replaces its tree, whose
+    draft_logits rows stay): the forced '-' is proposed and accepted, and the free tokens around it, the first and
+    the third, follow the masked processed law (chi-square)."""
+    target, draft = shipped
     n, temperature = 600, 1.0
-    out = SpeculativeDecoder(target, jump_forward=4).generate(
+    d = None if drafter is None else DraftModelDrafter(draft, drafter)
+    out = SpeculativeDecoder(target, d, jump_forward=4).generate(
         [LAW_PROMPT] * n, 3, temperature, seed=list(range(7000, 7000 + n)), grammar=JUMP_SPEC)
-    assert all(t[1] == ord("-") for t in out.tokens) and out.summary["forced_tokens"] == n
+    assert all(t[1] == ord("-") for t in out.tokens)
+    # (with the draft: where the first step accepted its draft, the '-' came as that step's next token)
+    assert out.summary["forced_tokens"] == n if drafter is None else 0 < out.summary["forced_tokens"] < n
     m = backend.matchers(JUMP_SPEC, 1)[0]
     bits = torch.zeros(1, (VOCAB_SIZE + 31) // 32, dtype=torch.int32)
     with torch.no_grad():
@@ -396,11 +421,12 @@ def test_sampled_law_with_jump_forward(shipped, backend):
     assert stat < threshold, stat
 
 
-def test_jump_forward_needs_stateless_proposals(shipped):
-    """A drafter with its own cache (the draft model drafts the forced tokens itself), an adaptive loop or another
-    verifier than 'token': jump_forward is refused by name."""
+def test_jump_forward_refusals(shipped):
+    """A drafter that cannot catch up on skipped steps (MTP: it needs the target's hidden state of every token), an
+    adaptive loop or another verifier than 'token': jump_forward is refused by name."""
     target, draft = shipped
-    for kwargs in (dict(drafter=DraftModelDrafter(draft, "chain:4")), dict(adaptive=True),
+    mtp = MTPDrafter(target, load_mtp(os.path.join(ASSETS, "mtp"), target.cfg), "chain:3")
+    for kwargs in (dict(drafter=mtp), dict(adaptive=True),
                    dict(method="block"), dict(jump_forward=-1)):
         with pytest.raises(ValueError, match="jump_forward"):
             SpeculativeDecoder(target, **{"jump_forward": 4, **kwargs})
