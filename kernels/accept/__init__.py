@@ -38,7 +38,7 @@ from .launch import _accept_kernel
 from .logprobs import emitted_logprobs, empty_logprobs
 from .penalties import penalty_args, penalized_rows
 from .records import (
-    FILTER_ORDERS, PART_FLOATS, PART_INTS, SEARCH_DOUBLES, SEARCH_FLOATS, SEARCH_INTS, STATE_FLOATS, STATE_INTS)
+    FILTER_ORDERS, PART_FLOATS, PART_INTS, SEARCH_DOUBLES, SEARCH_INTS, STATE_FLOATS, STATE_INTS, search_floats)
 
 # Candidates the draw after a last rejection with draft logits tries before it falls back to the Z pass: each
 # costs a scan of (a prefix of) one chunk of the target row instead of a pass over both rows, and is accepted
@@ -135,7 +135,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     host, in float64, in the copy `_in_float32_range` makes of them. filter_order "hf" / "vllm" / "sglang"
     (FILTER_ORDER) picks the set top-p normalizes over (filters.py). return_logprobs >= 0: the emitted tokens'
     logprobs and top entries, one program per (request, position) after the walk, one read of the position's
-    row each (logprobs.py; "processed" with filters: through the threshold the walk recorded, RECORD_TAUS); the
+    row each (logprobs.py; "processed" with filters: through the threshold the walk recorded); the
     launch configuration still depends on shapes only, and nothing syncs with the host.
     Returns the op's six outputs: accepted_nodes, num_accepted, next_tokens, logprobs (B, T) / (B, 0),
     top_logprobs (B, T, N) / (B, 0, 0), top_token_ids (B, T, N) / (B, 0, 0).
@@ -205,8 +205,9 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
         top_k = torch.zeros(B, dtype=torch.int32, device=dev) if top_k is None else top_k.contiguous()
         top_p = (torch.ones(B, device=dev) if top_p is None else top_p.float()).clamp(min=1e-30).contiguous()
         min_p = (torch.zeros(B, device=dev) if min_p is None else min_p.float()).clamp(max=1.0).contiguous()
-        search = [torch.empty((2, B, 2, n.value), dtype=dtype, device=dev) for n, dtype in
-                  ((SEARCH_INTS, torch.int32), (SEARCH_FLOATS, torch.float32), (SEARCH_DOUBLES, torch.float64))]
+        # (the float records followed by the nodes' target thresholds, which the processed logprobs read)
+        search = [torch.empty((2, B, 2, SEARCH_INTS.value), dtype=torch.int32, device=dev), search_floats(B, T, dev),
+                  torch.empty((2, B, 2, SEARCH_DOUBLES.value), dtype=torch.float64, device=dev)]
         select = [torch.empty((2, B, S, 2, n), dtype=dtype, device=dev) for n, dtype in
                   ((NP, torch.int32), (NP, torch.float64), (cap, torch.float32))]
     else:  # any tensors stand in, never read
@@ -217,19 +218,16 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     strides = (lambda x: (0, x.stride(0))) if packed else (lambda x: (x.stride(0), x.stride(1)))
     if pen is None:  # any tensors stand in, never read
         pen = (num_nodes,) * 10 + (0,) * 4
-    # the processed logprobs of filtered rows read each emitted row through the threshold the walk found for it
-    record_taus = return_logprobs >= 0 and logprobs_mode == "processed" and has_filters
-    taus = torch.empty((B, T), dtype=torch.float32, device=dev) if record_taus else state_f  # (else never touched)
     args = (target, d, tokens.contiguous(), parents.contiguous(), temperature.contiguous(), seeds.contiguous(),
             num_nodes.contiguous(), offsets, masks, row_offsets, top_k, top_p, min_p, accepted, num_accepted,
             next_tokens, state_i, state_f, part_f, part_i, *search, *select, T, V, W, *strides(target), *strides(d),
-            offset & 0x7FFFFFFF, offset >> 31, *pen, taus)
+            offset & 0x7FFFFFFF, offset >> 31, *pen)
     meta = dict(HAS_DRAFT=draft is not None, HAS_OFFSETS=has_offsets, HAS_FILTERS=has_filters, PROBS=bool(probs),
                 PACKED=packed, BLOCK=method == "block" and draft is not None, TRAVERSAL=traversal, NUM_SPLITS=S,
                 SPLIT_V=split_v, BLOCK_V=cfg["block_v"], T_BLOCK=triton.next_power_of_2(T),
                 S_BLOCK=triton.next_power_of_2(S), PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=NP,
                 CAP=cap, SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], num_warps=cfg["num_warps"],
-                HAS_PENALTIES=has_penalties, FILTER_ORDER=FILTER_ORDERS[filter_order], RECORD_TAUS=record_taus)
+                HAS_PENALTIES=has_penalties, FILTER_ORDER=FILTER_ORDERS[filter_order])
     steps = cfg["split_steps"]
     for step in range(steps):
         _accept_kernel[(B, S)](*args, (step + 1) % 2, WALKER=False, IS_FIRST=step == 0, **meta)

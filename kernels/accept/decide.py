@@ -21,7 +21,7 @@ def _start_node(req, walk, chunks):
     """Sampling, after the statistics: the node's laws and its first residual r = p (c = 0, Z = 1), whose chunk
     masses a draw at a leaf uses. Every sampling node of the path gets here once its thresholds are known (after
     its last statistics pass, or a search's gathering: `_select_decide`), whatever the method, before any of its
-    children is tested or its token drawn; RECORD_TAUS: its target threshold is recorded here."""
+    children is tested or its token drawn; with filters its target threshold is recorded here."""
     if req.record_taus:
         tl.store(req.taus + walk.node, walk.tau_p, mask=req.writer)
     max_p, sum_p = _merge_lse(chunks.max_p, chunks.sum_p, req.inv_t)

@@ -10,8 +10,8 @@ from .filters import _idle_search, _select_chunk
 from .passes import _after_candidates, _chunk_pass, _first_accepted, _locate, _merge_candidates, _pick_chunk, _row_pass
 from .records import (
     ARGMAX, CANDIDATE, CANDIDATE_TOKEN, DONE, LOCATE, MASS, MAX_P, MAX_Q, Residual, SELECT, STATS, SUM_P, SUM_Q, TRIAL,
-    U_DRAW, _load_chunks, _load_search, _load_state, _part_records, _select_buffers, _start, _store_search,
-    _store_state, _updated)
+    U_DRAW, _load_chunks, _load_search, _load_state, _node_thresholds, _part_records, _select_buffers, _start,
+    _store_search, _store_state, _updated)
 from .penalties import _request_penalties
 from .rows import _emit, _request, _uniform, _uses_q
 
@@ -140,20 +140,20 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
                    state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, search_d_ptr,
                    sel_count_ptr, sel_mass_ptr, sel_value_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt,
                    offset_lo, offset_hi, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, bias_ids_ptr,
-                   bias_values_ptr, min_tokens_ptr, stop_ids_ptr, generated_ptr, counted, prompt_words, K, S, taus_ptr,
+                   bias_values_ptr, min_tokens_ptr, stop_ids_ptr, generated_ptr, counted, prompt_words, K, S,
                    read_buf, WALKER: tl.constexpr, HAS_DRAFT: tl.constexpr,
                    HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr,
                    BLOCK: tl.constexpr, TRAVERSAL: tl.constexpr, IS_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, T_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
                    PREFETCH: tl.constexpr, TRIALS: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
                    SELECT_BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr, HAS_PENALTIES: tl.constexpr,
-                   FILTER_ORDER: tl.constexpr, RECORD_TAUS: tl.constexpr):
+                   FILTER_ORDER: tl.constexpr):
     """One launch of a walk: merge the previous launch's partials (buffer `read_buf`) and decide, every program
     alike (`_resume`); then a split launch (grid (B, NUM_SPLITS)) stores the state and runs its chunk of the next
     pass (`_split_part`), and the walker (WALKER, grid (B,), the last launch) finishes the walk (`_walk_on`).
-    rep_ptr ... S: step 0's arguments (penalties.py `penalty_args`; read only with HAS_PENALTIES); taus_ptr (B, T)
-    float32: each node's target threshold, written where the walk finds its law (RECORD_TAUS; for the processed
-    logprobs of filtered rows, logprobs.py)."""
+    rep_ptr ... S: step 0's arguments (penalties.py `penalty_args`; read only with HAS_PENALTIES). search_f_ptr
+    (HAS_FILTERS): the search records, then each node's target threshold, written where the walk finds its law
+    (`_node_thresholds`; for the processed logprobs of filtered rows, logprobs.py)."""
     split = tl.program_id(1)  # (the walker's grid has one program per request: 0)
     pen = _request_penalties(tl.program_id(0), rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, bias_ids_ptr,
                              bias_values_ptr, min_tokens_ptr, stop_ids_ptr, generated_ptr, counted, prompt_words, K, S,
@@ -161,8 +161,8 @@ def _accept_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, see
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
                    mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
                    state_f_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, pen,
-                   taus_ptr, HAS_OFFSETS, HAS_FILTERS, PROBS, PACKED, T_BLOCK, HAS_PENALTIES, FILTER_ORDER,
-                   RECORD_TAUS)
+                   _node_thresholds(search_f_ptr), HAS_OFFSETS, HAS_FILTERS, PROBS, PACKED, T_BLOCK, HAS_PENALTIES,
+                   FILTER_ORDER)
     sb = _select_buffers(search_i_ptr, search_f_ptr, search_d_ptr, sel_count_ptr, sel_mass_ptr, sel_value_ptr)
     walk, res, sp, sq = _resume(req, T, state_i_ptr, state_f_ptr, part_f_ptr, part_i_ptr, sb, read_buf, IS_FIRST,
                                 HAS_DRAFT, HAS_FILTERS, BLOCK, TRAVERSAL, T_BLOCK, NUM_SPLITS, SPLIT_V, S_BLOCK, TRIALS,

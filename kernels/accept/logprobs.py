@@ -20,8 +20,9 @@ beat its current last one, so after the first tiles of a row a tile costs one co
 reduction; a threshold search for the N-th value instead would read the row at least twice more (pivots, then
 gathering). In every mode, filtered or not, each emitted row is read exactly once beyond what the walk reads: a
 filtered "processed" row's threshold is the one the walk found for that node when it took its law (`_start_node`
-records it, RECORD_TAUS, in a (B, T) float32 scratch; every sampling node of the path gets there before its
-children's tests or its draw, in every method), the same float from the same search of the same values, so the
+records it, in every launch with filters, in a (B, T) float32 scratch after the search records,
+`node_thresholds`; every sampling node of the path gets there before its children's tests or its draw, in every
+method), the same float from the same search of the same values, so the
 kept set and the logprobs are those a search here would give. A greedy row needs none: no filter applies to it.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from triton.language.standard import _sum_combine as _SUM
 
 from .launch import _accept_kernel
 from .penalties import _request_penalties
-from .records import INT_MAX, NEG_INF, POS_INF
+from .records import INT_MAX, NEG_INF, POS_INF, node_thresholds
 from .rows import _kept, _lane_lse, _load_row, _merge_lse, _request, _row_logits, _rows, _shift, _values
 
 MODES = ("raw", "processed")
@@ -121,14 +122,15 @@ def _logprobs_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, s
     """Position j = program_id(1) of request b = program_id(0), after the walk wrote its outputs: logprobs[b, j]
     and its N (<= N_BLOCK) top entries (top_lp / top_ids (B, T, N)), or NaN / -1 past num_accepted[b]. The
     arguments before logprobs_ptr are the walk's (`_request`'s); taus_ptr: the (B, T) thresholds the walk recorded
-    (RECORD_TAUS), read only for a filtered "processed" row; rep_ptr ... S: step 0's (read only when PROCESSED)."""
+    (`node_thresholds`), read only for a filtered "processed" row; rep_ptr ... S: step 0's (read only when
+    PROCESSED)."""
     pen = _request_penalties(tl.program_id(0), rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, bias_ids_ptr,
                              bias_values_ptr, min_tokens_ptr, stop_ids_ptr, generated_ptr, counted, prompt_words, K, S,
                              tokens_ptr, parents_ptr, T, V, PROBS, HAS_PENALTIES)
     req = _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
                    mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
                    state_f_ptr, T, V, W, stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, pen,
-                   taus_ptr, HAS_OFFSETS, HAS_FILTERS, PROBS, PACKED, T_BLOCK, HAS_PENALTIES, FILTER_ORDER, False)
+                   taus_ptr, HAS_OFFSETS, HAS_FILTERS, PROBS, PACKED, T_BLOCK, HAS_PENALTIES, FILTER_ORDER)
     j = tl.program_id(1)
     at = tl.program_id(0).to(tl.int64) * T + j
     slot = tl.arange(0, N_BLOCK)
@@ -182,7 +184,7 @@ def emitted_logprobs(args, meta, return_logprobs: int, logprobs_mode: str, raw_r
     """The op's logprob outputs after the walk: (logprobs (B, T) float32, top_logprobs (B, T, N) float32,
     top_token_ids (B, T, N) int64), N = max(return_logprobs, 0); shapes (B, 0), (B, 0, 0) when off
     (return_logprobs < 0). args / meta: the walk's launch arguments and constexprs (`accept`), after the walk
-    has run (with RECORD_TAUS when "processed" has filters); T is the walk's, the launch a function of the shapes
+    has run; T is the walk's, the launch a function of the shapes
     only. raw_rows: the target rows "raw" reads when they are not the walk's (float64 rows, which the walk reads
     after step 0 or shifted by the mask's max: the raw rows shifted by their own max, same layout), else None."""
     walk = dict(zip(_accept_kernel.arg_names, args))
@@ -193,11 +195,12 @@ def emitted_logprobs(args, meta, return_logprobs: int, logprobs_mode: str, raw_r
         return logprobs, top_lp, top_ids
     N = return_logprobs
     processed = logprobs_mode == "processed"
-    assert meta["RECORD_TAUS"] == (processed and meta["HAS_FILTERS"]), "the walk records the thresholds read here"
+    # (filtered: the thresholds the walk recorded; else any tensor stands in, never read)
+    taus = node_thresholds(walk["search_f_ptr"], B, T) if meta["HAS_FILTERS"] else walk["state_f_ptr"]
     target = raw_rows if not processed and raw_rows is not None else walk["target_ptr"]
     strides = (0, target.stride(0)) if meta["PACKED"] else (target.stride(0), target.stride(1))
     # the walk's arguments by name (draft_ptr: any pointer, never read), then the outputs and the rows read
-    values = dict(walk, target_ptr=target, draft_ptr=target, logprobs_ptr=logprobs, top_lp_ptr=top_lp,
+    values = dict(walk, target_ptr=target, draft_ptr=target, taus_ptr=taus, logprobs_ptr=logprobs, top_lp_ptr=top_lp,
                   top_ids_ptr=top_ids, N=N, **dict(zip(("stride_tb", "stride_tt", "stride_db", "stride_dt"),
                                                        strides + strides)))
     names = _logprobs_kernel.arg_names

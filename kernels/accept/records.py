@@ -1,11 +1,13 @@
 """The walk's vocabulary: its kinds of step, the named tuples it travels in (a `Request`, a `Walk`, a pass's
 `Chunks`, a row's `Search`, a draw's `Residual`), and the records that carry them between launches, with their
 loads and stores. Shapes of the records: (2, B, slots), double-buffered by launch parity; chunk partials
-(2, B, NUM_SPLITS, slots); searches (2, B, 2 rows, slots)."""
+(2, B, NUM_SPLITS, slots); searches (2, B, 2 rows, slots), their floats followed by the nodes' target thresholds
+(B, T) (`_node_thresholds`)."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 
@@ -172,8 +174,9 @@ class Request(NamedTuple):
     # ORDER_VLLM or ORDER_SGLANG, the set top-p normalizes over (filters.py)
     penalties: tl.constexpr
     order: tl.constexpr
-    # RECORD_TAUS: the walk writes each node's target threshold once its law is known, for the processed
-    # logprobs (logprobs.py), which read the emitted rows once, through it, instead of searching them again
+    # HAS_FILTERS: the walk writes each sampling node's target threshold once its law is known (`_start_node`), for
+    # the processed logprobs (logprobs.py), which read the emitted rows once, through it, instead of searching them
+    # again
     record_taus: tl.constexpr
 
 
@@ -408,6 +411,25 @@ def _search_records(sb, buf, r):
     """Row r's search records of request program_id(0) in buffer `buf`."""
     rec = (buf * tl.num_programs(0) + tl.program_id(0)) * 2 + r
     return sb.search_i + rec * SEARCH_INTS, sb.search_f + rec * SEARCH_FLOATS, sb.search_d + rec * SEARCH_DOUBLES
+
+
+@triton.jit
+def _node_thresholds(search_f_ptr):
+    """Where the nodes' target thresholds, (B, T) float32, follow the (2, B, 2, SEARCH_FLOATS) search records in
+    search_f (`node_thresholds` on the host)."""
+    return search_f_ptr + 4 * tl.num_programs(0) * SEARCH_FLOATS
+
+
+def search_floats(B: int, T: int, device):
+    """The float slots of a filtered walk: its search records (2, B, 2, SEARCH_FLOATS), then the nodes' target
+    thresholds (B, T) (`_node_thresholds`), flat."""
+    return torch.empty(4 * B * SEARCH_FLOATS.value + B * T, dtype=torch.float32, device=device)
+
+
+def node_thresholds(search_f, B: int, T: int):
+    """The (B, T) nodes' target thresholds of a filtered walk's `search_floats`, as the walk left them: entry
+    (b, i) is written for every sampling node i of request b whose law the walk took (its path's, all of them)."""
+    return search_f[4 * B * SEARCH_FLOATS.value:].view(B, T)
 
 
 @triton.jit

@@ -119,9 +119,9 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
              row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr, state_f_ptr, T, V, W,
              stride_tb, stride_tt, stride_db, stride_dt, offset_lo, offset_hi, pen, taus_ptr, HAS_OFFSETS: tl.constexpr,
              HAS_FILTERS: tl.constexpr, PROBS: tl.constexpr, PACKED: tl.constexpr, T_BLOCK: tl.constexpr,
-             HAS_PENALTIES: tl.constexpr, FILTER_ORDER: tl.constexpr, RECORD_TAUS: tl.constexpr):
+             HAS_PENALTIES: tl.constexpr, FILTER_ORDER: tl.constexpr):
     """The `Request` of this program (request program_id(0)); pen: its `Penalties` (`_request_penalties`);
-    taus_ptr: (B, T) float32, the nodes' target thresholds (RECORD_TAUS: written by the walk; read by the
+    taus_ptr: (B, T) float32, the nodes' target thresholds (HAS_FILTERS: written by the walk, read by the
     logprobs; else never touched)."""
     b = tl.program_id(0)
     t = tl.load(temp_ptr + b)
@@ -168,7 +168,7 @@ def _request(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr
                    out_num=num_acc_ptr + b, out_next=next_ptr + b, writer=tl.program_id(1) == 0,
                    records=state_f_ptr + (2 * tl.num_programs(0) + b * T).to(tl.int64) * STATE_FLOATS,
                    taus=taus_ptr + b.to(tl.int64) * T, pen=pen, probs=PROBS, penalties=HAS_PENALTIES,
-                   order=FILTER_ORDER, record_taus=RECORD_TAUS)
+                   order=FILTER_ORDER, record_taus=HAS_FILTERS)
 
 
 @triton.jit

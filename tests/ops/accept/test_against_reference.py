@@ -358,9 +358,8 @@ HOPPER_TYPES = {
 def hopper_compile_report(group: str) -> None:
     """Prints (JSON) the spilled bytes of launch variants at the benchmark shape (bf16, T 8, V 128256), by `group`:
     "walk", every launch variant of the walk without step 0 (filters, block, draft; the probabilities (PROBS) and
-    packed-row (PACKED) switches on the token-wise draft-logits launches; the filtered launches that record their
-    thresholds for the processed logprobs, RECORD_TAUS); "penalties", the same methods with step 0 fused
-    (HAS_PENALTIES), the filtered ones in each filter order (FILTER_ORDER changes their SELECT passes' code);
+    packed-row (PACKED) switches on the token-wise draft-logits launches); "penalties", the same methods with step 0
+    fused (HAS_PENALTIES), the filtered ones in each filter order (FILTER_ORDER changes their SELECT passes' code);
     "logprobs", the logprobs kernel (raw / processed, with and without filters and step 0; 32 top slots).
     Runs in a fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
     import json
@@ -372,9 +371,9 @@ def hopper_compile_report(group: str) -> None:
     cfg = ka._config(T, V, 2, torch.device("cuda"))
     S = cfg["num_splits"]
     split_v = triton.cdiv(triton.cdiv(V, S), cfg["block_v"]) * cfg["block_v"]
-    shape = dict(HAS_OFFSETS=True, NUM_SPLITS=S, SPLIT_V=split_v,
-                 BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S), PREFETCH=cfg["prefetch"],
-                 TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"], CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"],
+    shape = dict(HAS_OFFSETS=True, NUM_SPLITS=S, SPLIT_V=split_v, BLOCK_V=cfg["block_v"], T_BLOCK=T,
+                 S_BLOCK=triton.next_power_of_2(S), PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"],
+                 NUM_PIVOTS=cfg["num_pivots"], CAP=cfg["cap"], SELECT_BLOCK=cfg["select_block"],
                  PAIR_BLOCK=cfg["pair_block"])
     # (V marked 16-divisible, as a launch marks V = 128256 and the padded vocabularies of most checkpoints:
     # unmarked, the filtered walker compiles to code with many more spills)
@@ -391,27 +390,25 @@ def hopper_compile_report(group: str) -> None:
                 spilled_bytes(kernel)
         print(json.dumps(report))
         return
-    # (filters, block, draft, probs, packed, record_taus, order, launches (first, walk)): every combination of the
+    # (filters, block, draft, probs, packed, order, launches (first, walk)): every combination of the
     # first three, the two input-form switches on the split launch that streams both rows and the walker
     launches = ((True, False), (False, False), (False, True))
     penalties = group == "penalties"
-    variants = [(has_filters, block, has_draft, False, False, False, order, launch)
+    variants = [(has_filters, block, has_draft, False, False, order, launch)
                 for has_filters, block in ((False, False), (True, False), (False, True))
                 for has_draft in ((True, False) if not block else (True,))
                 for order in ((0, 1, 2) if has_filters and penalties else (0,)) for launch in launches]
     if not penalties:
-        variants += [(False, False, True, True, False, False, 0, launch) for launch in launches[1:]]
-        variants += [(False, False, True, False, True, False, 0, launches[1])]
-        variants += [(True, False, has_draft, False, False, True, 0, launch) for has_draft in (True, False)
-                     for launch in launches]
-    for has_filters, block, has_draft, probs, packed, record_taus, order, (first, walk) in variants:
+        variants += [(False, False, True, True, False, 0, launch) for launch in launches[1:]]
+        variants += [(False, False, True, False, True, 0, launches[1])]
+    for has_filters, block, has_draft, probs, packed, order, (first, walk) in variants:
         constexprs = dict(shape, HAS_DRAFT=has_draft, HAS_FILTERS=has_filters, PROBS=probs, PACKED=packed,
                           BLOCK=block, TRAVERSAL=False, IS_FIRST=first, WALKER=walk, HAS_PENALTIES=penalties,
-                          FILTER_ORDER=order, RECORD_TAUS=record_taus)
+                          FILTER_ORDER=order)
         kernel = compile_for_hopper(ka.launch._accept_kernel, HOPPER_TYPES, constexprs, cfg["num_warps"],
                                     divisible_ints=("V",))
         name = f"filters={has_filters},block={block},draft={has_draft},first={first},walk={walk}"
-        name += ",probs=True" if probs else ",packed=True" if packed else ",record_taus=True" if record_taus else ""
+        name += ",probs=True" if probs else ",packed=True" if packed else ""
         name += f",order={order}" if has_filters and penalties else ""
         report[name] = spilled_bytes(kernel)
     print(json.dumps(report))
