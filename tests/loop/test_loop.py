@@ -75,6 +75,28 @@ def test_greedy_with_sliding_window_target_equals_ar(pair):
     assert ar.tokens != generate_ar(pair[0], PROMPTS, 12).tokens
 
 
+def test_greedy_with_gpt_oss_style_target_equals_ar(pair):
+    """A gpt-oss-style target (attention sinks through tree_attention, experts, a window of 8 in every other layer,
+    YaRN): greedy speculative output equals greedy autoregressive output, for a chain and a dynamic tree on a
+    paged cache; the sinks change the output."""
+    import copy
+    target = tiny(0, window=8, layer_types=["sliding_attention", "full_attention"], attention_sinks=True,
+                  num_experts=4, experts_per_token=2, qkv_bias=True, o_bias=True,
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.sinks.normal_(0, 2)
+    ar = generate_ar(target, PROMPTS, 12)
+    for tree, block_size in (("chain:4", None), ("dynamic:7,3,2", 4)):
+        out = SpeculativeDecoder(target, DraftModelDrafter(pair[1], tree), block_size=block_size)
+        assert out.generate(PROMPTS, 12).tokens == ar.tokens
+    sinkless = copy.deepcopy(target)
+    with torch.no_grad():
+        for layer in sinkless.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+    assert generate_ar(sinkless, PROMPTS, 12).tokens != ar.tokens
+
+
 def test_greedy_loop_on_the_triton_kernels_equals_ar(monkeypatch):
     """The whole loop on the Triton kernels (the GPU path; here through the interpreter): greedy speculative
     output equals greedy autoregressive output, which equals the default CPU backend's."""

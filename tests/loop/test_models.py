@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -169,6 +170,65 @@ def test_sliding_window_matches_transformers_mistral(tmp_path):
         assert not torch.allclose(model(x), tiny()(x), atol=1e-2)  # the window matters at this length
 
 
+GPT_OSS = dict(head_dim=16, qkv_bias=True, o_bias=True, attention_sinks=True, num_experts=4, experts_per_token=2,
+               sliding_window=10, layer_types=["sliding_attention", "full_attention"], rope_theta=150000.0,
+               rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 16})
+
+
+def gpt_oss_tiny(seed=0) -> Llama:
+    """A gpt-oss-style model: attention sinks, alternating sliding and full layers, experts, YaRN; its router
+    biases and sinks far from 0, so that a mix-up of names or a dropped sink shows."""
+    model = tiny(seed, **GPT_OSS)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4) * 2)
+            layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.3)
+            layer.mlp.experts.down_proj_bias.normal_(0, 0.3)
+    return model
+
+
+def test_gpt_oss_matches_transformers_both_ways(tmp_path):
+    """gpt-oss (sinks, experts with clamped SwiGLU and a biased top-k router, alternating windows, YaRN with its
+    attention factor): ours saved as gpt_oss gives transformers' GptOssForCausalLM logits, and a folder transformers
+    wrote (its own random init) loads into ours with the same logits. Sequences longer than the window, so the
+    sliding layers differ from full ones; the sinks matter (without them the logits move)."""
+    transformers = transformers_or_skip()
+    model = gpt_oss_tiny()
+    save_model(model, str(tmp_path / "ours"), dtype=torch.float32)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "gpt_oss"
+    hf = transformers.GptOssForCausalLM.from_pretrained(str(tmp_path / "ours"), torch_dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    x = torch.randint(0, 40, (2, 21))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+        sinkless = gpt_oss_tiny()
+        for layer in sinkless.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+        assert not torch.allclose(sinkless(x), model(x), atol=1e-3)
+        theirs = transformers.GptOssForCausalLM(hf.config).eval()  # (transformers' own initialization)
+        theirs.save_pretrained(str(tmp_path / "theirs"), safe_serialization=True)
+        loaded = load_model(str(tmp_path / "theirs"))
+        assert loaded.cfg.attention_sinks and loaded.cfg.num_experts == 4 and loaded.cfg.window(1) is None
+        torch.testing.assert_close(loaded(x), theirs(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_oss_round_trip_and_yarn():
+    """gpt_oss configs read back as written; YaRN's inverse frequencies and attention factor equal transformers'
+    formulas (checked here on their closed form at the band's edges: extrapolated fast dims, interpolated slow)."""
+    from specdec.loop.models.hf import config_from_hf, config_to_hf
+    from specdec.loop.models.llama import rope_attention_factor, rope_inv_freq
+    model = gpt_oss_tiny()
+    assert config_from_hf(config_to_hf(model.cfg, torch.float32)).to_dict() == model.cfg.to_dict()
+    cfg = model.cfg
+    inv = rope_inv_freq(cfg)
+    plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, 16, 2).float() / 16))
+    assert torch.equal(inv[0], plain[0]) and torch.allclose(inv[-1], plain[-1] / 8)
+    assert rope_attention_factor(cfg) == pytest.approx(0.1 * math.log(8.0) + 1)
+    with pytest.raises(ValueError, match="gpt-oss"):
+        config_to_hf(dataclasses.replace(cfg, num_experts=0, experts_per_token=0), torch.float32)
+
+
 def test_window_configs():
     """transformers' rules: Mistral windows every layer (4096 by default, null = none); Qwen2 only with
     use_sliding_window, in the layers layer_types names, else from max_window_layers on; Llama never."""
@@ -256,22 +316,23 @@ def test_float8_cache_with_scales_tracks_the_causal_forward(monkeypatch):
     assert error() < 0.1
     attention = specdec.ops.LayerCalls.tree_attention
 
-    def without_scales(calls, *args):  # the mutant: tree_attention called without the cache's scales
+    def without_scales(calls, *args, **kwargs):  # the mutant: tree_attention called without the cache's scales
         calls.k_scale = calls.v_scale = calls._attend = None
-        return attention(calls, *args)
+        return attention(calls, *args, **kwargs)
 
     monkeypatch.setattr(specdec.ops.LayerCalls, "tree_attention", without_scales)
     assert error() > 0.5
 
 
-@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("window", [None, 9, "gpt-oss"])
 @pytest.mark.parametrize("block_size", [None, 8])
 def test_tree_verification_matches_each_branch(block_size, window):
     """Node i's logits from one tree pass == the causal forward of prefix + the path root..i (a window of 9
-    hides the oldest prefix tokens from the deeper nodes: each node's window ends at its own position); so
+    hides the oldest prefix tokens from the deeper nodes: each node's window ends at its own position; the
+    gpt-oss-style model's sinks go through tree_attention, its window of 10 in every other layer); so
     are its hidden states (return_hidden: the last layer's output before the final norm, what MTP and EAGLE
     drafters condition on), and the head of those is the logits."""
-    model = tiny(seed=2, sliding_window=window)
+    model = gpt_oss_tiny(seed=2) if window == "gpt-oss" else tiny(seed=2, sliding_window=window)
     gen = torch.Generator().manual_seed(0)
     B, T, L = 2, 9, 5
     prefix = torch.randint(0, 40, (B, L))

@@ -1,8 +1,9 @@
 """Hugging Face-format checkpoint folders (config.json + *.safetensors) <-> `Llama`.
 
-Reads Llama, Mistral, Qwen2 and Qwen3 configs and weights (the parameter names are ours, except our fused
-q/k/v and gate/up projections); writes a folder that transformers loads as is: LlamaForCausalLM, or
-MistralForCausalLM (a window in every layer), or Qwen3ForCausalLM (q/k norms).
+Reads Llama, Mistral, Qwen2, Qwen3 and gpt-oss configs and weights (the parameter names are ours, except our
+fused q/k/v and gate/up projections); writes a folder that transformers loads as is: LlamaForCausalLM, or
+MistralForCausalLM (a window in every layer), or Qwen3ForCausalLM (q/k norms), or GptOssForCausalLM (attention
+sinks and experts).
 """
 from __future__ import annotations
 
@@ -17,14 +18,19 @@ from safetensors.torch import load_file, save_file
 
 from .llama import Llama, LlamaConfig, rope_inv_freq
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss")
 QWEN = ("qwen2", "qwen3")  # the same window rules; Qwen2 has q/k/v biases, Qwen3 a q/k norm instead
 # config.json fields we translate; everything else is kept in LlamaConfig.extra and written back (the window
 # fields too: read into LlamaConfig and kept as they were)
 _KNOWN = {"model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "intermediate_size", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
           "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias", "bos_token_id",
-          "eos_token_id", "hidden_act", "torch_dtype"}
+          "eos_token_id", "hidden_act", "torch_dtype", "rope_parameters", "num_local_experts", "num_experts_per_tok",
+          "swiglu_alpha", "swiglu_limit"}
+
+
+# (gpt-oss's windows are always written from the config: not kept apart)
+_GPT_OSS_WINDOW = ("sliding_window", "layer_types")
 
 
 class CheckpointError(ValueError):
@@ -42,31 +48,44 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     # transformers' rules and defaults: Mistral windows every layer (sliding_window 4096 unless given, null = no
     # window); Qwen2 only with use_sliding_window, in the layers layer_types marks "sliding_attention", or
     # else from layer max_window_layers (default 28) on
-    windowed = hf.get("use_sliding_window", False) if kind in QWEN else kind == "mistral"
+    windowed = hf.get("use_sliding_window", False) if kind in QWEN else kind in ("mistral", "gpt_oss")
     window = hf.get("sliding_window", 4096) if windowed else None
     if window is not None and kind in QWEN:
         first = hf.get("max_window_layers", 28)
         layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                                 for i in range(hf["num_hidden_layers"])]
+    elif kind == "gpt_oss":  # (transformers' default: sliding and full layers alternating, sliding first)
+        layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                                for i in range(hf["num_hidden_layers"])]
     else:
         layer_types = None
+    # transformers 5 writes the rotary's base and scaling together (rope_parameters), earlier versions apart
+    rope = dict(hf.get("rope_parameters") or {})
+    rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_scaling = rope if rope.get("rope_type", "default") != "default" else hf.get("rope_scaling")
+    gpt_oss = kind == "gpt_oss"
     return LlamaConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, intermediate_size=hf["intermediate_size"],
-        head_dim=hf.get("head_dim"), norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf.get("rope_theta", 10000.0),
-        rope_scaling=hf.get("rope_scaling"), max_seq_len=hf.get("max_position_embeddings", 4096),
+        head_dim=hf.get("head_dim"), norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
+        rope_scaling=rope_scaling, max_seq_len=hf.get("max_position_embeddings", 4096),
         tie_embeddings=hf.get("tie_word_embeddings", False),
-        qkv_bias=kind == "qwen2" or hf.get("attention_bias", False),
-        o_bias=kind != "qwen2" and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
+        qkv_bias=kind == "qwen2" or hf.get("attention_bias", gpt_oss),
+        o_bias=kind != "qwen2" and hf.get("attention_bias", gpt_oss), mlp_bias=hf.get("mlp_bias", False),
         qk_norm=kind == "qwen3",
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        sliding_window=window, layer_types=layer_types,
-        extra={k: v for k, v in hf.items() if k not in _KNOWN})
+        sliding_window=window, layer_types=layer_types, attention_sinks=gpt_oss,
+        num_experts=hf.get("num_local_experts", 0) if gpt_oss else 0,
+        experts_per_token=hf.get("num_experts_per_tok", 0) if gpt_oss else 0,
+        swiglu_alpha=hf.get("swiglu_alpha", 1.702), swiglu_limit=hf.get("swiglu_limit", 7.0),
+        extra={k: v for k, v in hf.items() if k not in _KNOWN and not (gpt_oss and k in _GPT_OSS_WINDOW)})
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
-    """A Llama config, a Qwen3 one for a model with a q/k norm (no window), or a Mistral one for a model with a
-    sliding window in every layer."""
+    """A Llama config, a Qwen3 one for a model with a q/k norm (no window), a Mistral one for a model with a
+    sliding window in every layer, or a gpt-oss one for a model with attention sinks and experts."""
+    if cfg.attention_sinks or cfg.num_experts:
+        return _gpt_oss_config(cfg, dtype)
     if cfg.qkv_bias != cfg.o_bias:
         raise ValueError("saving: q/k/v biases without an o_proj bias is Qwen2-only, not expressible as Llama")
     kind = "llama"
@@ -89,6 +108,26 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "hidden_act": "silu",
         "torch_dtype": str(dtype).replace("torch.", ""), **cfg.extra, **window}
+
+
+def _gpt_oss_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
+    if not (cfg.attention_sinks and cfg.num_experts and cfg.qkv_bias == cfg.o_bias) or cfg.qk_norm or cfg.mlp_bias:
+        raise ValueError("saving: attention sinks or experts are written as gpt-oss, which has both, q/k/v and o "
+                         "biases alike, and no q/k norm")
+    layer_types = [("sliding_attention" if cfg.window(i) is not None else "full_attention")
+                   for i in range(cfg.n_layers)]
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.intermediate_size,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.qkv_bias, "sliding_window": cfg.sliding_window, "layer_types": layer_types,
+        "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+        "swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id, "hidden_act": "silu", "torch_dtype": str(dtype).replace("torch.", ""),
+        **cfg.extra}
 
 
 # our fused projections: (the module holding it, its Hugging Face parts in the order they are joined)

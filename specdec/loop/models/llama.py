@@ -1,9 +1,9 @@
 """A compact Llama-architecture decoder (gpt-fast style) whose cached attention runs on specdec's ops.
 
-Covers Llama 1-3, Mistral, Qwen2 and Qwen3 checkpoints: RMSNorm, rotary embeddings (incl. Llama-3 and
-linear rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional q/k/v biases
-(Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, Qwen2/3), and a float8 KV cache
-(KVCache dtype).
+Covers Llama 1-3, Mistral, Qwen2, Qwen3 and gpt-oss checkpoints: RMSNorm, rotary embeddings (incl. Llama-3,
+linear and YaRN rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional q/k/v biases
+(Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, Qwen2/3, gpt-oss's alternating ones),
+attention sinks and gpt-oss's mixture-of-experts MLP (`MoEMLP`), and a float8 KV cache (KVCache dtype).
 Module names follow the Hugging Face parameter names, except that q/k/v and gate/up projections are
 fused into one matmul each (`qkv_proj`, `gate_up_proj`; hf.py splits and joins them).
 
@@ -56,6 +56,13 @@ class LlamaConfig:
     # included, in the layers layer_types marks "sliding_attention" (transformers' field), every layer if None
     sliding_window: Optional[int] = None
     layer_types: Optional[list] = None
+    # gpt-oss: a learned logit per query head in each layer's softmax denominator (no value), and a mixture of
+    # experts: num_experts > 0 replaces the MLP by `MoEMLP` (experts_per_token of them per token)
+    attention_sinks: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     extra: dict = field(default_factory=dict)  # unknown config.json fields, kept for saving
 
     def __post_init__(self):
@@ -63,6 +70,9 @@ class LlamaConfig:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token: must be in [1, num_experts = {self.num_experts}], got "
+                             f"{self.experts_per_token}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +107,38 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling: rope_type {kind!r} not supported (default, linear, llama3)")
+    if kind == "yarn":  # YaRN (arXiv 2309.00071): interpolated below a band of dimensions, extrapolated above
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def dimension(rotations):  # the dimension that turns `rotations` times over old_len positions
+            return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        low, high = dimension(fast), dimension(slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        extrapolated = 1 - ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        positions_per_turn = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+        return 1.0 / (factor * positions_per_turn) * (1 - extrapolated) + inv_freq * extrapolated
+    raise ValueError(f"rope_scaling: rope_type {kind!r} not supported (default, linear, llama3, yarn)")
+
+
+def rope_attention_factor(cfg: LlamaConfig) -> float:
+    """The factor YaRN scales cos and sin by (transformers' attention_factor; 1 for the other kinds)."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -197,6 +238,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
 
     def qkv(self, x, cos, sin):
         B, T, _ = x.shape
@@ -212,12 +255,19 @@ class Attention(nn.Module):
         """Causal self-attention over the whole sequence (training / ground truth)."""
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x, cos, sin))
-        if self.window is None:
+        back = torch.arange(T, device=x.device).unsqueeze(1) - torch.arange(T, device=x.device)
+        visible = (back >= 0) & (back < (T if self.window is None else self.window))  # causal, in the window
+        if self.cfg.attention_sinks:  # the sink: one more logit per head in the softmax, whose value is 0
+            group = self.cfg.n_heads // self.cfg.n_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            scores = (q @ k.transpose(-1, -2) * self.cfg.head_dim ** -0.5).masked_fill(~visible, float("-inf"))
+            sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(B, -1, T, 1)
+            weights = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
+            out = weights @ v
+        elif self.window is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:  # causal, and at most window - 1 positions back
-            back = torch.arange(T, device=x.device).unsqueeze(1) - torch.arange(T, device=x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=(back >= 0) & (back < self.window),
-                                                 enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def forward_cached(self, x, k_cache, v_cache, step: CachedStep):
@@ -227,7 +277,8 @@ class Attention(nn.Module):
         step.calls.kv_append(k_cache, v_cache, k, v)
         if step.first_new:  # the cached nodes' queries are not needed: zero rows stand in for them
             q = torch.cat((q.new_zeros(B, step.first_new, *q.shape[2:]), q), dim=1)
-        out = step.calls.tree_attention(q, k_cache, v_cache, -1 if self.window is None else self.window - 1)
+        out = step.calls.tree_attention(q, k_cache, v_cache, -1 if self.window is None else self.window - 1,
+                                        sinks=self.sinks.float() if self.cfg.attention_sinks else None)
         return self.o_proj(out[:, step.first_new:].reshape(B, F_new, -1))
 
 
@@ -242,11 +293,51 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class Experts(nn.Module):
+    """gpt-oss's experts, in Hugging Face's layouts: gate_up_proj (E, dim, 2I) with the gate and up columns
+    interleaved, gate_up_proj_bias (E, 2I), down_proj (E, I, dim), down_proj_bias (E, dim)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        E, D, I = cfg.num_experts, cfg.dim, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.randn(E, D, 2 * I) * D ** -0.5)
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I))
+        self.down_proj = nn.Parameter(torch.randn(E, I, D) * I ** -0.5)
+        self.down_proj_bias = nn.Parameter(torch.zeros(E, D))
+
+
+class MoEMLP(nn.Module):
+    """gpt-oss's mixture of experts: a biased linear router picks each token's experts_per_token experts and
+    weighs them by the softmax of their router logits; an expert is a SwiGLU with clamps, (up + 1) *
+    gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit. Every expert runs on every token and the
+    unpicked ones weigh 0 (a small model's runner: no data-dependent shapes, so no host sync and CUDA graphs
+    capture it; a large model's engine dispatches the tokens instead)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=True)
+        self.experts = Experts(cfg)
+
+    def forward(self, x):
+        cfg, e = self.cfg, self.experts
+        tokens = x.reshape(-1, x.shape[-1])  # (N, dim)
+        top, picked = self.router(tokens).topk(cfg.experts_per_token, dim=-1)
+        weight = torch.zeros(tokens.shape[0], cfg.num_experts, dtype=x.dtype, device=x.device)
+        weight.scatter_(1, picked, torch.softmax(top, dim=-1))  # (N, E): 0 for the experts not picked
+        gate_up = torch.einsum("nd,edf->enf", tokens, e.gate_up_proj) + e.gate_up_proj_bias.unsqueeze(1)
+        gate = gate_up[..., ::2].clamp(max=cfg.swiglu_limit)
+        up = gate_up[..., 1::2].clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+        hidden = (up + 1) * gate * torch.sigmoid(gate * cfg.swiglu_alpha)  # (E, N, I)
+        out = torch.einsum("enf,efd->end", hidden, e.down_proj) + e.down_proj_bias.unsqueeze(1)
+        return torch.einsum("ne,end->nd", weight, out).reshape(x.shape)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, cfg.window(layer))
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg) if cfg.num_experts else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
 
@@ -276,6 +367,7 @@ class Llama(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.attention_factor = rope_attention_factor(cfg)
         self._compiled = None  # forward_cached through torch.compile (see compile_cached)
 
     @property
@@ -290,10 +382,13 @@ class Llama(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def rope(self, positions: torch.Tensor):
-        """cos and signed sin (-sin, sin) (B, T, head_dim) for integer positions (B, T) (see apply_rope)."""
+        """cos and signed sin (-sin, sin) (B, T, head_dim) for integer positions (B, T) (see apply_rope), scaled by
+        YaRN's attention factor."""
         angles = positions.float().unsqueeze(-1) * self.inv_freq  # (B, T, D/2)
-        sin = angles.sin()
-        return torch.cat((angles, angles), dim=-1).cos().to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
+        cos, sin = torch.cat((angles, angles), dim=-1).cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
 
     @property
     def output_weight(self) -> torch.Tensor:
