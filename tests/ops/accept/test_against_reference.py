@@ -770,14 +770,18 @@ def test_triton_filtered_rows_reads(monkeypatch, schedule):
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter spy: the kernels run compiled on the GPU")
 @pytest.mark.parametrize("mode", ["processed", "raw"])
 @pytest.mark.parametrize("filter_order", ["hf", "vllm", "sglang"])
-@pytest.mark.parametrize("method,draft", [("token", True), ("token", False), ("block", True), ("traversal", True)],
-                         ids=["token-draft_logits", "token-given", "block", "traversal"])
-def test_triton_logprobs_read_each_emitted_row_once(monkeypatch, mode, filter_order, method, draft):
+@pytest.mark.parametrize("method,draft,split", [("token", True, False), ("token", False, False), ("block", True, False),
+                                                ("traversal", True, False), ("token", True, True),
+                                                ("traversal", True, True)],
+                         ids=["token-draft_logits", "token-given", "block", "traversal",
+                              "token-draft_logits-split-launches", "traversal-split-launches"])
+def test_triton_logprobs_read_each_emitted_row_once(monkeypatch, mode, filter_order, method, draft, split):
     """What return_logprobs costs in reads, element by element (the spy): the op's reads with return_logprobs=3
     minus its reads without are exactly one read of each emitted position's row (its parent node's target row)
     and nothing else, in both modes, for greedy requests and for sampling ones with top-k, top-p and min-p
     (alone and together, in each filter order): the filters' thresholds come from the walk, which found them
-    reading the same rows, never from a search of the logprobs' own."""
+    reading the same rows, never from a search of the logprobs' own. Split launches record the same
+    thresholds as the walker: the same outputs, logprobs included, bit for bit."""
     from specdec.kernels.accept import accept as triton_accept
 
     gen = torch.Generator().manual_seed(69 + len(filter_order) + 2 * draft)
@@ -797,16 +801,21 @@ def test_triton_logprobs_read_each_emitted_row_once(monkeypatch, mode, filter_or
     min_p = torch.tensor([0.0, 0.0, 0.1, 0.05, 0.1, 0.01, 0.0])
     args = (target, batch["tokens"].int(), batch["parents"].int(), draft_logits, temps, batch["seeds"],
             batch["num_nodes"], 0, None, top_k, top_p, min_p, None)
-    options = dict(method=method, filter_order=filter_order, logprobs_mode=mode)
+    options = dict(method=method, filter_order=filter_order, logprobs_mode=mode, block_v=16, num_splits=3)
+    schedule = dict(split_steps=20 if split else 0)
     reads = {}
     for n in (-1, 3):
         spy = MemorySpy(monkeypatch)
-        res = AcceptResult.from_op(triton_accept(*args, **options, return_logprobs=n))
+        res = AcceptResult.from_op(triton_accept(*args, **options, **schedule, return_logprobs=n))
         reads[n] = spy.counts([target])
         monkeypatch.undo()
         if n < 0:
             plain = res
     assert all(torch.equal(x, y) for x, y in zip(plain[:3], res[:3]))  # (logprobs change no draw)
+    if split:
+        walker = AcceptResult.from_op(triton_accept(*args, **options, split_steps=0, return_logprobs=3))
+        for x, y in zip((*res[:3], *res.logprobs), (*walker[:3], *walker.logprobs)):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
     rows = element_addresses(target)
     emitted = {a for b in range(B) for node in res.accepted_nodes[b, : int(res.num_accepted[b]) + 1].tolist()
                for a in rows[b, node].tolist()}
