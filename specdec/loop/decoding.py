@@ -403,12 +403,14 @@ class SpeculativeDecoder:
             self.drafter.skip(**hidden_kw)
         elif s.grammar is not None and any(s.grammar.replaced):
             # a forced chain replaced some requests' trees: none of their drafter's nodes was accepted but the root,
-            # and its cache catches up on the chain before the next proposal (the loop's catch_up)
+            # and a drafter with a cache of its own catches up on the chain before its next proposal (the loop's
+            # catch_up, as after skipped steps)
             replaced = torch.tensor(s.grammar.replaced, device=num_acc.device)
             root_only = torch.where(s.cols[:Tp] == 0, 0, -1).to(res.accepted_nodes.dtype)
             self.drafter.commit(prop, torch.where(replaced.unsqueeze(1), root_only, res.accepted_nodes),
                                 torch.where(replaced, 0, num_acc), **hidden_kw)
-            self.drafter.lagging = not self.jump_stateless
+            if not self.jump_stateless:
+                self.drafter.lagging = True
         else:
             self.drafter.commit(prop, res.accepted_nodes, num_acc, **hidden_kw)
 

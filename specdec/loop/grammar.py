@@ -101,21 +101,23 @@ class GrammarBackend:
 
 
 class XGrammarMatcher(Matcher):
+    """An xgrammar.GrammarMatcher (its bitmask is accept's layout)."""
+
     def __init__(self, matcher):
-        self.m = matcher
+        self.xgrammar_matcher = matcher
 
     def accept(self, token):
-        return bool(self.m.accept_token(int(token)))
+        return bool(self.xgrammar_matcher.accept_token(int(token)))
 
     def rollback(self, n):
         if n:
-            self.m.rollback(n)
+            self.xgrammar_matcher.rollback(n)
 
     def fill(self, bitmask, row):
-        self.m.fill_next_token_bitmask(bitmask, row)
+        self.xgrammar_matcher.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self):
-        return bool(self.m.is_terminated())
+        return bool(self.xgrammar_matcher.is_terminated())
 
 
 class XGrammarBackend(GrammarBackend):

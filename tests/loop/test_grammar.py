@@ -297,11 +297,11 @@ class MaskBlindDrafter(DraftModelDrafter):
         return None
 
 
-@pytest.mark.parametrize("tree", ["chain:3", "tree:2,1", "mtp:chain:2"])
+@pytest.mark.parametrize("tree", ["chain:3", "tree:2,1", "mtp:chain:2", "dynamic:6,3,2"])
 def test_sampled_law_under_a_grammar_is_the_masked_law(shipped, backend, tree):
-    """Many seeds in one batch, draft logits (the draft model or MTP samples from its masked law): the first two
-    tokens follow the target's processed law under the grammar's masks (chi-square), and never leave its
-    support."""
+    """Many seeds in one batch, draft logits (the draft model or MTP samples from its masked law) or given
+    proposals (the dynamic tree, ranked under the masks): the first two tokens follow the target's processed law
+    under the grammar's masks (chi-square), and never leave its support."""
     target, draft = shipped
     n, temperature = 600, 1.0
     d = MTPDrafter(target, load_mtp(os.path.join(ASSETS, "mtp"), target.cfg), tree[4:]) if tree.startswith("mtp") \
