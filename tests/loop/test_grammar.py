@@ -5,6 +5,7 @@ law (with a negative control), the matchers' state follows the output, bad gramm
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -108,6 +109,20 @@ def test_constrained_outputs_validate(shipped, backend, name):
         assert len(tokens) < n, TOK.decode(tokens)  # ended at the EOS, not at max_new_tokens
         assert judge(backend, spec, tokens), TOK.decode(tokens)
         assert validates(schema, json.loads(TOK.decode(tokens))), TOK.decode(tokens)
+
+
+def test_grammar_composes_with_the_sampling_parameters(shipped, backend):
+    """A grammar with a repetition penalty, a logit bias, top-k, processed logprobs and a batch padded to its
+    bucket: the constrained outputs are valid, and each emitted token's processed logprob is finite (the law it
+    was drawn from, the grammar's mask included, allowed it)."""
+    target, draft = shipped
+    spec = {"json_schema": ENUMS}
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "tree:2,2,1"), batch_buckets=(4,))
+    out = decoder.generate(PROMPTS[:3], 64, 0.8, seed=3, grammar=[spec, None, spec], repetition_penalty=1.3,
+                           logit_bias={ord("7"): 2.0}, top_k=20, logprobs=2, logprobs_mode="processed")
+    for b in (0, 2):
+        assert judge(backend, spec, out.tokens[b]), TOK.decode(out.tokens[b])
+    assert all(math.isfinite(x) for lp in out.logprobs for x in lp)
 
 
 def test_regex_and_ebnf_outputs_match(shipped, backend):
