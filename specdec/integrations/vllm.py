@@ -271,12 +271,12 @@ def rejection_sample(
                    target_logits, bonus, sampling_metadata, torch.where(greedy, 0.0, 1.0))
 
 
-def _with_max_num_logprobs(sampling_metadata, value):
-    """vLLM's `dataclasses.replace(sampling_metadata, max_num_logprobs=value)`, for duck-typed metadata too."""
+def _replaced(sampling_metadata, **fields):
+    """`dataclasses.replace(sampling_metadata, **fields)` (vLLM's call), for duck-typed metadata too."""
     if dataclasses.is_dataclass(sampling_metadata):
-        return dataclasses.replace(sampling_metadata, max_num_logprobs=value)
+        return dataclasses.replace(sampling_metadata, **fields)
     copy = type(sampling_metadata).__new__(type(sampling_metadata))
-    copy.__dict__.update(vars(sampling_metadata), max_num_logprobs=value)
+    copy.__dict__.update(vars(sampling_metadata), **fields)
     return copy
 
 
@@ -330,7 +330,7 @@ class RejectionSampler(nn.Module):
 
         bonus_output = self.sampler(
             logits=logits[metadata.bonus_logits_indices],
-            sampling_metadata=_with_max_num_logprobs(sampling_metadata, -1),
+            sampling_metadata=_replaced(sampling_metadata, max_num_logprobs=-1),
             predict_bonus_token=True,
             # (logits back, for the accepted tokens' logprobs below)
             logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits",
@@ -344,7 +344,7 @@ class RejectionSampler(nn.Module):
                 and (draft_probs is None or sampling_metadata.all_greedy)
                 and not (self.is_processed_logprobs_mode and sampling_metadata.max_num_logprobs is not None)):
             penalties = _penalties(sampling_metadata, B, V, dev)
-            processors_metadata = dataclasses.replace(sampling_metadata, no_penalties=True)
+            processors_metadata = _replaced(sampling_metadata, no_penalties=True)
         else:
             processors_metadata = sampling_metadata
         target_logits = self.apply_logits_processors(raw_target_logits.clone(), processors_metadata, metadata)
