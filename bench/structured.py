@@ -177,8 +177,9 @@ def markdown(res: dict) -> str:
              f"{cfg['draft_params'] / 1e6:.2f}M draft, {cfg['mtp_params'] / 1e6:.2f}M MTP module", "",
              f"{m['date']}, commit {m['git_commit'][:7]}, {m['cpu']} ({m['cpu_count']} cores, torch threads "
              f"{m['torch_threads']}), Python {m['python']}, torch {m['torch']}, xgrammar {m['xgrammar']}, specdec CPU "
-             f"backend: {m['specdec_cpu_backend']}, eager steps. The CPU was shared with other jobs (load average "
-             f"{' / '.join(map(str, m['load_average']))} at the start): tokens/s and the matchers' times are rough "
+             f"backend: {m['specdec_cpu_backend']}, eager steps, value checks off. The CPU was shared with other jobs "
+             f"(load average {' / '.join(map(str, m['load_average']))} at the start): tokens/s and the matchers' "
+             "times are rough "
              "(each row's best of its passes); tokens/step, acceptance and forced fractions are exact. "
              "`python -m bench.structured`.", "",
              f"{cfg['prompts']} prompts x {len(cfg['schemas'])} schemas ({', '.join(cfg['schemas'])}: "
@@ -194,7 +195,9 @@ def markdown(res: dict) -> str:
              "accepted it (forced chains included; \"1.00 x12\": 12 depths in a row at 1.00). Matcher: the host "
              "time per batch step in the grammar's matchers (walking the draft tree, filling masks, finding forced "
              "chains, advancing), and its share of the steps' time. Forced: the fraction of the emitted tokens that "
-             "jump-forward proposed. Same as masked AR: greedy outputs equal masked AR's token for token.", "",
+             "jump-forward proposed. Same as masked AR: greedy outputs equal masked AR's token for token. Suffix "
+             "decoding's global index holds the earlier generate calls' outputs of its pass (at batch 1 the earlier "
+             "requests', the same schema's among them; at batch 4 the earlier schemas'), as a server's would.", "",
              "| method | T | batch | new tokens/s | speedup vs masked AR | tokens/step | acceptance rate by depth | "
              "matcher ms/step | matcher share | forced | same as masked AR |",
              "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
