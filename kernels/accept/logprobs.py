@@ -6,9 +6,9 @@ j < num_accepted, then next_tokens[b]) from its parent row r = accepted_nodes[b,
   * "raw": log_softmax of the row as given (probabilities: log(p / sum p)), before step 0 and the mask;
   * "processed": the law the token was drawn from: the row after step 0 (`_values`: the penalties at the parent
     node's counts), through the mask (`_kept`) and temperature, and for a filtered sampling request its
-    threshold tau in the launch's filter order (the filters' search of filters.py, run here on the row: no
-    copy of their code), log p(x) = (x - M) / t - lse over the kept x >= tau (M the largest kept value); a greedy
-    request's row at temperature 1 without filters (vLLM's convention).
+    threshold tau in the launch's filter order (the one the walk's search, filters.py, found for the node),
+    log p(x) = (x - M) / t - lse over the kept x >= tau (M the largest kept value); a greedy request's row at
+    temperature 1 without filters (vLLM's convention).
 logprobs[b, j] is that log-law at e_j, and top_logprobs / top_token_ids its N = return_logprobs largest entries,
 ranked by the row's values themselves (raw: the entries as given, probabilities included, so no float32 log can
 tie two of them; processed: the masked values, the dropped ones at -inf), ties by the lower id. Positions past
@@ -22,8 +22,8 @@ gathering). In every mode, filtered or not, each emitted row is read exactly onc
 filtered "processed" row's threshold is the one the walk found for that node when it took its law (`_start_node`
 records it, in every launch with filters, in a (B, T) float32 scratch after the search records,
 `node_thresholds`; every sampling node of the path gets there before its children's tests or its draw, in every
-method), the same float from the same search of the same values, so the
-kept set and the logprobs are those a search here would give. A greedy row needs none: no filter applies to it.
+method), the same float from the same search of the same values, so the kept set and the logprobs are those a
+search here would give. A greedy row needs none: no filter applies to it.
 """
 from __future__ import annotations
 
