@@ -39,6 +39,8 @@ from specdec.loop.models.tokenizer import ByteTokenizer
 
 from .e2e import ASSETS, RESULTS, acceptance, machine
 
+# what every row decodes under: a nested object, enums, an array of numbers (each with fixed keys, which the grammar
+# forces: jump-forward's tokens)
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 12},
@@ -60,8 +62,8 @@ PROMPTS = ["import json\nconfig = ", "data = ", "def settings():\n    return ", 
 JUMP_FORWARD = 16  # the most forced tokens a step proposes
 
 
-# (row name, (target, draft, mtp) -> decoder)
-def _rows(jump: int) -> list:
+def methods(jump: int) -> list:
+    """The rows: (name, decoder factory over the models (target, draft, mtp)); jump: jump-forward's most tokens."""
     def drafter_rows(name, make, with_jump=True):
         rows = [(name, lambda m: SpeculativeDecoder(m[0], make(m)))]
         if with_jump:
@@ -133,7 +135,7 @@ class Pass(NamedTuple):
     prompt_s: float
     steps: int
     request_steps: int
-    emitted: float
+    emitted: int
     forced: int
     grammar_s: float
     stats: list
@@ -146,8 +148,8 @@ class Pass(NamedTuple):
 def run_pass(decoder, prompts: list, schemas: list, max_new: int, temperature: float, batch: int) -> Pass:
     """Every schema's prompts in batches of `batch` (seed: the batch's index, so sampled rows draw alike)."""
     outputs, stats = {}, []
-    wall = prompt_s = emitted = grammar_s = 0.0
-    steps = request_steps = forced = 0
+    wall = prompt_s = grammar_s = 0.0
+    steps = request_steps = emitted = forced = 0
     for name in schemas:
         for start in range(0, len(prompts), batch):
             out = decoder.generate(prompts[start:start + batch], max_new, temperature, seed=start // batch,
@@ -156,13 +158,14 @@ def run_pass(decoder, prompts: list, schemas: list, max_new: int, temperature: f
             s = out.summary
             wall, prompt_s, grammar_s = wall + s["wall_s"], prompt_s + s["prompt_s"], grammar_s + s["grammar_s"]
             n = sum(r["steps"] for r in out.stats)
-            steps, request_steps, emitted = steps + s["steps"], request_steps + n, emitted + s["tokens_per_step"] * n
-            forced += s["forced_tokens"]
+            steps, request_steps = steps + s["steps"], request_steps + n
+            emitted, forced = emitted + round(s["tokens_per_step"] * n), forced + s["forced_tokens"]
             stats += out.stats
     return Pass(outputs, wall, prompt_s, steps, request_steps, emitted, forced, grammar_s, stats)
 
 
 def row_of(method: str, temperature: float, batch: int, p: Pass) -> dict:
+    """A table row (the JSON's record) of a row's best pass, before its comparison with masked AR."""
     steps_s = p.wall - p.prompt_s
     return {"method": method, "temperature": temperature, "batch": batch, "new_tokens": p.new_tokens,
             "wall_s": p.wall, "tokens_per_s": p.new_tokens / p.wall, "tokens_per_step": p.emitted / p.request_steps,
@@ -281,7 +284,7 @@ def main(argv=None):
     tok = ByteTokenizer()
     prompts = [tok.encode(p) for p in PROMPTS[:args.prompts]]
     backend = XGrammarBackend.byte_vocabulary(target.cfg.vocab_size, target.cfg.eos_token_id)
-    rows = [(name, make) for name, make in _rows(args.jump_forward)
+    rows = [(name, make) for name, make in methods(args.jump_forward)
             if name == "masked AR" or not args.methods or re.search(args.methods, name)]
     modes = [(t, b) for t in temperatures for b in batch_sizes]
     with specdec.value_checks(False):  # (the timed runs without host syncs; the caller's setting comes back)
