@@ -14,7 +14,7 @@ import specdec
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / "specdec").rglob("*.py")) + sorted((ROOT / "kernels").rglob("*.py"))
 # imports that only some features make, each inside a function and each behind the extra that provides it
-OPTIONAL = {"triton": "triton", "tqdm": "progress", "transformers": "hf"}
+OPTIONAL = {"triton": "triton", "tqdm": "progress", "transformers": "hf", "xgrammar": "structured"}
 # the engines an integration adapts to: never a requirement (the engine is there already, with its own pins), only
 # imported inside the functions that run in it
 PEERS = {"vllm", "sglang", "sgl_kernel", "flashinfer"}
