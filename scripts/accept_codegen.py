@@ -47,7 +47,11 @@ TYPES = {"target_ptr": "*bf16", "draft_ptr": "*bf16", "tokens_ptr": "*i32", "par
          "row_offsets_ptr": "*i64", "top_k_ptr": "*i32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
          "acc_ptr": "*i32", "num_acc_ptr": "*i32", "next_ptr": "*i64", "state_i_ptr": "*i32", "state_f_ptr": "*fp32",
          "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "search_i_ptr": "*i32", "search_f_ptr": "*fp32",
-         "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32"}
+         "search_d_ptr": "*fp64", "sel_count_ptr": "*i32", "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32",
+         # step 0's (penalties, bias, min-tokens), in trees whose kernel takes them
+         "rep_ptr": "*fp32", "freq_ptr": "*fp32", "pres_ptr": "*fp32", "counts_ptr": "*i32", "prompt_ptr": "*i32",
+         "bias_ids_ptr": "*i32", "bias_values_ptr": "*fp32", "min_tokens_ptr": "*i32", "stop_ids_ptr": "*i32",
+         "generated_ptr": "*i64"}
 # (first split launch, later split launch, walker after split launches)
 LAUNCHES = {"first": (True, False), "split": (False, False), "walk": (False, True)}
 
@@ -106,6 +110,8 @@ def main() -> None:
                           BLOCK_V=cfg["block_v"], T_BLOCK=T, S_BLOCK=triton.next_power_of_2(S),
                           PREFETCH=cfg["prefetch"], TRIALS=cfg["trials"], NUM_PIVOTS=cfg["num_pivots"], CAP=cfg["cap"],
                           SELECT_BLOCK=cfg["select_block"], PAIR_BLOCK=cfg["pair_block"], **extra)
+        if "HAS_PENALTIES" in fn.arg_names:  # (step 0 off, as the tests' walk group compiles it)
+            constexprs.update(HAS_PENALTIES=False, FILTER_ORDER=0)
         # pointers, strides and V 16-divisible, as a launch at this shape marks them
         kernel = compile_for_hopper(fn, TYPES, constexprs,
                                     lambda name: name.startswith("stride_") or name == "V" or name in TYPES,
