@@ -230,6 +230,14 @@ def _recording(add_request, active: np.ndarray):
     return add_request_recorded
 
 
+def _first_entries(table: torch.Tensor, state: torch.Tensor, counts: np.ndarray, pad) -> torch.Tensor:
+    """(segments, max(counts)): the first counts[s] entries of vLLM's per-request-state table row state[s] (its
+    bias or stop-token buffers, stale past a request's count), the rest `pad` (accept's padding)."""
+    width = int(counts.max())
+    given = torch.arange(width, device=table.device) < torch.from_numpy(counts).to(table.device).unsqueeze(1)
+    return torch.where(given, table[state, :width], pad)
+
+
 class _Segments:
     """accept's requests over some rows: per segment its request (batch index), whether its results are kept,
     its first row and length (host); cu (segments + 1,) and parents (rows,) within the segment."""
@@ -341,18 +349,14 @@ class _Batch:
                        prompt_token_mask=torch.where(pen_t.unsqueeze(1), ps.prompt_bin_mask[state], 0))
         lb = self.logit_bias
         if num_bias.any():
-            K = int(num_bias.max())
-            given = torch.arange(K, device=dev) < torch.from_numpy(num_bias).to(dev).unsqueeze(1)
-            out["logit_bias"] = (torch.where(given, lb.logit_bias_token_ids.gpu[state, :K], -1),
-                                 torch.where(given, lb.logit_bias.gpu[state, :K], 0.0))
+            out["logit_bias"] = (_first_entries(lb.logit_bias_token_ids.gpu, state, num_bias, -1),
+                                 _first_entries(lb.logit_bias.gpu, state, num_bias, 0.0))
         if min_tok.any():
             num_stop = np.where(min_tok, lb.num_stop_token_ids.np[self.input_batch.idx_mapping_np[seg.req]], 0)
-            S = int(num_stop.max())
-            given = torch.arange(S, device=dev) < torch.from_numpy(num_stop).to(dev).unsqueeze(1)
             remaining = (lb.min_lens.gpu[state] - first_pos - 1).clamp(min=0)
             min_tok_t = torch.from_numpy(min_tok).to(dev)
             out["min_tokens"] = torch.where(min_tok_t, remaining + counts.sum(-1), 0).to(torch.int32)
-            out["stop_token_ids"] = torch.where(given, lb.stop_token_ids.gpu[state, :S], -1)
+            out["stop_token_ids"] = _first_entries(lb.stop_token_ids.gpu, state, num_stop, -1)
         return out
 
     def draft_rows(self, rows_t: torch.Tensor, tokens: torch.Tensor, seg: _Segments, dev) -> Optional[torch.Tensor]:
