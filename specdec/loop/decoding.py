@@ -213,6 +213,11 @@ class SpeculativeDecoder:
         them too); a constrained request ends at the EOS, which its grammar allows only once its output is complete
         (max_new_tokens still applies). A bad spec raises ValueError naming `grammar` before anything runs. The
         penalties, logprobs and grammar run with eager steps (neither compile nor CUDA graphs nor vocab_shard)."""
+        # the adaptive policy's start-up (the target's costs measured at this batch size) is not decoding time
+        policy, depth = None, self.drafter.max_depth
+        if self.adaptive is not None and depth > 0 and len(prompts):
+            B = batch_bucket(len(prompts), self.batch_buckets) if self.batch_buckets else len(prompts)
+            policy = self.adaptive(B, depth, self.target.device)
         t0 = time.perf_counter()
         s = self._start(prompts, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p,
                         allowed_token_ids=allowed_token_ids, filter_order=filter_order,
@@ -222,8 +227,6 @@ class SpeculativeDecoder:
                         logprobs=logprobs, logprobs_mode=logprobs_mode, grammar=grammar)
         _sync(s.tokens.device)  # (the prompts' kernels may still run: their time is the prompts')
         prompt_s = time.perf_counter() - t0
-        B, depth = s.tokens.shape[0], self.drafter.max_depth
-        policy = self.adaptive(B, depth, s.tokens.device) if self.adaptive is not None and depth > 0 else None
         s = self.steps.begin(s)
         schedule = StepSchedule(policy, self.drafter, s, drafting_timed=self.steps.times_drafting(s))
         bar = _progress(max_new_tokens) if progress else None
