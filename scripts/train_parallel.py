@@ -1,5 +1,5 @@
-"""Train the shipped parallel drafter (specdec/loop/assets/parallel): the shipped draft model (specdec/loop/assets/draft)
-taught to predict K tokens in one forward, PARD-style (arXiv 2504.18583), on the frozen shipped target.
+"""Train the shipped parallel drafter (specdec/loop/assets/parallel): the shipped draft model
+(specdec/loop/assets/draft) taught to predict K tokens in one forward, PARD-style (arXiv 2504.18583), on the frozen shipped target.
 
 The drafter reads the context x_0 .. x_j and then K - 1 mask tokens (one extra embedding row, id `mask_token_id` =
 the target's vocabulary size) at positions j + 1 .. j + K - 1; the output at x_j predicts x_{j+1} (depth 1, the
@@ -31,27 +31,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from specdec.loop.drafters.parallel import add_mask_token  # noqa: E402
 from specdec.loop.models.hf import load_model, save_model  # noqa: E402
-from specdec.loop.models.llama import Llama, LlamaConfig  # noqa: E402
+from specdec.loop.models.llama import Llama  # noqa: E402
 from train_tiny import corpus  # noqa: E402
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "specdec", "loop", "assets")
-
-
-def with_mask_token(draft: Llama) -> Llama:
-    """The draft model with one more embedding row (the mask token, id = its vocabulary size), initialized to the
-    mean of the others; every other weight copied. The id is recorded as config field mask_token_id."""
-    V = draft.cfg.vocab_size
-    cfg = LlamaConfig(**{**draft.cfg.to_dict(), "vocab_size": V + 1, "extra": {**draft.cfg.extra, "mask_token_id": V}})
-    model = Llama(cfg)
-    state = draft.state_dict()
-    emb = state["model.embed_tokens.weight"]
-    state["model.embed_tokens.weight"] = torch.cat((emb, emb.mean(0, keepdim=True)))
-    if not cfg.tie_embeddings:
-        head = state["lm_head.weight"]
-        state["lm_head.weight"] = torch.cat((head, head.mean(0, keepdim=True)))
-    model.load_state_dict(state)
-    return model
 
 
 def layout(T: int, K: int, retain: float, gen: torch.Generator):
@@ -150,7 +135,7 @@ def main():
 
     train, held, n_files, root = corpus()
     target = load_model(args.target).requires_grad_(False)
-    model = with_mask_token(load_model(args.draft))
+    model = add_mask_token(load_model(args.draft))
     mask_id = model.cfg.extra["mask_token_id"]
     print(f"# train_parallel: {model.num_params() / 1e6:.2f}M params from {args.draft} plus a mask token (id "
           f"{mask_id}), {K} positions per forward, conditional drop retain {args.retain} (target {args.target} "

@@ -4,7 +4,8 @@ from .base import DepthControl, Drafter, NoDrafter, Proposal, StepState, sample
 from .draft_model import DraftModelDrafter, TreeSpec, parse_tree
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
+from .parallel import ParallelDrafter
 from .suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["DepthControl", "Drafter", "DraftModelDrafter", "MTPDrafter", "NgramDrafter", "NoDrafter", "Proposal",
-           "StepState", "SuffixDrafter", "SuffixIndex", "TreeSpec", "parse_tree", "sample"]
+__all__ = ["DepthControl", "Drafter", "DraftModelDrafter", "MTPDrafter", "NgramDrafter", "NoDrafter", "ParallelDrafter",
+           "Proposal", "StepState", "SuffixDrafter", "SuffixIndex", "TreeSpec", "parse_tree", "sample"]
