@@ -22,6 +22,17 @@ A drafter whose proposals are cheap and deterministic (prompt lookup) needs no p
 plainly, what it would have proposed is judged against the tokens that follow (`DepthControl.shadow`,
 `AdaptiveDepth.judged`), exactly as a drafted step would have judged it.
 Any k is lossless: a greedy output never depends on the choices.
+
+A cold policy (a decoder's first call) starts from its drafter's prior (`drafter_prior`): the acceptance rate by
+depth that the shipped pair measured with a drafter of its kind, weighed as a few judgments, so that a request's own
+judgments replace it within a few steps, and a later call starts from what the earlier ones measured (`previous`).
+Measured rates rather than an optimistic start that backs off: backing off costs the steps that drafted too deep
+before it, and a flat guess errs the other way for a drafter whose rates are high (a guess of 0.6 per level makes
+depth 1 or 2 look best where the draft model's 0.94 makes 8 pay). Not a cache on disk of earlier runs' rates: what they measured depends on
+the prompts, the sampling and the load of the machine, each of which a later run may change, and a cache would
+need keys for all of them; the rates a drafter reaches on code are a property of the pair, which ships with them.
+The target's costs are measured when a policy is made for a new batch size (`measure_target_costs`, outside the
+call's timed decoding), since they depend on the device and its load, not on the pair alone.
 """
 from __future__ import annotations
 
@@ -36,6 +47,30 @@ from .drafters.base import DepthControl, Drafter
 from .models.llama import Llama, chain_tree, compile_static
 
 PROB_SCALE = 1 << 24  # acceptance probabilities travel in the step's int64 flags as multiples of 1 / PROB_SCALE
+
+
+# The shipped pair's acceptance rate by depth d = 1, 2, 3.. per drafter kind (of the steps that judged a depth-d draft,
+# the fraction accepting it; greedy, 128 new tokens on 8 held-out stdlib files, chain:8; deeper levels as the last
+# one): a cold policy's prior. Prompt lookup's and suffix decoding's first level is a guess of which match continues,
+# their deeper ones follow the text once it does. Sampled at T=0.8 every rate is 0.1-0.3 lower: the sampled requests'
+# acceptance probabilities (`AcceptanceStats.update`) replace the prior within a few steps.
+SHIPPED_ACCEPTANCE = {"DraftModelDrafter": (0.94,), "MTPDrafter": (0.91, 0.93), "NgramDrafter": (0.46, 0.87, 0.95),
+                      "SuffixDrafter": (0.60, 0.91, 0.94)}
+# the judgments a shipped rate counts as at each depth: its shape between depths is trusted (a weight of 8 against 2,
+# `AcceptanceStats`), and a request's own few judgments outweigh it (4, PRIOR_JUDGMENTS, for half)
+SHIPPED_WEIGHT = 8.0
+GUESS = 0.6  # the prior of a drafter of another kind, with no weight
+
+
+def drafter_prior(drafter, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prior, prior_weight), (K,) each: a cold policy's acceptance rates by depth 1..K for this drafter
+    (`SHIPPED_ACCEPTANCE`, by its class's exact name: a subclass drafts from another model, or differently), and the
+    judgments behind them; GUESS with no weight for a drafter of another kind."""
+    rates = SHIPPED_ACCEPTANCE.get(type(drafter).__name__)
+    if rates is None:
+        return np.full(max_depth, GUESS), np.zeros(max_depth)
+    rates = np.asarray(rates + rates[-1:] * max(max_depth - len(rates), 0), dtype=np.float64)[:max_depth]
+    return rates, np.full(max_depth, SHIPPED_WEIGHT)
 
 
 class AcceptanceStats:
@@ -197,9 +232,11 @@ class AdaptiveDepth:
 
     def __init__(self, batch_size: int, max_depth: int, target_s: Sequence[float], probe_every: int = 16,
                  previous: Optional["AdaptiveDepth"] = None, depths: Optional[Sequence[int]] = None,
-                 margin: float = 0.05):
+                 margin: float = 0.05, prior: Optional[tuple] = None):
         """previous: a policy of an earlier batch of the same drafter, whose measured costs carry over and whose
-        requests' acceptance rates per depth (`AcceptanceStats.population`) are the new requests' prior. depths: the
+        requests' acceptance rates per depth (`AcceptanceStats.population`) are the new requests' prior. prior: the
+        (rates, weight) per depth of a policy without a previous one (`drafter_prior`; None: GUESS, no weight).
+        depths: the
         depths it may choose (None: 0..max_depth); 0 and at least one other among them. margin: how much faster
         than plain decoding a drafting depth must be expected to go to be chosen (a gain predicted at a few percent
         is within the error of the rates and costs behind it, while where drafting pays, the gain is tens of
@@ -212,7 +249,7 @@ class AdaptiveDepth:
         self.allowed = np.zeros(max_depth + 1, dtype=bool)
         self.allowed[list(depths)] = True
         same_drafter = previous is not None and previous.stats.prior.shape == (max_depth,)
-        prior, prior_weight = previous.stats.population(batch_size) if same_drafter else (0.6, 0.0)
+        prior, prior_weight = previous.stats.population(batch_size) if same_drafter else prior or (GUESS, 0.0)
         self.stats = AcceptanceStats(batch_size, max_depth, prior=prior, prior_weight=prior_weight)
         self.target_s = np.asarray(target_s, dtype=np.float64)
         # unknown until the first drafted step; the rest of a step (bookkeeping, accept, rollbacks) is the

@@ -31,7 +31,7 @@ import torch
 
 import specdec
 from .. import distributed
-from .adaptive import PROB_SCALE, AdaptiveDepth, StepSchedule, compiled_depths, measure_target_costs
+from .adaptive import PROB_SCALE, AdaptiveDepth, StepSchedule, compiled_depths, drafter_prior, measure_target_costs
 from .drafters.base import DepthControl, Drafter, NoDrafter, Proposal, StepState
 from .grammar import GrammarBackend, TreeMasks, XGrammarBackend
 from .models.llama import Llama, compile_static
@@ -180,7 +180,7 @@ class SpeculativeDecoder:
                                      tokens=None if depths is None else [k + 1 for k in depths],
                                      graph_class=self.graph_class)
         self._policy = AdaptiveDepth(batch_size, max_depth, costs, previous=getattr(self, "_policy", None),
-                                     depths=depths)
+                                     depths=depths, prior=drafter_prior(self.drafter, max_depth))
         return self._policy
 
     @torch.inference_mode()

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.loop.adaptive import AcceptanceStats, AdaptiveDepth, _expected_tokens, compiled_depths, measure_target_costs
+from specdec.loop.adaptive import (SHIPPED_ACCEPTANCE, AcceptanceStats, AdaptiveDepth, _expected_tokens, compiled_depths,
+                                   drafter_prior, measure_target_costs)
 from specdec.loop.decoding import SpeculativeDecoder, generate_ar
-from specdec.loop.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter
+from specdec.loop.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, SuffixDrafter
 
 from test_loop import PROMPTS, byte_pair, chi_square_two_tokens, exact_filtered_two_token_law, pair, run_cli, tiny  # noqa: F401
 from test_mtp import assert_heads_cache_matches_a_fresh_run, target_and_mtp  # noqa: F401
@@ -1044,6 +1045,56 @@ def test_a_policy_starts_from_what_the_previous_batch_learned():
     third = AdaptiveDepth(2, 3, [1.0, 1.1, 1.2, 1.3], previous=first)
     np.testing.assert_array_equal(third.measured_s, first.measured_s)
     assert third.measured_s is not first.measured_s
+
+
+def test_a_cold_policy_first_drafts_as_deep_as_its_drafters_prior_says(pair):
+    """Without a previous batch, the first choices follow the drafter's prior: the draft model's measured rates
+    (0.94 per level) make the deepest chain pay where the guess (0.6) makes a shallow one look best, and prompt
+    lookup's (its first level often wrong) lie between."""
+    costs = [1.0 + 0.1 * k for k in range(9)]
+
+    def first_choices(prior):
+        policy = AdaptiveDepth(1, 8, costs, prior=prior)
+        policy.drafted(1, 0.05)
+        return [policy.choose([True], [96]) for _ in range(3)]
+
+    draft_model = first_choices(drafter_prior(DraftModelDrafter(pair[1], "chain:8"), 8))
+    guess = first_choices(None)
+    prompt_lookup = first_choices(drafter_prior(NgramDrafter(8), 8))
+    assert draft_model == [8] * 3 and guess == [2] * 3 and all(2 < k < 8 for k in prompt_lookup)
+
+
+def test_drafter_prior_by_kind_and_depth(pair):
+    rates, weight = drafter_prior(NgramDrafter(8), 10)  # deeper than measured: the deepest measured rate
+    np.testing.assert_allclose(rates, list(SHIPPED_ACCEPTANCE["NgramDrafter"]) + [0.95] * 7)
+    assert (weight > 0).all()
+    np.testing.assert_allclose(drafter_prior(SuffixDrafter(4), 2)[0], SHIPPED_ACCEPTANCE["SuffixDrafter"][:2])
+
+    class OtherModel(DraftModelDrafter):  # (another drafter's rates are not the shipped draft model's)
+        pass
+    rates, weight = drafter_prior(OtherModel(pair[1], "chain:3"), 3)
+    assert (rates == 0.6).all() and (weight == 0).all()
+
+
+def _drafters(pair, target_and_mtp):
+    return {"model": lambda: (pair[0], DraftModelDrafter(pair[1], "chain:6")),
+            "mtp": lambda: (target_and_mtp[0], MTPDrafter(target_and_mtp[0], target_and_mtp[1], "chain:6")),
+            "ngram": lambda: (pair[0], NgramDrafter(6)), "suffix": lambda: (pair[0], SuffixDrafter(6, 10))}
+
+
+@pytest.mark.parametrize("kind", ["model", "mtp", "ngram", "suffix"])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_greedy_adaptive_from_the_drafters_prior_equals_ar(pair, target_and_mtp, kind, batch, block_size):
+    """The default policy of a fresh decoder starts from its drafter's prior, and its outputs are AR's."""
+    target, drafter = _drafters(pair, target_and_mtp)[kind]()
+    prompts = PROMPTS4[:batch]
+    decoder = SpeculativeDecoder(target, drafter, adaptive=True, block_size=block_size)
+    out = decoder.generate(prompts, 24)
+    assert out.tokens == generate_ar(target, prompts, 24).tokens
+    cold = SpeculativeDecoder(target, drafter, adaptive=True)._default_policy(batch, 6, target.device)
+    np.testing.assert_allclose(cold.stats.prior, drafter_prior(drafter, 6)[0])
+    assert sum(out.summary["depth_chosen"][1:]) > 0
 
 
 @pytest.mark.parametrize("drafter", ["chain:4", "dynamic:7,3,2", "ngram"])
