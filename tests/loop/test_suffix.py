@@ -265,6 +265,24 @@ def test_global_index_stays_under_its_cap_across_calls(target):
     assert all(doc is not oldest for doc in drafter.global_index.documents)
 
 
+def test_a_drafter_that_forgot_earlier_outputs_proposes_as_a_fresh_one(target):
+    """forget: the next call draws on no earlier call's outputs (the global index, and the last batch's outputs
+    that the next start would have added), so its proposals, steps and outputs are a fresh drafter's."""
+    prompts = [[1, 2, 3, 7, 1, 2, 3, 8], [4, 5, 6]]
+    drafter = SuffixDrafter(max_depth=4, max_tokens=8)
+    decoder = SpeculativeDecoder(target, drafter)
+    first = decoder.generate(prompts, 14)
+    decoder.generate(prompts, 14)  # (its outputs are in the global index from here on)
+    drafter.forget()
+    again = decoder.generate(prompts, 14)
+    assert drafter.global_index.num_tokens == 0
+    assert again.tokens == first.tokens and again.summary["steps"] == first.summary["steps"]
+    assert again.summary["judged_by_depth"] == first.summary["judged_by_depth"]
+    remembered = SpeculativeDecoder(target, SuffixDrafter(max_depth=4, max_tokens=8))
+    remembered.generate(prompts, 14)
+    assert remembered.generate(prompts, 14).summary["steps"] < first.summary["steps"]  # (what forget undoes)
+
+
 def test_cli_suffix(capsys, byte_pair):  # noqa: F811
     base = ["--prompt", "abcabcabcab", "--target", str(byte_pair / "target"), "--drafter", "suffix",
             "--max-new-tokens", "8"]

@@ -165,6 +165,13 @@ class SuffixDrafter(Drafter, ShadowJudging):
         self._global_suffixes = None  # per request: its suffixes' nodes in global_index
         self._prompt_lens = None
 
+    def forget(self) -> None:
+        """Drop what earlier requests' outputs taught it: an empty global index, and the last batch's outputs (which
+        the next `start` would add) dropped too; as a fresh drafter, for a run that must not draw on earlier ones
+        (a benchmark's repeated passes over the same prompts)."""
+        self.global_index = SuffixIndex(self.max_match + self.max_depth)
+        self._local = None
+
     def start(self, tokens, seq_lens, *args, **kwargs):
         if self._local is not None:  # the previous batch's outputs, before this batch follows the global index
             for index, prompt_len in zip(self._local, self._prompt_lens):
