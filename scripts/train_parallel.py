@@ -16,6 +16,8 @@ the target's law and how often its argmax equals the target's argmax at that pos
 needs), and the share of anchors whose depths 1 .. d all agree (a greedy chain accepting d tokens).
 
     nice -n 5 python scripts/train_parallel.py --minutes 35 > scripts/train_parallel.log
+    nice -n 5 python scripts/train_parallel.py --minutes 20 --positions 12 --init specdec/loop/assets/parallel \
+        >> scripts/train_parallel.log
 """
 from __future__ import annotations
 
@@ -118,6 +120,8 @@ def main():
     ap.add_argument("--retain", type=float, default=0.7, help="conditional drop: depth d keeps retain**(d-1)")
     ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
     ap.add_argument("--draft", default=os.path.join(ASSETS, "draft"))
+    ap.add_argument("--init", help="continue from this parallel drafter's checkpoint (instead of --draft plus a mask "
+                    "token), with a new warm-up and decay over --minutes")
     ap.add_argument("--out", default=os.path.join(ASSETS, "parallel"))
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
@@ -135,9 +139,10 @@ def main():
 
     train, held, n_files, root = corpus()
     target = load_model(args.target).requires_grad_(False)
-    model = add_mask_token(load_model(args.draft))
+    model = load_model(args.init) if args.init else add_mask_token(load_model(args.draft))
     mask_id = model.cfg.extra["mask_token_id"]
-    print(f"# train_parallel: {model.num_params() / 1e6:.2f}M params from {args.draft} plus a mask token (id "
+    start = f"the checkpoint {args.init}" if args.init else f"{args.draft} plus a mask token"
+    print(f"# train_parallel: {model.num_params() / 1e6:.2f}M params from {start} (mask token id "
           f"{mask_id}), {K} positions per forward, conditional drop retain {args.retain} (target {args.target} "
           f"frozen, {target.num_params() / 1e6:.2f}M)", flush=True)
     print(f"# corpus {root}: {n_files} files, train {len(train) / 1e6:.2f}M bytes, held-out {len(held) / 1e6:.2f}M "
