@@ -1,8 +1,9 @@
 // kv_append: write the T new tokens' K/V of one layer at logical positions cache_lens[b] + i (in place).
 //
 //   k_cache, v_cache (B, L_max, Hkv, D) contiguous or (num_blocks, block_size, Hkv, D) paged, any float dtype
-//                    or float8_e4m3fn / float8_e5m2
-//   k_new, v_new     (B, T, Hkv, D), the caches' dtype; any float dtype (each its own) for a float8 cache
+//                    or float8_e4m3fn / float8_e5m2; v_cache None for a single-cache layer (MLA's latent cache)
+//   k_new, v_new     (B, T, Hkv, D), the caches' dtype; any float dtype (each its own) for a float8 cache;
+//                    v_new None with v_cache
 //   cache_lens       (B,) int32 (not changed)
 //   block_table      (B, max_blocks) int32 or None
 //   k_scale, v_scale float > 0, per-tensor scales (1 unless the cache is float8)
@@ -66,13 +67,15 @@ void quantize_append(const Tensor& cache, const Tensor& src, const Tensor& cache
   });
 }
 
-void kv_append_cpu(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_new, const Tensor& v_new,
-                   const Tensor& cache_lens, const std::optional<Tensor>& block_table, double k_scale,
-                   double v_scale) {
+void kv_append_cpu(const Tensor& k_cache, const std::optional<Tensor>& v_cache_in, const Tensor& k_new,
+                   const std::optional<Tensor>& v_new_in, const Tensor& cache_lens,
+                   const std::optional<Tensor>& block_table, double k_scale, double v_scale) {
+  // (undefined tensors: a single-cache layer)
+  const Tensor v_cache = v_cache_in.value_or(Tensor()), v_new = v_new_in.value_or(Tensor());
   check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale, v_scale);
   if (is_float8(k_cache.scalar_type())) {
     quantize_append(k_cache, k_new, cache_lens, block_table, k_scale);
-    quantize_append(v_cache, v_new, cache_lens, block_table, v_scale);
+    if (v_cache.defined()) quantize_append(v_cache, v_new, cache_lens, block_table, v_scale);
     return;
   }
   // the new rows are in the cache's dtype and the scales are 1
@@ -80,7 +83,7 @@ void kv_append_cpu(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k
     using T = decltype(type_tag);
     auto copy = [](auto... args) { copy_row(args...); };
     append_rows<T, T>(k_cache, k_new, cache_lens, block_table, copy);
-    append_rows<T, T>(v_cache, v_new, cache_lens, block_table, copy);
+    if (v_cache.defined()) append_rows<T, T>(v_cache, v_new, cache_lens, block_table, copy);
   });
 }
 

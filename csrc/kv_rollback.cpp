@@ -1,7 +1,8 @@
 // kv_rollback: keep only the accepted path's K/V rows, for every layer given, then advance cache_lens.
 //
 //   k_caches, v_caches  lists of tensors, each one layer (4-D) or a stack of layers (5-D, leading layer
-//                       dim); every layer (B, L_max, Hkv, D) contiguous or (num_blocks, block_size, Hkv, D)
+//                       dim); v_caches empty for single-cache layers (MLA's latent caches); every layer
+//                       (B, L_max, Hkv, D) contiguous or (num_blocks, block_size, Hkv, D)
 //                       paged, all with the same layer shape and dtype (any float dtype or float8: rows are
 //                       moved as raw elements, so a float8 cache's scales play no part)
 //   cache_lens          (B,) int32, += num_accepted + 1 after all moves (in place)

@@ -38,7 +38,7 @@ TORCH_LIBRARY(specdec, m) {
         "Tensor? logit_bias_ids=None, Tensor? logit_bias_values=None, Tensor? min_tokens=None, "
         "Tensor? stop_token_ids=None, str filter_order=\"hf\", int return_logprobs=-1, "
         "str logprobs_mode=\"raw\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("kv_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
+  m.def("kv_append(Tensor(a!) k_cache, Tensor(b!)? v_cache, Tensor k_new, Tensor? v_new, Tensor cache_lens, "
         "Tensor? block_table, float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("kv_rollback(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, Tensor accepted_nodes, "
         "Tensor num_accepted, Tensor? block_table) -> ()");

@@ -2,7 +2,8 @@
 //
 //   q                (B, T, Hq, D) fp16/bf16/fp32/fp64
 //   k_cache, v_cache (B, L_max, Hkv, D) contiguous or (num_blocks, block_size, Hkv, D) paged, q's dtype or
-//                    float8_e4m3fn / float8_e5m2 holding K / k_scale and V / v_scale
+//                    float8_e4m3fn / float8_e5m2 holding K / k_scale and V / v_scale; v_cache's head dim Dv <= D
+//                    (MLA's absorbed form: v_cache = k_cache[..., :Dv], the latent rows' leading channels)
 //   cache_lens       (B,) int32: committed tokens; the tree's K/V sit at positions L .. L + T - 1
 //   tree_mask        (B, T, ceil(T/32)) int32: node i sees tree position L + j iff bit j of tree_mask[b, i]
 //   block_table      (B, max_blocks) int32 or None
@@ -14,11 +15,13 @@
 //   logits_soft_cap  float >= 0: c > 0 turns every score s into c * tanh(s / c) before masking; 0 = off
 //   sinks            (Hq,) float32 or None: query head h's softmax denominator gains exp(sinks[h]) (gpt-oss's
 //                    attention sinks: a logit with no value, neither scaled nor capped; -inf = no sink)
-// -> out (B, T, Hq, D) q.dtype, lse (B, T, Hq) float32 (natural-log sum of exp of the scaled, capped scores,
+// -> out (B, T, Hq, Dv) q.dtype, lse (B, T, Hq) float32 (natural-log sum of exp of the scaled, capped scores,
 //    and of the sink)
 //
 // One work item per (request, KV head): its T x G query rows (G = Hq / Hkv, the GQA group) share every
-// K/V row, so each row is loaded (and converted to fp32) once for all of them. Flash-style online
+// K/V row, so each row is loaded (and converted to fp32) once for all of them. When V is K's leading channels
+// (MLA: one latent row per position, one KV head for all Hq heads) the loaded K row is V too: each position's
+// Dqk channels are read once. Flash-style online
 // softmax over blocks of kKeys keys, all in fp32 (fp64 for fp64 inputs). The scales are folded in where
 // they cost nothing: k_scale into the pre-scaled queries (q * scale * k_scale . K = q * scale . K * k_scale),
 // v_scale into the final normalization (out = O * v_scale / sum). Matrices are kept with the
@@ -113,7 +116,8 @@ struct TreeAttention {
   const int32_t* num_nodes;
   const int64_t* row_offsets;  // (B,): node i of request b is row row_offsets[b] + i of q, tree_mask, out, lse
   bool packed;  // rows packed (N, ...): only real nodes' rows are written (else padded, row_offsets[b] = b * T)
-  int64_t T, Hq, Hkv, D, W;
+  int64_t T, Hq, Hkv, D, Dv, W;  // D: q's and K's head dim; Dv: V's and out's (<= D)
+  bool v_from_k;  // V is the first Dv channels of K's rows (the same memory): loaded once, as K
   acc_t q_scale;  // scale * k_scale
   acc_t v_scale;
   int64_t window_left;  // -1: no window
@@ -122,17 +126,17 @@ struct TreeAttention {
   scalar_t* out;  // contiguous (B, T, Hq, D)
   float* lse;     // contiguous (B, T, Hq)
 
-  // Per-thread scratch, sized for the largest item: Dp = D rounded to kRows (Dv: to VS, the row layout's),
-  // Mp = T * G rounded to VS. kb, vb: a block's K and V rows, zero past D.
+  // Per-thread scratch, sized for the largest item: Dp = D rounded to kRows (Dr: to VS, the row layout's),
+  // Mp = T * G rounded to VS. kb, vb: a block's K and V rows (V's Dv <= D channels), zero past D (past Dv).
   struct Scratch {
-    int64_t Dp, Dv, Mp;
+    int64_t Dp, Dr, Mp;
     std::vector<acc_t> qt, ot, s, kb, vb, row_max, row_sum, alpha;
     std::vector<int64_t> start;  // per node: its first visible committed position (with a window)
     Scratch(int64_t D, int64_t T, int64_t G)
-        : Dp(round_up(D, kRows)), Dv(round_up(D, VS)), Mp(round_up(T * G, VS)),
-          qt(std::max(Dp * Mp, kFewRows * Dv)), ot(std::max(Dp * Mp, kFewRows * Dv)),
-          s(std::max(kKeys * Mp, kFewRows * kKeys), 0), kb(kKeys * std::max(Dp, Dv), 0),
-          vb(kKeys * std::max(Dp, Dv), 0), row_max(Mp), row_sum(Mp), alpha(Mp), start(T) {}
+        : Dp(round_up(D, kRows)), Dr(round_up(D, VS)), Mp(round_up(T * G, VS)),
+          qt(std::max(Dp * Mp, kFewRows * Dr)), ot(std::max(Dp * Mp, kFewRows * Dr)),
+          s(std::max(kKeys * Mp, kFewRows * kKeys), 0), kb(kKeys * std::max(Dp, Dr), 0),
+          vb(kKeys * std::max(Dp, Dr), 0), row_max(Mp), row_sum(Mp), alpha(Mp), start(T) {}
   };
 
   bool visible(int64_t b, int64_t node, int64_t j) const {
@@ -184,7 +188,7 @@ struct TreeAttention {
     for (int64_t node = n; node < (packed ? n : T); ++node) {  // a padded request's padding rows
       for (int64_t g = 0; g < Hq / Hkv; ++g) {
         const int64_t row = (row_offsets[b] + node) * Hq + kv_head * (Hq / Hkv) + g;
-        std::fill(out + row * D, out + (row + 1) * D, scalar_t(0));
+        std::fill(out + row * Dv, out + (row + 1) * Dv, scalar_t(0));
         lse[row] = -std::numeric_limits<float>::infinity();
       }
     }
@@ -196,12 +200,14 @@ struct TreeAttention {
     return (row_offsets[b] + m / G) * Hq + kv_head * G + m % G;
   }
 
-  // a block's keys p0 .. p0 + count - 1 into kb, vb (stride `stride`, converted to acc_t)
-  void load_block(int64_t b, int64_t kv_head, int64_t p0, int64_t count, int64_t stride, Scratch& w) const {
+  // a block's keys p0 .. p0 + count - 1 into kb, vb (stride `stride`, converted to acc_t); returns where V's rows
+  // are: vb, or kb when V is K's leading channels (not loaded again)
+  acc_t* load_block(int64_t b, int64_t kv_head, int64_t p0, int64_t count, int64_t stride, Scratch& w) const {
     for (int64_t j = 0; j < count; ++j) {
       load_row(k(b, p0 + j) + kv_head * k.head_stride, w.kb.data() + j * stride, D);
-      load_row(v(b, p0 + j) + kv_head * v.head_stride, w.vb.data() + j * stride, D);
+      if (!v_from_k) load_row(v(b, p0 + j) + kv_head * v.head_stride, w.vb.data() + j * stride, Dv);
     }
+    return v_from_k ? w.kb.data() : w.vb.data();
   }
 
   // soft cap, then -inf for what query row m may not see among the block's keys: committed keys before its
@@ -247,7 +253,7 @@ struct TreeAttention {
         row_max = new_max;
       }
       const acc_t inv = v_scale * rescale / row_sum;
-      for (int64_t d = 0; d < D; ++d) out[row * D + d] = static_cast<scalar_t>(o[m * om + d * od] * inv);
+      for (int64_t d = 0; d < Dv; ++d) out[row * Dv + d] = static_cast<scalar_t>(o[m * om + d * od] * inv);
       lse[row] = static_cast<float>(row_max + std::log(row_sum));
     }
   }
@@ -268,7 +274,8 @@ struct TreeAttention {
     }
     for (int64_t p0 = first; p0 < keys; p0 += kKeys) {
       const int64_t count = std::min(kKeys, keys - p0), rows = round_up(count, kRows);
-      load_block(b, kv_head, p0, count, Dp, w);
+      // (V's channels Dv .. Dp only reach O^T's rows past Dv, never written out)
+      acc_t* vrows = load_block(b, kv_head, p0, count, Dp, w);
       std::fill(kb + count * Dp, kb + rows * Dp, acc_t(0));
       std::fill(vb + count * Dp, vb + rows * Dp, acc_t(0));
       // S^T = K Q^T (rows x Mp): scores of every key in the block against every query row
@@ -276,28 +283,30 @@ struct TreeAttention {
       mask_block(b, L, p0, count, m0, M, s, Mp, 1, count * Mp, w);
       std::fill(s + count * Mp, s + rows * Mp, -std::numeric_limits<acc_t>::infinity());
       update_softmax(s, rows, Mp, w);
-      // O^T = O^T * alpha + V^T P^T  (Dp x Mp)
-      gemm<acc_t, true>(Dp, Mp, vb, 1, Dp, s, rows, ot, w.alpha.data());
+      // O^T = O^T * alpha + V^T P^T  (Dv rounded to kRows x Mp)
+      gemm<acc_t, true>(round_up(Dv, kRows), Mp, vrows, 1, Dp, s, rows, ot, w.alpha.data());
     }
     write_rows(b, kv_head, m0, M, ot, 1, Mp, w);
   }
 
-  // The row layout (M <= kFewRows): q, O (M x Dv) and the block's scores S (M x kKeys) row by row.
+  // The row layout (M <= kFewRows): q, O (M x Dr) and the block's scores S (M x kKeys) row by row.
   void run_rows(int64_t b, int64_t kv_head, int64_t first, Scratch& w) const {
-    const int64_t L = cache_lens[b], keys = L + num_nodes[b], M = num_nodes[b] * (Hq / Hkv), Dv = w.Dv;
+    const int64_t L = cache_lens[b], keys = L + num_nodes[b], M = num_nodes[b] * (Hq / Hkv), Dr = w.Dr;
+    const int64_t Dvr = round_up(Dv, VS);  // V's dims, whole vectors (<= Dr)
     acc_t *qr = w.qt.data(), *orow = w.ot.data(), *s = w.s.data(), *kb = w.kb.data(), *vb = w.vb.data();
-    std::fill(qr, qr + M * Dv, acc_t(0));
-    std::fill(orow, orow + M * Dv, acc_t(0));
+    std::fill(qr, qr + M * Dr, acc_t(0));
+    std::fill(orow, orow + M * Dr, acc_t(0));
     for (int64_t m = 0; m < M; ++m) {
       const scalar_t* src = q + query_row(b, kv_head, m) * D;
-      for (int64_t d = 0; d < D; ++d) qr[m * Dv + d] = static_cast<acc_t>(src[d]) * q_scale;
+      for (int64_t d = 0; d < D; ++d) qr[m * Dr + d] = static_cast<acc_t>(src[d]) * q_scale;
     }
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
     const auto plus = [](const Vec& x, const Vec& y) { return x + y; };
     const auto max = [](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); };
     // K and V rows are read in place when they need no conversion and no padding, else from kb, vb
     constexpr bool kInPlace = std::is_same_v<cache_t, acc_t>;
-    const bool in_place = kInPlace && Dv == D;
+    // (V's rows are read Dvr values wide: in place only if those are its own, or K's when V is K's channels)
+    const bool in_place = kInPlace && Dr == D && (v_from_k || Dvr == Dv);
     const acc_t* krow[kKeys];
     const acc_t* vrow[kKeys];
     for (int64_t p0 = first; p0 < keys; p0 += kKeys) {
@@ -306,22 +315,24 @@ struct TreeAttention {
         if constexpr (kInPlace) {
           for (int64_t j = 0; j < count; ++j) {
             krow[j] = k(b, p0 + j) + kv_head * k.head_stride;
-            vrow[j] = v(b, p0 + j) + kv_head * v.head_stride;
+            vrow[j] = v_from_k ? krow[j] : v(b, p0 + j) + kv_head * v.head_stride;
           }
         }
       } else {
-        load_block(b, kv_head, p0, count, Dv, w);
+        const acc_t* vrows = load_block(b, kv_head, p0, count, Dr, w);
         for (int64_t j = 0; j < count; ++j) {
-          std::fill(kb + j * Dv + D, kb + (j + 1) * Dv, acc_t(0));  // (the tile layout may have left values there)
-          std::fill(vb + j * Dv + D, vb + (j + 1) * Dv, acc_t(0));
-          krow[j] = kb + j * Dv;
-          vrow[j] = vb + j * Dv;
+          std::fill(kb + j * Dr + D, kb + (j + 1) * Dr, acc_t(0));  // (the tile layout may have left values there)
+          if (!v_from_k) std::fill(vb + j * Dr + Dv, vb + (j + 1) * Dr, acc_t(0));
+          krow[j] = kb + j * Dr;
+          vrow[j] = vrows + j * Dr;
         }
       }
       for (int64_t j = 0; j < count; ++j) {  // S[m, j] = q_m . k_j
         for (int64_t m = 0; m < M; ++m) {
           Vec acc(acc_t(0));
-          for (int64_t d = 0; d < Dv; d += VS) acc = at::vec::fmadd(Vec::loadu(qr + m * Dv + d), Vec::loadu(krow[j] + d), acc);
+          for (int64_t d = 0; d < Dr; d += VS) {
+            acc = at::vec::fmadd(Vec::loadu(qr + m * Dr + d), Vec::loadu(krow[j] + d), acc);
+          }
           s[m * kKeys + j] = at::vec::vec_reduce_all<acc_t>(plus, acc);
         }
       }
@@ -342,14 +353,14 @@ struct TreeAttention {
         const acc_t alpha = std::exp(w.row_max[m] - shift);
         w.row_max[m] = new_max;
         w.row_sum[m] = w.row_sum[m] * alpha + at::vec::vec_reduce_all<acc_t>(plus, sum);
-        for (int64_t d = 0; d < Dv; d += VS) {  // one output vector accumulated in a register over the block
-          Vec acc = Vec::loadu(orow + m * Dv + d) * Vec(alpha);
+        for (int64_t d = 0; d < Dvr; d += VS) {  // one output vector accumulated in a register over the block
+          Vec acc = Vec::loadu(orow + m * Dr + d) * Vec(alpha);
           for (int64_t j = 0; j < count; ++j) acc = at::vec::fmadd(Vec(sm[j]), Vec::loadu(vrow[j] + d), acc);
-          acc.store(orow + m * Dv + d);
+          acc.store(orow + m * Dr + d);
         }
       }
     }
-    write_rows(b, kv_head, 0, M, orow, Dv, 1, w);
+    write_rows(b, kv_head, 0, M, orow, Dr, 1, w);
   }
 
   // Online softmax over one block of scores S^T (rows x Mp), a vector of query rows at a time:
@@ -392,8 +403,12 @@ std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& 
   const Tensor k_cache = k_in.stride(-1) == 1 ? k_in : k_in.contiguous();
   const Tensor v_cache = v_in.stride(-1) == 1 ? v_in : v_in.contiguous();
   const int64_t B = packed ? row_offsets_in->size(0) : q.size(0), T = packed ? max_nodes : q.size(1);
-  const int64_t Hq = q.size(-2), D = q.size(-1), Hkv = k_cache.size(-2);
-  Tensor out = at::empty_like(q);
+  const int64_t Hq = q.size(-2), D = q.size(-1), Hkv = k_cache.size(-2), Dv = v_cache.size(-1);
+  // (checked: a v_cache in K's memory with K's strides is k_cache[..., :Dv])
+  const bool v_from_k = v_cache.data_ptr() == k_cache.data_ptr() && v_cache.strides() == k_cache.strides();
+  std::vector<int64_t> out_shape(q.sizes().begin(), q.sizes().end());
+  out_shape.back() = Dv;
+  Tensor out = at::empty(out_shape, q.options());
   Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
   Tensor row_offsets = packed ? row_offsets_in->to(at::kLong).contiguous() : at::empty({B}, lse.options().dtype(at::kLong));
   if (!packed) {
@@ -409,7 +424,7 @@ std::tuple<Tensor, Tensor> tree_attention_cpu(const Tensor& q_in, const Tensor& 
                   CacheRows<const cache_t>(v_cache.const_data_ptr<cache_t>(), v_cache, block_table),
                   lens.const_data_ptr<int32_t>(), tree_mask.const_data_ptr<int32_t>(),
                   num_nodes.const_data_ptr<int32_t>(), row_offsets.const_data_ptr<int64_t>(), packed, T, Hq, Hkv,
-                  D, tree_mask.size(-1),
+                  D, Dv, tree_mask.size(-1), v_from_k,
                   static_cast<acc_t>(scale * k_scale), static_cast<acc_t>(v_scale), window_left,
                   static_cast<acc_t>(logits_soft_cap), sinks.defined() ? sinks.const_data_ptr<float>() : nullptr,
                   out.data_ptr<scalar_t>(), lse.data_ptr<float>()};

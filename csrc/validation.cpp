@@ -138,18 +138,36 @@ void check_parents(const Tensor& parents, const Tensor& num_nodes) {
   }
 }
 
+// _validation.v_reads_k: v_cache is k_cache[..., :Dv], the leading channels of K's rows (MLA's V)
+bool v_reads_k(const Tensor& k_cache, const Tensor& v_cache) {
+  return v_cache.is_alias_of(k_cache) && v_cache.dim() == k_cache.dim() &&
+         v_cache.storage_offset() == k_cache.storage_offset() && v_cache.strides() == k_cache.strides() &&
+         v_cache.sizes().slice(0, v_cache.dim() - 1) == k_cache.sizes().slice(0, k_cache.dim() - 1) &&
+         v_cache.size(-1) <= k_cache.size(-1);
+}
+
+// v_cache undefined: a single cache (MLA's latent cache). v_head_dim: v_cache may have its own head dim
+// (tree_attention's V), else it has k_cache's shape and is not a view of k_cache's rows.
 void check_cache_pair(const Tensor& k_cache, const Tensor& v_cache, const std::optional<Tensor>& block_table,
-                      int64_t B, const std::string& k_name = "k_cache", const std::string& v_name = "v_cache") {
+                      int64_t B, const std::string& k_name = "k_cache", const std::string& v_name = "v_cache",
+                      bool v_head_dim = false) {
   check_tensor(k_name, k_cache, -1, kCache);
   const c10::Device device = k_cache.device();
-  check_tensor(v_name, v_cache, -1, kCache, &device);
+  if (v_cache.defined()) check_tensor(v_name, v_cache, -1, kCache, &device);
   TORCH_CHECK_VALUE(k_cache.dim() == 4 || k_cache.dim() == 5, k_name,
                     ": expected (B, L_max, Hkv, D), (num_blocks, block_size, Hkv, D) or a stack of those with a "
                     "leading layer dimension, got shape ", shape_str(k_cache.sizes()));
-  check_shape(v_name, v_cache, k_cache.sizes());
-  TORCH_CHECK_TYPE(v_cache.scalar_type() == k_cache.scalar_type(), v_name, ": dtype torch.",
-                   dtype_name(v_cache.scalar_type()), " differs from ", k_name, " dtype torch.",
-                   dtype_name(k_cache.scalar_type()));
+  if (v_cache.defined()) {
+    TORCH_CHECK_VALUE(v_head_dim || !v_reads_k(k_cache, v_cache), v_name, ": is a view of ", k_name,
+                      "'s rows (MLA's V); a single-cache layer passes ", v_name,
+                      "=None, its rows are written and moved once");
+    std::vector<int64_t> expected(k_cache.sizes().begin(), k_cache.sizes().end());
+    if (v_head_dim && v_cache.dim() == k_cache.dim()) expected.back() = v_cache.size(-1);
+    check_shape(v_name, v_cache, expected);
+    TORCH_CHECK_TYPE(v_cache.scalar_type() == k_cache.scalar_type(), v_name, ": dtype torch.",
+                     dtype_name(v_cache.scalar_type()), " differs from ", k_name, " dtype torch.",
+                     dtype_name(k_cache.scalar_type()));
+  }
   TORCH_CHECK_VALUE(block_table.has_value() || k_cache.size(-4) == B, k_name,
                     ": a contiguous cache needs one row per request (", B, "), got ", k_cache.size(-4));
 }
@@ -396,13 +414,19 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
                    "number of nodes");
   const c10::Device device = q.device();
   check_tensor("k_cache", k_cache, 4, {}, &device);
-  check_cache_pair(k_cache, v_cache, block_table, B);
-  const int64_t Hkv = k_cache.size(-2), Dk = k_cache.size(-1);
+  check_cache_pair(k_cache, v_cache, block_table, B, "k_cache", "v_cache", /*v_head_dim=*/true);
+  const int64_t Hkv = k_cache.size(-2), Dk = k_cache.size(-1), Dv = v_cache.size(-1);
   TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type() || is_float8(k_cache.scalar_type()),
                    "k_cache: dtype torch.", dtype_name(k_cache.scalar_type()), " differs from q dtype torch.",
                    dtype_name(q.scalar_type()), " (a cache holds q's dtype or float8)");
   check_scales(k_cache.scalar_type(), k_scale, v_scale);
+  // one set of stored values, one scale (the Python op turns v_scale=None into k_scale)
+  TORCH_CHECK_VALUE(!v_reads_k(k_cache, v_cache) || v_scale == k_scale, "v_scale: v_cache is a view of k_cache's "
+                    "rows, which hold K / k_scale: V's scale is k_scale (", format_g(k_scale), "); give "
+                    "v_scale=None or k_scale, got ", format_g(v_scale));
   TORCH_CHECK_VALUE(Dk == D, "k_cache: head dim ", Dk, " differs from q head dim ", D);
+  TORCH_CHECK_VALUE(Dv >= 1 && Dv <= D, "v_cache: head dim ", Dv, " must be in [1, ", D, "] (at most K's, as "
+                    "MLA's V, the first channels of its latent rows)");
   TORCH_CHECK_VALUE(Hkv >= 1 && D >= 1, "k_cache: needs at least one KV head and a head dim >= 1, got shape ",
                     shape_str(k_cache.sizes()));
   TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "q: ", Hq, " query heads is not a multiple of the ", Hkv, " KV heads");
@@ -666,15 +690,23 @@ void check_kv_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor&
   check_tensor("k_new", k_new, 4, kFloat);
   const int64_t B = k_new.size(0), T = k_new.size(1), Hkv = k_new.size(2), D = k_new.size(3);
   const c10::Device device = k_new.device();
-  check_tensor("v_new", v_new, -1, {}, &device);
-  check_shape("v_new", v_new, k_new.sizes());
+  // v_cache and v_new undefined: a single-cache layer (MLA's latent cache)
+  TORCH_CHECK_TYPE(v_new.defined() || !v_cache.defined(),
+                   "v_new: required with v_cache (a single-cache layer passes v_cache=None, v_new=None)");
+  TORCH_CHECK_TYPE(v_cache.defined() || !v_new.defined(),
+                   "v_new: given without v_cache (a single-cache layer has neither)");
+  if (v_new.defined()) {
+    check_tensor("v_new", v_new, -1, {}, &device);
+    check_shape("v_new", v_new, k_new.sizes());
+  }
   check_tensor("k_cache", k_cache, 4, {}, &device);
   check_cache_pair(k_cache, v_cache, block_table, B);
   const int64_t Hc = k_cache.size(-2), Dc = k_cache.size(-1);
   TORCH_CHECK_VALUE(Hc == Hkv && Dc == D, "k_new: (Hkv, D) = (", Hkv, ", ", D, ") differs from the cache's (", Hc,
                     ", ", Dc, ")");
-  check_tensor("v_new", v_new, -1, kFloat);
+  if (v_new.defined()) check_tensor("v_new", v_new, -1, kFloat);
   for (const auto& [name, x] : {std::pair<const char*, const Tensor&>{"k_new", k_new}, {"v_new", v_new}}) {
+    if (!x.defined()) continue;
     TORCH_CHECK_TYPE(x.scalar_type() == k_cache.scalar_type() || is_float8(k_cache.scalar_type()), name,
                      ": dtype torch.", dtype_name(x.scalar_type()), " differs from cache dtype torch.",
                      dtype_name(k_cache.scalar_type()));
@@ -690,15 +722,15 @@ PathInputs check_kv_rollback(at::TensorList k_caches, at::TensorList v_caches, c
                              const Tensor& accepted_nodes, const Tensor& num_accepted,
                              const std::optional<Tensor>& block_table) {
   TORCH_CHECK_TYPE(!k_caches.empty(), "k_cache: expected a tensor or a non-empty list of tensors");
-  TORCH_CHECK_TYPE(!v_caches.empty(), "v_cache: expected a tensor or a non-empty list of tensors");
-  TORCH_CHECK_VALUE(k_caches.size() == v_caches.size(), "v_cache: ", v_caches.size(),
+  // no v_caches: single-cache layers (MLA's latent caches)
+  TORCH_CHECK_VALUE(v_caches.empty() || k_caches.size() == v_caches.size(), "v_cache: ", v_caches.size(),
                     " layer tensors but k_cache has ", k_caches.size());
   check_tensor("cache_lens", cache_lens, 1, kInt32);
   const int64_t B = cache_lens.size(0);
   const c10::Device device = cache_lens.device();
   for (size_t i = 0; i < k_caches.size(); ++i) {
     const std::string suffix = k_caches.size() == 1 ? "" : "[" + std::to_string(i) + "]";
-    const Tensor &k = k_caches[i], &v = v_caches[i];
+    const Tensor &k = k_caches[i], &v = v_caches.empty() ? Tensor() : v_caches[i];
     check_tensor("k_cache" + suffix, k, -1, {}, &device);
     check_cache_pair(k, v, block_table, B, "k_cache" + suffix, "v_cache" + suffix);
     const auto first = k_caches[0].sizes(), sizes = k.sizes();

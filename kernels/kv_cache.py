@@ -3,7 +3,7 @@
 kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale, v_scale) -> None
     One layer. k_new, v_new (B, T, Hkv, D); writes row i of request b at logical position
     cache_lens[b] + i (quantized with the per-tensor scales for a float8 cache). K and V in one launch;
-    grid (B, T tiles, head tiles).
+    grid (B, T tiles, head tiles). A single-cache layer (MLA's latent cache) has v_cache, v_new None (HAS_V off).
 kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table) -> None
     Every layer given: lists of 4-D (one layer) or 5-D (layers, ...) tensors. For each request b with
     L = cache_lens[b], moves row L + accepted_nodes[b, i] to L + i for i <= num_accepted[b], then
@@ -79,7 +79,7 @@ def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k
                       skc_blk, skc_row, skc_h, skc_d, svc_blk, svc_row, svc_h, svc_d,
                       skn_b, skn_t, skn_h, skn_d, svn_b, svn_t, svn_h, svn_d,
                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_LIMIT: tl.constexpr,
-                      IDENTITY_TABLE: tl.constexpr):
+                      IDENTITY_TABLE: tl.constexpr, HAS_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -90,8 +90,9 @@ def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k
     table_row = block_table + b * s_table
     _append_rows(k_cache, k_new, k_inv_scale, table_row, pos, b, t, h, d, rows, mask, block_size,
                  skc_blk, skc_row, skc_h, skc_d, skn_b, skn_t, skn_h, skn_d, FP8_LIMIT, IDENTITY_TABLE)
-    _append_rows(v_cache, v_new, v_inv_scale, table_row, pos, b, t, h, d, rows, mask, block_size,
-                 svc_blk, svc_row, svc_h, svc_d, svn_b, svn_t, svn_h, svn_d, FP8_LIMIT, IDENTITY_TABLE)
+    if HAS_V:
+        _append_rows(v_cache, v_new, v_inv_scale, table_row, pos, b, t, h, d, rows, mask, block_size,
+                     svc_blk, svc_row, svc_h, svc_d, svn_b, svn_t, svn_h, svn_d, FP8_LIMIT, IDENTITY_TABLE)
 
 
 @triton.jit
@@ -152,13 +153,16 @@ def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=1
     BLOCK_T, BLOCK_H, BLOCK_D = _tile(T, H, D)
     grid = (B, triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
     fp8 = k_cache.element_size() == 1  # the one-byte cache dtypes the op accepts are the float8 ones
+    has_v = v_cache is not None
+    if not has_v:  # a single cache: K's tensors stand in for V's, never read or written
+        v_cache, v_new = k_cache, k_new
     # the kernel multiplies by fp32(1 / scale), computed here in double as the reference does
     _kv_append_kernel[grid](k_cache, v_cache, k_new, v_new, lens, table, 1.0 / k_scale,
                             1.0 / v_scale, T, H, D, k_cache.shape[-3], s_table,
                             *k_cache.stride(), *v_cache.stride(), *k_new.stride(), *v_new.stride(),
                             BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
                             FP8_LIMIT=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
-                            IDENTITY_TABLE=identity_table)
+                            IDENTITY_TABLE=identity_table, HAS_V=has_v)
 
 
 class LayerTable(NamedTuple):

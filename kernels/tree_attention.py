@@ -84,6 +84,23 @@ class TileConfig(NamedTuple):
     num_stages: int
 
 
+class HeadDims(NamedTuple):
+    """The kernel's channel tiles: q . K over V's first Dv channels (v_pad wide, masked past Dv) plus the other
+    D - Dv channels (rest_pad wide, masked; 0: none, D = Dv). MLA's absorbed form: 512 + 64 at DeepSeek-V3's 576."""
+    v_pad: int
+    rest_pad: int
+
+
+MAX_V_PAD = 512  # V's (and out's) channels in one tile: MLA's kv_lora_rank
+MAX_REST_PAD = 256
+
+
+def head_dims(head_dim: int, v_dim: int) -> HeadDims:
+    """Tiles for q / K head dim D and V head dim Dv <= D (tl.dot needs >= 16 channels, powers of two)."""
+    rest = head_dim - v_dim
+    return HeadDims(max(16, triton.next_power_of_2(v_dim)), max(16, triton.next_power_of_2(rest)) if rest else 0)
+
+
 def choose_config(num_rows: int, head_dim: int, elem_bytes: int) -> TileConfig:
     """Tile sizes for T * group query rows of head dim D and element size (a pure function of shapes).
 
@@ -94,11 +111,18 @@ def choose_config(num_rows: int, head_dim: int, elem_bytes: int) -> TileConfig:
     fp32 operands (IEEE dots: FMA, no tensor cores) hold far more in registers: at the 16-bit tiles they spilled
     8-10 KB a thread at D = 64..128 (sm_90, Triton 3.9); 16 KV positions a tile, 8 warps and at most 64 rows
     (32 at D = 256) spill none at D = 64, 200 bytes at 128 and 1.5 KB at 256 (tests/ops/test_tree_attention.py).
+    Head dims past 256 (MLA's absorbed form, D = 576, Dv = 512: one KV head, T * Hq rows): 64 rows (32
+    with fp32 operands) keep the (rows, Dv) fp32 accumulator in registers, 16 keys a tile keep a K tile (16 x 576)
+    at 18 KiB in 16-bit (tests/ops/test_mla_attention.py reports the sm_90 compile).
     """
     fp32 = elem_bytes == 4
+    if head_dim > 256:
+        block_m = min(32 if fp32 else 64, max(16, triton.next_power_of_2(num_rows)))
+        return TileConfig(block_m, 16, 8, 2)
     most_rows = (128 if head_dim <= 128 else 64) // (2 if fp32 else 1)
     block_m = min(most_rows, max(16, triton.next_power_of_2(num_rows)))
-    block_n = 16 if fp32 else max(16, min(64, 16384 // (head_dim * elem_bytes)))
+    keys_in_16k = 16384 // (head_dim * elem_bytes)
+    block_n = 16 if fp32 else max(16, min(64, 1 << (keys_in_16k.bit_length() - 1)))  # (a power of two)
     # 4 warps would spill registers at 128 rows, at D = 256 and with fp32 operands (ptxas, sm_90)
     num_warps = 8 if block_m >= 128 or head_dim >= 256 or fp32 else 4
     num_stages = 3 if block_m * head_dim * elem_bytes <= 32768 else 2
@@ -151,11 +175,14 @@ def _tile_origin(table_row_ptr, stride_table, position, block_size, IDENTITY_TAB
 @triton.jit
 def _load_kv_tile(k_ptr, v_ptr, origin_table_ptr, stride_table, request, origin_row, offset, key_ok, block_size,
                   stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
-                  HEAD_DIM: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, IDENTITY_TABLE: tl.constexpr):
-    """K^T (D, BLOCK_N) and V (BLOCK_N, D) of request `request`'s keys `offset` (int32, >= 0) positions after the
-    origin (_tile_origin's table entry and row; k_ptr/v_ptr already at the KV head).
-    Masked-off keys read as 0 (never garbage: a NaN in V would survive a zero softmax weight)."""
-    d = tl.arange(0, HEAD_DIM)
+                  V_DIM: tl.constexpr, V_PAD: tl.constexpr, REST_DIM: tl.constexpr, REST_PAD: tl.constexpr,
+                  V_FROM_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, IDENTITY_TABLE: tl.constexpr):
+    """K^T's first V_DIM channels (V_PAD, BLOCK_N), V (BLOCK_N, V_PAD) and K^T's other REST_DIM channels
+    (REST_PAD, BLOCK_N; with REST_PAD > 0) of request `request`'s keys `offset` (int32, >= 0) positions after the
+    origin (_tile_origin's table entry and row; k_ptr/v_ptr already at the KV head). V_FROM_K (MLA: V is the
+    first V_DIM channels of K's rows): those channels are loaded once, as V, and K^T's part is their transpose.
+    Masked-off keys and padding channels read as 0 (never garbage: a NaN in V would survive a zero softmax
+    weight)."""
     if IDENTITY_TABLE:
         page = request
         first_row = origin_row
@@ -171,11 +198,27 @@ def _load_kv_tile(k_ptr, v_ptr, origin_table_ptr, stride_table, request, origin_
         row = (in_page % size).to(tl.int32)
     # int64 element offsets: a cache may hold more than 2**31 elements
     k_rows = page * stride_kn + first_row * stride_kp + row.to(tl.int64) * stride_kp
-    v_rows = page * stride_vn + first_row * stride_vp + row.to(tl.int64) * stride_vp
-    k_t = tl.load(k_ptr + k_rows[None, :] + d[:, None] * stride_kd, mask=key_ok[None, :], other=0.0)
-    v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
+    d = tl.arange(0, V_PAD)
+    k_mask = key_ok[None, :]
+    v_mask = key_ok[:, None]
+    if V_DIM < V_PAD:  # (constexpr: a power-of-two head dim needs no channel mask)
+        k_mask = k_mask & (d < V_DIM)[:, None]
+        v_mask = v_mask & (d < V_DIM)[None, :]
+    if V_FROM_K:
+        v = tl.load(k_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=v_mask, other=0.0).to(COMPUTE_DTYPE)
+        k_t = tl.trans(v)
+    else:
+        v_rows = page * stride_vn + first_row * stride_vp + row.to(tl.int64) * stride_vp
+        k_t = tl.load(k_ptr + k_rows[None, :] + d[:, None] * stride_kd, mask=k_mask, other=0.0).to(COMPUTE_DTYPE)
+        v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=v_mask, other=0.0).to(COMPUTE_DTYPE)
+    if REST_PAD > 0:
+        r = tl.arange(0, REST_PAD)
+        k_rest_t = tl.load(k_ptr + k_rows[None, :] + (V_DIM + r)[:, None] * stride_kd,
+                           mask=key_ok[None, :] & (r < REST_DIM)[:, None], other=0.0).to(COMPUTE_DTYPE)
+    else:
+        k_rest_t = k_t  # (unused)
     # the dots' operand dtype: q's (float8 caches are widened to it, exactly), fp32 in the interpreter
-    return k_t.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)
+    return k_t, v, k_rest_t
 
 
 @triton.jit
@@ -189,13 +232,17 @@ def _popcount(x):
 
 
 @triton.jit
-def _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_PRECISION: tl.constexpr,
-                         SOFT_CAP: tl.constexpr):
-    """Fold one KV tile into the running (max, sum, accumulator), all in the log2 domain.
+def _online_softmax_step(q, k_t, q_rest, k_rest_t, v, allowed, m_i, l_i, acc, qk_scale, cap,
+                         DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr, REST_PAD: tl.constexpr):
+    """Fold one KV tile into the running (max, sum, accumulator), all in the log2 domain. The scores are
+    q . k_t, plus q_rest . k_rest_t with REST_PAD > 0 (the channels past V's: MLA's rope part).
     A row with no allowed key so far keeps m = -inf; m_safe = 0 then makes its weights exp2(-inf) = 0.
     SOFT_CAP: scores become cap * tanh(score / cap) (cap in the log2 domain too; tanh through exp2, exact
     enough in fp32, and saturating to +-1 without overflow trouble)."""
-    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    if REST_PAD > 0:
+        s = tl.dot(q_rest, k_rest_t, s, input_precision=DOT_PRECISION)
+    s = s * qk_scale
     if SOFT_CAP:
         s = cap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E / cap)) + 1.0))  # tanh(y) = 1 - 2 / (e^2y + 1)
     s = tl.where(allowed, s, float("-inf"))
@@ -233,7 +280,8 @@ def _tree_attention_kernel(
     stride_tb, stride_tc,
     stride_ob, stride_os, stride_ot, stride_oh, stride_od,
     stride_lb, stride_ls, stride_lt, stride_lh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, REST_DIM: tl.constexpr, REST_PAD: tl.constexpr,
+    V_FROM_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, IDENTITY_TABLE: tl.constexpr,
     WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, PACKED: tl.constexpr, SINKS: tl.constexpr,
 ):
@@ -258,10 +306,19 @@ def _tree_attention_kernel(
         q_base = b * stride_qb
         mask_base = b * stride_mb
         row_ok = node < T
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + q_base + node[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0)
-    q = q.to(COMPUTE_DTYPE)
+    # q's first V_DIM channels (the ones V's dims pair with: all of them unless V is narrower) and the rest
+    d = tl.arange(0, V_PAD)
+    q_rows = q_ptr + q_base + node[:, None] * stride_qt + head[:, None] * stride_qh
+    d_ok = row_ok[:, None]
+    if V_DIM < V_PAD:
+        d_ok = d_ok & (d < V_DIM)[None, :]
+    q = tl.load(q_rows + d[None, :] * stride_qd, mask=d_ok, other=0.0).to(COMPUTE_DTYPE)
+    if REST_PAD > 0:
+        r = tl.arange(0, REST_PAD)
+        q_rest = tl.load(q_rows + (V_DIM + r)[None, :] * stride_qd, mask=row_ok[:, None] & (r < REST_DIM)[None, :],
+                         other=0.0).to(COMPUTE_DTYPE)
+    else:
+        q_rest = q  # (unused)
 
     k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh  # (a head-major cache's head stride is its layer's size)
     v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_vh
@@ -269,7 +326,7 @@ def _tree_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, V_PAD], tl.float32)
 
     # Prefix: this split's share of [first, prefix_len), whole tiles per split. Without a window every key is
     # visible (first = 0). With one, row (i, h) sees positions >= prefix_len + depth_i - window_left, depth_i
@@ -297,14 +354,15 @@ def _tree_attention_kernel(
     for start_from_end in range(-count, 0, BLOCK_N):  # (the tile's first offset - count)
         offset = (start_from_end + count) + offs_n
         key_ok = offset < count
-        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, origin_table_ptr, stride_tc, b, origin_row, offset,
-                               key_ok, block_size, stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
-                               HEAD_DIM, COMPUTE_DTYPE, IDENTITY_TABLE)
+        k_t, v, k_rest_t = _load_kv_tile(k_head_ptr, v_head_ptr, origin_table_ptr, stride_tc, b, origin_row, offset,
+                                         key_ok, block_size, stride_kn, stride_kp, stride_kd, stride_vn, stride_vp,
+                                         stride_vd, V_DIM, V_PAD, REST_DIM, REST_PAD, V_FROM_K, COMPUTE_DTYPE,
+                                         IDENTITY_TABLE)
         allowed = key_ok[None, :]
         if WINDOW:
             allowed = allowed & (offset[None, :] >= row_first[:, None])
-        m_i, l_i, acc = _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_PRECISION,
-                                             SOFT_CAP)
+        m_i, l_i, acc = _online_softmax_step(q, k_t, q_rest, k_rest_t, v, allowed, m_i, l_i, acc, qk_scale, cap,
+                                             DOT_PRECISION, SOFT_CAP, REST_PAD)
 
     # Tree: nodes j < min(real nodes, last node of this row tile + 1) at positions prefix_len + j,
     # visible to row (i, h) iff bit j % 32 of word j // 32 of tree_mask[b, i] is set. Last split only.
@@ -314,14 +372,15 @@ def _tree_attention_kernel(
     for j0 in tl.range(0, tree_end, BLOCK_N, num_stages=1):  # 1-2 tiles: pipeline buffers would only cost smem
         j = j0 + offs_n
         key_ok = j < tree_end
-        k_t, v = _load_kv_tile(k_head_ptr, v_head_ptr, origin_table_ptr, stride_tc, b, origin_row, j, key_ok,
-                               block_size, stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,
-                               HEAD_DIM, COMPUTE_DTYPE, IDENTITY_TABLE)
+        k_t, v, k_rest_t = _load_kv_tile(k_head_ptr, v_head_ptr, origin_table_ptr, stride_tc, b, origin_row, j,
+                                         key_ok, block_size, stride_kn, stride_kp, stride_kd, stride_vn, stride_vp,
+                                         stride_vd, V_DIM, V_PAD, REST_DIM, REST_PAD, V_FROM_K, COMPUTE_DTYPE,
+                                         IDENTITY_TABLE)
         words = tl.load(tree_mask_ptr + mask_base + node[:, None] * stride_mt + (j // 32)[None, :] * stride_mw,
                         mask=row_ok[:, None] & key_ok[None, :], other=0)
         allowed = ((words >> (j % 32)[None, :]) & 1) != 0
-        m_i, l_i, acc = _online_softmax_step(q, k_t, v, allowed, m_i, l_i, acc, qk_scale, cap, DOT_PRECISION,
-                                             SOFT_CAP)
+        m_i, l_i, acc = _online_softmax_step(q, k_t, q_rest, k_rest_t, v, allowed, m_i, l_i, acc, qk_scale, cap,
+                                             DOT_PRECISION, SOFT_CAP, REST_PAD)
 
     if SINKS and NUM_SPLITS == 1:  # (with splits, the merge folds the sink in, once)
         m_i, l_i, acc = _fold_sink(m_i, l_i, acc, tl.load(sinks_ptr + head * stride_sinks) * _LOG2E)
@@ -337,7 +396,7 @@ def _tree_attention_kernel(
         out_base = b * stride_ob
         lse_base = b * stride_lb
     out_rows = out_ptr + out_base + split * stride_os + node * stride_ot + head * stride_oh
-    tl.store(out_rows[:, None] + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out_rows[:, None] + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
     tl.store(lse_ptr + lse_base + split * stride_ls + node * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
@@ -348,8 +407,8 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes
                          stride_qb, stride_qs, stride_qt, stride_qh,
                          stride_ob, stride_ot, stride_oh, stride_od,
                          stride_lb, stride_lt, stride_lh,
-                         NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PACKED: tl.constexpr, SINKS: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, V_DIM: tl.constexpr,
+                         V_PAD: tl.constexpr, PACKED: tl.constexpr, SINKS: tl.constexpr):
     """out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, for one (request, node, head).
     Empty splits carry lse_s = -inf (weight 0); if every split is empty the row is padding: 0 / -inf.
     SINKS: the head's sink joins the sum as one more term of lse with no value (a real node's row only).
@@ -368,7 +427,8 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes
         lse_base = b * stride_lb
     s = tl.arange(0, SPLITS_POW2)
     s_ok = s < NUM_SPLITS
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, V_PAD)
+    d_ok = d < V_DIM
     part_lse = tl.load(part_lse_ptr + b * stride_qb + s * stride_qs + node * stride_qt + head * stride_qh,
                        mask=s_ok, other=float("-inf"))
     m = tl.max(part_lse, 0)
@@ -383,13 +443,14 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_nodes
     if SINKS:
         total += tl.exp(sink - m_safe)
     part_out = tl.load(part_out_ptr + b * stride_pb + node * stride_pt + head * stride_ph
-                       + s[:, None] * stride_ps + d[None, :] * stride_pd, mask=s_ok[:, None], other=0.0)
+                       + s[:, None] * stride_ps + d[None, :] * stride_pd, mask=s_ok[:, None] & d_ok[None, :],
+                       other=0.0)
     part_out = part_out.to(tl.float32)
     total_safe = tl.where(total > 0, total, 1.0)
     out = tl.sum(weight[:, None] * part_out, 0) / total_safe
     lse = tl.where(total > 0, m_safe + tl.log(total_safe), float("-inf"))
     tl.store(out_ptr + out_base + node * stride_ot + head * stride_oh + d * stride_od,
-             out.to(out_ptr.dtype.element_ty))
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
     tl.store(lse_ptr + lse_base + node * stride_lt + head * stride_lh, lse)
 
 
@@ -418,12 +479,16 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q, tree_mask = q.unsqueeze(0), tree_mask.unsqueeze(0)
     else:
         B, T, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
+    Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q: dtype {q.dtype} not supported by the triton backend (float16, bfloat16, float32); "
                         "use backend='torch'")
-    if D not in (16, 32, 64, 128, 256):
-        raise ValueError(f"q: head dim {D} not supported by the triton backend (16, 32, 64, 128 or 256)")
+    dims = head_dims(D, Dv)
+    if dims.v_pad > MAX_V_PAD or dims.rest_pad > MAX_REST_PAD:
+        raise ValueError(f"q: head dims (D {D}, Dv {Dv}) not supported by the triton backend (Dv up to {MAX_V_PAD}, "
+                         f"D - Dv up to {MAX_REST_PAD}); use backend='torch'")
+    # (checked by the op: a v_cache in K's memory with K's strides is k_cache[..., :Dv], MLA's V)
+    v_from_k = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
     group = Hq // Hkv
     block_size = k_cache.shape[1]  # contiguous: one block of L_max rows per request
     identity_table = block_table is None
@@ -441,10 +506,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         num_splits = default_num_splits(shaped, k_cache, block_table, config, window_left)
     rows = (N,) if packed else (B, T)
     if out is None:
-        out = torch.empty((*rows, Hq, D), dtype=q.dtype, device=q.device)
+        out = torch.empty((*rows, Hq, Dv), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((*rows, Hq), dtype=torch.float32, device=q.device)
-    for name, buf, shape, dtype in (("out", out, (*rows, Hq, D), q.dtype), ("lse", lse, (*rows, Hq), torch.float32)):
+    for name, buf, shape, dtype in (("out", out, (*rows, Hq, Dv), q.dtype), ("lse", lse, (*rows, Hq), torch.float32)):
         if tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != q.device:
             raise ValueError(f"{name}: expected a {shape} {dtype} buffer on {q.device}, got {tuple(buf.shape)} "
                              f"{buf.dtype} on {buf.device}")
@@ -452,7 +517,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if num_splits == 1:
         att_out, att_lse = final_out.unsqueeze(1), final_lse.unsqueeze(1)  # (B, 1, T, Hq, D), (B, 1, T, Hq)
     else:
-        att_out = torch.empty((B, num_splits, T, Hq, D), dtype=partial_dtype or q.dtype, device=q.device)
+        att_out = torch.empty((B, num_splits, T, Hq, Dv), dtype=partial_dtype or q.dtype, device=q.device)
         att_lse = torch.empty((B, num_splits, T, Hq), dtype=torch.float32, device=q.device)
 
     _tree_attention_kernel[(row_tiles, Hkv * num_splits, B)](
@@ -461,7 +526,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         cache_lens.stride(0), num_nodes.stride(0), offsets.stride(0), sink_logits.stride(0),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_mask.stride(), *table_strides,
         *att_out.stride(), *att_lse.stride(),
-        GROUP=group, HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        GROUP=group, V_DIM=Dv, V_PAD=dims.v_pad, REST_DIM=D - Dv, REST_PAD=dims.rest_pad, V_FROM_K=v_from_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         COMPUTE_DTYPE=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         IDENTITY_TABLE=identity_table, WINDOW=window_left >= 0, SOFT_CAP=logits_soft_cap > 0, PACKED=packed,
@@ -472,7 +538,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             att_out, att_lse, final_out, final_lse, num_nodes, offsets, sink_logits, num_nodes.stride(0),
             offsets.stride(0), sink_logits.stride(0),
             *att_out.stride(), *att_lse.stride(), *final_out.stride(), *final_lse.stride(),
-            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=D, PACKED=packed,
+            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), V_DIM=Dv, V_PAD=dims.v_pad,
+            PACKED=packed,
             SINKS=sinks is not None,
         )
     return out, lse

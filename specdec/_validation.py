@@ -163,20 +163,38 @@ def check_build_tree(parents, num_nodes, values=True):
 # ----------------------------------------------------------------------------------------------
 # caches
 # ----------------------------------------------------------------------------------------------
-def check_cache_pair(k_cache, v_cache, block_table, B, *, k_name="k_cache", v_name="v_cache"):
-    """Checks one layer's (4-D) or a stacked (5-D) K/V pair; returns (Hkv, D). B: the requests, or None
-    where they are not known yet (a RollbackPlan checks a contiguous cache's rows at every run)."""
+def check_cache_pair(k_cache, v_cache, block_table, B, *, k_name="k_cache", v_name="v_cache", v_head_dim=False):
+    """Checks one layer's (4-D) or a stacked (5-D) K/V pair, or a single cache (v_cache None: MLA's latent cache,
+    which kv_append and kv_rollback write and move once); returns (Hkv, D). v_head_dim: v_cache may have its own
+    head dim (tree_attention's V, checked there), else it has k_cache's shape and is not a view of k_cache's rows.
+    B: the requests, or None where they are not known yet (a RollbackPlan checks a contiguous cache's rows at
+    every run)."""
     _tensor(k_name, k_cache, dtypes=CACHE_DTYPES)
-    _tensor(v_name, v_cache, dtypes=CACHE_DTYPES, device=k_cache.device)
+    if v_cache is not None:
+        _tensor(v_name, v_cache, dtypes=CACHE_DTYPES, device=k_cache.device)
     if k_cache.dim() not in (4, 5):
         raise ValueError(f"{k_name}: expected (B, L_max, Hkv, D), (num_blocks, block_size, Hkv, D) or a stack of "
                          f"those with a leading layer dimension, got shape {tuple(k_cache.shape)}")
-    _shape(v_name, v_cache, k_cache.shape)
-    if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"{v_name}: dtype {v_cache.dtype} differs from {k_name} dtype {k_cache.dtype}")
+    if v_cache is not None:
+        if not v_head_dim and v_reads_k(k_cache, v_cache):
+            raise ValueError(f"{v_name}: is a view of {k_name}'s rows (MLA's V); a single-cache layer passes "
+                             f"{v_name}=None, its rows are written and moved once")
+        head_dim = v_cache.shape[-1] if v_head_dim and v_cache.dim() == k_cache.dim() else k_cache.shape[-1]
+        _shape(v_name, v_cache, (*k_cache.shape[:-1], head_dim))
+        if v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"{v_name}: dtype {v_cache.dtype} differs from {k_name} dtype {k_cache.dtype}")
     if block_table is None and B is not None:
         check_contiguous_rows(k_cache, B, k_name)
     return k_cache.shape[-2], k_cache.shape[-1]
+
+
+def v_reads_k(k_cache, v_cache) -> bool:
+    """Whether v_cache is k_cache's leading channels, k_cache[..., :Dv] (MLA's absorbed form: V is the first Dv
+    channels of the latent rows K holds): one storage, one first element, K's strides. Aliasing, not addresses,
+    so it is known while torch.compile traces too."""
+    return (torch._C._is_alias_of(v_cache, k_cache) and v_cache.dim() == k_cache.dim()
+            and v_cache.storage_offset() == k_cache.storage_offset() and v_cache.stride() == k_cache.stride()
+            and v_cache.shape[:-1] == k_cache.shape[:-1] and v_cache.shape[-1] <= k_cache.shape[-1])
 
 
 def check_contiguous_rows(k_cache, B, k_name="k_cache"):
@@ -252,13 +270,24 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         B, T, Hq, D = q.shape
     dev = q.device
     _tensor("k_cache", k_cache, dim=4, device=dev)
-    Hkv, Dk = check_cache_pair(k_cache, v_cache, block_table, B)
+    _tensor("v_cache", v_cache)  # (never None here: only kv_append and kv_rollback take a single cache)
+    Hkv, Dk = check_cache_pair(k_cache, v_cache, block_table, B, v_head_dim=True)
     if k_cache.dtype != q.dtype and k_cache.dtype not in FP8_DTYPES:
         raise TypeError(f"k_cache: dtype {k_cache.dtype} differs from q dtype {q.dtype} (a cache holds q's dtype "
                         "or float8)")
+    from_k = v_reads_k(k_cache, v_cache)
+    given_v_scale = v_scale
     k_scale, v_scale = check_scales(k_cache.dtype, k_scale, v_scale)
+    if from_k:  # one set of stored values, one scale: None means k_scale
+        if given_v_scale is not None and v_scale != k_scale:
+            raise ValueError(f"v_scale: v_cache is a view of k_cache's rows, which hold K / k_scale: V's scale is "
+                             f"k_scale ({k_scale:g}); give v_scale=None or k_scale, got {v_scale:g}")
+        v_scale = k_scale
     if Dk != D:
         raise ValueError(f"k_cache: head dim {Dk} differs from q head dim {D}")
+    if not 1 <= v_cache.shape[-1] <= D:
+        raise ValueError(f"v_cache: head dim {v_cache.shape[-1]} must be in [1, {D}] (at most K's, as MLA's "
+                         "V, the first channels of its latent rows)")
     if Hkv < 1 or D < 1:
         raise ValueError(f"k_cache: needs at least one KV head and a head dim >= 1, got shape {tuple(k_cache.shape)}")
     if Hq % Hkv != 0:
@@ -308,17 +337,24 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
 
 def check_kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=None, v_scale=None,
                     values=True):
+    """v_cache and v_new are both None for a single-cache layer (MLA's latent cache)."""
     _tensor("k_new", k_new, dim=4, dtypes=FLOAT_DTYPES)
     B, T, Hkv, D = k_new.shape
     dev = k_new.device
-    _tensor("v_new", v_new, device=dev)
-    _shape("v_new", v_new, k_new.shape)
+    if (v_new is None) != (v_cache is None):
+        raise TypeError("v_new: given without v_cache (a single-cache layer has neither)" if v_cache is None else
+                        "v_new: required with v_cache (a single-cache layer passes v_cache=None, v_new=None)")
+    if v_new is not None:
+        _tensor("v_new", v_new, device=dev)
+        _shape("v_new", v_new, k_new.shape)
     _tensor("k_cache", k_cache, dim=4, device=dev)
     Hc, Dc = check_cache_pair(k_cache, v_cache, block_table, B)
     if (Hc, Dc) != (Hkv, D):
         raise ValueError(f"k_new: (Hkv, D) = {(Hkv, D)} differs from the cache's {(Hc, Dc)}")
-    _tensor("v_new", v_new, dtypes=FLOAT_DTYPES)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
+    news = (("k_new", k_new),) if v_new is None else (("k_new", k_new), ("v_new", v_new))
+    if v_new is not None:
+        _tensor("v_new", v_new, dtypes=FLOAT_DTYPES)
+    for name, x in news:
         if x.dtype != k_cache.dtype and k_cache.dtype not in FP8_DTYPES:
             raise TypeError(f"{name}: dtype {x.dtype} differs from cache dtype {k_cache.dtype}")
     scales = check_scales(k_cache.dtype, k_scale, v_scale)
@@ -409,13 +445,15 @@ def overlapping_pairs(tensors):
 
 def check_rollback_caches(k_caches, v_caches, block_table):
     """The metadata of kv_rollback's caches, which stay the same from step to step (RollbackPlan checks them
-    once): every layer on one device, of one shape and dtype. Returns the caches as lists (ks, vs)."""
+    once): every layer on one device, of one shape and dtype. v_caches None: single-cache layers (MLA's latent
+    caches). Returns the caches as lists (ks, vs), vs empty for single-cache layers."""
     ks = as_layer_list("k_cache", k_caches)
-    vs = as_layer_list("v_cache", v_caches)
-    if len(ks) != len(vs):
+    vs = [] if v_caches is None or (isinstance(v_caches, (list, tuple)) and not v_caches) else \
+        as_layer_list("v_cache", v_caches)
+    if vs and len(ks) != len(vs):
         raise ValueError(f"v_cache: {len(vs)} layer tensors but k_cache has {len(ks)}")
     dev = ks[0].device
-    for i, (k, v) in enumerate(zip(ks, vs)):
+    for i, (k, v) in enumerate(zip(ks, vs or [None] * len(ks))):
         suffix = _layer_suffix(ks, i)
         _tensor(f"k_cache{suffix}", k, device=dev)
         check_cache_pair(k, v, block_table, None, k_name=f"k_cache{suffix}", v_name=f"v_cache{suffix}")

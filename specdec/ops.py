@@ -71,7 +71,7 @@ def _fake_build_tree(parents, num_nodes):
 def _fake_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
                          v_scale=1.0, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0,
                          sinks=None):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return q.new_empty((*q.shape[:-1], v_cache.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num_nodes, offset, offsets=None,
@@ -114,7 +114,7 @@ OPS = {spec.name: spec for spec in (
            "str logprobs_mode=\"raw\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
            reference.accept, _fake_accept, (".kernels.accept", "accept"), val.check_accept),
     OpSpec("kv_append",
-           "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor cache_lens, "
+           "(Tensor(a!) k_cache, Tensor(b!)? v_cache, Tensor k_new, Tensor? v_new, Tensor cache_lens, "
            "Tensor? block_table, float k_scale=1.0, float v_scale=1.0) -> ()",
            reference.kv_append, _fake_mutating, (".kernels.kv_cache", "kv_append"), val.check_kv_append),
     OpSpec("kv_rollback",
@@ -292,9 +292,20 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    backend: Optional[str] = None):
     """Attention of T draft-tree queries over the committed prefix plus their ancestors.
 
-    q: (B, T, Hq, D). k_cache, v_cache: (B, L_max, Hkv, D) contiguous, or (num_blocks, block_size, Hkv, D)
-    paged with block_table (B, max_blocks) int32; in q's dtype, or float8 (e4m3fn / e5m2) holding K / k_scale
-    and V / v_scale (per-tensor scales, None = 1.0; only float8 caches take scales). cache_lens: (B,) int32
+    q: (B, T, Hq, D). k_cache: (B, L_max, Hkv, D) contiguous, or (num_blocks, block_size, Hkv, D) paged with
+    block_table (B, max_blocks) int32; v_cache: the same with its own head dim Dv <= D (usually Dv = D); in q's
+    dtype, or float8 (e4m3fn / e5m2) holding K / k_scale and V / v_scale (per-tensor scales, None = 1.0; only
+    float8 caches take scales).
+    MLA (DeepSeek-V2/V3, Kimi-K2) in its absorbed form: q (..., Hq, Dqk) holds the absorbed queries
+    [q_nope W_UK ; q_rope] (Dqk = kv_lora_rank + rope dims, 576 for DeepSeek-V3), k_cache (..., 1, Dqk) the
+    latent rows [c_kv ; k_rope], and V is c_kv, the first Dv = kv_lora_rank channels of those rows: pass
+    v_cache = k_cache[..., :Dv], a view (no copy). A view of k_cache's leading channels (same storage, first
+    element and strides) is recognized: each row is read once for K and V and for all Hq heads, and its V shares
+    K's scale (v_scale None or k_scale, else ValueError). out is c_kv-space (..., Hq, Dv); the caller applies
+    W_UV. A view rather than FlashInfer's split ckv / kpe tensors: the latent row stays one tensor, the one
+    kv_append writes and kv_rollback moves (v_cache=None there), and the op keeps one signature for GQA and MLA.
+    scale: the model's softmax scale (for MLA, 1/sqrt(qk_nope + qk_rope head dims), not 1/sqrt(Dqk)).
+    cache_lens: (B,) int32
     committed tokens; the tree's K/V are already stored at logical positions cache_lens[b] .. cache_lens[b]
     + T - 1. tree_mask: (B, T, ceil(T/32)) int32 (TreeInfo.mask). num_nodes: (B,) or None. scale: default
     1/sqrt(D). window_left (sliding-window layers, FlashInfer's convention; a Hugging Face `sliding_window` w is
@@ -305,12 +316,12 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     softmax's denominator with no value: with s_j the scaled (and capped) scores of the keys node i sees,
     out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[h])); the sink itself is neither scaled nor capped.
     -inf is no sink (the same result, bit for bit); NaN and +inf are refused (value checks).
-    Returns out (B, T, Hq, D) in q.dtype, and lse (B, T, Hq) float32 (of the capped scores, and the sink:
+    Returns out (B, T, Hq, Dv) in q.dtype, and lse (B, T, Hq) float32 (of the capped scores, and the sink:
     log(sum_j exp(s_j) + exp(sinks[h])), so out * exp(lse) is the numerator) if return_lse.
     Padding nodes get out = 0 and lse = -inf (no sink there).
     Packed (ragged) form, as accept's: with cu_num_nodes (B + 1,), q is (N, Hq, D) and tree_mask (N, ceil(T/32))
     with T = max_nodes (a Python int), request b's nodes being rows cu_num_nodes[b] .. cu_num_nodes[b + 1] - 1;
-    num_nodes is then not given. Returns out (N, Hq, D) and lse (N, Hq), read and written in place (no padding).
+    num_nodes is then not given. Returns out (N, Hq, Dv) and lse (N, Hq), read and written in place (no padding).
     """
     row_offsets = None
     if cu_num_nodes is None:
@@ -454,7 +465,8 @@ def _accept_laws(target_logits, draft_logits, target_probs, draft_probs):
     return target_probs, draft_probs, True
 
 
-def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+def kv_append(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], k_new: torch.Tensor,
+              v_new: Optional[torch.Tensor],
               cache_lens: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
               k_scale: Optional[float] = None, v_scale: Optional[float] = None,
               backend: Optional[str] = None) -> None:
@@ -462,7 +474,8 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     layer's cache (in place; cache_lens is not changed). Cache layouts as in `tree_attention`.
     k_new/v_new are in the cache's dtype, or any float dtype for a float8 cache, which stores them
     quantized: fp32(x) * fp32(1 / scale), clamped to the format's finite range, rounded to nearest even
-    (k_scale, v_scale: per-tensor, None = 1.0)."""
+    (k_scale, v_scale: per-tensor, None = 1.0). A single-cache layer (MLA's latent cache [c_kv ; k_rope], whose
+    V tree_attention reads as a view of its rows) passes v_cache=None and v_new=None: its rows are written once."""
     k_scale, v_scale = OPS["kv_append"].check(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale,
                                               v_scale, _python_value_checks(backend, k_new))
     _call("kv_append", backend, k_cache.device, k_cache, v_cache, k_new, v_new, cache_lens, block_table,
@@ -480,6 +493,8 @@ class LayerCalls:
 
     A layer's own arguments: window_left (sliding-window layers) and sinks (its attention sinks, (Hq,) float32).
 
+        MLA:       calls.kv_append(latent, None, c_kv_and_k_rope, None)
+                   out = calls.tree_attention(q_absorbed, latent, latent[..., :kv_lora_rank])
     cache_lens: tree_attention's (node 0's slot); write_start: kv_append's cache_lens (default cache_lens).
     Other arguments as the ops'; backend is resolved once."""
 
@@ -494,7 +509,7 @@ class LayerCalls:
 
     @staticmethod
     def _signature(*tensors, extra=()):
-        return tuple((t.shape, t.dtype, t.device) for t in tensors) + tuple(extra)
+        return tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors) + tuple(extra)
 
     def kv_append(self, k_cache, v_cache, k_new, v_new) -> None:
         sig = self._signature(k_cache, v_cache, k_new, v_new)
@@ -531,7 +546,9 @@ class RollbackPlan:
         plan.run(cache_lens, accepted_nodes, num_accepted)                      # every step; capturable
 
     k_cache, v_cache: one layer (4-D), a stack of layers (layers, ...) (5-D), or a list of either, every layer
-    of one shape, dtype and device: contiguous (B, L_max, Hkv, D) with block_table None, or paged
+    of one shape, dtype and device (v_cache None: single-cache layers, MLA's latent caches, each row moved once;
+    a view of K's rows as v_cache is refused, it would move rows twice): contiguous (B, L_max, Hkv, D) with
+    block_table None, or paged
     (num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32. backend: as the other ops
     ("torch", "triton", "cpp"; None: the registered op of the caches' device, or SPECDEC_BACKEND), resolved
     here, once.
@@ -546,8 +563,8 @@ class RollbackPlan:
     inside: a table first built during a capture makes its host source live as long as the process.
     """
 
-    def __init__(self, k_cache: CacheArg, v_cache: CacheArg, block_table: Optional[torch.Tensor] = None, *,
-                 backend: Optional[str] = None):
+    def __init__(self, k_cache: CacheArg, v_cache: Optional[CacheArg],
+                 block_table: Optional[torch.Tensor] = None, *, backend: Optional[str] = None):
         self._ks, self._vs = val.check_rollback_caches(k_cache, v_cache, block_table)
         self._block_table = block_table
         device = self._ks[0].device
@@ -575,13 +592,14 @@ class RollbackPlan:
             _dispatch("kv_rollback", self._backend, self._ks, self._vs, cache_lens, path, num, self._block_table)
 
 
-def kv_rollback(k_cache: CacheArg, v_cache: CacheArg, cache_lens: torch.Tensor, accepted_nodes: torch.Tensor,
-                num_accepted: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
+def kv_rollback(k_cache: CacheArg, v_cache: Optional[CacheArg], cache_lens: torch.Tensor,
+                accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
                 backend: Optional[str] = None) -> None:
     """Keep only the accepted path's K/V, for every layer given, then advance cache_lens (in place).
 
-    k_cache/v_cache: one layer (4-D), a stack of layers (layers, ...) (5-D), or a list of either.
-    accepted_nodes: (B, P) int, strictly increasing from 0 (AcceptResult.accepted_nodes); num_accepted (B,).
+    k_cache/v_cache: one layer (4-D), a stack of layers (layers, ...) (5-D), or a list of either; v_cache None for
+    single-cache layers (MLA). accepted_nodes: (B, P) int, strictly increasing from 0
+    (AcceptResult.accepted_nodes); num_accepted (B,).
     Moves row cache_lens[b] + accepted_nodes[b, i] to cache_lens[b] + i for i <= num_accepted[b], then
     cache_lens[b] += num_accepted[b] + 1. A one-step RollbackPlan; an engine that rolls back the same caches
     every step makes the plan once instead.

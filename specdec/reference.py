@@ -66,7 +66,8 @@ def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
 
 def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale, k_scale=1.0,
                    v_scale=1.0, window_left=-1, logits_soft_cap=0.0, row_offsets=None, max_nodes=0, sinks=None):
-    """out (B, T, Hq, D) in q.dtype and lse (B, T, Hq) float32.
+    """out (B, T, Hq, Dv) in q.dtype and lse (B, T, Hq) float32 (Dv = v_cache's head dim, D = q's and k_cache's;
+    MLA's absorbed form reads V as the first Dv channels of K's rows: v_cache = k_cache[..., :Dv]).
 
     Node i of request b attends to committed positions [0, L) (L = cache_lens[b]) and to tree position
     L + j for every j whose bit is set in tree_mask[b, i]. Keys are k_cache * k_scale, values
@@ -84,12 +85,13 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
         out_p, lse_p = tree_attention(q[rows], k_cache, v_cache, cache_lens, tree_mask[rows], block_table, num_nodes,
                                       scale, k_scale, v_scale, window_left, logits_soft_cap, sinks=sinks)
         real = torch.arange(max_nodes) < num_nodes.cpu().long().unsqueeze(1)
-        out, lse = q.new_zeros(q.shape), torch.full(q.shape[:-1], -math.inf, device=q.device)
+        out = q.new_zeros((*q.shape[:-1], v_cache.shape[-1]))
+        lse = torch.full(q.shape[:-1], -math.inf, device=q.device)
         out[rows[real]], lse[rows[real]] = out_p[real], lse_p[real]
         return out, lse
-    B, T, Hq, D = q.shape
+    B, T, Hq, _ = q.shape
     group = Hq // k_cache.shape[-2]
-    out = torch.zeros(B, T, Hq, D, dtype=torch.float64)
+    out = torch.zeros(B, T, Hq, v_cache.shape[-1], dtype=torch.float64)
     lse = torch.full((B, T, Hq), -math.inf, dtype=torch.float64)
     allowed_tree = unpack_bits(tree_mask.cpu(), T)  # (B, T, T) bool
     for b in range(B):
@@ -119,20 +121,22 @@ def tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_
 
 def kv_append(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k_scale=1.0, v_scale=1.0) -> None:
     """Write k_new[b, i], v_new[b, i] at logical position cache_lens[b] + i (in place), quantized for a
-    float8 cache."""
+    float8 cache. A single-cache layer (MLA's latent cache) has v_cache and v_new None."""
     B, T = k_new.shape[:2]
     for b in range(B):
         L = int(cache_lens[b])
         for i in range(T):
             where = physical_row(k_cache.shape, block_table, b, L + i)
             k_cache[where] = quantize(k_new[b, i], k_scale, k_cache.dtype)
-            v_cache[where] = quantize(v_new[b, i], v_scale, v_cache.dtype)
+            if v_cache is not None:
+                v_cache[where] = quantize(v_new[b, i], v_scale, v_cache.dtype)
 
 
 def kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table) -> None:
     """Compact the accepted path of every layer in place, then advance cache_lens.
 
-    `k_caches`/`v_caches` are lists of tensors, each one layer (4-D) or a stack of layers (5-D).
+    `k_caches`/`v_caches` are lists of tensors, each one layer (4-D) or a stack of layers (5-D); v_caches is
+    empty for single-cache layers (MLA).
     Moves row L + accepted_nodes[b, i] to L + i for i = 0..num_accepted[b], in ascending i, which never
     overwrites a row before it is read because the path is strictly increasing from 0.
     """

@@ -420,3 +420,94 @@ def test_append_and_rollback_head_major_cache_over_2_31_elements(backend):
     assert same_bits(results[backend][1], results["torch"][1]) and same_bits(results[backend][2], results["torch"][2])
     # independent of the reference: the accepted path's new rows, compacted at L (row 2 of the rows compared)
     assert same_bits(results["torch"][1][0, 2:6], rows[0, paths[0, :4].long()].to(torch.float8_e4m3fn))
+
+
+# ----------------------------------------------------------------------------------------------
+# single-cache layers (MLA's latent cache [c_kv ; k_rope]: V is a view of its rows, never written or moved apart)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["float32", "float8_e4m3fn"])
+def test_single_cache_append(backend, layout, dtype):
+    """kv_append(latent, None, new, None): the T rows hold the new latents (quantized for float8, bit-identical to
+    the reference), every other row is unchanged."""
+    gen = torch.Generator().manual_seed(seed_of("single-append", layout, dtype))
+    B, T, D, cap = 5, 6, 40, 24
+    latent, _, table = make_caches(1, B, cap, 1, D, dtype, layout, gen)
+    latent = latent[0]
+    lens = random_lens(B, T, cap, gen)
+    new = torch.randn(B, T, 1, D, generator=gen)
+    scale = 0.03 if dtype == torch.float8_e4m3fn else None
+    outs = {}
+    for name in (backend, "torch"):
+        cache, new_in, lens_in, table_in = for_backend(name, latent.clone(), new, lens, table)
+        specdec.kv_append(cache, None, new_in, None, lens_in, block_table=table_in, k_scale=scale, backend=name)
+        outs[name] = cache.cpu()
+    assert same_bits(outs[backend], outs["torch"])
+    old, got = logical(latent, table), logical(outs[backend], table)
+    for b in range(B):
+        L = int(lens[b])
+        expected = new[b] if scale is None else specdec.reference.quantize(new[b], scale, dtype)
+        assert same_bits(got[b, L: L + T], expected.to(dtype))
+        assert same_bits(got[b, :L], old[b, :L]) and same_bits(got[b, L + T:], old[b, L + T:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("form", ["layer", "stacked", "list"])
+def test_single_cache_rollback(backend, layout, form):
+    """kv_rollback(latent, None, ...) moves each accepted row once (overlap-prone paths included): the committed
+    prefix and the rows past the new length keep their values, the path is compacted, bit-identical to the
+    reference."""
+    gen = torch.Generator().manual_seed(seed_of("single-rollback", layout, form))
+    B, T, D, cap, layers = 7, 8, 40, 24, 2
+    latent, _, table = make_caches(layers, B, cap, 1, D, torch.bfloat16, layout, gen)
+    lens = random_lens(B, T, cap, gen)
+    paths, num_accepted = random_paths(B, T, gen)
+    outs = {}
+    for name in (backend, "torch"):
+        cache, lens_in, table_in, paths_in, num_in = for_backend(name, latent.clone(), lens.clone(), table, paths,
+                                                                 num_accepted)
+        specdec.kv_rollback(as_form(cache, form), None, lens_in, paths_in, num_in, block_table=table_in,
+                            backend=name)
+        outs[name] = cache.cpu(), lens_in.cpu()
+    assert same_bits(outs[backend][0], outs["torch"][0]) and torch.equal(outs[backend][1], lens + num_accepted + 1)
+    for layer in range(1 if form == "layer" else layers):
+        old, new = logical(latent[layer], table), logical(outs[backend][0][layer], table)
+        for b in range(B):
+            L, n = int(lens[b]), int(num_accepted[b]) + 1
+            assert same_bits(new[b, :L], old[b, :L]) and same_bits(new[b, L + n:], old[b, L + n:])
+            assert same_bits(new[b, L: L + n], old[b, L + paths[b, :n].long()])
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+def test_single_cache_refuses_a_view_of_its_rows_as_v(backend):
+    """MLA's V view (latent[..., :Dv]) or the latent itself as v_cache would write or move its rows twice (a row
+    moved onto a later source is moved again): kv_append and kv_rollback refuse it, naming v_cache, before
+    anything is written; so does a v_new without v_cache and the converse."""
+    gen = torch.Generator().manual_seed(32)
+    B, T, D, cap = 3, 4, 40, 16
+    latent = torch.randn(B, cap, 1, D, generator=gen)
+    lens = torch.tensor([0, 3, 9], dtype=torch.int32)
+    new = torch.randn(B, T, 1, D, generator=gen)
+    paths = torch.tensor([[0, 2, 3]] * B, dtype=torch.int32)
+    num_accepted = torch.full((B,), 2, dtype=torch.int32)
+    cache, lens_in, new_in, paths_in, num_in = for_backend(backend, latent.clone(), lens.clone(), new, paths,
+                                                           num_accepted)
+    for view in (cache[..., :32], cache):
+        with pytest.raises(ValueError, match=r"^v_cache: is a view of k_cache's rows \(MLA's V\); a single-cache "
+                                             "layer passes v_cache=None"):
+            specdec.kv_rollback(cache, view, lens_in, paths_in, num_in, backend=backend)
+    with pytest.raises(ValueError, match="^v_cache: is a view of k_cache's rows"):
+        specdec.kv_append(cache, cache, new_in, new_in, lens_in, backend=backend)
+    with pytest.raises(TypeError, match="^v_new: given without v_cache"):
+        specdec.kv_append(cache, None, new_in, new_in, lens_in, backend=backend)
+    with pytest.raises(TypeError, match="^v_new: required with v_cache"):
+        specdec.kv_append(cache, cache.clone(), new_in, None, lens_in, backend=backend)
+    assert same_bits(cache.cpu(), latent) and torch.equal(lens_in.cpu(), lens)
+    if backend == "cpp":  # the C++ ops themselves, no Python checks before them
+        with pytest.raises(ValueError, match="^v_cache: is a view of k_cache's rows"):
+            torch.ops.specdec.kv_rollback([cache], [cache[..., :32]], lens_in, paths_in, num_in, None)
+        with pytest.raises(TypeError, match="^v_new: given without v_cache"):
+            torch.ops.specdec.kv_append(cache, None, new_in, new_in, lens_in, None)
+        assert same_bits(cache.cpu(), latent) and torch.equal(lens_in.cpu(), lens)

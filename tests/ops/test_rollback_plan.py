@@ -169,7 +169,8 @@ CONSTRUCTION_CASES = [
     ("v_cache", ValueError, lambda a: a.update(v_cache=list(a["v_cache"]), k_cache=[a["k_cache"][0]])),
     ("v_cache", ValueError, lambda a: a.update(v_cache=a["v_cache"][:, :, :4])),
     ("v_cache", TypeError, lambda a: a.update(v_cache=a["v_cache"].half())),
-    ("v_cache", TypeError, lambda a: a.update(v_cache=None)),
+    ("v_cache", TypeError, lambda a: a.update(v_cache="layer")),
+    ("v_cache", ValueError, lambda a: a.update(v_cache=a["k_cache"][..., :2])),  # MLA's V view: rows moved twice
     (r"k_cache\[1\]", ValueError, lambda a: a.update(k_cache=[a["k_cache"][0], a["k_cache"][1, :, :4]],
                                                      v_cache=[a["v_cache"][0], a["v_cache"][1, :, :4]])),
     (r"k_cache\[1\]", ValueError, lambda a: a.update(k_cache=[a["k_cache"][0], a["k_cache"][1].half()],

@@ -511,13 +511,21 @@ def test_choose_config_covers_rows():
                 assert tile_bytes <= 16384 and 2 * tile_bytes * config.num_stages + q_bytes <= 160 * 1024
 
 
+@pytest.mark.parametrize("D", [40, 80])
+def test_triton_head_dims_that_are_not_powers_of_two(D):
+    """Head dims off the powers of two run on channel tiles masked past D (padding channels read as 0)."""
+    gen = torch.Generator().manual_seed(D)
+    case = make_case(gen, B=2, T=5, group=2, D=D, lens=(3, 40), paged=True)
+    check_against_reference(run(case, "triton"), case)
+
+
 def test_triton_rejects_unsupported():
     gen = torch.Generator().manual_seed(0)
     case = make_case(gen, dtype=torch.float64)
     with pytest.raises(TypeError, match="q: dtype"):
         run(case, "triton")
-    case = make_case(gen, D=80)
-    with pytest.raises(ValueError, match="q: head dim 80"):
+    case = make_case(gen, B=2, T=3, group=2, D=1024, lens=(0, 5))
+    with pytest.raises(ValueError, match=r"q: head dims \(D 1024, Dv 1024\) not supported by the triton backend"):
         run(case, "triton")
     case = make_case(gen)
     with pytest.raises(ValueError, match="out: expected"):
@@ -543,19 +551,24 @@ def spilled_bytes(kernel):
 
 
 def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap: bool = False,
-                  packed: bool = False, head_dim: int = 128, sinks: bool = False) -> None:
+                  packed: bool = False, head_dim: int = 128, sinks: bool = False, v_dim: int = 0,
+                  group: int = 4) -> None:
     """Prints (JSON) what compiling the kernels at the benchmark shape gives: bf16 q, D 128, T 16, GQA 4, a
     `cache` ("bf16", "fp8e4nv", or "fp32": fp32 q and cache, IEEE dots) KV cache, with a sliding window and
-    soft-capping if `window_cap`, packed rows if `packed`, attention sinks if `sinks`. Runs in a fresh process
-    without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
+    soft-capping if `window_cap`, packed rows if `packed`, attention sinks if `sinks`. 0 < v_dim < head_dim: MLA's
+    absorbed form, V the first v_dim channels of K's rows (V_FROM_K), `group` query heads on the one latent head. Runs in a
+    fresh process without TRITON_INTERPRET (the interpreter's patches break the compiler)."""
     import json
     q = "fp32" if cache == "fp32" else "bf16"
-    config = ta.choose_config(16 * 4, head_dim, 4 if q == "fp32" else 2)
+    config = ta.choose_config(16 * group, head_dim, 4 if q == "fp32" else 2)
+    v_dim = v_dim or head_dim
+    dims = ta.head_dims(head_dim, v_dim)
     types = {"q_ptr": f"*{q}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "cache_lens_ptr": "*i32",
              "tree_mask_ptr": "*i32", "block_table_ptr": "*i32", "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64",
              "out_ptr": f"*{q}", "lse_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
              "cap": "fp32"}
-    constexprs = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    constexprs = dict(GROUP=group, V_DIM=v_dim, V_PAD=dims.v_pad, REST_DIM=head_dim - v_dim, REST_PAD=dims.rest_pad,
+                      V_FROM_K=v_dim < head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                       NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q == "fp32" else "tf32", IDENTITY_TABLE=not paged,
                       COMPUTE_DTYPE=triton.language.float32 if q == "fp32" else triton.language.bfloat16,
                       WINDOW=window_cap, SOFT_CAP=window_cap, PACKED=packed, SINKS=sinks,
@@ -564,12 +577,13 @@ def hopper_report(paged: bool, num_splits: int, cache: str = "bf16", window_cap:
     kernel = compile_for_hopper(ta._tree_attention_kernel, types, constexprs, config.num_warps, config.num_stages)
     merge_types = {"part_out_ptr": f"*{q}", "part_lse_ptr": "*fp32", "out_ptr": f"*{q}", "lse_ptr": "*fp32",
                    "num_nodes_ptr": "*i32", "row_offsets_ptr": "*i64", "sinks_ptr": "*fp32"}
-    merge_constexprs = dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-                            PACKED=packed, SINKS=sinks, stride_pd=1, stride_od=1, stride_num_nodes=1,
-                            stride_row_offsets=1, stride_sinks=1)
+    merge_constexprs = dict(NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
+                            V_DIM=v_dim, V_PAD=dims.v_pad, PACKED=packed, SINKS=sinks, stride_pd=1, stride_od=1,
+                            stride_num_nodes=1, stride_row_offsets=1, stride_sinks=1)
     merge = compile_for_hopper(ta._merge_splits_kernel, merge_types, merge_constexprs)
     print(json.dumps({"wgmma": "wgmma" in kernel.asm["ptx"], "fma": "fma.rn.f32" in kernel.asm["ptx"],
-                      "shared": kernel.metadata.shared,
+                      "shared": kernel.metadata.shared, "registers": helpers.resource_usage(kernel)[0],
+                      "config": list(config),
                       "spilled": spilled_bytes(kernel), "merge_spilled": spilled_bytes(merge)}))
 
 
