@@ -5,7 +5,8 @@
 Side by side on the same checkpoints and prompts (held-out Python standard library files, never seen
 in training), one request at a time (transformers' assisted generation is single-request), greedy:
   ours:          AR, speculative with the draft model (chain, static tree, EAGLE-2 dynamic tree), with the
-                 target's MTP module (--mtp; chain and dynamic tree), prompt lookup (n-gram)
+                 target's MTP module (--mtp; chain and dynamic tree), prompt lookup (n-gram), suffix decoding
+                 (its memory of earlier passes' outputs emptied before each pass: the passes repeat the prompts)
   transformers:  LlamaForCausalLM.generate plain, with assistant_model= (the draft), and with
                  prompt_lookup_num_tokens= (skipped when transformers is not installed)
 More rows run our AR and chain speculation on all prompts as one batch, and sampled (--sample-temperature), also
@@ -36,7 +37,7 @@ import torch
 import specdec
 from specdec.loop.adaptive import measure_target_costs
 from specdec.loop.decoding import CudaStepGraph, SpeculativeDecoder
-from specdec.loop.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter
+from specdec.loop.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter, SuffixDrafter
 from specdec.loop.models.hf import load_model
 from specdec.loop.models.mtp import load_mtp
 from specdec.loop.models.tokenizer import ByteTokenizer
@@ -61,15 +62,25 @@ OURS = [("ours AR", _decoder(lambda m: NoDrafter()))] + [
 MTP_ROWS = [(f"ours mtp {tree}", _decoder(lambda m, tree=tree: MTPDrafter(m["target"], m["mtp"], tree)))
             for tree in ("chain:2", "chain:3", "chain:4", "chain:6", "dynamic:8,4,2")] + [
     ("ours mtp auto (chain:8, adaptive)", _decoder(lambda m: MTPDrafter(m["target"], m["mtp"], "chain:8"), True))]
-BATCHED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec auto (chain:8, adaptive)"]
+# suffix decoding at the CLI's defaults: trees of up to 16 draft tokens, 8 levels deep
+SUFFIX_ROWS = [("ours suffix tree (depth 8, 16 nodes)", _decoder(lambda m: SuffixDrafter(max_depth=8))),
+               ("ours suffix auto (depth 8, adaptive)", _decoder(lambda m: SuffixDrafter(max_depth=8), True))]
+# the drafters' rows beyond OURS, each with the model it needs loaded (None: nothing beyond the target): a new
+# drafter is one more entry here, and its row names in BATCHED and SAMPLED
+MORE_ROWS = [("mtp", MTP_ROWS), (None, SUFFIX_ROWS)]
+AUTO_ROWS = ["ours spec auto (chain:8, adaptive)", "ours mtp auto (chain:8, adaptive)",
+             "ours prompt lookup auto (chain:8, adaptive)", "ours suffix auto (depth 8, adaptive)"]
+BATCHED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours prompt lookup chain:8", "ours mtp chain:6",
+           "ours suffix tree (depth 8, 16 nodes)"] + AUTO_ROWS
 SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain:6", "ours spec chain:8",
-           "ours spec auto (chain:8, adaptive)", "ours mtp chain:2", "ours mtp chain:3", "ours mtp chain:4",
-           "ours mtp chain:6", "ours mtp auto (chain:8, adaptive)"]
+           "ours mtp chain:2", "ours mtp chain:3", "ours mtp chain:4", "ours mtp chain:6",
+           "ours prompt lookup chain:8", "ours suffix tree (depth 8, 16 nodes)"] + AUTO_ROWS
 FILTERED = ["ours AR", "ours spec chain:4"]
 # on a GPU every row replays its steps as CUDA graphs (the default there); these also run eagerly, marked [eager]
 EAGER = ["ours AR", "ours spec chain:4", "ours spec chain:8", "ours spec auto (chain:8, adaptive)", "ours mtp chain:6",
          "ours prompt lookup chain:8"]
-PLOTTED = ["ours spec chain:6", "ours mtp chain:6", "ours prompt lookup chain:8"]  # and their sampled rows
+# (and their sampled rows)
+PLOTTED = ["ours spec chain:6", "ours mtp chain:6", "ours prompt lookup chain:8", "ours suffix tree (depth 8, 16 nodes)"]
 
 
 FILTERS = dict(top_k=50, top_p=0.9)  # the sampled rows with filters
@@ -184,6 +195,16 @@ class Run(NamedTuple):
     prompt_s: Optional[float] = None
     widths: Optional[dict] = None
     steps: int = 0
+
+
+def forgetting(decoder):
+    """The decoder, its drafter's memory of earlier requests' outputs (suffix decoding's global index) emptied: a
+    pass repeats the earlier passes' prompts, whose outputs a new request would not find there (within a pass, a
+    request still finds the earlier requests' outputs; bench.repetitive measures what that memory is worth)."""
+    forget = getattr(decoder.drafter, "forget", None)
+    if forget is not None:
+        forget()
+    return decoder
 
 
 def run_ours(decoder, prompts, max_new, temperature=0.0, **filters) -> Run:
@@ -377,7 +398,7 @@ def main(argv=None):
     target, draft = load_model(args.target, device=dev), load_model(args.draft, device=dev)
     models = {"target": target, "draft": draft, "compile": args.compile,
               "mtp": load_mtp(args.mtp, target.cfg, device=dev) if os.path.isdir(args.mtp) else None}
-    ours = OURS + (MTP_ROWS if models["mtp"] is not None else [])
+    ours = OURS + [row for need, rows in MORE_ROWS if need is None or models[need] is not None for row in rows]
     tok = ByteTokenizer()
     prompts = [tok.encode(p) for p in held_out_prompts(args.prompts, args.prompt_bytes)]
     eos = target.cfg.eos_token_id
@@ -413,7 +434,8 @@ def main(argv=None):
             return decoders[name]
         warm = prompts if runner is run_ours_batch else prompts[:1]
         methods.append((name, _outside_target(lambda get=get, runner=runner, kw=kw: runner(
-                            get(), prompts, args.max_new_tokens, **kw), eager_forward_s if graphs is False else forward_s),
+                            forgetting(get()), prompts, args.max_new_tokens, **kw),
+                            eager_forward_s if graphs is False else forward_s),
                         lambda get=get, runner=runner, kw=kw, warm=warm: runner(get(), warm, warm_tokens, **kw)))
     hf_methods = [("transformers AR", {}), ("transformers assisted (assistant_model)", {"assistant": True}),
                   ("transformers prompt lookup (8 tokens)", {"prompt_lookup_num_tokens": 8})]

@@ -34,3 +34,28 @@ def test_e2e_replays_steps_as_graphs_runs_some_rows_eagerly_and_keeps_other_scri
     md = (tmp_path / "e2e.md").read_text()
     assert md.startswith("# End-to-end") and "older table" not in md and "replayed as CUDA graphs" in md
     assert md.count("## Verifiers (bench.verifiers)") == 1 and md.rstrip().endswith("| a |")
+
+
+def test_e2e_suffix_rows_forget_the_earlier_passes_outputs(tmp_path, monkeypatch):
+    """Every pass of a suffix decoding row decodes as a fresh drafter would (its memory of the earlier passes, which
+    repeat the prompts, emptied), and its greedy outputs are AR's."""
+    from bench import e2e
+    from specdec.loop.decoding import SpeculativeDecoder
+    from specdec.loop.drafters import SuffixDrafter
+    taus, run_ours = [], e2e.run_ours
+
+    def recording(decoder, prompts, max_new, **kw):
+        run = run_ours(decoder, prompts, max_new, **kw)
+        if isinstance(decoder.drafter, SuffixDrafter) and max_new == 12 and not kw:  # (greedy, timed: no warm-up)
+            taus.append(run.tau)
+        return run
+    monkeypatch.setattr(e2e, "run_ours", recording)
+    with specdec.value_checks(True):
+        e2e.main(["--prompts", "2", "--max-new-tokens", "12", "--repeats", "2", "--no-transformers",
+                  "--methods", r"suffix tree", "--out", str(tmp_path)])
+    rows = {r["method"]: r for r in json.loads((tmp_path / "e2e.json").read_text())["rows"]}
+    assert rows["ours suffix tree (depth 8, 16 nodes)"]["identical"]
+    target = e2e.load_model(e2e.os.path.join(e2e.ASSETS, "target"))
+    prompts = [e2e.ByteTokenizer().encode(p) for p in e2e.held_out_prompts(2, 300)]
+    fresh = run_ours(SpeculativeDecoder(target, SuffixDrafter(max_depth=8)), prompts, 12)
+    assert taus == [fresh.tau] * 2
