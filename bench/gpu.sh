@@ -17,7 +17,8 @@
 #                   (bench/results/e2e-floors.md: draft model, MTP, prompt lookup; fixed and adaptive; greedy,
 #                   sampled, a batch) with steps replayed as CUDA graphs, and some eagerly, with the time outside
 #                   the target's forward per step (e2e-cuda.md / .json)
-#   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first
+#   grid-<op>       python -m bench --device cuda --ops <op>, one process per op, targets first; grid-mla: MLA
+#                   tree attention at DeepSeek-V3's shapes (python -m bench.op_mla, its table in the summary)
 #   sweep           python -m bench.sweep: the Triton tunables at the target shapes (what the heuristics
 #                   should choose), one variant per row, ranked
 #   tests-backends  the backend test files (kv_cache, layouts, accept, accept_lossless, tree_attention, then the
@@ -176,6 +177,11 @@ grid attention 1 120
 grid accept 2 50
 grid rollback 3 40
 grid append 4 25
+# MLA tree attention at DeepSeek-V3's shapes (Hq 128, T <= 16, L up to 32K, float8 latent caches) against the copy
+# ceiling and SDPA (bench/op_mla.py); the CPU dry run times its tiny shapes
+MLA_ARGS=(--budget 0.3)
+[ "$DEVICE" = cpu ] && MLA_ARGS+=(--quick)
+step grid-mla 60 "$PY" -m bench.op_mla --device "$DEVICE" "${MLA_ARGS[@]}" --out "$STEPS/mla"
 # the end-to-end table: 2 prompts x 64 tokens, best of 2 passes (each row's decoder captures its graphs in its
 # warm-up); the rows the speedup floors judge (draft model chain:4 and 8, MTP chain:6, prompt lookup chain:8, and
 # each one's adaptive row), each also sampled, batched and eager where bench.e2e runs it so; no row
@@ -252,6 +258,12 @@ step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --n
     echo "## loop (shipped pair, $DEVICE)"
     grep -E '^(### |speculative |acceptance |autoregressive: )' "$STEPS/loop.log"
   fi
+  for table in "$STEPS"/mla/mla-*.md; do
+    [ -f "$table" ] || continue
+    echo
+    echo "## MLA tree attention ($(basename "$table"))"
+    grep -E '^\|' "$table"
+  done
   for table in "$STEPS"/e2e/e2e*.md; do
     [ -f "$table" ] || continue
     echo
@@ -267,7 +279,7 @@ step summary 20 "$PY" -m bench.report "$STEPS"/parts/*.json --out "$RESULTS" --n
     sed -n '/ (by \(graph\|eager\) time/,/^results: /p' "$STEPS/sweep.log" | grep -v '^results: '
   fi
 } >"$RESULTS/summary.md"
-cp "$STEPS"/sweep.json "$STEPS"/sweep.md "$STEPS"/e2e/e2e* "$RESULTS"/ 2>/dev/null
+cp "$STEPS"/sweep.json "$STEPS"/sweep.md "$STEPS"/e2e/e2e* "$STEPS"/mla/mla-* "$RESULTS"/ 2>/dev/null
 # the tail of every failed step's log, so a failure can be read from stdout alone
 for line in "${STATUS[@]}"; do
   case "$line" in *"rc=0"*|*skipped*) ;; *)

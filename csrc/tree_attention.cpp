@@ -36,6 +36,9 @@
 // when the row is written (write_rows), as one more score with no value.
 #include "specdec.h"
 
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -86,10 +89,28 @@ inline void tile(const acc_t* X, int64_t xi, int64_t xr, const acc_t* Y, int64_t
   }
 }
 
+// Products of at least this many multiply-adds go to ATen's GEMM (MKL / oneDNN: cache blocking, several times
+// the register tiles' rate at MLA's shapes, D 576 x 256 query rows: bench/results/mla-cpu.md); smaller ones stay
+// on the register tiles, which cost no call.
+constexpr int64_t kBlasWork = int64_t{1} << 20;
+
 // C (rows x Mp, row stride Mp) as in `tile`; rows a multiple of kRows, Mp of the vector size.
 template <typename acc_t, bool kRescale>
 void gemm(int64_t rows, int64_t Mp, const acc_t* X, int64_t xi, int64_t xr, const acc_t* Y, int64_t R, acc_t* C,
           const acc_t* rescale = nullptr) {
+  if (rows * Mp * R >= kBlasWork) {  // (inside a parallel_for: ATen runs it on this thread)
+    const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    const Tensor x = at::from_blob(const_cast<acc_t*>(X), {rows, R}, {xi, xr}, options);
+    const Tensor y = at::from_blob(const_cast<acc_t*>(Y), {R, Mp}, {Mp, 1}, options);
+    Tensor c = at::from_blob(C, {rows, Mp}, {Mp, 1}, options);
+    if (kRescale) {
+      c.mul_(at::from_blob(const_cast<acc_t*>(rescale), {1, Mp}, options));
+      c.addmm_(x, y);
+    } else {
+      at::mm_out(c, x, y);
+    }
+    return;
+  }
   constexpr int64_t VS = Vectorized<acc_t>::size();
   for (int64_t i = 0; i < rows; i += kRows) {
     int64_t m = 0;

@@ -47,6 +47,37 @@ def test_tree_attention(dtype, B, T, Hq, Hkv, D, max_len, paged):
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("num_splits", [None, 1], ids=["split-heuristic", "one-split"])
+def test_mla_tree_attention_at_deepseek_v3_shape(kv_dtype, num_splits):
+    """MLA's absorbed form at DeepSeek-V3's shape (Hq 128 on one latent head, Dqk 576, V the first 512 channels of
+    the same rows, a view): the compiled MLA variant against the reference, paged, bf16 q, a bf16 or float8 latent
+    cache; split-KV as the heuristic picks it and forced off."""
+    from specdec.kernels import tree_attention as ta
+    gen = torch.Generator().manual_seed(576)
+    B, T, Hq, max_len = 2, 16, 128, 1000
+    parents, num_nodes = random_trees(B, T, gen)
+    info = specdec.build_tree(parents, num_nodes)
+    cache_lens = torch.tensor([max_len - 1, 37], dtype=torch.int32)
+    cap = -(-(max_len + T) // 64) * 64
+    latent = random_cache(B, cap, 1, 576, torch.float32, gen)
+    k_scale = 0.05 if kv_dtype != torch.bfloat16 else None
+    latent = specdec.reference.quantize(latent, k_scale or 1.0, kv_dtype)
+    latent, table = to_paged(latent, 64, gen)
+    q = torch.randn(B, T, Hq, 576, generator=gen).to(torch.bfloat16)
+    scale = 192 ** -0.5
+    ref_out, ref_lse = specdec.tree_attention(q, latent, latent[..., :512], cache_lens, info.mask, block_table=table,
+                                              num_nodes=num_nodes, scale=scale, k_scale=k_scale, return_lse=True,
+                                              backend="torch")
+    on = latent.to(DEVICE)  # (V: a view of the device copy's rows)
+    args = (q.to(DEVICE), on, on[..., :512], cache_lens.to(DEVICE), info.mask.to(DEVICE), table.to(DEVICE),
+            num_nodes.to(DEVICE), scale, k_scale or 1.0, k_scale or 1.0)
+    out, lse = ta.tree_attention(*args, num_splits=num_splits)
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_tree_attention_float8_window_at_131k(kv_dtype):
     """vLLM's fp8 cache under a 4K sliding window at position ~131K, with every block older than the window
