@@ -15,8 +15,9 @@
 //                 min_tokens (B,) with stop_token_ids (B, S); filter_order "hf" | "vllm" | "sglang";
 //                 return_logprobs -1 (off) or N in [0, 20], logprobs_mode "raw" | "processed"
 // -> accepted_nodes (B, T) int32 (path from node 0, padded with -1), num_accepted (B,) int32,
-//    next_tokens (B,) int64, logprobs (B, T) float32, top_logprobs (B, T, N) float32, top_token_ids (B, T, N) int64
-//    (the logprobs of the emitted tokens, NaN / -1 after them; off: (B, 0), (B, 0, 0))
+//    next_tokens (B,) int64, logprobs (B, T) float32, top_logprobs (B, T, N) float32, top_token_ids (B, T, N) int64,
+//    token_ranks (B, T) int64 (the logprobs of the emitted tokens and their ranks, NaN / -1 after them; off: (B, 0),
+//    (B, 0, 0), (B, 0, 0), (B, 0))
 //
 // Semantics of reference.accept: greedy descends into the first child (node order) whose token is the
 // target argmax (first index on ties). Sampling with p = softmax(target / t) keeps a residual r (= p at
@@ -319,11 +320,11 @@ struct Accept {
   int64_t num_bias = 0, num_stop = 0;
   bool penalized = false;  // step 0 on (row_t is acc_t then)
   bool* stopped_empty = nullptr;  // (B, T) flags (with min_tokens): a real row min-tokens and the mask leave empty
-  // logprobs (return_logprobs = num_top >= 0): (B, T), (B, T, num_top), (B, T, num_top), pre-filled NaN / -1
+  // logprobs (return_logprobs = num_top >= 0): (B, T), (B, T, num_top), (B, T, num_top), (B, T), pre-filled NaN / -1
   int64_t num_top = -1;
   bool processed_logprobs = false;
   float *logprobs = nullptr, *top_logprobs = nullptr;
-  int64_t* top_ids = nullptr;
+  int64_t *top_ids = nullptr, *ranks = nullptr;
 
   static double reduce_sum(const Vec& v) {
     return static_cast<double>(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), v));
@@ -989,9 +990,10 @@ struct Accept {
   // ------------------------------------------------------------------------------------------------
   // Request b's logprobs (specdec.reference.log_law): at emitted position j (0..length), the log-law of its parent
   // row at the emitted token (the next accepted node's, then next_token); the num_top largest entries ranked by the
-  // row's values (not by rounded logprobs), ties by the lower id. A position's log-law is log_softmax(values *
+  // row's values (not by rounded logprobs), ties by the lower id, and the emitted token's rank (the entries whose
+  // value is at least its own; its value is known before the pass). A position's log-law is log_softmax(values *
   // scale), values being the row's allowed entries >= threshold (the others, and NaN, at -inf) and m their max
-  // (known from the walk): one pass over the row gives the exp sum and the top entries.
+  // (known from the walk): one pass over the row gives the exp sum, the top entries and the rank.
   struct LogLaw {
     double m, scale, log_sum;
     acc_t threshold;
@@ -1006,18 +1008,34 @@ struct Accept {
   static constexpr double kInfDouble = std::numeric_limits<double>::infinity();
 
   // Position j of request b: row (the raw row, or node's row after step 0), its mask, threshold, max m and scale as
-  // above; writes the emitted token's logprob and the top entries. known_total (> 0, or 0: unknown): the exp sum when
-  // the walk's law is this log-law (its total), so the pass only ranks.
+  // above; writes the emitted token's logprob, its rank and the top entries. known_total (> 0, or 0: unknown): the
+  // exp sum when the walk's law is this log-law (its total), so the pass only ranks.
   template <typename E>
   void write_position(int64_t b, int64_t j, const E* row, const MaskRow& mask, acc_t threshold, double m, double scale,
                       int64_t emitted, double known_total = 0) const {
     TopEntries top;
     top.reset(std::min(num_top, V));
+    const acc_t given_emitted = static_cast<acc_t>(row[emitted]);
+    const acc_t emitted_value = mask.allowed(emitted) && given_emitted >= threshold ? given_emitted : -kInf;
+    const bool count = emitted_value > -kInf;  // (else every entry is at least its value: rank V)
     const Vec vm(static_cast<acc_t>(m)), vs(static_cast<acc_t>(scale)), thr(threshold), zero(acc_t(0)), none(-kInf);
+    const Vec ve(emitted_value), one(acc_t(1));
+    // at least the emitted token's value: counted in float lanes (exact below 2^24 per lane)
+    Vec at_least = zero;
+    int64_t at_least_tail = 0;
     if (known_total > 0) {
       masked_for_each(row, 0, V, mask,
-          [&](const Vec& given, int64_t i) { top.offer_lanes(Vec::blendv(none, given, given >= thr), i); },
-          [&](acc_t given, int64_t i) { top.offer(given >= threshold ? given : -kInf, i); });
+          [&](const Vec& given, int64_t i) {
+            const Vec x = Vec::blendv(none, given, given >= thr);
+            if (count) at_least = at_least + Vec::blendv(zero, one, x >= ve);
+            top.offer_lanes(x, i);
+          },
+          [&](acc_t given, int64_t i) {
+            const acc_t x = given >= threshold ? given : -kInf;
+            at_least_tail += count && x >= emitted_value;
+            top.offer(x, i);
+          });
+      ranks[b * T + j] = count ? static_cast<int64_t>(reduce_sum(at_least)) + at_least_tail : V;
       write_entries(b, j, row, LogLaw{m, scale, std::log(known_total), threshold, mask}, top, emitted);
       return;
     }
@@ -1030,17 +1048,35 @@ struct Accept {
             const Vec keep = given >= thr;  // (NaN: dropped)
             const Vec x = Vec::blendv(none, given, keep);
             sum = sum + Vec::blendv(zero, ((x - vm) * vs).exp_u20(), keep);
+            if (count) at_least = at_least + Vec::blendv(zero, one, x >= ve);
             top.offer_lanes(x, b0 + i);
           },
           [&](acc_t given, int64_t i) {
             const bool keep = given >= threshold;
             const acc_t x = keep ? given : -kInf;
             tail += keep ? std::exp((x - static_cast<acc_t>(m)) * static_cast<acc_t>(scale)) : acc_t(0);
+            at_least_tail += count && x >= emitted_value;
             top.offer(x, b0 + i);
           });
       total += reduce_sum(sum) + tail;
     }
+    ranks[b * T + j] = count ? static_cast<int64_t>(reduce_sum(at_least)) + at_least_tail : V;
     write_entries(b, j, row, LogLaw{m, scale, std::log(total), threshold, mask}, top, emitted);
+  }
+
+  // The rank of `emitted` in a raw row (the entries at least its value; NaN entries never are), for the positions
+  // whose top entries and exp sum came from the walk (step 0's copy of the row, and the law's total): the token is
+  // drawn after that copy, so its rank takes a pass of its own.
+  template <typename E>
+  int64_t raw_rank(const E* row, int64_t emitted) const {
+    const acc_t value = static_cast<acc_t>(row[emitted]);
+    if (std::isnan(value)) return V;  // (as write_position: a dropped entry's value is -inf)
+    const Vec ve(value), zero(acc_t(0)), one(acc_t(1));
+    Vec at_least = zero;
+    int64_t tail = 0;
+    for_each_vec(row, V, [&](const Vec& x, int64_t) { at_least = at_least + Vec::blendv(zero, one, x >= ve); },
+                 [&](acc_t x, int64_t) { tail += x >= value; });
+    return static_cast<int64_t>(reduce_sum(at_least)) + tail;
   }
 
   template <typename E>
@@ -1465,6 +1501,7 @@ struct Accept {
         const int64_t emitted = chosen >= 0 ? tokens[b * T + chosen] : token;
         if (raw_known) {
           write_entries(b, length, raw_row, LogLaw{raw_max, 1.0, raw_log_sum, kLowest, MaskRow{}}, raw_top, emitted);
+          ranks[b * T + length] = raw_rank(raw_row, emitted);
         } else if (num_top >= 0) {  // (the row is still res' when step 0 is on: the next node's is not read yet)
           write_position_of(b, length, node, emitted, law.target_row, law.max, law.threshold, false, inv_t, f,
                             law.r_sum);
@@ -1504,7 +1541,7 @@ const T* data_or_null(const Tensor& x) {
   return x.defined() ? x.const_data_ptr<T>() : nullptr;
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> accept_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> accept_cpu(
     const Tensor& target_in, const Tensor& tokens, const Tensor& parents, const std::optional<Tensor>& draft_in,
     const Tensor& temperature, const Tensor& seeds, const Tensor& num_nodes, int64_t offset,
     const std::optional<Tensor>& offsets, const std::optional<Tensor>& top_k, const std::optional<Tensor>& top_p,
@@ -1543,13 +1580,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> accept_cpu(
   Tensor accepted = at::full({B, T}, -1, opts.dtype(at::kInt));
   Tensor num_accepted = at::empty({B}, opts.dtype(at::kInt));
   Tensor next_tokens = at::empty({B}, opts.dtype(at::kLong));
-  // logprobs: (B, T), (B, T, N), (B, T, N), NaN / -1 after the emitted positions; off: (B, 0), (B, 0, 0)
+  // logprobs: (B, T), (B, T, N), (B, T, N), (B, T), NaN / -1 after the emitted positions; off: (B, 0), (B, 0, 0)
   const bool with_logprobs = in.return_logprobs >= 0;
   const int64_t N = std::max<int64_t>(in.return_logprobs, 0), positions = with_logprobs ? T : 0;
   Tensor logprobs = at::full({B, positions}, std::numeric_limits<float>::quiet_NaN(), opts.dtype(at::kFloat));
   Tensor top_logprobs = at::full({B, positions, with_logprobs ? N : 0}, std::numeric_limits<float>::quiet_NaN(),
                                  opts.dtype(at::kFloat));
   Tensor top_token_ids = at::full({B, positions, with_logprobs ? N : 0}, -1, opts.dtype(at::kLong));
+  Tensor token_ranks = at::full({B, positions}, -1, opts.dtype(at::kLong));
   // real rows that min-tokens' stop tokens (and the bitmask) leave without a finite value (with min_tokens)
   const Tensor stopped_empty = in.min_tokens.defined()
       ? at::zeros(target.sizes().slice(0, target.dim() - 1), opts.dtype(at::kBool)) : Tensor();
@@ -1615,6 +1653,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> accept_cpu(
       op.logprobs = logprobs.data_ptr<float>();
       op.top_logprobs = top_logprobs.data_ptr<float>();
       op.top_ids = top_token_ids.data_ptr<int64_t>();
+      op.ranks = token_ranks.data_ptr<int64_t>();
       // Walking needs only the request's own rows: with a request for every thread, one parallel region
       // (each region wakes the thread team, costly on a busy machine) in which the walk scans its request's
       // rows (Accept::lazy_target); else rows first, then requests. Bad logits are reported after both
@@ -1638,7 +1677,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> accept_cpu(
     check_logit_rows(target_name, ts.nan, ts.posinf, ts.max, in.num_nodes, masked_empty[0], probs, stopped_empty);
     if (ds.has_value()) check_logit_rows(draft_name, ds->nan, ds->posinf, ds->max, in.num_nodes, masked_empty[1], probs);
   });
-  return {accepted, num_accepted, next_tokens, logprobs, top_logprobs, top_token_ids};
+  return {accepted, num_accepted, next_tokens, logprobs, top_logprobs, top_token_ids, token_ranks};
 }
 
 }  // namespace

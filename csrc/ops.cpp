@@ -37,7 +37,7 @@ TORCH_LIBRARY(specdec, m) {
         "Tensor? presence_penalty=None, Tensor? output_token_counts=None, Tensor? prompt_token_mask=None, "
         "Tensor? logit_bias_ids=None, Tensor? logit_bias_values=None, Tensor? min_tokens=None, "
         "Tensor? stop_token_ids=None, str filter_order=\"hf\", int return_logprobs=-1, "
-        "str logprobs_mode=\"raw\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "str logprobs_mode=\"raw\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("kv_append(Tensor(a!) k_cache, Tensor(b!)? v_cache, Tensor k_new, Tensor? v_new, Tensor cache_lens, "
         "Tensor? block_table, float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("kv_rollback(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!) cache_lens, Tensor accepted_nodes, "

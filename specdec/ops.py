@@ -84,7 +84,7 @@ def _fake_accept(target_logits, tokens, parents, draft_logits, temperature, seed
     return (tokens.new_empty((B, T), dtype=torch.int32), tokens.new_empty((B,), dtype=torch.int32),
             tokens.new_empty((B,), dtype=torch.int64), tokens.new_empty((B, positions), dtype=torch.float32),
             tokens.new_empty((B, positions, N), dtype=torch.float32),
-            tokens.new_empty((B, positions, N), dtype=torch.int64))
+            tokens.new_empty((B, positions, N), dtype=torch.int64), tokens.new_empty((B, positions), dtype=torch.int64))
 
 
 def _fake_mutating(*args):
@@ -111,7 +111,7 @@ OPS = {spec.name: spec for spec in (
            "Tensor? presence_penalty=None, Tensor? output_token_counts=None, Tensor? prompt_token_mask=None, "
            "Tensor? logit_bias_ids=None, Tensor? logit_bias_values=None, Tensor? min_tokens=None, "
            "Tensor? stop_token_ids=None, str filter_order=\"hf\", int return_logprobs=-1, "
-           "str logprobs_mode=\"raw\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+           "str logprobs_mode=\"raw\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
            reference.accept, _fake_accept, (".kernels.accept", "accept"), val.check_accept),
     OpSpec("kv_append",
            "(Tensor(a!) k_cache, Tensor(b!)? v_cache, Tensor k_new, Tensor? v_new, Tensor cache_lens, "
@@ -233,10 +233,13 @@ class Logprobs(NamedTuple):
     (the accepted draft tokens, then the next token; AcceptResult.emitted_tokens), j <= num_accepted[b].
     token_logprobs (B, T) float32: each emitted token's logprob, NaN after; top_logprobs (B, T, N) float32 and
     top_token_ids (B, T, N) int64: the N largest logprobs of each emitted position's law and their tokens, in
-    decreasing order (ties: the lower id first), NaN / -1 after."""
+    decreasing order (ties: the lower id first), NaN / -1 after; token_ranks (B, T) int64: each emitted token's
+    rank in its law, the number of tokens whose value is at least its own (1 = the most likely; vLLM's
+    selected_token_ranks), -1 after."""
     token_logprobs: torch.Tensor
     top_logprobs: torch.Tensor
     top_token_ids: torch.Tensor
+    token_ranks: torch.Tensor
 
 
 class _AcceptedPaths(NamedTuple):
@@ -253,7 +256,7 @@ class AcceptResult(_AcceptedPaths):
 
     @classmethod
     def from_op(cls, outputs) -> "AcceptResult":
-        """The result of the op's six outputs (the logprob tensors are empty when they were not asked for)."""
+        """The result of the op's seven outputs (the logprob tensors are empty when they were not asked for)."""
         result = cls(*outputs[:3])
         if outputs[3].shape[1]:
             result.logprobs = Logprobs(*outputs[3:])
@@ -417,7 +420,7 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     "vllm" (min-p first, as vLLM's sampler) or "sglang" (top-p over the whole law, jointly with top-k);
     reference.processed_keep has each.
     return_logprobs: None (off) or N in [0, 20]: the result's .logprobs holds the logprob of every emitted
-    token and the N largest logprobs at each emitted position (`Logprobs`); logprobs_mode "raw" (the target's
+    token, its rank, and the N largest logprobs at each emitted position (`Logprobs`); logprobs_mode "raw" (the target's
     log-softmax as given) or "processed" (the law the token was sampled from; a greedy request's row after
     step 0 and the mask at temperature 1), as vLLM's logprobs_mode names them.
     Returns AcceptResult(accepted_nodes (B, T) int32, num_accepted (B,) int32, next_tokens (B,) int64), and
@@ -490,11 +493,11 @@ class LayerCalls:
 
         calls = specdec.ops.LayerCalls(cache_lens, tree_mask, write_start=..., block_table=..., num_nodes=...)
         for layer: calls.kv_append(k_cache, v_cache, k, v); out = calls.tree_attention(q, k_cache, v_cache)
+        MLA:       calls.kv_append(latent, None, c_kv_and_k_rope, None)
+                   out = calls.tree_attention(q_absorbed, latent, latent[..., :kv_lora_rank])
 
     A layer's own arguments: window_left (sliding-window layers) and sinks (its attention sinks, (Hq,) float32).
 
-        MLA:       calls.kv_append(latent, None, c_kv_and_k_rope, None)
-                   out = calls.tree_attention(q_absorbed, latent, latent[..., :kv_lora_rank])
     cache_lens: tree_attention's (node 0's slot); write_start: kv_append's cache_lens (default cache_lens).
     Other arguments as the ops'; backend is resolved once."""
 

@@ -459,7 +459,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
            prompt_token_mask=None, logit_bias_ids=None, logit_bias_values=None, min_tokens=None,
            stop_token_ids=None, filter_order="hf", return_logprobs=-1, logprobs_mode="raw"):
     """Walk each request's tree from the root and return (accepted_nodes, num_accepted, next_tokens, logprobs,
-    top_logprobs, top_token_ids).
+    top_logprobs, top_token_ids, token_ranks).
 
     row_offsets (B,) (the packed form): target_logits, draft_logits (N, V) and token_bitmask (N, W) are packed
     rows, node i of request b being row row_offsets[b] + i; they are unpacked to (B, T, ...) first.
@@ -490,7 +490,9 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     Request b's random stream: request_generator(seeds[b], offset + offsets[b]) (offsets None: 0).
     return_logprobs >= 0: logprobs[b, j] is the log-law of emitted token j (the accepted drafts, then the next
     token) at its parent row, and top_logprobs / top_token_ids hold the return_logprobs largest entries of that
-    log-law (`log_law`), NaN / -1 after the emitted positions; -1: off, shapes (B, 0) and (B, 0, 0).
+    log-law (`log_law`), and token_ranks[b, j] the emitted token's rank in it, the number of entries whose value is
+    at least its own (1 for the most likely token; vLLM's selected_token_ranks), NaN / -1 after the emitted
+    positions; -1: off, shapes (B, 0), (B, 0, 0), (B, 0, 0) and (B, 0).
     """
     if row_offsets is not None:
         target_logits, draft_logits, token_bitmask = padded_rows(row_offsets, tokens.shape[1], target_logits,
@@ -507,6 +509,7 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
     top_shape = (B, T, N) if return_logprobs >= 0 else (B, 0, 0)
     top_logprobs = torch.full(top_shape, math.nan, dtype=torch.float32)
     top_ids = torch.full(top_shape, -1, dtype=torch.int64)
+    ranks = torch.full(logprobs.shape, -1, dtype=torch.int64)
     allowed = None if token_bitmask is None else unpack_bits(token_bitmask.cpu(), V)  # (B, T, V)
     step0 = dict(repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                  presence_penalty=presence_penalty, output_token_counts=output_token_counts,
@@ -553,10 +556,11 @@ def accept(target_logits, tokens, parents, draft_logits, temperature, seeds, num
             values, log_p = log_law(target_logits[b, r], row(target_logits, r), mask, t, k, p_top, p_min,
                                     filter_order, logprobs_mode)
             logprobs[b, j] = log_p[e]
+            ranks[b, j] = int((values >= values[e]).sum())
             top = torch.sort(values, descending=True, stable=True).indices[:N]  # (ties: the lower id first)
             top_logprobs[b, j, : len(top)], top_ids[b, j, : len(top)] = log_p[top], top  # (N > V: padded)
     dev = target_logits.device
-    return tuple(x.to(dev) for x in (accepted, num_acc, next_tok, logprobs, top_logprobs, top_ids))
+    return tuple(x.to(dev) for x in (accepted, num_acc, next_tok, logprobs, top_logprobs, top_ids, ranks))
 
 
 def log_law(raw_row, penalized, allowed, t, top_k=0, top_p=1.0, min_p=0.0, filter_order="hf", mode="raw"):

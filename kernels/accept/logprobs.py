@@ -11,11 +11,11 @@ j < num_accepted, then next_tokens[b]) from its parent row r = accepted_nodes[b,
     temperature 1 without filters (vLLM's convention).
 logprobs[b, j] is that log-law at e_j, and top_logprobs / top_token_ids its N = return_logprobs largest entries,
 ranked by the row's values themselves (raw: the entries as given, probabilities included, so no float32 log can
-tie two of them; processed: the masked values, the dropped ones at -inf), ties by the lower id. Positions past
-num_accepted get NaN / -1.
+tie two of them; processed: the masked values, the dropped ones at -inf), ties by the lower id; token_ranks[b, j]
+is e_j's rank by the same keys, the entries at least its own. Positions past num_accepted get NaN / -1.
 
 One read of the row does it all (`_position_pass`): per-lane (max, sum exp) as the walk's statistics, the
-token's value, and a running top-N merge (`_merge_top`): a tile enters the list only through the entries that
+token's value and rank, and a running top-N merge (`_merge_top`): a tile enters the list only through the entries that
 beat its current last one, so after the first tiles of a row a tile costs one compare per entry and one
 reduction; a threshold search for the N-th value instead would read the row at least twice more (pivots, then
 gathering). In every mode, filtered or not, each emitted row is read exactly once beyond what the walk reads: a
@@ -23,7 +23,9 @@ filtered "processed" row's threshold is the one the walk found for that node whe
 records it, in every launch with filters, in a (B, T) float32 scratch after the search records,
 `node_thresholds`; every sampling node of the path gets there before its children's tests or its draw, in every
 method), the same float from the same search of the same values, so the kept set and the logprobs are those a
-search here would give. A greedy row needs none: no filter applies to it.
+search here would give. A greedy row needs none: no filter applies to it. The rank counts the entries at least
+the token's key, which a pass cannot know before it reads the token's tile: the pass starts at that tile and wraps
+around, so every tile is compared with the key it read first.
 """
 from __future__ import annotations
 
@@ -78,8 +80,9 @@ def _merge_top(top_v, top_i, live, key, cols, inside):
 @triton.jit
 def _position_pass(req, node, row, token, tau, inv_t, n_top, PROCESSED: tl.constexpr, N_BLOCK: tl.constexpr,
                    BLOCK_V: tl.constexpr):
-    """One pass over the row of `node`: (raw max M of the law's values, sum exp((x - M) / t), the value of
-    `token`, the n_top best (key, id) in a list of N_BLOCK slots, unsorted). The law's values: PROCESSED, the
+    """One pass over the row of `node`, from the tile holding `token`: (raw max M of the law's values,
+    sum exp((x - M) / t), the value of `token`, its rank (the entries whose key is at least its key), the n_top
+    best (key, id) in a list of N_BLOCK slots, unsorted). The law's values: PROCESSED, the
     row after step 0 (`_values`), the mask and the threshold tau (`_kept`); else the row as given. Keys: the
     values, except probabilities (raw, or processed without step 0): the stored entries of the
     values kept, 0 for the others, as their float32 logs may tie distinct entries."""
@@ -91,8 +94,13 @@ def _position_pass(req, node, row, token, tau, inv_t, n_top, PROCESSED: tl.const
     m = tl.full((BLOCK_V,), NEG_INF, tl.float32)
     s = tl.full((BLOCK_V,), 0.0, tl.float32)
     x_token = tl.full((), NEG_INF, tl.float32)
-    for start in range(0, req.V, BLOCK_V):
-        cols = start + ar
+    key_token = tl.full((), NEG_INF, tl.float32)
+    at_least = tl.zeros((BLOCK_V,), tl.int32)
+    first = token // BLOCK_V
+    num_tiles = tl.cdiv(req.V, BLOCK_V)
+    for k in range(0, num_tiles):
+        tile = first + k
+        cols = tl.where(tile >= num_tiles, tile - num_tiles, tile) * BLOCK_V + ar
         inside = cols < req.V
         stored = _load_row(row + cols, inside, req.probs)
         if PROCESSED:
@@ -103,16 +111,20 @@ def _position_pass(req, node, row, token, tau, inv_t, n_top, PROCESSED: tl.const
         if req.probs and not (PROCESSED and req.penalties):
             key = tl.where(x > NEG_INF, stored.to(tl.float32), 0.0)
         m, s = _lane_lse(m, s, x, inv_t)
-        x_token = tl.maximum(x_token, tl.reduce(tl.where(cols == token, x, NEG_INF), 0, _MAX))
+        if k == 0:
+            x_token = tl.reduce(tl.where(cols == token, x, NEG_INF), 0, _MAX)
+            key_token = tl.reduce(tl.where(cols == token, key, NEG_INF), 0, _MAX)
+        at_least += (inside & (key >= key_token)).to(tl.int32)
         top_v, top_i = _merge_top(top_v, top_i, live, key, cols, inside)
     max_x, sum_x = _merge_lse(m, s, inv_t)
-    return max_x, sum_x, x_token, top_v, top_i
+    return max_x, sum_x, x_token, tl.reduce(at_least, 0, _SUM).to(tl.int64), top_v, top_i
 
 
 @triton.jit
 def _logprobs_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, seeds_ptr, num_nodes_ptr, offsets_ptr,
                      mask_ptr, row_offsets_ptr, top_k_ptr, top_p_ptr, min_p_ptr, acc_ptr, num_acc_ptr, next_ptr,
-                     state_f_ptr, taus_ptr, logprobs_ptr, top_lp_ptr, top_ids_ptr, T, V, W, stride_tb, stride_tt,
+                     state_f_ptr, taus_ptr, logprobs_ptr, top_lp_ptr, top_ids_ptr, ranks_ptr, T, V, W, stride_tb,
+                     stride_tt,
                      stride_db, stride_dt, offset_lo, offset_hi, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr,
                      bias_ids_ptr, bias_values_ptr, min_tokens_ptr, stop_ids_ptr, generated_ptr, counted,
                      prompt_words, K, S, N, HAS_OFFSETS: tl.constexpr, HAS_FILTERS: tl.constexpr,
@@ -120,7 +132,8 @@ def _logprobs_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, s
                      N_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PENALTIES: tl.constexpr,
                      FILTER_ORDER: tl.constexpr):
     """Position j = program_id(1) of request b = program_id(0), after the walk wrote its outputs: logprobs[b, j]
-    and its N (<= N_BLOCK) top entries (top_lp / top_ids (B, T, N)), or NaN / -1 past num_accepted[b]. The
+    and its N (<= N_BLOCK) top entries (top_lp / top_ids (B, T, N)) and its token's rank (ranks (B, T) int64),
+    or NaN / -1 past num_accepted[b]. The
     arguments before logprobs_ptr are the walk's (`_request`'s); taus_ptr: the (B, T) thresholds the walk recorded
     (`node_thresholds`), read only for a filtered "processed" row; rep_ptr ... S: step 0's (read only when
     PROCESSED)."""
@@ -139,6 +152,7 @@ def _logprobs_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, s
     top_lp = tl.full((N_BLOCK,), float("nan"), tl.float32)
     top_id = tl.full((N_BLOCK,), -1, tl.int64)
     rank = slot
+    token_rank = tl.full((), -1, tl.int64)
     if j <= num:
         node = tl.load(req.path + j)
         child = tl.load(req.path + j + 1, mask=j < num, other=0)
@@ -152,8 +166,8 @@ def _logprobs_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, s
             if HAS_FILTERS:
                 if req.filtered:  # (the walk found the node's law, through its threshold, before it went on)
                     tau = tl.load(req.taus + node)
-        max_x, sum_x, x_token, top_v, top_i = _position_pass(req, node, row, token, tau, inv_t, N, PROCESSED,
-                                                             N_BLOCK, BLOCK_V)
+        max_x, sum_x, x_token, token_rank, top_v, top_i = _position_pass(req, node, row, token, tau, inv_t, N,
+                                                                         PROCESSED, N_BLOCK, BLOCK_V)
         shift = _shift(max_x)
         lse = tl.log(sum_x)
         logprob = (x_token - shift) * inv_t - lse
@@ -167,32 +181,34 @@ def _logprobs_kernel(target_ptr, draft_ptr, tokens_ptr, parents_ptr, temp_ptr, s
         rank = tl.reduce((live[None, :] & _beats(top_v[None, :], top_i[None, :], top_v[:, None], top_i[:, None]))
                          .to(tl.int32), 1, _SUM)
     tl.store(logprobs_ptr + at, logprob)
+    tl.store(ranks_ptr + at, token_rank)
     tl.store(top_lp_ptr + at * N + rank, top_lp, mask=slot < N)
     tl.store(top_ids_ptr + at * N + rank, top_id, mask=slot < N)
 
 
 def empty_logprobs(B: int, T: int, return_logprobs: int, device):
-    """The logprob outputs' tensors, uninitialized: (B, T), (B, T, N) and (B, T, N), N = return_logprobs; (B, 0),
-    (B, 0, 0) and (B, 0, 0) when off (return_logprobs < 0)."""
+    """The logprob outputs' tensors, uninitialized: (B, T), (B, T, N), (B, T, N) and (B, T), N = return_logprobs;
+    (B, 0), (B, 0, 0), (B, 0, 0) and (B, 0) when off (return_logprobs < 0)."""
     positions, N = (T, return_logprobs) if return_logprobs >= 0 else (0, 0)
     return (torch.empty((B, positions), dtype=torch.float32, device=device),
             torch.empty((B, positions, N), dtype=torch.float32, device=device),
-            torch.empty((B, positions, N), dtype=torch.int64, device=device))
+            torch.empty((B, positions, N), dtype=torch.int64, device=device),
+            torch.empty((B, positions), dtype=torch.int64, device=device))
 
 
 def emitted_logprobs(args, meta, return_logprobs: int, logprobs_mode: str, raw_rows=None):
     """The op's logprob outputs after the walk: (logprobs (B, T) float32, top_logprobs (B, T, N) float32,
-    top_token_ids (B, T, N) int64), N = max(return_logprobs, 0); shapes (B, 0), (B, 0, 0) when off
-    (return_logprobs < 0). args / meta: the walk's launch arguments and constexprs (`accept`), after the walk
+    top_token_ids (B, T, N) int64, token_ranks (B, T) int64), N = max(return_logprobs, 0); `empty_logprobs`' shapes
+    when off (return_logprobs < 0). args / meta: the walk's launch arguments and constexprs (`accept`), after the walk
     has run; T is the walk's, the launch a function of the shapes
     only. raw_rows: the target rows "raw" reads when they are not the walk's (float64 rows, which the walk reads
     after step 0 or shifted by the mask's max: the raw rows shifted by their own max, same layout), else None."""
     walk = dict(zip(_accept_kernel.arg_names, args))
     T, accepted = walk["T"], walk["acc_ptr"]
     B, dev = accepted.shape[0], accepted.device
-    logprobs, top_lp, top_ids = empty_logprobs(B, T, return_logprobs, dev)
+    logprobs, top_lp, top_ids, ranks = empty_logprobs(B, T, return_logprobs, dev)
     if return_logprobs < 0 or B == 0:
-        return logprobs, top_lp, top_ids
+        return logprobs, top_lp, top_ids, ranks
     N = return_logprobs
     processed = logprobs_mode == "processed"
     # (filtered: the thresholds the walk recorded; else any tensor stands in, never read)
@@ -201,12 +217,12 @@ def emitted_logprobs(args, meta, return_logprobs: int, logprobs_mode: str, raw_r
     strides = (0, target.stride(0)) if meta["PACKED"] else (target.stride(0), target.stride(1))
     # the walk's arguments by name (draft_ptr: any pointer, never read), then the outputs and the rows read
     values = dict(walk, target_ptr=target, draft_ptr=target, taus_ptr=taus, logprobs_ptr=logprobs, top_lp_ptr=top_lp,
-                  top_ids_ptr=top_ids, N=N, **dict(zip(("stride_tb", "stride_tt", "stride_db", "stride_dt"),
-                                                       strides + strides)))
+                  top_ids_ptr=top_ids, ranks_ptr=ranks, N=N,
+                  **dict(zip(("stride_tb", "stride_tt", "stride_db", "stride_dt"), strides + strides)))
     names = _logprobs_kernel.arg_names
     _logprobs_kernel[(B, T)](
         *(values[name] for name in names[: names.index("N") + 1]), PROCESSED=processed,
         N_BLOCK=triton.next_power_of_2(max(N, 1)), HAS_PENALTIES=meta["HAS_PENALTIES"] and processed,
         **{name: meta[name] for name in ("HAS_OFFSETS", "HAS_FILTERS", "PROBS", "PACKED", "T_BLOCK", "BLOCK_V",
                                          "FILTER_ORDER", "num_warps")})
-    return logprobs, top_lp, top_ids
+    return logprobs, top_lp, top_ids, ranks

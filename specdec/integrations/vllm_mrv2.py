@@ -30,8 +30,9 @@ while they equal the target's argmax; sampled ones use token-wise rejection samp
 verification ("block"), against the cached draft logits (`DraftLogitsCache`, pre-temperature) when given, else
 against the proposals as one-hot drafts. A draft id of -1 (a placeholder, `gather_draft_sampled`) is rejected at
 its position. num_sampled / num_rejected are vLLM's (`get_num_sampled_and_rejected`). Logprobs in vLLM's
-"raw_logprobs" mode come out of accept (return_logprobs: the emitted tokens' and the top N at each emitted
-row, N <= 20, with the ranks from one comparison pass over the rows) when no request is routed and none asks for
+"raw_logprobs", "processed_logprobs" and "raw_logits" modes come out of accept (return_logprobs: the emitted
+tokens', their ranks and the top N at each emitted row, N <= 20, in the same pass over each emitted row; the
+processed law is accept's own, the one it verified with) when no request is routed and none asks for
 logprob_token_ids; otherwise vLLM's own `_get_logprobs_tensors` computes them on the logits vLLM would use (the
 raw ones, or the processed ones for the processed modes, materialized only then).
 Randomness: request b draws from specdec's stream (sampling_states.seeds[b], pos of its first logits row), so
@@ -52,6 +53,9 @@ from specdec import _validation as val
 
 LOSSLESS_METHODS = {"standard": "token", "block": "block"}
 LOSSY_METHODS = ("synthetic", "fly")
+# vLLM's logprobs modes that accept computes: its mode of the law, and whether vLLM's scores are the raw logits
+FUSED_LOGPROBS_MODES = {"raw_logprobs": ("raw", False), "processed_logprobs": ("processed", False),
+                        "raw_logits": ("raw", True)}
 
 
 class RejectionSampler:
@@ -113,14 +117,16 @@ class RejectionSampler:
         sampled = torch.full((B, T), -1, dtype=torch.int64, device=logits.device)
         num_sampled = torch.zeros(B, dtype=torch.int32, device=logits.device)
         logprobs_dims = sampler.get_logprobs_dims(input_batch.idx_mapping_np)
-        # raw logprobs come out of accept when every request is fused and asks for at most accept's number of
-        # top entries, with no logprob_token_ids; otherwise vLLM computes them (_get_logprobs_tensors)
+        # logprobs come out of accept (with their ranks) when every request is fused and asks for at most accept's
+        # number of top entries, with no logprob_token_ids; otherwise vLLM computes them (_get_logprobs_tensors)
         fused_logprobs = None
-        if (logprobs_dims is not None and sampler.logprobs_mode == "raw_logprobs" and logprobs_dims[1] == 0
+        if (logprobs_dims is not None and sampler.logprobs_mode in FUSED_LOGPROBS_MODES and logprobs_dims[1] == 0
                 and logprobs_dims[0] <= val.MAX_LOGPROBS and not batch.routed.any()):
             rows = (logits.shape[0], 1 + logprobs_dims[0])
+            # (rows past the emitted ones hold token 0 and rank 0, which vLLM's consumers slice away, as vLLM's own)
             fused_logprobs = (torch.zeros(rows, dtype=torch.int64, device=logits.device),
-                              torch.full(rows, float("-inf"), device=logits.device))
+                              torch.full(rows, float("-inf"), device=logits.device),
+                              torch.zeros(rows[0], dtype=torch.int64, device=logits.device))
         fused = ~batch.routed
         if fused.any():
             self._verify(batch, logits, batch.all_rows, fused, processed=False, out=(sampled, num_sampled),
@@ -134,14 +140,12 @@ class RejectionSampler:
             sampler.trace_replay_state.apply_trace_to_verified(
                 sampled, num_sampled, draft_sampled, input_batch.cu_num_logits, input_batch.idx_mapping)
 
-        wants_processed = (logprobs_dims is not None and sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES
+        vllm_logprobs = logprobs_dims is not None and fused_logprobs is None
+        wants_processed = (vllm_logprobs and sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES
                            or sampler.return_sampling_mask)
         all_processed = batch.processed_logits(np.arange(B), batch.all_rows) if wants_processed else None
         if fused_logprobs is not None:
-            token_ids, scores = fused_logprobs
-            # (vLLM's ranks: the entries of the raw row at least the emitted token's; rows past the emitted
-            # ones hold token 0, which vLLM's consumers slice away, as vLLM's own)
-            ranks = (logits >= logits.gather(1, token_ids[:, :1])).sum(-1)
+            token_ids, scores, ranks = fused_logprobs
             expanded = logits.shape[0] != B
             logprobs_tensors = LogprobsTensors(token_ids, scores, ranks, input_batch.cu_num_logits_np.tolist()
                                                if expanded else None)
@@ -175,9 +179,10 @@ class RejectionSampler:
         requests not in `reqs` ride along as greedy segments whose results are dropped. With processed rows
         (vLLM's processing applied, temperature included) a sampled request is verified at temperature 1,
         unfiltered, against draft_logits / t; with the model's rows, accept applies the requests' penalties,
-        logit bias and min-tokens (`_Batch.sampling_params`) and filters. logprobs: None, or (token ids, scores),
-        (rows, 1 + N) each, vLLM's layout (the emitted token, then the N largest), written at the kept
-        segments' emitted rows from accept's raw logprobs (model rows only)."""
+        logit bias and min-tokens (`_Batch.sampling_params`) and filters. logprobs: None, or (token ids, scores,
+        ranks), (rows, 1 + N), (rows, 1 + N) and (rows,), vLLM's layout (the emitted token, then the N largest, and
+        the emitted token's rank), written at the kept segments' emitted rows from accept's logprobs in vLLM's
+        logprobs mode (model rows only)."""
         dev = target.device
         seg = batch.segments(rows, reqs)
         seg_req = torch.from_numpy(seg.req).to(dev)
@@ -196,7 +201,8 @@ class RejectionSampler:
             params = dict(batch.filters(seg_req, seg.req), **batch.sampling_params(seg, seg_req, first_pos),
                           filter_order="vllm")
             if logprobs is not None:
-                params.update(return_logprobs=logprobs[0].shape[1] - 1, logprobs_mode="raw")
+                params.update(return_logprobs=logprobs[0].shape[1] - 1,
+                              logprobs_mode=FUSED_LOGPROBS_MODES[self.sampler.logprobs_mode][0])
         draft = batch.draft_rows(rows_t, tokens, seg, dev)
         if draft is not None and processed:
             row_temperature = batch.temperature[seg_req].repeat_interleave(torch.from_numpy(seg.length).to(dev))
@@ -218,8 +224,13 @@ class RejectionSampler:
             lp = res.logprobs
             at = (i <= num) & torch.from_numpy(seg.real).to(dev).unsqueeze(1)
             row = (start.unsqueeze(1) + i)[at]
-            logprobs[0][row] = torch.cat([emitted[at].unsqueeze(1), lp.top_token_ids[at]], 1)
-            logprobs[1][row] = torch.cat([lp.token_logprobs[at].unsqueeze(1), lp.top_logprobs[at]], 1)
+            ids = torch.cat([emitted[at].unsqueeze(1), lp.top_token_ids[at]], 1)
+            logprobs[0][row] = ids
+            if FUSED_LOGPROBS_MODES[self.sampler.logprobs_mode][1]:  # (raw_logits: the scores are the logits)
+                logprobs[1][row] = target[rows_t[row]].gather(1, ids).float()
+            else:
+                logprobs[1][row] = torch.cat([lp.token_logprobs[at].unsqueeze(1), lp.top_logprobs[at]], 1)
+            logprobs[2][row] = lp.token_ranks[at]
 
 
 def _recording(add_request, active: np.ndarray):

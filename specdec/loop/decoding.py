@@ -62,13 +62,14 @@ class GenerationOutput:
     acceptance drops with depth, also where steps draft to different depths; None where none did),
     judged_by_depth (those steps' counts), wall_s, tokens_per_s; summary: the same over the batch, and prompt_s:
     the part of wall_s before the first step (the checks, the buffers, the prompts through the target and the
-    drafter). With generate's logprobs=N: logprobs[b][j] is the logprob of tokens[b][j], top_logprobs[b][j] the N
-    best (token id, logprob) pairs of its position, best first."""
+    drafter). With generate's logprobs=N: logprobs[b][j] is the logprob of tokens[b][j], token_ranks[b][j] its rank
+    (1 = the most likely), top_logprobs[b][j] the N best (token id, logprob) pairs of its position, best first."""
     tokens: list
     stats: list
     summary: dict = field(default_factory=dict)
     logprobs: Optional[list] = None
     top_logprobs: Optional[list] = None
+    token_ranks: Optional[list] = None
 
 
 class SpeculativeDecoder:
@@ -204,15 +205,17 @@ class SpeculativeDecoder:
         logit_bias a dict {token id: bias}; min_tokens (off 0): stop_token_ids (default: the EOS; ids for all
         requests, or a list per request) are masked until a request has generated that many tokens (the loop
         stops at the EOS alone). The drafter samples from the same processed law, along each draft path.
-        logprobs N (None: off; 0..20): the output's logprobs[b] lists each generated token's logprob, and
-        top_logprobs[b] its position's N best (token, logprob) pairs, of the law logprobs_mode names ("raw": the
-        target's log-softmax; "processed": the law the token was drawn from, `specdec.accept`). grammar: structured
-        output (specdec.loop.grammar): a spec {"json_schema": dict or JSON text} | {"regex": str} | {"ebnf": str}
-        for every request, or a list of specs or None (free), one per request; each step walks the draft tree with
-        each constrained request's matcher and accept verifies under the per-node masks (the drafter drafts under
-        them too); a constrained request ends at the EOS, which its grammar allows only once its output is complete
-        (max_new_tokens still applies). A bad spec raises ValueError naming `grammar` before anything runs. The
-        penalties, logprobs and grammar run with eager steps (neither compile nor CUDA graphs nor vocab_shard)."""
+        logprobs N (None: off; 0..20): the output's logprobs[b] lists each generated token's logprob, token_ranks[b]
+        its rank, and top_logprobs[b] its position's N best (token, logprob) pairs, of the law logprobs_mode names
+        ("raw": the target's log-softmax; "processed": the law the token was drawn from, `specdec.accept`).
+        grammar: structured output (specdec.loop.grammar): a spec {"json_schema": dict or JSON text} | {"regex": str}
+        | {"ebnf": str} for every request, or a list of specs or None (free), one per request; each step walks the
+        draft tree with each constrained request's matcher and accept verifies under the per-node masks (the drafter
+        drafts under them too); a constrained request ends at the EOS, which its grammar allows only once its output
+        is complete (max_new_tokens still applies). A bad spec raises ValueError naming `grammar` before anything
+        runs. The penalties, logprobs and grammar run with eager steps (neither compile nor CUDA graphs nor
+        vocab_shard).
+        """
         # the adaptive policy's start-up (the target's costs measured at this batch size) is not decoding time
         policy, depth = None, self.drafter.max_depth
         if self.adaptive is not None and depth > 0 and len(prompts):
@@ -312,7 +315,8 @@ class SpeculativeDecoder:
         if logprobs is not None:  # (room for the last step's whole path past max_new_tokens)
             s.logprobs = Logprobs(torch.full((B, max_new_tokens + T), math.nan, device=dev),
                                   torch.full((B, max_new_tokens + T, logprobs), math.nan, device=dev),
-                                  torch.full((B, max_new_tokens + T, logprobs), -1, device=dev))
+                                  torch.full((B, max_new_tokens + T, logprobs), -1, device=dev),
+                                  torch.full((B, max_new_tokens + T), -1, device=dev))
         # the last prompt token is the first root; a drafter on the target's features gets its hidden states
         hidden = self.target.prefill(cache, tokens, prompt_lens - 1, return_hidden=self.features)
         if isinstance(self.drafter, StepState):  # (per call: a drafter may serve two loops)
@@ -489,8 +493,9 @@ class SpeculativeDecoder:
                    "wall_s": wall, "tokens_per_s": sum(len(o) for o in outs) / wall}
         out = GenerationOutput(outs, stats, summary)
         if s.logprobs is not None:
-            lp, top, ids = (x.cpu() for x in s.logprobs)
+            lp, top, ids, ranks = (x.cpu() for x in s.logprobs)
             out.logprobs = [lp[b, :len(seq)].tolist() for b, seq in enumerate(outs)]
+            out.token_ranks = [ranks[b, :len(seq)].tolist() for b, seq in enumerate(outs)]
             out.top_logprobs = [[list(zip(ids[b, j].tolist(), top[b, j].tolist())) for j in range(len(seq))]
                                 for b, seq in enumerate(outs)]
         return out

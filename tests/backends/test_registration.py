@@ -120,13 +120,14 @@ ACCEPT_DEVICES = [pytest.param("cpu", id="cpp", marks=pytest.mark.skipif(not spe
 @pytest.mark.parametrize("device", ACCEPT_DEVICES)
 @pytest.mark.parametrize("method", ["token", "traversal"])
 def test_opcheck_accept_with_sampling_params(device, method):
-    """The six outputs (logprobs (B, T), top logprobs and ids (B, T, N)) through the dispatcher, the fake
+    """The seven outputs (logprobs (B, T), top logprobs and ids (B, T, N), ranks (B, T)) through the dispatcher, the fake
     implementation and AOT dispatch; inputs unchanged (opcheck's schema test)."""
     inputs = tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in accept_with_sampling_params(method))
     torch.library.opcheck(torch.ops.specdec.accept.default, inputs)
     out = torch.ops.specdec.accept.default(*inputs)
-    assert [o.dtype for o in out] == [torch.int32, torch.int32, torch.int64, torch.float32, torch.float32, torch.int64]
-    assert [tuple(o.shape) for o in out[3:]] == [(B, T), (B, T, 3), (B, T, 3)]
+    assert [o.dtype for o in out] == [torch.int32, torch.int32, torch.int64, torch.float32, torch.float32, torch.int64,
+                                      torch.int64]
+    assert [tuple(o.shape) for o in out[3:]] == [(B, T), (B, T, 3), (B, T, 3), (B, T)]
     assert out[1].tolist() == [T - 1] * B  # (every position emitted: no padding)
 
 
@@ -134,8 +135,8 @@ def test_opcheck_accept_with_sampling_params(device, method):
 def test_accept_without_logprobs_returns_empty_logprob_outputs(device):
     args = tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in op_samples()["accept"])
     out = torch.ops.specdec.accept.default(*args)
-    assert len(out) == 6
-    assert [tuple(o.shape) for o in out[3:]] == [(B, 0), (B, 0, 0), (B, 0, 0)]
+    assert len(out) == 7
+    assert [tuple(o.shape) for o in out[3:]] == [(B, 0), (B, 0, 0), (B, 0, 0), (B, 0)]
 
 
 def test_torch_compile_fullgraph_with_filters():

@@ -298,6 +298,45 @@ def test_greedy_with_penalties_bias_and_min_tokens_equals_vllm(logprobs_mode):
         _assert_same_logprobs(mine, vllms)
 
 
+@pytest.mark.parametrize("logprobs_mode", ["processed_logprobs", "raw_logits", "raw_logprobs"])
+def test_sampled_logprobs_and_ranks_are_vllms_at_the_emitted_rows(logprobs_mode, monkeypatch):
+    """Sampled requests with penalties, bias, min-tokens and filters, their logprobs computed by accept (vLLM's
+    _get_logprobs_tensors is not called): at every emitted row, the emitted token's score, its rank and the top
+    entries are vLLM's on its own logits for that mode (Sampler.apply_sampling_params' rows for the processed
+    mode: the law the token was drawn from, the drafts before the row counted; the model's rows for the raw
+    modes). The draws are specdec's, so the rows checked are the ones our sampler emitted."""
+    B, k, V, N = 5, 3, 16, 3
+    params = [SamplingParams(temperature=t, seed=i, logprobs=N, **p) for i, (t, p) in enumerate(zip(
+        (0.9, 1.1, 0.8, 1.0, 0.7),
+        (*STEP0_PARAMS[:4], dict(top_p=0.9, min_p=0.02))))]
+    ours, _, sampler = _pair(B, V, k, [], logprobs_mode=logprobs_mode)
+    gen = torch.Generator().manual_seed(11)
+    root = torch.randint(0, V, (B,), generator=gen)
+    _admit_with_history(sampler, params, root)
+    monkeypatch.setattr(vllm_rs.RejectionSampler, "_get_logprobs_tensors",
+                        lambda *a, **kw: pytest.fail("vLLM computed the logprobs"))
+    checked = 0
+    for trial in range(4):
+        logits = torch.randn(B * (k + 1), V, generator=gen) * 2
+        drafts = torch.randint(0, V, (B, k), generator=gen)
+        drafts[:, 0] = logits.view(B, k + 1, V)[:, 0].argmax(-1)  # (some drafts accepted: deeper rows emitted)
+        batch = decode_batch(root, drafts)
+        rows = _processed_rows(sampler, logits, batch) if logprobs_mode == "processed_logprobs" else logits
+        out = ours(logits, batch)
+        lp = out.logprobs_tensors
+        for b in range(B):
+            for j in range(int(out.num_sampled[b])):
+                r, token = b * (k + 1) + j, int(out.sampled_token_ids[b, j])
+                row = rows[r].double()
+                scores = row.float() if logprobs_mode == "raw_logits" else torch.log_softmax(row, -1).float()
+                top = torch.topk(row, N).indices
+                assert lp.logprob_token_ids[r].tolist() == [token] + top.tolist(), (b, j)
+                torch.testing.assert_close(lp.logprobs[r], scores[[token] + top.tolist()], rtol=0, atol=1e-5)
+                assert int(lp.selected_token_ranks[r]) == int((row >= row[token]).sum()), (b, j)
+                checked += 1
+    assert checked > B * 4  # (rows past the first were emitted too)
+
+
 def test_step0_requests_are_fused_and_the_others_routed():
     """Which requests reach vLLM's processing: allowed_token_ids, bad words and min-tokens under a structured
     output go there; penalties, bias and min-tokens alone do not (their rows are never processed by vLLM)."""

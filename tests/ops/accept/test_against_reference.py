@@ -352,7 +352,7 @@ HOPPER_TYPES = {
     "sel_mass_ptr": "*fp64", "sel_value_ptr": "*fp32", "rep_ptr": "*fp32", "freq_ptr": "*fp32", "pres_ptr": "*fp32",
     "counts_ptr": "*i32", "prompt_ptr": "*i32", "bias_ids_ptr": "*i32", "bias_values_ptr": "*fp32",
     "min_tokens_ptr": "*i32", "stop_ids_ptr": "*i32", "generated_ptr": "*i64", "taus_ptr": "*fp32",
-    "logprobs_ptr": "*fp32", "top_lp_ptr": "*fp32", "top_ids_ptr": "*i64"}
+    "logprobs_ptr": "*fp32", "top_lp_ptr": "*fp32", "top_ids_ptr": "*i64", "ranks_ptr": "*i64"}
 
 
 def hopper_compile_report(group: str) -> None:

@@ -29,9 +29,9 @@ LOGPROB_TOL = 1e-5
 
 def _accept(backend, **args):
     """specdec.accept on `backend` -> (accepted_nodes, num_accepted, next_tokens, token_logprobs, top_logprobs,
-    top_token_ids) on the CPU (the last three None without logprobs)."""
+    top_token_ids, token_ranks) on the CPU (the last four None without logprobs)."""
     res = specdec.accept(**on_backend(backend, args), backend=backend)
-    lp = (None, None, None) if res.logprobs is None else tuple(x.cpu() for x in res.logprobs)
+    lp = (None,) * 4 if res.logprobs is None else tuple(x.cpu() for x in res.logprobs)
     return tuple(x.cpu() for x in res) + lp
 
 
@@ -101,7 +101,7 @@ def _random_batch(B, T, gen, *, dtype=torch.float32, draft=False, temperature=0.
 def _assert_same(got, want, what=""):
     """Results equal: indices exactly, logprobs to LOGPROB_TOL (NaN where the reference has NaN)."""
     for name, x, y in zip(("accepted_nodes", "num_accepted", "next_tokens", "token_logprobs", "top_logprobs",
-                           "top_token_ids"), got, want):
+                           "top_token_ids", "token_ranks"), got, want):
         if y is None:
             assert x is None, f"{what}{name}: expected None"
         elif y.is_floating_point():
@@ -130,7 +130,7 @@ def test_repeated_draft_tokens_along_a_path_add_to_the_counts(backend):
     args = dict(target_logits=_chain_rows(4, {5: 10.0, 7: 7.5}), tokens=torch.tensor([[9, 5, 5, 5]]),
                 parents=torch.tensor([[-1, 0, 1, 2]]), temperature=0.0, seeds=torch.zeros(1, dtype=torch.int64),
                 frequency_penalty=1.0, output_token_counts=counts, return_logprobs=2, logprobs_mode="processed")
-    acc, num, nxt, lp, top, top_ids = _accept(backend, **args)
+    acc, num, nxt, lp, top, top_ids, ranks = _accept(backend, **args)
     assert acc.tolist() == [[0, 1, 2, -1]] and num.tolist() == [2] and nxt.tolist() == [7]
     # the processed (greedy: temperature 1) law at node 2: token 5 at 10 - 3 = 7, token 7 at 7.5, the rest -3
     row = torch.full((V,), -3.0, dtype=torch.float64)
@@ -152,7 +152,7 @@ def test_a_token_in_the_prompt_and_the_path_is_penalized_once(backend):
                 parents=torch.tensor([[-1, 0, 1]]), temperature=0.0, seeds=torch.zeros(1, dtype=torch.int64),
                 repetition_penalty=2.0, output_token_counts=torch.zeros(1, V, dtype=torch.int32),
                 prompt_token_mask=prompt, return_logprobs=3, logprobs_mode="processed")
-    acc, num, nxt, lp, top, top_ids = _accept(backend, **args)
+    acc, num, nxt, lp, top, top_ids, ranks = _accept(backend, **args)
     assert num.tolist() == [2] and nxt.tolist() == [3]
     row = torch.full((V,), -3.0, dtype=torch.float64)
     row[3], row[6], row[8] = 2.0, 1.5, -4.0
@@ -259,8 +259,9 @@ def test_greedy_with_probabilities_equals_the_reference(backend):
 
 def _check_laws_at_the_emitted_positions(got, batch, params, mode):
     """Every emitted position's whole law (top logprobs of V entries) is the reference's at that node: the same
-    kept set, values to LOGPROB_TOL, the emitted token's logprob among them; padding NaN / -1."""
-    acc, num, nxt, lp, top, top_ids = got
+    kept set, values to LOGPROB_TOL, the emitted token's logprob among them and its rank (vLLM's: the tokens whose
+    logprob is at least its own); padding NaN / -1."""
+    acc, num, nxt, lp, top, top_ids, ranks = got
     for b in range(acc.shape[0]):
         n = int(num[b])
         path = acc[b, : n + 1].tolist()
@@ -273,7 +274,9 @@ def _check_laws_at_the_emitted_positions(got, batch, params, mode):
             assert top_ids[b, j].tolist() == order.tolist(), f"request {b} position {j}"
             torch.testing.assert_close(top[b, j], law[order].float(), atol=LOGPROB_TOL, rtol=0, equal_nan=False)
             torch.testing.assert_close(lp[b, j], law[token].float(), atol=LOGPROB_TOL, rtol=0)
+            assert int(ranks[b, j]) == int((law >= law[token]).sum()), f"request {b} position {j}: rank"
         assert lp[b, n + 1:].isnan().all() and top[b, n + 1:].isnan().all() and top_ids[b, n + 1:].eq(-1).all()
+        assert ranks[b, n + 1:].eq(-1).all()
 
 
 @pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
@@ -294,6 +297,19 @@ def test_sampled_laws_equal_the_reference_at_every_emitted_position(backend, fil
     assert all(torch.equal(x, y) for x, y in zip(raw[:3], got[:3]))  # (logprobs change no draw)
     _check_laws_at_the_emitted_positions(raw, batch, params, "raw")
 
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+@pytest.mark.parametrize("draft", [False, True], ids=["given", "draft_logits"])
+def test_raw_logprobs_of_penalized_rows_sampled_at_temperature_one(backend, draft):
+    """Raw logprobs of sampled rows at temperature 1 with penalties and no filter or mask: the case where a
+    backend may take the raw row's exp sum and top entries from the walk's own pass (the law differs from the raw
+    row only at the penalized tokens) and must still rank the token it draws after that pass."""
+    gen = torch.Generator().manual_seed(4330 + draft)
+    B, T = 8, 5
+    batch = _random_batch(B, T, gen, temperature=torch.ones(B), draft=draft)
+    params = dict(frequency_penalty=torch.full((B,), 0.3), output_token_counts=_counts(B, gen, total=2))
+    got = _accept(backend, **batch, **params, return_logprobs=V, logprobs_mode="raw")
+    _check_laws_at_the_emitted_positions(got, batch, params, "raw")
 
 @pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
 @pytest.mark.parametrize("filter_order", ["hf", "vllm", "sglang"])
@@ -387,10 +403,10 @@ def test_logprobs_off_and_zero(backend):
     gen = torch.Generator().manual_seed(4360)
     batch = _random_batch(3, 4, gen)
     assert specdec.accept(**on_backend(backend, batch), backend=backend).logprobs is None
-    acc, num, nxt, lp, top, top_ids = _accept(backend, **batch, return_logprobs=0)
+    acc, num, nxt, lp, top, top_ids, ranks = _accept(backend, **batch, return_logprobs=0)
     assert lp.shape == (3, 4) and top.shape == (3, 4, 0) and top_ids.shape == (3, 4, 0) and top_ids.dtype == torch.int64
     assert not lp[0, : int(num[0]) + 1].isnan().any()
-    *_, top, top_ids = _accept(backend, **batch, return_logprobs=20)  # more than V = 19: the rest padded
+    *_, top, top_ids, _ = _accept(backend, **batch, return_logprobs=20)  # more than V = 19: the rest padded
     assert top.shape == (3, 4, 20) and top[:, :, V:].isnan().all() and top_ids[:, :, V:].eq(-1).all()
     assert top_ids[0, 0, :V].sort().values.tolist() == list(range(V))
 
