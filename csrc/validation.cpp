@@ -147,7 +147,7 @@ bool v_reads_k(const Tensor& k_cache, const Tensor& v_cache) {
 }
 
 // v_cache undefined: a single cache (MLA's latent cache). v_head_dim: v_cache may have its own head dim
-// (tree_attention's V), else it has k_cache's shape and is not a view of k_cache's rows.
+// (tree_attention's V), else it has k_cache's shape and is not a narrower view of k_cache's rows.
 void check_cache_pair(const Tensor& k_cache, const Tensor& v_cache, const std::optional<Tensor>& block_table,
                       int64_t B, const std::string& k_name = "k_cache", const std::string& v_name = "v_cache",
                       bool v_head_dim = false) {
@@ -158,7 +158,8 @@ void check_cache_pair(const Tensor& k_cache, const Tensor& v_cache, const std::o
                     ": expected (B, L_max, Hkv, D), (num_blocks, block_size, Hkv, D) or a stack of those with a "
                     "leading layer dimension, got shape ", shape_str(k_cache.sizes()));
   if (v_cache.defined()) {
-    TORCH_CHECK_VALUE(v_head_dim || !v_reads_k(k_cache, v_cache), v_name, ": is a view of ", k_name,
+    TORCH_CHECK_VALUE(v_head_dim || !v_reads_k(k_cache, v_cache) || v_cache.size(-1) == k_cache.size(-1), v_name,
+                      ": is a view of ", k_name,
                       "'s rows (MLA's V); a single-cache layer passes ", v_name,
                       "=None, its rows are written and moved once");
     std::vector<int64_t> expected(k_cache.sizes().begin(), k_cache.sizes().end());
@@ -425,10 +426,10 @@ Tensor check_tree_attention(const Tensor& q, const Tensor& k_cache, const Tensor
                     "rows, which hold K / k_scale: V's scale is k_scale (", format_g(k_scale), "); give "
                     "v_scale=None or k_scale, got ", format_g(v_scale));
   TORCH_CHECK_VALUE(Dk == D, "k_cache: head dim ", Dk, " differs from q head dim ", D);
-  TORCH_CHECK_VALUE(Dv >= 1 && Dv <= D, "v_cache: head dim ", Dv, " must be in [1, ", D, "] (at most K's, as "
-                    "MLA's V, the first channels of its latent rows)");
   TORCH_CHECK_VALUE(Hkv >= 1 && D >= 1, "k_cache: needs at least one KV head and a head dim >= 1, got shape ",
                     shape_str(k_cache.sizes()));
+  TORCH_CHECK_VALUE(Dv >= 1 && Dv <= D, "v_cache: head dim ", Dv, " must be in [1, ", D, "] (at most K's, as "
+                    "MLA's V, the first channels of its latent rows)");
   TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "q: ", Hq, " query heads is not a multiple of the ", Hkv, " KV heads");
   check_cache_lens(cache_lens, B, device);
   check_block_table(block_table, B, device);

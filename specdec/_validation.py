@@ -166,7 +166,8 @@ def check_build_tree(parents, num_nodes, values=True):
 def check_cache_pair(k_cache, v_cache, block_table, B, *, k_name="k_cache", v_name="v_cache", v_head_dim=False):
     """Checks one layer's (4-D) or a stacked (5-D) K/V pair, or a single cache (v_cache None: MLA's latent cache,
     which kv_append and kv_rollback write and move once); returns (Hkv, D). v_head_dim: v_cache may have its own
-    head dim (tree_attention's V, checked there), else it has k_cache's shape and is not a view of k_cache's rows.
+    head dim (tree_attention's V, checked there), else it has k_cache's shape and is not a narrower view of
+    k_cache's rows (MLA's V; kv_rollback refuses any memory K and V share, the very tensor twice included).
     B: the requests, or None where they are not known yet (a RollbackPlan checks a contiguous cache's rows at
     every run)."""
     _tensor(k_name, k_cache, dtypes=CACHE_DTYPES)
@@ -176,7 +177,7 @@ def check_cache_pair(k_cache, v_cache, block_table, B, *, k_name="k_cache", v_na
         raise ValueError(f"{k_name}: expected (B, L_max, Hkv, D), (num_blocks, block_size, Hkv, D) or a stack of "
                          f"those with a leading layer dimension, got shape {tuple(k_cache.shape)}")
     if v_cache is not None:
-        if not v_head_dim and v_reads_k(k_cache, v_cache):
+        if not v_head_dim and v_reads_k(k_cache, v_cache) and v_cache.shape[-1] < k_cache.shape[-1]:
             raise ValueError(f"{v_name}: is a view of {k_name}'s rows (MLA's V); a single-cache layer passes "
                              f"{v_name}=None, its rows are written and moved once")
         head_dim = v_cache.shape[-1] if v_head_dim and v_cache.dim() == k_cache.dim() else k_cache.shape[-1]
@@ -285,11 +286,11 @@ def check_tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table
         v_scale = k_scale
     if Dk != D:
         raise ValueError(f"k_cache: head dim {Dk} differs from q head dim {D}")
+    if Hkv < 1 or D < 1:
+        raise ValueError(f"k_cache: needs at least one KV head and a head dim >= 1, got shape {tuple(k_cache.shape)}")
     if not 1 <= v_cache.shape[-1] <= D:
         raise ValueError(f"v_cache: head dim {v_cache.shape[-1]} must be in [1, {D}] (at most K's, as MLA's "
                          "V, the first channels of its latent rows)")
-    if Hkv < 1 or D < 1:
-        raise ValueError(f"k_cache: needs at least one KV head and a head dim >= 1, got shape {tuple(k_cache.shape)}")
     if Hq % Hkv != 0:
         raise ValueError(f"q: {Hq} query heads is not a multiple of the {Hkv} KV heads")
     check_cache_lens(cache_lens, B, dev)

@@ -609,12 +609,13 @@ def sampling_params(draw, B, V):
 def attention_cases(draw, *, backend="torch", packed=None):
     """Keyword arguments of specdec.tree_attention (valid): ragged trees, GQA, fp16/bf16/fp32/fp64 q with caches in
     q's dtype or float8 with scales, contiguous or paged caches (NHD / HND / interleaved K|V), windows, soft caps,
-    attention sinks, scale, the packed form; every tensor as a contiguous, strided, permuted or expanded view
-    (caches: unit stride along D)."""
+    attention sinks, scale, the packed form, MLA's absorbed form (one KV head, V the leading channels of K's rows,
+    a view); every tensor as a contiguous, strided, permuted or expanded view (caches: unit stride along D)."""
     triton = backend == "triton"
     B = draw(st.integers(1, 2 if triton else 3))
     T = draw(st.integers(1, 4 if triton else 6))
-    Hkv = draw(st.integers(1, 2))
+    mla = draw(st.booleans())
+    Hkv = 1 if mla else draw(st.integers(1, 2))
     Hq = Hkv * draw(st.integers(1, 2))
     # (the Triton kernel takes head dims 16 .. 256 and no float64: it refuses the others with a ValueError)
     D = 16 if triton else draw(st.sampled_from([1, 2, 4, 8, 16]))
@@ -625,11 +626,13 @@ def attention_cases(draw, *, backend="torch", packed=None):
     info = reference.build_tree(parents.to(torch.int32), num_nodes.to(torch.int32))
     lens = torch.tensor([draw(st.integers(0, cap - T)) for _ in range(B)], dtype=torch.int32)
     k, v, table, _, _ = draw(cache_layout(B, cap, Hkv, D, cache_dtype))
+    if mla:  # V: the first Dv channels of the latent rows K holds
+        v = k[..., :draw(st.integers(1, D))]
     args = dict(q=float_tensor(draw, (B, T, Hq, D), dtype, scale=draw(st.sampled_from([0.1, 1.0, 3.0]))),
                 k_cache=k, v_cache=v, cache_lens=lens, tree_mask=info[1], block_table=table)
     if cache_dtype in FP8:
         args["k_scale"] = draw(st.sampled_from([None, 0.02, 1.0, 3.0]))
-        args["v_scale"] = draw(st.sampled_from([None, 0.05, 1.0]))
+        args["v_scale"] = args["k_scale"] if mla else draw(st.sampled_from([None, 0.05, 1.0]))
     if draw(st.booleans()):
         args["window_left"] = draw(st.sampled_from([-1, max(T - 1, 0), T + 1, 2**31 - 1, 2**31 + 5]))
     if draw(st.booleans()):
@@ -656,7 +659,7 @@ def attention_cases(draw, *, backend="torch", packed=None):
 @st.composite
 def append_cases(draw, *, backend="torch"):
     """Keyword arguments of specdec.kv_append (valid): every cache layout, float8 caches with scales and new K/V
-    in any float dtype, strided views of the new K/V and of cache_lens."""
+    in any float dtype, strided views of the new K/V and of cache_lens, single-cache layers (no V)."""
     triton = backend == "triton"
     B = draw(st.integers(1, 3))
     T = draw(st.integers(1, 4 if triton else 6))
@@ -673,6 +676,8 @@ def append_cases(draw, *, backend="torch"):
     if cache_dtype in FP8:
         args["k_scale"] = draw(st.sampled_from([None, 0.02, 1.0, 1e-30]))
         args["v_scale"] = draw(st.sampled_from([None, 0.5, 1e30]))
+    if draw(st.booleans()):  # a single-cache layer (MLA's latent cache)
+        args.update(v_cache=None, v_new=None)
     for name in ("k_new", "v_new", "cache_lens", "block_table"):
         if args[name] is not None:
             args[name] = some_layout(draw, args[name], keep_last=name in ("k_new", "v_new"))
@@ -682,7 +687,8 @@ def append_cases(draw, *, backend="torch"):
 @st.composite
 def rollback_cases(draw, *, backend="torch"):
     """Keyword arguments of specdec.kv_rollback (valid): one layer, a stack, a list of layers or of stacks, every
-    cache layout, paths of random trees as int32 / int64, strided views of the step's tensors."""
+    cache layout, single-cache layers (v_cache None), paths of random trees as int32 / int64, strided views of the
+    step's tensors."""
     triton = backend == "triton"
     B = draw(st.integers(1, 3))
     T = draw(st.integers(1, 4 if triton else 6))
@@ -696,6 +702,8 @@ def rollback_cases(draw, *, backend="torch"):
         k, v = list(k.unbind(0)), list(v.unbind(0))
     elif form == "list-of-stacks":
         k, v = [k[:1], k[1:]], [v[:1], v[1:]]
+    if draw(st.booleans()):  # single-cache layers (MLA's latent caches)
+        v = None
     parents, num_nodes = draw(trees(B=B, T=T, ragged=False))
     paths = torch.full((B, T), -1, dtype=torch.int64)
     num = torch.zeros(B, dtype=torch.int64)

@@ -482,9 +482,9 @@ def test_single_cache_rollback(backend, layout, form):
 
 @pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
 def test_single_cache_refuses_a_view_of_its_rows_as_v(backend):
-    """MLA's V view (latent[..., :Dv]) or the latent itself as v_cache would write or move its rows twice (a row
-    moved onto a later source is moved again): kv_append and kv_rollback refuse it, naming v_cache, before
-    anything is written; so does a v_new without v_cache and the converse."""
+    """MLA's V view (latent[..., :Dv]) as v_cache would write or move its rows twice (a row moved onto a later
+    source is moved again): kv_append and kv_rollback refuse it, naming v_cache (rollback also the latent itself
+    as v_cache), before anything is written; so does a v_new without v_cache and the converse."""
     gen = torch.Generator().manual_seed(32)
     B, T, D, cap = 3, 4, 40, 16
     latent = torch.randn(B, cap, 1, D, generator=gen)
@@ -494,12 +494,13 @@ def test_single_cache_refuses_a_view_of_its_rows_as_v(backend):
     num_accepted = torch.full((B,), 2, dtype=torch.int32)
     cache, lens_in, new_in, paths_in, num_in = for_backend(backend, latent.clone(), lens.clone(), new, paths,
                                                            num_accepted)
-    for view in (cache[..., :32], cache):
-        with pytest.raises(ValueError, match=r"^v_cache: is a view of k_cache's rows \(MLA's V\); a single-cache "
-                                             "layer passes v_cache=None"):
-            specdec.kv_rollback(cache, view, lens_in, paths_in, num_in, backend=backend)
+    with pytest.raises(ValueError, match=r"^v_cache: is a view of k_cache's rows \(MLA's V\); a single-cache "
+                                         "layer passes v_cache=None"):
+        specdec.kv_rollback(cache, cache[..., :32], lens_in, paths_in, num_in, backend=backend)
+    with pytest.raises(ValueError, match="^v_cache: shares memory with k_cache"):
+        specdec.kv_rollback(cache, cache, lens_in, paths_in, num_in, backend=backend)
     with pytest.raises(ValueError, match="^v_cache: is a view of k_cache's rows"):
-        specdec.kv_append(cache, cache, new_in, new_in, lens_in, backend=backend)
+        specdec.kv_append(cache, cache[..., :32], new_in, new_in, lens_in, backend=backend)
     with pytest.raises(TypeError, match="^v_new: given without v_cache"):
         specdec.kv_append(cache, None, new_in, new_in, lens_in, backend=backend)
     with pytest.raises(TypeError, match="^v_new: required with v_cache"):
