@@ -31,16 +31,21 @@ def _run(case, backend, **kw):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", ["plain", "paged_window_cap"])
+@pytest.mark.parametrize("variant", ["plain", "paged_window_cap", "mla_paged_window_cap"])
 def test_packed_equals_padded(backend, variant):
+    """(mla: MLA's absorbed form, one latent KV head of D 40 whose first 32 channels are V, a view)"""
     gen = torch.Generator().manual_seed(7)
     kw = dict(paged=True, window_left=12) if variant != "plain" else {}
-    case = make_case(gen, B=3, T=7, Hkv=2, group=2, D=32, lens=(5, 0, 23), **kw)
+    mla = variant.startswith("mla")
+    case = make_case(gen, B=3, T=7, Hkv=1 if mla else 2, group=4 if mla else 2, D=40 if mla else 32, lens=(5, 0, 23),
+                     **kw)
+    if mla:
+        case["v_cache"] = case["k_cache"][..., :32]
     extra = dict(window_left=12, logits_soft_cap=20.0) if variant != "plain" else {}
     packed, rows = _packed(case)
     out, lse = _run(case, backend, **extra)
     p_out, p_lse = _run(packed, backend, **extra)
-    assert p_out.shape == (len(rows), *case["q"].shape[2:]) and p_lse.shape == (len(rows), case["q"].shape[2])
+    assert p_out.shape == (len(rows), *out.shape[2:]) and p_lse.shape == (len(rows), case["q"].shape[2])
     for r, (b, i) in enumerate(rows):
         assert torch.equal(p_out[r], out[b, i]) and torch.equal(p_lse[r], lse[b, i]), (b, i)
 

@@ -114,6 +114,26 @@ def test_plan_run_equals_functional_op_and_reference(backend, layout, form):
 
 
 @pytest.mark.parametrize("backend", PLAN_BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("form", ["stacked", "list"])
+def test_single_cache_plan_over_steps(backend, layout, form):
+    """Single-cache layers (MLA's latent caches, v_cache None): STEPS runs of one plan move each accepted latent row
+    once, as the reference does on the same caches (overlap-prone paths included); V's channels move with them."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("single", backend, layout, form)).encode()))
+    latent, _, table, lens0 = make_caches(layout, gen)
+    plan_latent, plan_lens, plan_table = copies(backend, latent, lens0, table)
+    ref_latent, ref_lens = latent.clone(), lens0.clone()
+    plan = specdec.RollbackPlan(as_form(plan_latent, form), None, plan_table, backend=backend)
+    steps = random_steps(gen)
+    for paths, num_accepted in steps:
+        plan.run(plan_lens, *for_backend(backend, paths, num_accepted))
+        reference.kv_rollback(list(ref_latent), [], ref_lens, paths, num_accepted, table)
+        assert torch.equal(plan_lens.cpu(), ref_lens) and same_bits(plan_latent.cpu(), ref_latent)
+    assert torch.equal(plan_lens.cpu(), lens0 + sum(num_accepted + 1 for _, num_accepted in steps))
+    assert not same_bits(ref_latent, latent)  # (the steps moved rows)
+
+
+@pytest.mark.parametrize("backend", PLAN_BACKENDS)
 def test_plan_reads_the_block_table_at_every_run(backend):
     """An engine rewrites its block table in place between steps (blocks allocated, swapped): the plan follows."""
     gen = torch.Generator().manual_seed(5)
