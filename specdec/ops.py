@@ -496,7 +496,8 @@ class LayerCalls:
         MLA:       calls.kv_append(latent, None, c_kv_and_k_rope, None)
                    out = calls.tree_attention(q_absorbed, latent, latent[..., :kv_lora_rank])
 
-    A layer's own arguments: window_left (sliding-window layers) and sinks (its attention sinks, (Hq,) float32).
+    A layer's own arguments: window_left (sliding-window layers), sinks (its attention sinks, (Hq,) float32) and
+    scale (the softmax scale, default 1/sqrt(D); MLA's is the model's, not 1/sqrt(Dqk)).
 
     cache_lens: tree_attention's (node 0's slot); write_start: kv_append's cache_lens (default cache_lens).
     Other arguments as the ops'; backend is resolved once."""
@@ -524,12 +525,14 @@ class LayerCalls:
         _, scales, chosen = self._append
         _dispatch("kv_append", chosen, k_cache, v_cache, k_new, v_new, self.write_start, self.block_table, *scales)
 
-    def tree_attention(self, q, k_cache, v_cache, window_left: int = -1, *,
-                       sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        sig = self._signature(q, k_cache, v_cache, *(() if sinks is None else (sinks,)), extra=(window_left,))
+    def tree_attention(self, q, k_cache, v_cache, window_left: int = -1, *, sinks: Optional[torch.Tensor] = None,
+                       scale: Optional[float] = None) -> torch.Tensor:
+        # (whether V is K's leading channels decides V's scale: part of what a check normalizes)
+        sig = self._signature(q, k_cache, v_cache, *(() if sinks is None else (sinks,)),
+                              extra=(window_left, scale, val.v_reads_k(k_cache, v_cache)))
         if self._attend is None or self._attend[0] != sig:
             normalized = OPS["tree_attention"].check(
-                q, k_cache, v_cache, self.cache_lens, self.tree_mask, self.block_table, self.num_nodes, None,
+                q, k_cache, v_cache, self.cache_lens, self.tree_mask, self.block_table, self.num_nodes, scale,
                 self.k_scale, self.v_scale, window_left, 0.0, None, 0, sinks, _python_value_checks(self.backend, q))
             self._attend = (sig, normalized, resolve_backend(self.backend, q.device))
         _, (num_nodes, scale, k_scale, v_scale, window, cap), chosen = self._attend

@@ -264,8 +264,10 @@ def test_layer_calls_and_opcheck():
     calls.kv_append(layer, None, new, None)
     assert torch.equal(layer.nan_to_num(), latent.nan_to_num())
     expected = specdec.tree_attention(case["q"], latent, latent[..., :32], case["cache_lens"], case["tree_mask"],
-                                      num_nodes=case["num_nodes"])
-    assert torch.equal(calls.tree_attention(case["q"], layer, layer[..., :32]), expected)
+                                      num_nodes=case["num_nodes"], scale=case["scale"])
+    assert torch.equal(calls.tree_attention(case["q"], layer, layer[..., :32], scale=case["scale"]), expected)
+    default_scale = calls.tree_attention(case["q"], layer, layer[..., :32])  # (1/sqrt(Dqk): another scale)
+    assert not torch.equal(default_scale, expected)
     args = (case["q"], latent, latent[..., :32], case["cache_lens"], case["tree_mask"], None, case["num_nodes"], 0.2)
     torch.library.opcheck(torch.ops.specdec.tree_attention.default, args)
 
