@@ -97,6 +97,23 @@ def test_greedy_with_gpt_oss_style_target_equals_ar(pair):
     assert generate_ar(sinkless, PROMPTS, 12).tokens != ar.tokens
 
 
+def test_greedy_with_deepseek_style_target_equals_ar(pair):
+    """A DeepSeek-V3-style target (multi-head latent attention in its absorbed form on a latent-only cache, group-
+    limited experts with a shared one, YaRN): greedy speculative output equals greedy autoregressive output, for a
+    chain, a dynamic tree on a paged cache and a float8 latent cache (AR over the same cache dtype)."""
+    target = tiny(0, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                  v_head_dim=8, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=16, n_group=4,
+                  topk_group=2, experts_per_token=2, first_k_dense_replace=1,
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                "mscale": 1.0, "mscale_all_dim": 1.0})
+    ar = generate_ar(target, PROMPTS, 12)
+    for tree, block_size in (("chain:4", None), ("dynamic:7,3,2", 4)):
+        out = SpeculativeDecoder(target, DraftModelDrafter(pair[1], tree), block_size=block_size)
+        assert out.generate(PROMPTS, 12).tokens == ar.tokens
+    fp8 = generate_ar(target, PROMPTS, 12, kv_dtype=torch.float8_e4m3fn)
+    out = SpeculativeDecoder(target, DraftModelDrafter(pair[1], "tree:2,2,1"), kv_dtype=torch.float8_e4m3fn)
+    assert out.generate(PROMPTS, 12).tokens == fp8.tokens
+
 def test_greedy_loop_on_the_triton_kernels_equals_ar(monkeypatch):
     """The whole loop on the Triton kernels (the GPU path; here through the interpreter): greedy speculative
     output equals greedy autoregressive output, which equals the default CPU backend's."""

@@ -324,15 +324,19 @@ def test_float8_cache_with_scales_tracks_the_causal_forward(monkeypatch):
     assert error() > 0.5
 
 
-@pytest.mark.parametrize("window", [None, 9, "gpt-oss"])
+@pytest.mark.parametrize("window", [None, 9, "gpt-oss", "deepseek"])
 @pytest.mark.parametrize("block_size", [None, 8])
 def test_tree_verification_matches_each_branch(block_size, window):
     """Node i's logits from one tree pass == the causal forward of prefix + the path root..i (a window of 9
     hides the oldest prefix tokens from the deeper nodes: each node's window ends at its own position; the
-    gpt-oss-style model's sinks go through tree_attention, its window of 10 in every other layer); so
+    gpt-oss-style model's sinks go through tree_attention, its window of 10 in every other layer; the
+    DeepSeek-style model's absorbed latent attention against its unabsorbed causal forward); so
     are its hidden states (return_hidden: the last layer's output before the final norm, what MTP and EAGLE
     drafters condition on), and the head of those is the logits."""
-    model = gpt_oss_tiny(seed=2) if window == "gpt-oss" else tiny(seed=2, sliding_window=window)
+    if window in ("gpt-oss", "deepseek"):
+        model = gpt_oss_tiny(seed=2) if window == "gpt-oss" else deepseek_tiny(seed=2)
+    else:
+        model = tiny(seed=2, sliding_window=window)
     gen = torch.Generator().manual_seed(0)
     B, T, L = 2, 9, 5
     prefix = torch.randint(0, 40, (B, L))
@@ -400,3 +404,82 @@ def test_shipped_pair_loads():
     x = torch.tensor([tok.encode("import os\nimport sys\n\n\ndef main():\n    ")])
     with torch.no_grad():  # trained: the next byte of an indented body is predictable
         assert torch.softmax(target(x)[0, -1], -1).max() > 0.2
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V3: multi-head latent attention and its experts
+# ----------------------------------------------------------------------------------------------
+DEEPSEEK = dict(n_kv_heads=4, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                n_layers=3, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=8, n_group=4, topk_group=2,
+                experts_per_token=3, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8})
+
+
+def deepseek_tiny(seed=0, **kw) -> Llama:
+    """A DeepSeek-V3-style model: MLA with a query LoRA, YaRN with mscale_all_dim (it scales the softmax), a dense
+    first layer, then group-limited experts with a shared one; its score-correction biases far from 0 (they pick
+    experts: a name mix-up shows)."""
+    model = tiny(seed, **{**DEEPSEEK, **kw})
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.5)
+    return model
+
+
+def test_deepseek_matches_transformers_both_ways(tmp_path):
+    """DeepSeek-V3 (MLA with q LoRA and interleaved rotary, YaRN's mscale in the softmax scale, a dense layer then
+    group-limited experts and a shared one): ours saved as deepseek_v3 gives transformers' DeepseekV3ForCausalLM
+    logits, and a folder transformers wrote (its own init, the correction biases set) loads into ours with the
+    same logits; the same without the query LoRA."""
+    transformers = transformers_or_skip()
+    x = torch.randint(0, 40, (2, 13))
+    for kw in (dict(), dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False)):
+        model = deepseek_tiny(**kw)
+        folder = tmp_path / f"ours{len(kw)}"
+        save_model(model, str(folder), dtype=torch.float32)
+        assert json.loads((folder / "config.json").read_text())["model_type"] == "deepseek_v3"
+        hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32,
+                                                                attn_implementation="eager").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+            theirs = transformers.DeepseekV3ForCausalLM(hf.config).eval()
+            for layer in theirs.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.5)
+            theirs.save_pretrained(str(tmp_path / f"theirs{len(kw)}"), safe_serialization=True)
+            loaded = load_model(str(tmp_path / f"theirs{len(kw)}"))
+            assert loaded.cfg.kv_lora_rank == 16 and loaded.cfg.n_routed_experts == 8
+            torch.testing.assert_close(loaded(x), theirs(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_deepseek_config_round_trip_and_refusals():
+    from specdec.loop.models.hf import config_from_hf, config_to_hf
+    model = deepseek_tiny()
+    assert config_from_hf(config_to_hf(model.cfg, torch.float32)).to_dict() == model.cfg.to_dict()
+    with pytest.raises(ValueError, match="DeepSeek-V3"):
+        config_to_hf(dataclasses.replace(model.cfg, attention_sinks=True), torch.float32)
+    with pytest.raises(ValueError, match="n_group"):
+        LlamaConfig(**{**DEEPSEEK, "n_group": 3})
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        LlamaConfig(**{**DEEPSEEK, "qk_rope_head_dim": 3})
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_deepseek_latent_cache_tracks_the_causal_forward(block_size):
+    """The latent cache (one row of kv_lora_rank + rope channels per token and layer, no V cache) with the absorbed
+    attention: prefill then single tokens give the causal (unabsorbed) forward's logits."""
+    model = deepseek_tiny(seed=1)
+    B, n = 3, 12
+    x = torch.randint(0, 40, (B, n))
+    lens = torch.tensor([5, 2, 8], dtype=torch.int32)
+    cache = model.new_cache(B, 24, block_size=block_size)
+    assert cache.v is None and tuple(cache.k.shape[-2:]) == (1, 20)
+    with torch.no_grad():
+        full = model(x)
+        model.prefill(cache, x, lens)
+        one = chain_tree(B, 1)
+        for _ in range(3):
+            pos = cache.lens.long()
+            step = model.forward_cached(x.gather(1, pos.unsqueeze(1)), cache, one.depth, one.mask)
+            torch.testing.assert_close(step[:, 0], full[torch.arange(B), pos], atol=1e-5, rtol=1e-5)
+            cache.commit(torch.ones(B, dtype=torch.int32))

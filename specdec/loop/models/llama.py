@@ -1,9 +1,10 @@
 """A compact Llama-architecture decoder (gpt-fast style) whose cached attention runs on specdec's ops.
 
-Covers Llama 1-3, Mistral, Qwen2, Qwen3 and gpt-oss checkpoints: RMSNorm, rotary embeddings (incl. Llama-3,
-linear and YaRN rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional q/k/v biases
-(Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, Qwen2/3, gpt-oss's alternating ones),
-attention sinks and gpt-oss's mixture-of-experts MLP (`MoEMLP`), and a float8 KV cache (KVCache dtype).
+Covers Llama 1-3, Mistral, Qwen2, Qwen3, gpt-oss and DeepSeek-V3 checkpoints: RMSNorm, rotary embeddings (incl.
+Llama-3, linear and YaRN rope scaling), SwiGLU MLP, grouped-query attention, tied or untied embeddings, optional
+q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, Qwen2/3, gpt-oss's alternating
+ones), attention sinks and gpt-oss's mixture-of-experts MLP (`MoEMLP`), DeepSeek-V3's multi-head latent attention
+and its experts (deepseek.py), and a float8 KV cache (KVCache dtype).
 Module names follow the Hugging Face parameter names, except that q/k/v and gate/up projections are
 fused into one matmul each (`qkv_proj`, `gate_up_proj`; hf.py splits and joins them).
 
@@ -63,11 +64,38 @@ class LlamaConfig:
     experts_per_token: int = 0
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V3's multi-head latent attention (kv_lora_rank > 0; deepseek.py): queries through a rank
+    # q_lora_rank (None: one projection), one cached latent per token of kv_lora_rank + qk_rope_head_dim channels,
+    # per-head query/key channels qk_nope_head_dim + qk_rope_head_dim and value channels v_head_dim; the rotary on
+    # the qk_rope_head_dim channels, in interleaved pairs when rope_interleave
+    kv_lora_rank: int = 0
+    q_lora_rank: Optional[int] = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    # DeepSeek-V3's experts (n_routed_experts > 0): from layer first_k_dense_replace on, experts_per_token of
+    # n_routed_experts (group-limited: topk_group of n_group groups) plus n_shared_experts, each of
+    # moe_intermediate_size (deepseek.DeepseekMoE)
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
     extra: dict = field(default_factory=dict)  # unknown config.json fields, kept for saving
 
     def __post_init__(self):
-        if self.head_dim is None:
-            self.head_dim = self.dim // self.n_heads
+        if self.kv_lora_rank and (self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2 or self.v_head_dim <= 0):
+            raise ValueError("multi-head latent attention: qk_rope_head_dim must be even and > 0, v_head_dim > 0")
+        if self.n_routed_experts and (self.n_routed_experts % self.n_group or not 0 < self.topk_group <= self.n_group
+                                      or not 0 < self.experts_per_token <= self.n_routed_experts):
+            raise ValueError("DeepSeek experts: n_group must divide n_routed_experts, topk_group be in [1, n_group] "
+                             "and experts_per_token in [1, n_routed_experts]")
+        if self.head_dim is None:  # (an MLA model's: its rope channels, as transformers' DeepseekV3Config has it)
+            self.head_dim = self.qk_rope_head_dim if self.kv_lora_rank else self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
@@ -76,6 +104,18 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels the rotary turns: MLA's rope channels, else a head's."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
+    @property
+    def cache_row(self) -> tuple:
+        """(heads, channels) of a token's cached row per layer: MLA's one latent [c ; k_rope], else K's (V's)."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return self.n_kv_heads, self.head_dim
 
     def window(self, layer: int) -> Optional[int]:
         """The sliding window of layer `layer`, or None for full attention."""
@@ -88,9 +128,9 @@ class LlamaConfig:
 # rotary embeddings
 # ----------------------------------------------------------------------------------------------
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim // 2,) float32 with the checkpoint's rope scaling applied, computed
+    """Inverse frequencies (rope_dim // 2,) float32 with the checkpoint's rope scaling applied, computed
     exactly as transformers does (float32), so both runners produce the same logits."""
-    d = cfg.head_dim
+    d = cfg.rope_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -154,11 +194,12 @@ class KVCache:
     """Every layer's K/V in one stacked tensor, contiguous (layers, B, L_max, Hkv, D) or paged
     (layers, num_blocks, block_size, Hkv, D) with block_table (B, max_blocks); lens (B,) int32 counts
     each request's committed tokens. A float8 cache (dtype float8_e4m3fn / float8_e5m2) stores K / k_scale
-    and V / v_scale: `scales` holds the keyword arguments kv_append and tree_attention take for it."""
+    and V / v_scale: `scales` holds the keyword arguments kv_append and tree_attention take for it.
+    An MLA model's cache is its latents alone (Hkv = 1, D = kv_lora_rank + qk_rope_head_dim; v None)."""
 
     def __init__(self, cfg: LlamaConfig, batch_size: int, max_len: int, *, dtype=torch.float32, device="cpu",
                  block_size: Optional[int] = None, k_scale: float = 1.0, v_scale: float = 1.0):
-        shape_tail = (cfg.n_kv_heads, cfg.head_dim)
+        shape_tail = cfg.cache_row
         if block_size is None:
             shape = (cfg.n_layers, batch_size, max_len) + shape_tail
             self.block_table = None
@@ -168,7 +209,7 @@ class KVCache:
             # a simple static page assignment; any permutation works (the ops only follow the table)
             self.block_table = torch.arange(batch_size * per, dtype=torch.int32, device=device).view(batch_size, per)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = None if cfg.kv_lora_rank else torch.zeros(shape, dtype=dtype, device=device)
         self.lens = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self.rollback_plan = specdec.RollbackPlan(self.k, self.v, self.block_table)  # every layer, planned once
         self.max_len = max_len
@@ -180,7 +221,7 @@ class KVCache:
         """old, emptied (lens 0), where it is contiguous and of this shape, dtype and device; else a new contiguous
         cache. For a drafter's next call: a cache is the largest buffer, and a loop's kept CUDA graphs would copy a
         new one into the one they read."""
-        shape = (cfg.n_layers, batch_size, max_len, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch_size, max_len) + cfg.cache_row
         if old is not None and old.block_table is None and tuple(old.k.shape) == shape and old.k.dtype == dtype \
                 and old.k.device == torch.device(device):
             old.lens.zero_()
@@ -336,8 +377,12 @@ class MoEMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg, cfg.window(layer))
-        self.mlp = MoEMLP(cfg) if cfg.num_experts else MLP(cfg)
+        from .deepseek import DeepseekMoE, MultiHeadLatentAttention
+        self.self_attn = MultiHeadLatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, cfg.window(layer))
+        if cfg.n_routed_experts and layer >= cfg.first_k_dense_replace:
+            self.mlp = DeepseekMoE(cfg)
+        else:
+            self.mlp = MoEMLP(cfg) if cfg.num_experts else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
 
@@ -490,7 +535,8 @@ class Llama(nn.Module):
         """The decoder layers over new tree tokens (see forward_cached); returns hidden states (B, F, dim)."""
         step = self.cached_step(cache, depth, tree_mask, num_nodes, start)
         x = self.model.embed_tokens(tokens)
-        for layer, k_cache, v_cache in zip(self.model.layers, cache.k, cache.v):
+        v_caches = [None] * len(cache.k) if cache.v is None else cache.v  # (MLA: the latents alone)
+        for layer, k_cache, v_cache in zip(self.model.layers, cache.k, v_caches):
             x = layer.forward_cached(x, k_cache, v_cache, step)
         return x
 
