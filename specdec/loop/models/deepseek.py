@@ -106,11 +106,9 @@ class MultiHeadLatentAttention(nn.Module):
         step.calls.kv_append(latent_cache, None, latent, None)
         w_uk, w_uv = self._up_weights()
         q = torch.cat((torch.einsum("bthn,hnr->bthr", q_nope, w_uk), q_rope), dim=-1)
-        # tree_attention scales by 1 / sqrt(its Dqk = kv_lora_rank + rope): the query carries the rest of MLA's
-        q = q * (self.scale * q.shape[-1] ** 0.5)
         if step.first_new:  # the cached nodes' queries are not needed: zero rows stand in for them
             q = torch.cat((q.new_zeros(B, step.first_new, *q.shape[2:]), q), dim=1)
-        out = step.calls.tree_attention(q, latent_cache, latent_cache[..., :cfg.kv_lora_rank])
+        out = step.calls.tree_attention(q, latent_cache, latent_cache[..., :cfg.kv_lora_rank], scale=self.scale)
         out = torch.einsum("bthr,hvr->bthv", out[:, step.first_new:], w_uv)
         return self.o_proj(out.reshape(B, F_new, -1))
 
