@@ -338,3 +338,64 @@ def test_compiled_mtp_drafter_equals_ar(target_and_mtp):
     counters.clear()
     out = SpeculativeDecoder(target, MTPDrafter(target, mtp, "chain:2"), compile=True).generate(PROMPTS, 10)
     assert out.tokens == ar and counters["stats"]["unique_graphs"] == 1
+
+
+# real DeepSeek-V3 checkpoints' names for one MTP layer (model.layers.61.* of its safetensors index), per expert e
+DEEPSEEK_V3_MTP_NAMES = (
+    "eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight", "shared_head.head.weight",
+    "embed_tokens.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
+    "self_attn.o_proj.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+    "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight",
+    "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def deepseek_target_and_mtp():
+    """A DeepSeek-V3-style target (MLA, experts) and an untrained MTP module of its kind (MLA + experts)."""
+    from test_models import deepseek_tiny
+    target = deepseek_tiny(seed=4)
+    torch.manual_seed(5)
+    mtp = MTP(target.cfg, 1).eval().requires_grad_(False)
+    with torch.no_grad():
+        mtp.layers[0].block.mlp.gate.e_score_correction_bias.normal_(0, 0.5)
+    return target, mtp
+
+
+def test_deepseek_v3_mtp_layer_loads_from_its_real_names_and_shapes(tmp_path, deepseek_target_and_mtp):
+    """An MTP layer stored as DeepSeek-V3 stores it (model.layers.{n_layers}.*, MLA and MoE with per-expert
+    weights, its own copies of the embedding and head): load_mtp reads it into an MLA + MoE module that equals
+    the one saved (its logits too), from exactly DeepSeek-V3's tensor names; shapes follow the config."""
+    from safetensors.torch import load_file, save_file
+    from specdec.loop.models.mtp import load_mtp, save_mtp
+    target, mtp = deepseek_target_and_mtp
+    save_mtp(mtp, str(tmp_path), dtype=torch.float32)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    n, cfg = target.cfg.n_layers, target.cfg
+    state[f"model.layers.{n}.embed_tokens.weight"] = target.model.embed_tokens.weight.clone()
+    state[f"model.layers.{n}.shared_head.head.weight"] = target.lm_head.weight.clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    names = {f"model.layers.{n}." + name.format(e=e) for name in DEEPSEEK_V3_MTP_NAMES
+             for e in range(cfg.n_routed_experts)}
+    assert set(state) == names
+    assert state[f"model.layers.{n}.self_attn.kv_a_proj_with_mqa.weight"].shape == (
+        cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.dim)
+    assert state[f"model.layers.{n}.mlp.experts.0.gate_proj.weight"].shape == (cfg.moe_intermediate_size, cfg.dim)
+    loaded = load_mtp(str(tmp_path), cfg)
+    assert loaded.state_dict().keys() == mtp.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), mtp.state_dict().values()))
+    x = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        _, hidden = target(x, return_hidden=True)
+        assert torch.equal(loaded(target, hidden, x)[0], mtp(target, hidden, x)[0])
+
+
+@pytest.mark.parametrize("tree,block_size", [("chain:3", None), ("dynamic:7,3,2", 4)])
+def test_greedy_mtp_on_a_deepseek_style_target_equals_ar(deepseek_target_and_mtp, tree, block_size):
+    """--drafter mtp on a DeepSeek-V3-style target, its MTP module MLA + MoE on a latent-only cache: greedy
+    speculative output equals greedy AR."""
+    target, mtp = deepseek_target_and_mtp
+    ar = generate_ar(target, PROMPTS, 12)
+    out = SpeculativeDecoder(target, MTPDrafter(target, mtp, tree), block_size=block_size).generate(PROMPTS, 12)
+    assert out.tokens == ar.tokens

@@ -80,8 +80,9 @@ class MTPDrafter(DraftModelDrafter):
     def _run(self, tokens, hidden, depth, mask, num_nodes=None, start=0):
         """The module over new tree nodes tokens (B, F) conditioned on hidden (B, F, dim) (post-norm)."""
         step = self.model.cached_step(self.cache, depth, mask, num_nodes, start)
-        return self.layer.forward_cached(self.model.model.embed_tokens(tokens), hidden, self.cache.k[0],
-                                         self.cache.v[0], step)
+        v_cache = None if self.cache.v is None else self.cache.v[0]  # (an MLA module: the latents alone)
+        return self.layer.forward_cached(self.model.model.embed_tokens(tokens), hidden, self.cache.k[0], v_cache,
+                                         step)
 
     def _root_logits(self, tokens, seq_lens):
         """Run the pending entries (positions cache.lens .. n-2, tokens x_{j+1}), commit all but the root's."""

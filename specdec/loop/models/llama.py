@@ -118,8 +118,9 @@ class LlamaConfig:
         return self.n_kv_heads, self.head_dim
 
     def window(self, layer: int) -> Optional[int]:
-        """The sliding window of layer `layer`, or None for full attention."""
-        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+        """The sliding window of layer `layer`, or None for full attention. Layers past the last (MTP modules, which
+        DeepSeek numbers n_layers, n_layers + 1, ...) repeat the pattern from layer 0."""
+        if self.layer_types is not None and self.layer_types[layer % self.n_layers] != "sliding_attention":
             return None
         return self.sliding_window
 

@@ -9,7 +9,8 @@ recycled) and the embedding of token x_{j+k}, and predicts x_{j+k+1}:
     logits = lm_head(norm(out))                       # the target's embedding and LM head, shared
 
 Parameter names follow DeepSeek-V3's `model.layers.{n}.*` (enorm, hnorm, eh_proj, shared_head.norm, and
-the decoder layer's own names), with our fused q/k/v and gate/up projections.
+the decoder layer's own names), with our fused q/k/v and gate/up projections (and DeepSeek's per-expert weights
+stacked). For an MLA target the layer is MLA and MoE, as DeepSeek-V3's, and its cache the latents alone.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .hf import CheckpointError, config_to_hf, is_mtp_weight, join_fused, to_hf_state_names
+from .hf import CheckpointError, config_to_hf, is_mtp_weight, join_fused, stack_experts, to_hf_state_names
 from .llama import CachedStep, DecoderLayer, Llama, LlamaConfig, RMSNorm
 
 
@@ -43,7 +44,9 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.block = DecoderLayer(cfg, 0)
+        # the layer after the target's last, as DeepSeek numbers it: experts where the target's later layers have
+        # them (DeepSeek-V3's MTP layer is MLA + MoE), layer 0's window
+        self.block = DecoderLayer(cfg, cfg.n_layers)
         self.shared_head = SharedHead(cfg)
 
     def fuse(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -132,7 +135,8 @@ def mtp_from_hf_state(state: dict, cfg: LlamaConfig) -> dict:
             keys = [f"layers.{k}.{tail}" if tail.startswith(_DEEPSEEK_OWN) else f"layers.{k}.block.{tail}"]
         for key in keys:
             out[key] = value
-    return join_fused(out, sorted({".".join(k.split(".")[:3]) for k in out if ".block." in k}))
+    blocks = sorted({".".join(k.split(".")[:3]) for k in out if ".block." in k})
+    return stack_experts(join_fused(out, blocks), blocks, cfg.n_routed_experts)
 
 
 def mtp_folder(path: str) -> bool:
