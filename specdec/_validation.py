@@ -191,11 +191,16 @@ def check_cache_pair(k_cache, v_cache, block_table, B, *, k_name="k_cache", v_na
 
 def v_reads_k(k_cache, v_cache) -> bool:
     """Whether v_cache is k_cache's leading channels, k_cache[..., :Dv] (MLA's absorbed form: V is the first Dv
-    channels of the latent rows K holds): one storage, one first element, K's strides. Aliasing, not addresses,
-    so it is known while torch.compile traces too."""
-    return (torch._C._is_alias_of(v_cache, k_cache) and v_cache.dim() == k_cache.dim()
-            and v_cache.storage_offset() == k_cache.storage_offset() and v_cache.stride() == k_cache.stride()
-            and v_cache.shape[:-1] == k_cache.shape[:-1] and v_cache.shape[-1] <= k_cache.shape[-1])
+    channels of the latent rows K holds): one storage, one first element, K's strides. While torch.compile traces
+    (neither aliasing nor storage offsets are traceable there) the shapes decide: a V narrower than K, rows alike,
+    is read as K's leading channels, one as wide as K as a cache of its own."""
+    if not (v_cache.dim() == k_cache.dim() and v_cache.shape[:-1] == k_cache.shape[:-1]
+            and v_cache.shape[-1] <= k_cache.shape[-1]):
+        return False
+    if torch.compiler.is_compiling():
+        return v_cache.shape[-1] < k_cache.shape[-1]
+    return (torch._C._is_alias_of(v_cache, k_cache) and v_cache.storage_offset() == k_cache.storage_offset()
+            and v_cache.stride() == k_cache.stride())
 
 
 def check_contiguous_rows(k_cache, B, k_name="k_cache"):
