@@ -2,11 +2,12 @@
 
     tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, block_table, num_nodes, scale,
                    k_scale, v_scale, window_left, logits_soft_cap)
-        -> out (B, T, Hq, D) in q.dtype, lse (B, T, Hq) float32 (natural log)
+        -> out (B, T, Hq, Dv) in q.dtype, lse (B, T, Hq) float32 (natural log)
 
-q (B, T, Hq, D); caches (B, L_max, Hkv, D) contiguous when block_table is None, else
-(num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32, in q's dtype or float8 (e4m3fn,
-e5m2) holding K / k_scale and V / v_scale; cache_lens (B,) int32;
+q (B, T, Hq, D); k_cache (B, L_max, Hkv, D) contiguous when block_table is None, else
+(num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32, v_cache the same with head dim Dv <= D
+(MLA: k_cache[..., :Dv]), in q's dtype or float8 (e4m3fn, e5m2) holding K / k_scale and V / v_scale;
+cache_lens (B,) int32;
 tree_mask (B, T, ceil(T/32)) int32 packed ancestor-or-self bits; num_nodes (B,) int32. Node i attends
 to the committed prefix [0, cache_lens[b]) unmasked (or its last positions: window_left) and to tree position
 cache_lens[b] + j iff bit j of tree_mask[b, i] is set. sinks: None or (Hq,) float32 logits in the softmax's
@@ -48,6 +49,13 @@ Design (decode verification is memory-bound: the prefix K/V are nearly all the b
     the main kernel with one split, in the merge with several (a split's partial is the plain attention of its
     keys; the merge weighs them and the sink by their LSEs), so the lse includes it. Folded at the larger of the
     row's max and the sink (no overflow for a sink far above the scores); a sink of -inf changes no bit.
+  * Head dims: q . K runs over two channel tiles, V's first Dv channels (V_PAD, a power of two >= 16, masked past
+    Dv) and the other D - Dv (REST_PAD, masked; none when Dv = D), so any D and Dv <= D run, 576 = 512 + 64
+    included. MLA's absorbed form (v_cache = k_cache[..., :Dv], V_FROM_K): each latent tile is loaded once, as V,
+    and K's first channels are its transpose: one read of Dqk channels a position for all T * Hq rows of a row
+    tile (Hkv = 1: every query head is in the group). Head dims past 256 take 64-row tiles of 16 keys, 8 warps
+    (choose_config): the (64, 512) fp32 accumulator fills half the registers (sm_90 report:
+    bench/results/triton-sm90-offline.md).
   * float8 caches (vLLM's fp8 KV cache, per-tensor scales): tiles are widened to q's dtype after the load
     (exact: every e4m3/e5m2 value is a bf16 and an fp16 value), k_scale is folded into the score scale and
     v_scale into the final normalization, so the prefix costs half the bytes of a 16-bit cache.
