@@ -178,10 +178,11 @@ grid accept 2 50
 grid rollback 3 40
 grid append 4 25
 # MLA tree attention at DeepSeek-V3's shapes (Hq 128, T <= 16, L up to 32K, float8 latent caches) against the copy
-# ceiling and SDPA (bench/op_mla.py); the CPU dry run times its tiny shapes
+# ceiling and SDPA (bench/op_mla.py; the most important case first, its table rewritten after each case, as every
+# kernel variant compiles on first use); the CPU dry run times its tiny shapes
 MLA_ARGS=(--budget 0.3)
 [ "$DEVICE" = cpu ] && MLA_ARGS+=(--quick)
-step grid-mla 60 "$PY" -m bench.op_mla --device "$DEVICE" "${MLA_ARGS[@]}" --out "$STEPS/mla"
+step grid-mla 120 "$PY" -m bench.op_mla --device "$DEVICE" "${MLA_ARGS[@]}" --out "$STEPS/mla"
 # the end-to-end table: 2 prompts x 64 tokens, best of 2 passes (each row's decoder captures its graphs in its
 # warm-up); the rows the speedup floors judge (draft model chain:4 and 8, MTP chain:6, prompt lookup chain:8, and
 # each one's adaptive row), each also sampled, batched and eager where bench.e2e runs it so; no row
