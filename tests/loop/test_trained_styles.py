@@ -71,8 +71,10 @@ def _greedy_text(target, n_prompts=48, length=48, gen=None) -> torch.Tensor:
     return torch.tensor([p + t for p, t in zip(prompts, generate_ar(target, prompts, length).tokens)])
 
 
-@pytest.mark.parametrize("style", ["deepseek", "gpt-oss"])
-def test_trained_style_pair_through_the_cli(style, tmp_path, capsys):
+@pytest.fixture(scope="module", params=["deepseek", "gpt-oss"])
+def trained(request, tmp_path_factory):
+    """(style, target folder, the drafter's CLI arguments, target, drafter) of a trained pair."""
+    style, tmp_path = request.param, tmp_path_factory.mktemp(request.param)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     text = _text()
@@ -94,7 +96,7 @@ def test_trained_style_pair_through_the_cli(style, tmp_path, capsys):
         os.replace(tmp_path / "mtp" / "model.safetensors", folder / "model-mtp.safetensors")
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-        drafter = ["--drafter", "mtp"]
+        drafter, model = ["--drafter", "mtp"], mtp
     else:  # a one-layer draft model distilled on the target's greedy text
         draft = Llama(LlamaConfig(**BYTES, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=64))
 
@@ -103,7 +105,12 @@ def test_trained_style_pair_through_the_cli(style, tmp_path, capsys):
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), own[:, 1:].reshape(-1))
         _train(draft, draft_loss, 150)
         save_model(draft, str(tmp_path / "draft"), dtype=torch.float32)
-        drafter = ["--drafter", "model", "--draft", str(tmp_path / "draft")]
+        drafter, model = ["--drafter", "model", "--draft", str(tmp_path / "draft")], draft
+    return style, folder, drafter, target, model
+
+
+def test_trained_style_pair_through_the_cli(trained, capsys):
+    style, folder, drafter, _, _ = trained
     prompts = sum((["--prompt", p] for p in PROMPTS), [])
     for tree in ("chain:3", "dynamic:6,3,2"):
         rc, out, _ = run_cli(capsys, *prompts, "--target", str(folder), *drafter, "--tree", tree,
@@ -113,3 +120,21 @@ def test_trained_style_pair_through_the_cli(style, tmp_path, capsys):
         # (an untrained drafter's byte is accepted about 1 time in 259)
         assert result["acceptance_by_depth"][0] > 0.3, (style, tree, result["acceptance_by_depth"])
     assert ByteTokenizer().decode(result["tokens"][0])  # (bytes the tokenizer reads back)
+
+
+def test_trained_style_pair_samples_the_targets_law(trained):
+    """Sampled at temperature 1 with the trained drafter (MTP or draft model, chain of 3: draft logits): the first
+    two tokens follow the target's exact two-token law (chi-square at 0.999), and the test has the power to tell
+    it from the law at temperature 0.7."""
+    from specdec.loop.decoding import SpeculativeDecoder
+    from specdec.loop.drafters import DraftModelDrafter, MTPDrafter
+    from test_loop import chi_square_two_tokens, exact_filtered_two_token_law
+    style, _, _, target, model = trained
+    drafter = MTPDrafter(target, model, "chain:3") if style == "deepseek" else DraftModelDrafter(model, "chain:3")
+    prompt, n = ByteTokenizer().encode("import os\nimport s"), 500
+    out = SpeculativeDecoder(target, drafter).generate([prompt] * n, 2, 1.0, seed=list(range(3000, 3000 + n)))
+    law = exact_filtered_two_token_law(target, prompt, 1.0)
+    stat, threshold, cells = chi_square_two_tokens(out.tokens, law, n)
+    assert len(cells) >= 3 and stat < threshold, (style, stat, threshold)
+    wrong, wrong_threshold, _ = chi_square_two_tokens(out.tokens, exact_filtered_two_token_law(target, prompt, 0.7), n)
+    assert wrong > wrong_threshold, (style, wrong, wrong_threshold)
