@@ -311,6 +311,12 @@ class SpeculativeDecoder:
                        judge_probs)
         if any(m is not None for m in matchers):  # (padding rows are free)
             s.grammar = TreeMasks(matchers + [None] * (B - requests), V, self.grammar_backend.stop_token_ids, dev)
+            if penalties is not None and penalties.min_tokens is not None:  # (the masks hold the stops back)
+                for b, (matcher, least) in enumerate(zip(matchers, penalties.min_tokens.tolist())):
+                    if matcher is not None and least > 0:
+                        stops = [t for t in penalties.stop_token_ids[b].tolist() if t >= 0]
+                        s.grammar.hold_back(b, least, stops)
+                        penalties.min_tokens[b] = 0
         self.drafter.grammar = s.grammar
         if logprobs is not None:  # (room for the last step's whole path past max_new_tokens)
             s.logprobs = Logprobs(torch.full((B, max_new_tokens + T), math.nan, device=dev),

@@ -212,7 +212,12 @@ class TreeMasks:
     parent (whose row forbids it) before it could descend there, greedy or sampling. The walk does not descend
     into it (its path is not accepted, so no deeper state exists) and its rows, and its subtree's, are all-ones:
     never read. A node after the stop token (the path ended the output) allows the stop tokens alone: only the
-    request's end can follow."""
+    request's end can follow.
+
+    min-tokens under a grammar (`hold_back`) is applied here, not by accept: while a node's output is shorter
+    than min_tokens its row drops the held-back stop tokens, unless the grammar allows nothing else there (the
+    output is complete: the grammar wins, as in vLLM, which restores the stop tokens when its grammar masks
+    every other token; accept's own min-tokens would leave that row empty and refuse it)."""
 
     def __init__(self, matchers: Sequence[Optional[Matcher]], vocab_size: int, stop_token_ids: Sequence[int],
                  device):
@@ -227,6 +232,16 @@ class TreeMasks:
         self._forced = [0] * len(self.cursors)  # per request: the forced chain proposed this step
         self.replaced = [False] * len(self.cursors)  # per request: a forced chain replaced its tree this step
         self.host_s, self.forced_emitted = 0.0, 0
+        self.min_left = [0] * len(self.cursors)  # per request: tokens to generate before its held-back stops
+        self.held: list = [None] * len(self.cursors)  # per request: (W,) int32 those stop tokens, or None
+
+    def hold_back(self, b: int, min_tokens: int, stop_token_ids: Sequence[int]) -> None:
+        """Request b (constrained, no output yet) may not emit stop_token_ids before min_tokens tokens, where its
+        grammar allows another token (class doc)."""
+        row = torch.zeros(self.W, dtype=torch.int32)
+        for t in stop_token_ids:
+            row[t // 32] |= _bit(t % 32)
+        self.min_left[b], self.held[b] = min_tokens, row
 
     @property
     def constrained(self) -> bool:
@@ -256,6 +271,9 @@ class TreeMasks:
                 out = torch.empty(1, self.W, dtype=torch.int32)
                 cursor.matcher.fill(out, 0)
                 row = out[0]
+                if len(path) < self.min_left[b]:
+                    without_stops = row & ~self.held[b]
+                    row = without_stops if bool(without_stops.any()) else row
         rows[path] = row
         return row
 
@@ -317,6 +335,7 @@ class TreeMasks:
         t0 = time.perf_counter()
         cursor = self.cursors[b]
         cursor.home()
+        self.min_left[b] = max(self.min_left[b] - len(tokens), 0)
         for t in tokens:
             if cursor.matcher.is_terminated():
                 break

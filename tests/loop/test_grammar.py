@@ -492,6 +492,29 @@ def test_stopping_at_termination_and_max_new_tokens(shipped):
     assert TOK.decode(out.tokens[1]) == "x" * 20
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_under_a_grammar(shipped, temperature):
+    """min_tokens with a grammar: the stop token is held back while the grammar allows another token (a bias
+    toward the EOS would end "a+" after one "a" without it), and allowed when the grammar allows nothing else
+    ("ab" is complete after two tokens: the grammar wins, as in vLLM, instead of an empty row). Greedy speculative
+    output equals the loop's plain decoding (no drafter) under the same rules; a free request keeps accept's
+    min-tokens in the same batch."""
+    from specdec.loop.drafters import NoDrafter
+    target, draft = shipped
+    grammars = [{"regex": "a+"}, {"regex": "ab"}, None]
+    args = dict(grammar=grammars, logit_bias={EOS: 12.0}, seed=5)
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(draft, "chain:3"))
+    free = decoder.generate(PROMPTS[:3], 12, temperature, **args)
+    assert TOK.decode(free.tokens[0]) == "a" and TOK.decode(free.tokens[1]) == "ab" and len(free.tokens[2]) < 6
+    out = decoder.generate(PROMPTS[:3], 12, temperature, min_tokens=6, **args)
+    text = TOK.decode(out.tokens[0])
+    assert set(text) == {"a"} and len(text) >= 6, text
+    assert TOK.decode(out.tokens[1]) == "ab"
+    assert len(out.tokens[2]) >= 6 and EOS not in out.tokens[2][:6]
+    if temperature == 0.0:
+        plain = SpeculativeDecoder(target, NoDrafter()).generate(PROMPTS[:3], 12, min_tokens=6, **args)
+        assert out.tokens == plain.tokens
+
 def test_a_free_batch_passes_no_mask(shipped, monkeypatch):
     """Every request free (grammar None or all None entries): accept gets no token_bitmask; with a constrained
     request it gets one row per node."""
