@@ -256,16 +256,20 @@ def test_window_configs():
 # ----------------------------------------------------------------------------------------------
 # cached forward == causal forward
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("window", [None, 10])
+@pytest.mark.parametrize("window", [None, 10, "deepseek"])
 @pytest.mark.parametrize("block_size", [None, 4])
 def test_prefill_then_decode_matches_causal_forward(block_size, window):
     """Ragged prompts prefilled in one chain-shaped call, then one token per call: every logit equals the
-    full causal forward's (with a sliding window shorter than the sequences too)."""
-    model = tiny(seed=1, sliding_window=window)
+    full causal forward's (with a sliding window shorter than the sequences too; and for the DeepSeek-style
+    model, whose cache holds one latent row of kv_lora_rank + rope channels per token and layer and no V, the
+    absorbed attention against the unabsorbed causal forward)."""
+    model = deepseek_tiny(seed=1) if window == "deepseek" else tiny(seed=1, sliding_window=window)
     B, n = 3, 14
     x = torch.randint(0, 40, (B, n))
     lens = torch.tensor([6, 3, 9], dtype=torch.int32)
     cache = model.new_cache(B, 32, block_size=block_size)
+    if window == "deepseek":
+        assert cache.v is None and tuple(cache.k.shape[-2:]) == (1, 20)
     with torch.no_grad():
         full = model(x)
         tree = chain_tree(B, 9, lens)
@@ -462,24 +466,3 @@ def test_deepseek_config_round_trip_and_refusals():
         LlamaConfig(**{**DEEPSEEK, "n_group": 3})
     with pytest.raises(ValueError, match="qk_rope_head_dim"):
         LlamaConfig(**{**DEEPSEEK, "qk_rope_head_dim": 3})
-
-
-@pytest.mark.parametrize("block_size", [None, 4])
-def test_deepseek_latent_cache_tracks_the_causal_forward(block_size):
-    """The latent cache (one row of kv_lora_rank + rope channels per token and layer, no V cache) with the absorbed
-    attention: prefill then single tokens give the causal (unabsorbed) forward's logits."""
-    model = deepseek_tiny(seed=1)
-    B, n = 3, 12
-    x = torch.randint(0, 40, (B, n))
-    lens = torch.tensor([5, 2, 8], dtype=torch.int32)
-    cache = model.new_cache(B, 24, block_size=block_size)
-    assert cache.v is None and tuple(cache.k.shape[-2:]) == (1, 20)
-    with torch.no_grad():
-        full = model(x)
-        model.prefill(cache, x, lens)
-        one = chain_tree(B, 1)
-        for _ in range(3):
-            pos = cache.lens.long()
-            step = model.forward_cached(x.gather(1, pos.unsqueeze(1)), cache, one.depth, one.mask)
-            torch.testing.assert_close(step[:, 0], full[torch.arange(B), pos], atol=1e-5, rtol=1e-5)
-            cache.commit(torch.ones(B, dtype=torch.int32))
