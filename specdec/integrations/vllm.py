@@ -11,9 +11,10 @@ What happens where, as in vLLM 0.33: `forward` asks the given sampler for the bo
 `sampler(logits=bonus rows, sampling_metadata with max_num_logprobs=-1, predict_bonus_token=True,
 logprobs_mode_override=...)`), applies vLLM's logits processors to the target rows (allowed-token mask, bad
 words with the drafts, min-tokens, thinking budget: vLLM's own functions; the penalties too where a draft law is
-given to sampled requests or processed logprobs are asked for), verifies, and returns
-logprobs when `sampling_metadata.max_num_logprobs` is set (through the sampler's `compute_logprobs` and
-`gather_logprobs`). The repetition, frequency and presence penalties (counts from the request's output
+given to sampled requests), verifies, and returns logprobs when `sampling_metadata.max_num_logprobs` is set: the
+draft positions' from the accept call (`_fused_logprobs` says when), the bonus position's through the sampler's
+`compute_logprobs` and `gather_logprobs` on its bonus rows; otherwise all through those functions on the target
+rows (`_get_logprobs_tensors`). The repetition, frequency and presence penalties (counts from the request's output
 token ids, the drafts of each row's path counted by accept) and the rest of vLLM's `apply_sampling_constraints`
 (temperature, top-k, top-p) are not materialized: they are fused into one accept call. vLLM 0.33's min-p and
 logit bias are logits processors that its rejection sampler leaves to the Sampler, so they reach the bonus token
@@ -58,6 +59,8 @@ PLACEHOLDER_TOKEN_ID = -1
 GREEDY_TEMPERATURE = 0
 MAX_SPEC_LEN = 128
 PROCESSED_LOGPROBS_MODES = ("processed_logits", "processed_logprobs")
+# vLLM's logprobs modes whose draft positions accept computes (where `_fused_logprobs` allows)
+FUSED_LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs")
 LOGITS_LOGPROBS_MODES = ("raw_logits", "processed_logits")
 REFUSED_METHODS = {"fly": "FLy verification (lossy)", "synthetic": "synthetic acceptance rates (lossy)"}
 
@@ -177,16 +180,17 @@ def _temperature(sampling_metadata, B: int, device) -> torch.Tensor:
 
 
 def _verify(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
-            bonus, sampling_metadata, temperature, top_k=None, top_p=None, penalties=None) -> torch.Tensor:
+            bonus, sampling_metadata, temperature, top_k=None, top_p=None, penalties=None, logprobs=None):
     """One accept call over the batch. target_logits [num_tokens, V] float; temperature (B,) (0: greedy), applied
     with top_k / top_p ((B,) or None) to the target rows; draft_probs [num_tokens, V] or None, the drafter's law
     as given. penalties: accept's penalty arguments (`_penalties`) or None; given only where the target's law
-    alone is processed (no draft_probs, or all greedy). Returns vLLM's output layout."""
+    alone is processed (no draft_probs, or all greedy). logprobs: None or (N, accept's logprobs_mode). Returns
+    (vLLM's output layout, accept's Logprobs (B, max_spec_len + 1, ...) or None)."""
     B, T, dev = len(num_draft_tokens), max_spec_len + 1, target_logits.device
     if target_logits.shape[0] == 0:  # no drafts anywhere: the bonus tokens alone
         out = torch.full((B, T), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=dev)
         out[:, 0] = bonus.to(torch.int32)
-        return out
+        return out, None
     chains = _chains(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens)
     positions = _draft_positions(chains, T)
     target = target_logits[positions].float()
@@ -199,13 +203,14 @@ def _verify(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens
             top_k = top_p = None
         # q = softmax(t log q / t): accept's drafter law at the request's temperature is draft_probs itself
         draft = draft_probs[positions].float().log() * t_sampled.view(B, 1, 1)
+    wanted = {} if logprobs is None else dict(return_logprobs=logprobs[0], logprobs_mode=logprobs[1])
     res = specdec.accept(target, chains.tokens, chains.parents, draft_logits=draft, temperature=temperature,
                          top_k=top_k, top_p=top_p, seeds=_seeds(sampling_metadata, num_draft_tokens, dev),
-                         num_nodes=chains.lengths + 1, **(penalties or {}))
+                         num_nodes=chains.lengths + 1, **(penalties or {}), **wanted)
     out = res.emitted_tokens(chains.tokens)
     complete = (res.num_accepted.long() == chains.num_drafts).unsqueeze(1)
     at_end = torch.arange(out.shape[1], device=out.device) == chains.num_drafts.unsqueeze(1)
-    return torch.where(complete & at_end, bonus.unsqueeze(1), out).to(torch.int32)
+    return torch.where(complete & at_end, bonus.unsqueeze(1), out).to(torch.int32), res.logprobs
 
 
 def _penalties(sampling_metadata, B: int, V: int, device) -> dict:
@@ -268,7 +273,21 @@ def rejection_sample(
     bonus = _check_bonus("bonus_token_ids", bonus_token_ids, B, V, dev)
     greedy = _temperature(sampling_metadata, B, dev) == GREEDY_TEMPERATURE
     return _verify(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                   target_logits, bonus, sampling_metadata, torch.where(greedy, 0.0, 1.0))
+                   target_logits, bonus, sampling_metadata, torch.where(greedy, 0.0, 1.0))[0]
+
+
+def _rows_processed(sampling_metadata) -> bool:
+    """Whether a logits processor other than the penalties changes target rows (allowed tokens, bad words,
+    min-tokens with requests, the thinking budget): apply_logits_processors' conditions."""
+    if getattr(sampling_metadata, "allowed_token_ids_mask", None) is not None:
+        return True
+    if getattr(sampling_metadata, "bad_words_token_ids", None):
+        return True
+    logitsprocs = getattr(sampling_metadata, "logitsprocs", None)
+    if any(getattr(p, "min_toks", None) for p in getattr(logitsprocs, "non_argmax_invariant", ())):
+        return True
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    return holder is not None and holder.has_tracked_requests()
 
 
 def _replaced(sampling_metadata, **fields):
@@ -337,12 +356,14 @@ class RejectionSampler(nn.Module):
         )
         bonus = _check_bonus("sampler", bonus_output.sampled_token_ids, B, V, dev)
         raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
+        fused_logprobs = self._fused_logprobs(sampling_metadata, draft_probs, num_tokens)
         # the penalties go into accept where only the target's law is processed (vLLM leaves draft_probs as
         # given) and no logprobs need vLLM's processed rows; the other processors (-inf masks, forcing) run here
         penalties = None
         if (not getattr(sampling_metadata, "no_penalties", True) and num_tokens > 0
                 and (draft_probs is None or sampling_metadata.all_greedy)
-                and not (self.is_processed_logprobs_mode and sampling_metadata.max_num_logprobs is not None)):
+                and not (self.is_processed_logprobs_mode and sampling_metadata.max_num_logprobs is not None
+                         and fused_logprobs is None)):
             penalties = _penalties(sampling_metadata, B, V, dev)
             processors_metadata = _replaced(sampling_metadata, no_penalties=True)
         else:
@@ -351,11 +372,16 @@ class RejectionSampler(nn.Module):
 
         temperature = _temperature(sampling_metadata, B, dev)
         top_k, top_p = getattr(sampling_metadata, "top_k", None), getattr(sampling_metadata, "top_p", None)
-        output_token_ids = _verify(metadata.draft_token_ids, num_draft, metadata.max_spec_len,
-                                   metadata.cu_num_draft_tokens, draft_probs, target_logits, bonus,
-                                   sampling_metadata, temperature, top_k, top_p, penalties)
+        output_token_ids, accept_logprobs = _verify(metadata.draft_token_ids, num_draft, metadata.max_spec_len,
+                                                    metadata.cu_num_draft_tokens, draft_probs, target_logits, bonus,
+                                                    sampling_metadata, temperature, top_k, top_p, penalties,
+                                                    fused_logprobs)
         logprobs_tensors = None
-        if getattr(sampling_metadata, "max_num_logprobs", None) is not None:
+        if fused_logprobs is not None:
+            logprobs_tensors = self._fused_logprobs_tensors(
+                fused_logprobs[0], accept_logprobs, num_draft, output_token_ids, raw_target_logits, metadata,
+                bonus_output.logprobs_tensors.logprobs)
+        elif getattr(sampling_metadata, "max_num_logprobs", None) is not None:
             if self.is_processed_logprobs_mode:
                 target_logits = self._constrained(target_logits, sampling_metadata, temperature, num_draft)
             logprobs_tensors = self._get_logprobs_tensors(
@@ -363,6 +389,64 @@ class RejectionSampler(nn.Module):
                 target_logits if self.is_processed_logprobs_mode else raw_target_logits,
                 bonus_output.logprobs_tensors.logprobs, output_token_ids)
         return _sampler_output(output_token_ids, logprobs_tensors)
+
+    def _fused_logprobs(self, sampling_metadata, draft_probs, num_tokens: int):
+        """(N, accept's logprobs_mode) when accept computes the draft positions' logprobs, else None (vLLM's
+        functions on materialized rows, `_get_logprobs_tensors`): N in [0, 20]; the raw modes only where no
+        processor changes the rows accept reads (raw logprobs are of the model's rows); the processed mode only
+        where vLLM's processed law is accept's: no draft_probs with sampled requests (vLLM processes the target
+        alone then), and no greedy request filtered beside sampled ones (vLLM's top-k / top-p apply to every
+        row of a mixed batch, accept's greedy law is unfiltered)."""
+        n = getattr(sampling_metadata, "max_num_logprobs", None)
+        mode = getattr(self.sampler, "logprobs_mode", "raw_logprobs")
+        if n is None or not 0 <= n <= val.MAX_LOGPROBS or mode not in FUSED_LOGPROBS_MODES or num_tokens == 0:
+            return None
+        if draft_probs is not None and not sampling_metadata.all_greedy:
+            return None
+        if mode == "processed_logprobs":
+            filtered = (getattr(sampling_metadata, "top_k", None) is not None
+                        or getattr(sampling_metadata, "top_p", None) is not None)
+            mixed = not (sampling_metadata.all_greedy or sampling_metadata.all_random)
+            return None if filtered and mixed else (n, "processed")
+        return None if _rows_processed(sampling_metadata) else (n, "raw")
+
+    def _fused_logprobs_tensors(self, n, lp, num_draft, output_token_ids, raw_target_logits, metadata,
+                                bonus_logits):
+        """vLLM's LogprobsTensors of the output positions [B * (max_spec_len + 1), 1 + n] from accept's logprobs
+        at the draft positions and the sampler's bonus rows at a request's last position (vLLM's functions on its
+        B bonus rows); positions past the emitted ones hold token 0 and -inf (parse_output drops them)."""
+        B, T = output_token_ids.shape
+        dev = output_token_ids.device
+        ids = torch.zeros(B, T, 1 + n, dtype=torch.int64, device=dev)
+        scores = torch.full((B, T, 1 + n), float("-inf"), device=dev)
+        ranks = torch.zeros(B, T, dtype=torch.int64, device=dev)
+        drafts = torch.tensor(num_draft, device=dev)
+        j = torch.arange(T, device=dev)
+        if lp is not None:
+            width = min(lp.token_logprobs.shape[1], T)
+            emitted = output_token_ids[:, :width].long()
+            at = (emitted >= 0) & (j[:width] < drafts.unsqueeze(1))  # (the draft positions' rows)
+            ids[:, :width] = torch.where(at.unsqueeze(-1), torch.cat((emitted.clamp(min=0).unsqueeze(-1),
+                                                                      lp.top_token_ids[:, :width]), -1), 0)
+            if self.is_logits_logprobs_mode:  # (raw_logits: the scores are the model's logits)
+                rows = torch.zeros_like(drafts)
+                rows[1:] = drafts.cumsum(0)[:-1]
+                flat = (rows.unsqueeze(1) + j[:width]).clamp(max=max(raw_target_logits.shape[0] - 1, 0))
+                values = raw_target_logits[flat].gather(-1, ids[:, :width])
+            else:
+                values = torch.cat((lp.token_logprobs[:, :width].unsqueeze(-1), lp.top_logprobs[:, :width]), -1)
+            scores[:, :width] = torch.where(at.unsqueeze(-1), values, scores[:, :width])
+            ranks[:, :width] = torch.where(at, lp.token_ranks[:, :width], 0)
+        last = output_token_ids.gather(1, drafts.long().unsqueeze(1)).squeeze(1).long()  # the bonus position
+        complete = last >= 0
+        bonus_rows = bonus_logits if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(bonus_logits)
+        bonus = self.sampler.gather_logprobs(bonus_rows, n, last.clamp(min=0))
+        b = torch.arange(B, device=dev)[complete]
+        at = drafts.long()[complete]
+        ids[b, at] = bonus.logprob_token_ids[complete].long()
+        scores[b, at] = bonus.logprobs[complete].float()
+        ranks[b, at] = bonus.selected_token_ranks[complete].long()
+        return type(bonus)(ids.view(B * T, -1), scores.view(B * T, -1), ranks.view(B * T))
 
     @staticmethod
     def _constrained(target_logits, sampling_metadata, temperature, num_draft):

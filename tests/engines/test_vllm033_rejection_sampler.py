@@ -13,6 +13,7 @@ import importlib.util
 import os
 from unittest.mock import Mock
 
+import numpy as np
 import pytest
 import torch
 
@@ -210,19 +211,35 @@ def test_sampled_law_with_penalties_is_vllms():
     assert_law(tokens[tokens[:, 0] == d, 1], laws[1], "second token, the first draft accepted")
 
 
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("sampled, processors", [(False, None), (True, None), (False, "penalties"),
+                                                  (False, "penalties+mask")])
 @pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs", "raw_logits"])
-def test_logprobs_and_parse_output_equal_vllms(logprobs_mode, sampled, monkeypatch):
+def test_logprobs_and_parse_output_equal_vllms(logprobs_mode, sampled, processors, monkeypatch):
     """vLLM's real Sampler supplies the bonus tokens from the bonus rows of the runner's layout (each request's
-    draft rows, then its bonus row). Greedy: the outputs, the logprobs of every output position and
-    parse_output's lists equal vLLM's. Sampled (temperature and top-k; the draws differ): every position's top
-    logprobs, which do not depend on the draw, equal vLLM's."""
+    draft rows, then its bonus row). accept computes the draft positions' logprobs (our _get_logprobs_tensors,
+    vLLM's way, is not called); the bonus position's come from vLLM's functions on the sampler's bonus rows.
+    Greedy: the outputs equal vLLM's, and at every emitted position (what parse_output keeps) the token ids and
+    ranks equal vLLM's, the scores to 1e-5; parse_output's lists too. Sampled (temperature and top-k; the draws
+    differ): the top entries at the positions both emitted, which do not depend on the draw, equal vLLM's. With
+    penalties (in accept, the drafts before each row counted) the same; with an allowed-token mask too, the raw
+    modes' logprobs (of rows before the mask) are vLLM's way, the processed mode's still accept's."""
     # vLLM's Triton top-k/top-p asks the platform for its SM count, which a machine without a GPU lacks: vLLM's
     # PyTorch top-k/top-p (the same masks) for both samplers
     monkeypatch.setattr("vllm.v1.sample.ops.topk_topp_sampler.HAS_TRITON", False)
     gen = torch.Generator().manual_seed(5)
     spec, target_logits, _ = _greedy_batch(gen, B=8, V=16, k=3)
     B, V = len(spec), 16
+    extra = {}
+    if processors:  # (every request drafts: the penalties' bookkeeping)
+        spec = [[max(t, 0) for t in s] or [1] for s in spec]
+        target_logits = torch.randn(sum(map(len, spec)), V, generator=gen)
+        extra = dict(no_penalties=False, prompt_token_ids=torch.randint(0, V, (B, 5), generator=gen),
+                     frequency_penalties=torch.full((B,), 1.5), presence_penalties=torch.full((B,), 0.5),
+                     repetition_penalties=torch.full((B,), 1.3), output_token_ids=[[1, 2, 3]] * B,
+                     spec_token_ids=spec)
+        if processors == "penalties+mask":
+            extra["allowed_token_ids_mask"] = torch.zeros(B, V, dtype=torch.bool).index_fill_(1, torch.tensor([4]),
+                                                                                               True)
     metadata = SpecDecodeMetadata.make_dummy(spec, device=target_logits.device)
     logits = torch.randn(target_logits.shape[0] + B, V, generator=gen)
     ends = metadata.cu_num_sampled_tokens.long()
@@ -232,16 +249,25 @@ def test_logprobs_and_parse_output_equal_vllms(logprobs_mode, sampled, monkeypat
         dtype=torch.int32)
     logits[metadata.target_logits_indices.long()] = target_logits
     filters = dict(temperature=torch.full((B,), 0.7), top_k=torch.full((B,), 5)) if sampled else {}
-    sampling = _sampling_metadata(B, max_num_logprobs=2, **filters)
+    sampling = _sampling_metadata(B, max_num_logprobs=2, **filters, **extra)
+    vllms_way = []
+    original = ours.RejectionSampler._get_logprobs_tensors
+    monkeypatch.setattr(ours.RejectionSampler, "_get_logprobs_tensors",
+                        lambda *a, **kw: vllms_way.append(1) or original(*a, **kw))
     got = ours.RejectionSampler(Sampler(logprobs_mode)).forward(metadata, None, logits.clone(), sampling)
+    assert len(vllms_way) == (processors == "penalties+mask" and logprobs_mode != "processed_logprobs")
     want = vllm_rs.RejectionSampler(Sampler(logprobs_mode)).forward(metadata, None, logits.clone(), sampling)
+    lp, vllm_lp = got.logprobs_tensors, want.logprobs_tensors
+    emitted = got.sampled_token_ids.flatten() != -1
     if sampled:
-        for name in ("logprob_token_ids", "logprobs"):
-            assert torch.equal(getattr(got.logprobs_tensors, name)[:, 1:], getattr(want.logprobs_tensors, name)[:, 1:])
+        both = emitted & (want.sampled_token_ids.flatten() != -1)
+        assert torch.equal(lp.logprob_token_ids[both, 1:], vllm_lp.logprob_token_ids[both, 1:].long())
+        torch.testing.assert_close(lp.logprobs[both, 1:], vllm_lp.logprobs[both, 1:], rtol=0, atol=1e-5)
         return
     assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
-    for name in ("logprob_token_ids", "logprobs", "selected_token_ranks"):
-        assert torch.equal(getattr(got.logprobs_tensors, name), getattr(want.logprobs_tensors, name)), name
+    assert torch.equal(lp.logprob_token_ids[emitted], vllm_lp.logprob_token_ids[emitted].long())
+    assert torch.equal(lp.selected_token_ranks[emitted], vllm_lp.selected_token_ranks[emitted].long())
+    torch.testing.assert_close(lp.logprobs[emitted], vllm_lp.logprobs[emitted], rtol=0, atol=1e-5)
     discard = [1]
     ours_lists, ours_logprobs = ours.RejectionSampler.parse_output(got.sampled_token_ids, V, discard,
                                                                    got.logprobs_tensors)
@@ -249,6 +275,9 @@ def test_logprobs_and_parse_output_equal_vllms(logprobs_mode, sampled, monkeypat
                                                                       want.logprobs_tensors)
     assert ours_lists == vllm_lists and type(ours_logprobs) is type(vllm_logprobs)
     for a, b in zip(ours_logprobs, vllm_logprobs):
-        assert (a == b).all() if hasattr(a, "all") else a == b
+        if hasattr(a, "dtype") and a.dtype.kind == "f":
+            assert np.allclose(a, b, rtol=0, atol=1e-5)
+        else:
+            assert (a == b).all() if hasattr(a, "all") else a == b
     assert ours.RejectionSampler.parse_output(got.sampled_token_ids, V) == (
         vllm_rs.RejectionSampler.parse_output(want.sampled_token_ids, V))
