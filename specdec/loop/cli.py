@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="structured output: every output is in this EBNF grammar's language (rule root)")
     g.add_argument("--jump-forward", type=int, default=0, metavar="N",
                    help="with a grammar: propose up to N tokens the grammar forces as a chain instead of the "
-                        "drafter's tree (not with --drafter mtp; default 0: off)")
+                        "drafter's tree (default 0: off)")
     g.add_argument("--method", choices=METHODS, default="token",
                    help="verifier of sampled drafts: token-wise (default), block verification (chains) or "
                         "traversal verification (static trees and chains)")

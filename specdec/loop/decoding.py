@@ -111,8 +111,8 @@ class SpeculativeDecoder:
         decoding (proposals without drafter state) wherever a token is forced; with the draft model, which drafts
         forced tokens itself under the masks, where at least the step's depth are: the drafter then hears that
         none of its nodes was accepted and its cache catches up on the chain before it drafts again
-        (`DepthControl.catch_up`). Not with MTP (it cannot catch up: it needs the target's hidden state of each
-        token)."""
+        (`DepthControl.catch_up`); with MTP likewise, where the chain's entries come from the target's hidden
+        states of the verified chain, as an accepted path's do (no catch-up)."""
         self.target = target
         self.block_size, self.kv_dtype = block_size, kv_dtype
         self.drafter = drafter or NoDrafter()
@@ -159,12 +159,15 @@ class SpeculativeDecoder:
         self.grammar_backend = grammar_backend
         stateless = self.drafter.max_nodes == 1 or self.drafter.proposes_on_host
         catches_up = isinstance(self.drafter, DepthControl) and self.drafter.max_skips is None
+        follows_target = self.drafter.uses_target_hidden and hasattr(self.drafter, "reserve_chain")
         if jump_forward < 0 or jump_forward and (method != "token" or self.adaptive is not None or
-                                                 not (stateless or catches_up)):
+                                                 not (stateless or catches_up or follows_target)):
             raise ValueError(f"jump_forward: {jump_forward} needs >= 0, and for > 0 method 'token', no adaptive "
                              f"depth, and a drafter that proposes without state of its own or catches up on skipped "
                              f"steps (not {type(self.drafter).__name__})")
         self.jump_forward = jump_forward
+        if jump_forward and follows_target:  # (room for a forced chain's entries)
+            self.drafter.reserve_chain(jump_forward)
         # forced chains replace a proposal wherever a token is forced (else where the step's depth are)
         self.jump_stateless = stateless
         # the largest proposal a step verifies, and its depth: the drafter's, or a forced chain
@@ -414,6 +417,11 @@ class SpeculativeDecoder:
         s.cache.rollback(res.accepted_nodes, num_acc)
         if k == 0:
             self.drafter.skip(**hidden_kw)
+        elif s.grammar is not None and any(s.grammar.replaced) and self.drafter.uses_target_hidden:
+            # a forced chain replaced some requests' trees: MTP's entries of the chain come from the target's
+            # hidden states of its nodes, as any accepted path's
+            self.drafter.commit(prop, res.accepted_nodes, num_acc, **hidden_kw)
+            self.drafter.follow_chain(int(num_acc.max()))
         elif s.grammar is not None and any(s.grammar.replaced):
             # a forced chain replaced some requests' trees: none of their drafter's nodes was accepted but the root,
             # and a drafter with a cache of its own catches up on the chain before its next proposal (the loop's

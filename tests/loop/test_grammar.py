@@ -400,17 +400,37 @@ def test_jump_forward_with_the_draft_model(shipped, greedy_expected):
         assert out.summary["acceptance_rate_by_depth"][:3] == [1.0, 1.0, 1.0]
 
 
+def test_jump_forward_with_mtp(shipped, greedy_expected):
+    """MTP with jump-forward: a forced chain at least the step's depth replaces its tree, and the chain's entries
+    come from the target's hidden states of the verified chain, as an accepted path's do. The output is masked
+    greedy AR's, more tokens a step than without, and the heads' cache equals a fresh run over the committed
+    tokens (a chain longer than MTP's own depth included: jump_forward 16 against chain:3)."""
+    from test_mtp import assert_heads_cache_matches_a_fresh_run
+    target, _ = shipped
+    mtp = load_mtp(os.path.join(ASSETS, "mtp"), target.cfg)
+    specs = GREEDY_SPECS[:2]
+    plain = SpeculativeDecoder(target, MTPDrafter(target, mtp, "chain:3")).generate(PROMPTS[:2], 48, grammar=specs)
+    drafter = MTPDrafter(target, mtp, "chain:3")
+    jump = SpeculativeDecoder(target, drafter, jump_forward=16).generate(PROMPTS[:2], 48, grammar=specs)
+    assert jump.tokens == plain.tokens == greedy_expected[:2]
+    assert jump.summary["forced_tokens"] > 10 and jump.summary["tokens_per_step"] > plain.summary["tokens_per_step"]
+    assert_heads_cache_matches_a_fresh_run(target, mtp, drafter, "chain:3", PROMPTS[:2], jump.tokens)
+
+
 JUMP_SPEC = {"regex": r"[a-t]-[a-z]{1,3}"}  # the second token is forced
 
 
-@pytest.mark.parametrize("drafter", [None, "chain:1"])
+@pytest.mark.parametrize("drafter", [None, "chain:1", "mtp"])
 def test_sampled_law_with_jump_forward(shipped, backend, drafter):
-    """Sampling with jump-forward, no drafter or the draft model (depth 1: a forced token replaces its tree, whose
-    draft_logits rows stay): the forced '-' is proposed and accepted, and the free tokens around it, the first and
-    the third, follow the masked processed law (chi-square)."""
+    """Sampling with jump-forward, no drafter, the draft model or MTP (depth 1: a forced token replaces its tree,
+    whose draft_logits rows stay): the forced '-' is proposed and accepted, and the free tokens around it, the
+    first and the third, follow the masked processed law (chi-square)."""
     target, draft = shipped
     n, temperature = 600, 1.0
-    d = None if drafter is None else DraftModelDrafter(draft, drafter)
+    if drafter == "mtp":
+        d = MTPDrafter(target, load_mtp(os.path.join(ASSETS, "mtp"), target.cfg), "chain:1")
+    else:
+        d = None if drafter is None else DraftModelDrafter(draft, drafter)
     out = SpeculativeDecoder(target, d, jump_forward=4).generate(
         [LAW_PROMPT] * n, 3, temperature, seed=list(range(7000, 7000 + n)), grammar=JUMP_SPEC)
     assert all(t[1] == ord("-") for t in out.tokens)
@@ -437,12 +457,9 @@ def test_sampled_law_with_jump_forward(shipped, backend, drafter):
 
 
 def test_jump_forward_refusals(shipped):
-    """A drafter that cannot catch up on skipped steps (MTP: it needs the target's hidden state of every token), an
-    adaptive loop or another verifier than 'token': jump_forward is refused by name."""
+    """An adaptive loop, another verifier than 'token' or a negative count: jump_forward is refused by name."""
     target, draft = shipped
-    mtp = MTPDrafter(target, load_mtp(os.path.join(ASSETS, "mtp"), target.cfg), "chain:3")
-    for kwargs in (dict(drafter=mtp), dict(adaptive=True),
-                   dict(method="block"), dict(jump_forward=-1)):
+    for kwargs in (dict(adaptive=True), dict(method="block"), dict(jump_forward=-1)):
         with pytest.raises(ValueError, match="jump_forward"):
             SpeculativeDecoder(target, **{"jump_forward": 4, **kwargs})
 

@@ -39,6 +39,16 @@ class MTPDrafter(DraftModelDrafter):
 
     max_skips = MAX_SKIPS  # (a skipped step's entry is the target's hidden state then: only MAX_SKIPS are kept)
 
+    def reserve_chain(self, depth: int) -> None:
+        """Room (before start) for the entries of a verified chain of `depth` drafts that the loop proposed instead
+        of this drafter's tree (jump-forward's forced tokens): its accepted path is committed as any other."""
+        self.max_pending = max(self.max_pending, depth + 1)
+
+    def follow_chain(self, depth: int) -> None:
+        """The step verified a chain of `depth` accepted drafts (`reserve_chain`): the next proposal runs that
+        many pending entries at least."""
+        self._last_depth = max(self._last_depth, depth)
+
     def start(self, tokens, seq_lens, max_len, temperature, seeds, params=SamplingParams(), *, target_hidden):
         B, dev = tokens.shape[0], tokens.device
         self._last_depth = 0  # (the prompt leaves the root's entry alone)
