@@ -7,7 +7,7 @@ with and without jump-forward, on the shipped pair.
 Every row decodes the same prompts under every schema (`generate(..., grammar={"json_schema": ...})`), greedy and
 sampled, one request at a time (batch 1) and in batches: masked AR (the grammar's masks, no drafter), the draft
 model, the target's MTP module, prompt lookup and suffix decoding, each with and without jump-forward (the tokens a
-grammar forces proposed as a chain; MTP refuses it), and jump-forward with no drafter. Reports new tokens/s (each
+grammar forces proposed as a chain), and jump-forward with no drafter. Reports new tokens/s (each
 row's best of --repeats passes; a fresh decoder each pass, so that suffix decoding's global index never holds a
 previous pass's outputs), the speedup against masked AR run the same way (temperature, batch size), tokens per step,
 the acceptance rate by depth, the matchers' host time per step (`summary["grammar_s"]`) and its share of the steps'
@@ -64,16 +64,13 @@ JUMP_FORWARD = 16  # the most forced tokens a step proposes
 
 def methods(jump: int) -> list:
     """The rows: (name, decoder factory over the models (target, draft, mtp)); jump: jump-forward's most tokens."""
-    def drafter_rows(name, make, with_jump=True):
-        rows = [(name, lambda m: SpeculativeDecoder(m[0], make(m)))]
-        if with_jump:
-            rows.append((f"{name} + jump-forward {jump}",
-                         lambda m: SpeculativeDecoder(m[0], make(m), jump_forward=jump)))
-        return rows
+    def drafter_rows(name, make):
+        return [(name, lambda m: SpeculativeDecoder(m[0], make(m))),
+                (f"{name} + jump-forward {jump}", lambda m: SpeculativeDecoder(m[0], make(m), jump_forward=jump))]
     return ([("masked AR", lambda m: SpeculativeDecoder(m[0], NoDrafter())),
              (f"jump-forward {jump} (no drafter)", lambda m: SpeculativeDecoder(m[0], NoDrafter(), jump_forward=jump))]
             + drafter_rows("draft model chain:4", lambda m: DraftModelDrafter(m[1], "chain:4"))
-            + drafter_rows("MTP chain:3", lambda m: MTPDrafter(m[0], m[2], "chain:3"), with_jump=False)
+            + drafter_rows("MTP chain:3", lambda m: MTPDrafter(m[0], m[2], "chain:3"))
             + drafter_rows("prompt lookup chain:4", lambda m: NgramDrafter(num_tokens=4))
             + drafter_rows("suffix (16 nodes, depth 8)", lambda m: SuffixDrafter(max_depth=8, max_tokens=16)))
 

@@ -17,9 +17,9 @@ from specdec.loop.models.tokenizer import EOS, VOCAB_SIZE  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-METHODS = ["masked AR", "jump-forward 16 (no drafter)", "draft model chain:4", "draft model chain:4 + jump-forward 16",
-           "MTP chain:3", "prompt lookup chain:4", "prompt lookup chain:4 + jump-forward 16",
-           "suffix (16 nodes, depth 8)", "suffix (16 nodes, depth 8) + jump-forward 16"]
+METHODS = ["masked AR", "jump-forward 16 (no drafter)"] + [
+    f"{drafter}{jump}" for drafter in ("draft model chain:4", "MTP chain:3", "prompt lookup chain:4",
+                                       "suffix (16 nodes, depth 8)") for jump in ("", " + jump-forward 16")]
 
 
 def test_every_row_is_written_with_validated_outputs(tmp_path):
