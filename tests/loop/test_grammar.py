@@ -183,7 +183,7 @@ def greedy_expected(shipped, backend):
 @pytest.mark.parametrize("drafter", ["model:chain:4", "model:tree:2,2,1", "model:parents:-1,0,0,1,1,3",
                                      "model:dynamic:7,3,2", "mtp:chain:3", "mtp:dynamic:6,3,2", "ngram", "suffix",
                                      "auto", "none+jump", "ngram+jump", "suffix+jump", "model:chain:4+jump",
-                                     "model:dynamic:7,3,2+jump"])
+                                     "model:dynamic:7,3,2+jump", "mtp:chain:3+jump", "mtp:dynamic:6,3,2+jump"])
 def test_greedy_under_a_grammar_equals_masked_ar(shipped, greedy_expected, drafter):
     """For each drafter and tree shape (auto: adaptive depths over chain:8, plain steps included; +jump: with
     jump-forward, forced tokens proposed as chains), a JSON schema, a regex and a free request in one batch: the
