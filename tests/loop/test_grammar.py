@@ -14,6 +14,7 @@ import torch
 from specdec.loop.cli import ASSETS, main as cli_main
 from specdec.loop.decoding import SpeculativeDecoder, generate_ar
 from specdec.loop.drafters import DraftModelDrafter, Drafter, MTPDrafter, NgramDrafter, Proposal, SuffixDrafter
+from specdec.loop.drafters.parallel import ParallelDrafter
 from specdec.loop.models.hf import load_model
 from specdec.loop.models.mtp import load_mtp
 from specdec.loop.models.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
@@ -183,7 +184,8 @@ def greedy_expected(shipped, backend):
 @pytest.mark.parametrize("drafter", ["model:chain:4", "model:tree:2,2,1", "model:parents:-1,0,0,1,1,3",
                                      "model:dynamic:7,3,2", "mtp:chain:3", "mtp:dynamic:6,3,2", "ngram", "suffix",
                                      "auto", "none+jump", "ngram+jump", "suffix+jump", "model:chain:4+jump",
-                                     "model:dynamic:7,3,2+jump", "mtp:chain:3+jump", "mtp:dynamic:6,3,2+jump"])
+                                     "model:dynamic:7,3,2+jump", "mtp:chain:3+jump", "mtp:dynamic:6,3,2+jump",
+                                     "parallel:chain:4", "parallel:chain:4+jump"])
 def test_greedy_under_a_grammar_equals_masked_ar(shipped, greedy_expected, drafter):
     """For each drafter and tree shape (auto: adaptive depths over chain:8, plain steps included; +jump: with
     jump-forward, forced tokens proposed as chains), a JSON schema, a regex and a free request in one batch: the
@@ -195,6 +197,8 @@ def test_greedy_under_a_grammar_equals_masked_ar(shipped, greedy_expected, draft
         d = DraftModelDrafter(draft, tree)
     elif kind == "mtp":
         d = MTPDrafter(target, load_mtp(os.path.join(ASSETS, "mtp"), target.cfg), tree)
+    elif kind == "parallel":
+        d = ParallelDrafter(load_model(os.path.join(ASSETS, "parallel")), tree)
     elif kind == "ngram":
         d = NgramDrafter(num_tokens=4)
     elif kind == "suffix":
