@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -35,11 +36,28 @@ def rows(parallel_dir: str):
               e2e._decoder(lambda m: DraftModelDrafter(m["draft"], "chain:8"), True))]
     ours += [(f"ours parallel {t}", e2e._decoder(lambda m, t=t: drafter(m, t))) for t in PARALLEL_TREES]
     ours += [("ours parallel auto (chain:8, adaptive)", e2e._decoder(lambda m: drafter(m, "chain:8"), True))]
-    batched = ["ours AR", "ours spec chain:4", "ours spec chain:8", "ours parallel chain:6", "ours parallel chain:8",
-               "ours parallel chain:12"]
+    batched = ["ours AR", "ours spec chain:4", "ours spec chain:8", "ours parallel chain:4", "ours parallel chain:6",
+               "ours parallel chain:8"]
     sampled = ["ours AR", "ours spec chain:4", "ours spec chain:6", "ours parallel chain:3", "ours parallel chain:4",
                "ours parallel tree:2,1,1", "ours parallel tree:2,2,1,1"]
     return ours, batched, sampled
+
+
+def goal_table(rows: list) -> str:
+    """Per way of running (one request at a time, the batch, sampled): the best tokens/s of the draft model's rows and
+    of the parallel drafter's, and their ratio (the goal: the parallel drafter >= 1.2x the draft model's best)."""
+    lines = ["| run | draft model best (tokens/s) | parallel drafter best (tokens/s) | ratio |", "|---|---|---|---:|"]
+    for mode in dict.fromkeys(e2e.mode(r["method"]) for r in rows if not r.get("skipped")):
+        best = {}
+        for kind in ("ours spec", "ours parallel"):
+            runs = [r for r in rows if r["method"].startswith(kind + " ") and e2e.mode(r["method"]) == mode]
+            best[kind] = max(runs, key=lambda r: r["tokens_per_s"]) if runs else None
+        spec, par = best["ours spec"], best["ours parallel"]
+        if spec and par:
+            lines.append(f"| {mode or 'one request at a time, greedy'} | {spec['tokens_per_s']:.1f} "
+                         f"({spec['method']}) | {par['tokens_per_s']:.1f} ({par['method']}) | "
+                         f"{par['tokens_per_s'] / spec['tokens_per_s']:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
@@ -48,18 +66,18 @@ def main(argv=None):
     ap.add_argument("--out", default=e2e.RESULTS)
     args, rest = ap.parse_known_args(argv)
     e2e.OURS, e2e.BATCHED, e2e.SAMPLED = rows(args.parallel)
-    e2e.MTP_ROWS, e2e.FILTERED, e2e.EAGER = [], [], []
+    e2e.MORE_ROWS, e2e.FILTERED, e2e.EAGER = [], [], []
     e2e.PLOTTED = ["ours spec chain:8", "ours parallel chain:4", "ours parallel chain:8"]
     with tempfile.TemporaryDirectory() as tmp:
         e2e.main(rest + ["--no-transformers", "--mtp", "", "--out", tmp])
         for name in os.listdir(tmp):
-            path = os.path.join(args.out, name.replace("e2e", "parallel", 1))
-            shutil.copy(os.path.join(tmp, name), path)
-            if name.endswith(".md"):  # (its plot's new name)
-                with open(path) as f:
-                    text = f.read()
-                with open(path, "w") as f:
-                    f.write(text.replace("(e2e-acceptance.png)", "(parallel-acceptance.png)"))
+            shutil.copy(os.path.join(tmp, name), os.path.join(args.out, name.replace("e2e", "parallel", 1)))
+        with open(os.path.join(tmp, "e2e.json")) as f:
+            results = json.load(f)["rows"]
+        with open(os.path.join(tmp, "e2e.md")) as f:
+            text = f.read().replace("(e2e-acceptance.png)", "(parallel-acceptance.png)")
+    with open(os.path.join(args.out, "parallel.md"), "w") as f:
+        f.write(f"# The parallel drafter against the draft model (bench.parallel)\n\n{goal_table(results)}\n{text}")
 
 
 if __name__ == "__main__":
