@@ -210,3 +210,18 @@ def test_sampling_test_detects_a_tree_not_drawn_from_its_laws():
     by far."""
     stat, threshold, _ = two_token_chi_square(TopCandidatesAsDraws, "tree:3,2", "token")
     assert stat > 10 * threshold, stat
+
+
+def test_cli_parallel_drafter(capsys):
+    """--drafter parallel on the shipped pair's target and parallel drafter: greedy output identical to AR for a
+    chain and with --tree auto; a folder without the mask token (the plain draft model) is refused by name."""
+    import json
+    from test_loop import run_cli
+    base = ["--prompt", "def main():", "--prompt", "import os", "--drafter", "parallel", "--max-new-tokens", "12",
+            "--compare-ar", "--json"]
+    for tree in ("chain:4", "auto"):
+        rc, out, _ = run_cli(capsys, *base, "--tree", tree)
+        result = json.loads(out)
+        assert rc == 0 and result["drafter"] == "parallel" and result["identical"], tree
+    rc, out, err = run_cli(capsys, *base, "--parallel", os.path.join(ASSETS, "draft"))
+    assert rc == 2 and "mask token" in err and out == ""
