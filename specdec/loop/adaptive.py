@@ -3,9 +3,11 @@ device and how deep each request's drafts have been accepted lately.
 
 A step that drafts k levels costs `target_s[k]` (the target's forward over k + 1 tokens per request, measured
 at start-up for this batch size, `measure_target_costs`), plus k draft levels (measured as the loop runs:
-`AdaptiveDepth.drafted`), plus the rest of the step (measured as what the step took beyond those), and is
-expected to emit, per live request b, 1 + sum_{d <= k} prod_{i <= d} alpha[b, i] tokens, alpha[b, d] being the
-running rate at which request b's depth-d draft was accepted when its depth-(d-1) draft was (`AcceptanceStats`).
+`AdaptiveDepth.drafted`; one proposal's cost for any k > 0 for a drafter whose one forward drafts every level,
+`Drafter.one_forward_proposals`: deep drafts cost it no more than shallow ones), plus the rest of the step
+(measured as what the step took beyond those), and is expected to emit, per live request b,
+1 + sum_{d <= k} prod_{i <= d} alpha[b, i] tokens, alpha[b, d] being the running rate at which request b's
+depth-d draft was accepted when its depth-(d-1) draft was (`AcceptanceStats`).
 Once a depth's steps have been timed, their measured time replaces the model's estimate.
 
 The policy picks, among the depths it may choose (all of 0..K by default; a compiled loop compiles a graph per
@@ -28,9 +30,10 @@ depth that the shipped pair measured with a drafter of its kind, weighed as a fe
 judgments replace it within a few steps, and a later call starts from what the earlier ones measured (`previous`).
 Measured rates rather than an optimistic start that backs off: backing off costs the steps that drafted too deep
 before it, and a flat guess errs the other way for a drafter whose rates are high (a guess of 0.6 per level makes
-depth 1 or 2 look best where the draft model's 0.94 makes 8 pay). Not a cache on disk of earlier runs' rates: what they measured depends on
-the prompts, the sampling and the load of the machine, each of which a later run may change, and a cache would
-need keys for all of them; the rates a drafter reaches on code are a property of the pair, which ships with them.
+depth 1 or 2 look best where the draft model's 0.94 makes 8 pay). Not a cache on disk of earlier runs' rates: what
+they measured depends on the prompts, the sampling and the load of the machine, each of which a later run may
+change, and a cache would need keys for all of them; the rates a drafter reaches on code are a property of the
+pair, which ships with them.
 The target's costs are measured when a policy is made for a new batch size (`measure_target_costs`, outside the
 call's timed decoding), since they depend on the device and its load, not on the pair alone.
 """
@@ -55,7 +58,7 @@ PROB_SCALE = 1 << 24  # acceptance probabilities travel in the step's int64 flag
 # their deeper ones follow the text once it does. Sampled at T=0.8 every rate is 0.1-0.3 lower: the sampled requests'
 # acceptance probabilities (`AcceptanceStats.update`) replace the prior within a few steps.
 SHIPPED_ACCEPTANCE = {"DraftModelDrafter": (0.94,), "MTPDrafter": (0.91, 0.93), "NgramDrafter": (0.46, 0.87, 0.95),
-                      "SuffixDrafter": (0.60, 0.91, 0.94)}
+                      "SuffixDrafter": (0.60, 0.91, 0.94), "ParallelDrafter": (0.88, 0.70, 0.65, 0.57)}
 # the judgments a shipped rate counts as at each depth: its shape between depths is trusted (a weight of 8 against 2,
 # `AcceptanceStats`), and a request's own few judgments outweigh it (4, PRIOR_JUDGMENTS, for half)
 SHIPPED_WEIGHT = 8.0
@@ -232,7 +235,7 @@ class AdaptiveDepth:
 
     def __init__(self, batch_size: int, max_depth: int, target_s: Sequence[float], probe_every: int = 16,
                  previous: Optional["AdaptiveDepth"] = None, depths: Optional[Sequence[int]] = None,
-                 margin: float = 0.05, prior: Optional[tuple] = None):
+                 margin: float = 0.05, prior: Optional[tuple] = None, one_forward_proposals: bool = False):
         """previous: a policy of an earlier batch of the same drafter, whose measured costs carry over and whose
         requests' acceptance rates per depth (`AcceptanceStats.population`) are the new requests' prior. prior: the
         (rates, weight) per depth of a policy without a previous one (`drafter_prior`; None: GUESS, no weight).
@@ -255,6 +258,9 @@ class AdaptiveDepth:
         # unknown until the first drafted step; the rest of a step (bookkeeping, accept, rollbacks) is the
         # measured residual
         self.draft_level_s: Optional[float] = None if previous is None else previous.draft_level_s
+        # the draft levels a depth-k proposal costs (draft_level_s each): k, or 1 for any k > 0 where one forward
+        # drafts every level (draft_level_s is then a proposal's cost)
+        self._draft_units = np.minimum(np.arange(max_depth + 1), 1 if one_forward_proposals else max_depth)
         self.overhead_s = 0.0 if previous is None else previous.overhead_s
         self.probe_every, self.probe_wait, self.probed = probe_every, probe_every, False
         self._reprobe = False  # the last step was a probe whose drafts were all accepted
@@ -286,7 +292,7 @@ class AdaptiveDepth:
         """(K + 1,): the expected seconds of a step drafting k levels: as measured, or from the model. (Kept
         until a step's time is learnt: it is a few dozen small NumPy calls, a share of a cheap step.)"""
         if self._step_s is None:
-            model = self.target_s + np.arange(len(self.target_s)) * (self.draft_level_s or 0.0) + self.overhead_s
+            model = self.target_s + self._draft_units * (self.draft_level_s or 0.0) + self.overhead_s
             self._step_s = np.where(np.isnan(self.measured_s), model, self.measured_s)
         return self._step_s
 
@@ -377,8 +383,8 @@ class AdaptiveDepth:
         depth = self._width(depth)
         if depth == 0:
             return
-        per_level = seconds / depth
-        self.draft_level_s = per_level if self.draft_level_s is None else 0.8 * self.draft_level_s + 0.2 * per_level
+        unit = seconds / self._draft_units[depth]
+        self.draft_level_s = unit if self.draft_level_s is None else 0.8 * self.draft_level_s + 0.2 * unit
         self._step_s = None
 
     def judged(self, accepted: Sequence[int], proposed: Sequence[int], since: Optional[Sequence[int]] = None) -> None:
@@ -419,7 +425,8 @@ class AdaptiveDepth:
         self.measured_s[depth] = seconds if math.isnan(last) else 0.8 * last + 0.2 * seconds
         residual = seconds - float(self.target_s[depth])
         if drafting_timed or depth == 0:
-            self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(residual - depth * (self.draft_level_s or 0.0), 0.0)
+            drafting = self._draft_units[depth] * (self.draft_level_s or 0.0)
+            self.overhead_s = 0.8 * self.overhead_s + 0.2 * max(residual - drafting, 0.0)
         else:
             self.drafted(depth, max(residual - self.overhead_s, 0.0))
 

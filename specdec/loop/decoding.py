@@ -184,7 +184,8 @@ class SpeculativeDecoder:
                                      tokens=None if depths is None else [k + 1 for k in depths],
                                      graph_class=self.graph_class)
         self._policy = AdaptiveDepth(batch_size, max_depth, costs, previous=getattr(self, "_policy", None),
-                                     depths=depths, prior=drafter_prior(self.drafter, max_depth))
+                                     depths=depths, prior=drafter_prior(self.drafter, max_depth),
+                                     one_forward_proposals=self.drafter.one_forward_proposals)
         return self._policy
 
     @torch.inference_mode()

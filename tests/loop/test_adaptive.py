@@ -1139,3 +1139,17 @@ def test_acceptance_rate_by_depth_counts_the_drafts_judged_at_each_depth(pair, d
                                                        for a, j in zip(accepted_total[1:], judged_total[1:])]
     # drafts were judged at every depth, the deepest on fewer steps (plain and shallow steps judge nothing there)
     assert 0 < judged_total[K] < judged_total[1] < sum(s["steps"] for s in out.stats)
+
+
+def test_one_forward_proposals_cost_the_same_at_every_depth():
+    """A parallel drafter (one forward drafts every level): its proposals' measured cost is one unit for any depth,
+    so a deep draft costs no more than a shallow one, and with the same acceptance and a costly draft forward the
+    policy drafts deeper than for a drafter paying per level. Both learn the same seconds per proposal here."""
+    target_s = [1.0, 1.02, 1.04, 1.06, 1.08, 1.10, 1.12, 1.14, 1.16]
+    per_level = AdaptiveDepth(1, 8, target_s, prior=(np.full(8, 0.8), np.full(8, 8.0)))
+    one_forward = AdaptiveDepth(1, 8, target_s, prior=(np.full(8, 0.8), np.full(8, 8.0)), one_forward_proposals=True)
+    for policy in (per_level, one_forward):
+        policy.drafted(4, 0.4)  # a depth-4 proposal took 0.4 s
+    np.testing.assert_allclose(one_forward.step_s()[1:] - np.asarray(target_s[1:]), 0.4)
+    np.testing.assert_allclose(per_level.step_s()[1:] - np.asarray(target_s[1:]), 0.1 * np.arange(1, 9))
+    assert one_forward.choose([True]) == 8 > per_level.choose([True])

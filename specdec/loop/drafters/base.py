@@ -76,6 +76,8 @@ class Drafter:
     proposes_on_host: bool = False
     # start, commit and skip take the target's hidden states (target_hidden=)
     uses_target_hidden: bool = False
+    # a proposal of any depth costs one forward (a parallel drafter), not one per level: the adaptive policy's model
+    one_forward_proposals: bool = False
     # set by the loop for each batch: the grammars' per-node masks (grammar.TreeMasks), None when every request is
     # free. A drafter that samples children (draft_logits) draws them from its law masked by the node's row
     # (`grammar_masked`): accept's q at a node is the law masked by that row, so a drafter that ignored it would

@@ -58,6 +58,8 @@ def add_mask_token(draft: Llama) -> Llama:
 
 
 class ParallelDrafter(DraftModelDrafter):
+    one_forward_proposals = True
+
     def __init__(self, model: Llama, tree: TreeSpec | str = "chain:4", *, mask_token_id: Optional[int] = None,
                  kv_dtype: Optional[torch.dtype] = None):
         """model: a draft model whose last embedding row is the mask token; mask_token_id: its id (default: the
