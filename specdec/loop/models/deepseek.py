@@ -13,7 +13,6 @@ and W_UV_h maps it back per head. Nothing is expanded per head, and a step reads
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,9 +32,8 @@ def softmax_scale(cfg: "LlamaConfig") -> float:
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     scaling = cfg.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type", "default")) != "default" and scaling.get("mscale_all_dim"):
-        factor = scaling["factor"]
-        mscale = 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
-        scale *= mscale * mscale
+        from .llama import yarn_mscale
+        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
     return scale
 
 

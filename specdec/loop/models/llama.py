@@ -173,13 +173,15 @@ def rope_attention_factor(cfg: LlamaConfig) -> float:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
     factor = scaling["factor"]
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
-    return mscale(factor)
+        return float(yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"]))
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude scale of a context stretched `factor` times: 0.1 * m * ln(factor) + 1 (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
