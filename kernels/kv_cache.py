@@ -96,7 +96,7 @@ def _kv_append_kernel(k_cache, v_cache, k_new, v_new, cache_lens, block_table, k
 
 
 @triton.jit
-def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_accepted, block_table, new_lens,
+def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_accepted, block_table,
                         P, H, D, block_size, s_path, s_table, s_blk, s_row, s_h, s_d,
                         ENTRY_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_D: tl.constexpr, IDENTITY_TABLE: tl.constexpr):
@@ -110,8 +110,6 @@ def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_a
     within = _within_row(h, d, s_h, s_d)
     L = tl.load(cache_lens + b).to(tl.int64)
     n = tl.minimum(tl.load(num_accepted + b) + 1, P)  # path length
-    # cache_lens itself is read by the other programs: the new length goes to a copy
-    tl.store(new_lens + b, (L + n).to(tl.int32), mask=(tl.program_id(1) == 0) & (tl.program_id(2) == 0))
     path_row = accepted_nodes + b * s_path
     table_row = block_table + b * s_table
     # Ascending blocks of the path. A source L + path[j] (path[j] >= j) is never an earlier block's
@@ -131,7 +129,7 @@ def _kv_rollback_kernel(caches, entry_offsets, cache_lens, accepted_nodes, num_a
 
 def _tile(rows: int, H: int, D: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_H, BLOCK_D): whole head dim, about `tile_elements` elements per step."""
-    block_d = triton.next_power_of_2(D)
+    block_d = triton.next_power_of_2(max(D, 1))
     block_rows = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_STEP)
     block_h = max(1, min(triton.next_power_of_2(H), tile_elements // (block_rows * block_d)))
     return block_rows, block_h, block_d
@@ -211,23 +209,24 @@ def layer_tables(k_caches, v_caches) -> list[LayerTable]:
 def rollback(tables: list[LayerTable], cache_lens, accepted_nodes, num_accepted, block_table, *,
              tile_elements: int = TILE_ELEMENTS, num_warps: int = 4) -> None:
     """kv_rollback of the caches `tables` (from `layer_tables`) describe: one launch per table, then
-    cache_lens advanced on the device. Allocates only the (B,) int32 new lengths: CUDA-graph capturable."""
+    cache_lens advanced on the device by the path lengths. Allocates only those (B,): CUDA-graph capturable."""
     B, P = accepted_nodes.shape
     H, D = tables[0].head_shape
     lens, path, num_acc = cache_lens.contiguous(), accepted_nodes.contiguous(), num_accepted.contiguous()
     table, s_table, identity_table = _paging(block_table, lens)
     block_size = tables[0].anchor.shape[-3]
     BLOCK_P, BLOCK_H, BLOCK_D = _tile(P, H, D, tile_elements)
-    new_lens = torch.empty_like(lens)
     for entry in tables:
+        if H * D * entry.offsets.shape[0] == 0:  # no row has an element to move (Hkv = 0, D = 0, no layers)
+            continue
         s_blk, s_row, s_h, s_d = entry.strides
         grid = (B, entry.offsets.shape[0], triton.cdiv(H, BLOCK_H))
-        _kv_rollback_kernel[grid](entry.anchor, entry.offsets, lens, path, num_acc, table, new_lens,
+        _kv_rollback_kernel[grid](entry.anchor, entry.offsets, lens, path, num_acc, table,
                                   P, H, D, block_size, path.stride(0), s_table, s_blk, s_row, s_h, s_d,
                                   ENTRY_ALIGN=entry.align, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
                                   IDENTITY_TABLE=identity_table, num_warps=num_warps)
-    # after every move is issued (the kernels read cache_lens): one device copy, no host sync
-    cache_lens.copy_(new_lens)
+    # after every move is issued (the kernels read cache_lens), whether or not any was: no host sync
+    cache_lens.add_(num_acc.clamp(max=P - 1).add_(1).to(cache_lens.dtype))
 
 
 def kv_rollback(k_caches, v_caches, cache_lens, accepted_nodes, num_accepted, block_table, *,

@@ -842,7 +842,13 @@ def _token_ids(name, x, B, V, device, values):
         raise ValueError(f"{name}: expected shape (B, K) with B = {B}, got {tuple(x.shape)}")
     if values:
         _fail_if(name, (x < -1) | (x >= V), f"ids must be in [0, {V}) or -1 (padding)")
-    return x.to(torch.int32)
+    return _narrowed(x, values)
+
+
+def _narrowed(x: torch.Tensor, checked: bool) -> torch.Tensor:
+    """x as int32 once its values are checked; unchecked, as it came: the C++ op checks them itself, and narrowing
+    2**40 to int32 first would hand it a valid-looking 0."""
+    return x.to(torch.int32) if checked else x
 
 
 def check_sampling_params(V, B, device, repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
@@ -874,7 +880,7 @@ def check_sampling_params(V, B, device, repetition_penalty=None, frequency_penal
         _shape("min_tokens", min_tokens, (B,))
         if values:
             _fail_if("min_tokens", (min_tokens < 0) | (min_tokens > INT32_MAX), "must be in [0, 2**31) (0: off)")
-        min_tokens = min_tokens.to(torch.int32)
+        min_tokens = _narrowed(min_tokens, values)
     else:
         raise TypeError(f"min_tokens: expected None, an int or a (B,) int tensor, got {type(min_tokens).__name__}")
     if min_tokens is not None:
@@ -892,7 +898,7 @@ def check_sampling_params(V, B, device, repetition_penalty=None, frequency_penal
             counts = output_token_counts
             _fail_if("output_token_counts", (counts.amin() < 0) | (counts.amax() > INT32_MAX),
                      "counts must be in [0, 2**31)")
-        output_token_counts = output_token_counts.to(torch.int32).contiguous() if needs_counts else None
+        output_token_counts = _narrowed(output_token_counts, values).contiguous() if needs_counts else None
     elif needs_counts:
         raise TypeError(f"output_token_counts: required with {needs_counts[0]} (the counts the penalties read)")
     if prompt_token_mask is not None:

@@ -512,3 +512,24 @@ def test_single_cache_refuses_a_view_of_its_rows_as_v(backend):
         with pytest.raises(TypeError, match="^v_new: given without v_cache"):
             torch.ops.specdec.kv_append(cache, None, new_in, new_in, lens_in, None)
         assert same_bits(cache.cpu(), latent) and torch.equal(lens_in.cpu(), lens)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("empty", ["Hkv", "D", "layers"])
+@pytest.mark.parametrize("single", [True, False], ids=["single-cache", "pair"])
+def test_rollback_with_nothing_to_move_still_advances_cache_lens(backend, empty, single):
+    """Caches with no element in a row (Hkv = 0, D = 0) or a stack of no layers: no kernel has a row to move, and
+    cache_lens still advances by each path's length on every backend (it read garbage where none launched)."""
+    B, T, cap = 3, 4, 8
+    shape = {"Hkv": (1, B * cap // 4, 4, 0, 8), "D": (2, B * cap // 4, 4, 2, 0), "layers": (0, B * cap // 4, 4, 2, 8)}
+    k = torch.randn(shape[empty])
+    v = None if single else torch.randn(shape[empty])
+    table = torch.randperm(B * cap // 4, dtype=torch.int32).view(B, cap // 4)
+    lens = torch.tensor([0, 3, 4], dtype=torch.int32)
+    paths = torch.tensor([[0, -1, -1, -1], [0, 2, 3, -1], [0, 1, 2, 3]], dtype=torch.int32)
+    num_accepted = torch.tensor([0, 2, 3], dtype=torch.int32)
+    k_in, lens_in, table_in, paths_in, num_in = for_backend(backend, k.clone(), lens.clone(), table, paths,
+                                                            num_accepted)
+    v_in = None if v is None else for_backend(backend, v.clone())[0]
+    specdec.kv_rollback(k_in, v_in, lens_in, paths_in, num_in, block_table=table_in, backend=backend)
+    assert torch.equal(lens_in.cpu(), lens + num_accepted + 1)
