@@ -1,11 +1,12 @@
 """End-to-end decoding benchmark: our AR and speculative loops vs Hugging Face transformers, same weights.
 
-    python -m bench.e2e [--target DIR] [--draft DIR] [--prompts N] [--max-new-tokens N] [--device cuda] [--out DIR]
+    python -m bench.e2e [--target DIR] [--draft DIR] [--parallel DIR] [--prompts N] [--max-new-tokens N] [--device cuda] [--out DIR]
 
 Side by side on the same checkpoints and prompts (held-out Python standard library files, never seen
 in training), one request at a time (transformers' assisted generation is single-request), greedy:
   ours:          AR, speculative with the draft model (chain, static tree, EAGLE-2 dynamic tree), with the
-                 target's MTP module (--mtp; chain and dynamic tree), prompt lookup (n-gram), suffix decoding
+                 target's MTP module (--mtp; chain and dynamic tree), the parallel drafter (--parallel: one
+                 forward proposes every level; chain and adaptive), prompt lookup (n-gram), suffix decoding
                  (its memory of earlier passes' outputs emptied before each pass: the passes repeat the prompts)
   transformers:  LlamaForCausalLM.generate plain, with assistant_model= (the draft), and with
                  prompt_lookup_num_tokens= (skipped when transformers is not installed)
@@ -37,7 +38,8 @@ import torch
 import specdec
 from specdec.loop.adaptive import measure_target_costs
 from specdec.loop.decoding import CudaStepGraph, SpeculativeDecoder
-from specdec.loop.drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter, SuffixDrafter
+from specdec.loop.drafters import (DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter, ParallelDrafter,
+                                   SuffixDrafter)
 from specdec.loop.models.hf import load_model
 from specdec.loop.models.mtp import load_mtp
 from specdec.loop.models.tokenizer import ByteTokenizer
@@ -62,19 +64,24 @@ OURS = [("ours AR", _decoder(lambda m: NoDrafter()))] + [
 MTP_ROWS = [(f"ours mtp {tree}", _decoder(lambda m, tree=tree: MTPDrafter(m["target"], m["mtp"], tree)))
             for tree in ("chain:2", "chain:3", "chain:4", "chain:6", "dynamic:8,4,2")] + [
     ("ours mtp auto (chain:8, adaptive)", _decoder(lambda m: MTPDrafter(m["target"], m["mtp"], "chain:8"), True))]
+# one forward of the parallel drafter proposes every level: its best chains on the shipped pair, and adaptive
+PARALLEL_ROWS = [(f"ours parallel {tree}", _decoder(lambda m, tree=tree: ParallelDrafter(m["parallel"], tree)))
+                 for tree in ("chain:4", "chain:8")] + [
+    ("ours parallel auto (chain:8, adaptive)", _decoder(lambda m: ParallelDrafter(m["parallel"], "chain:8"), True))]
 # suffix decoding at the CLI's defaults: trees of up to 16 draft tokens, 8 levels deep
 SUFFIX_ROWS = [("ours suffix tree (depth 8, 16 nodes)", _decoder(lambda m: SuffixDrafter(max_depth=8))),
                ("ours suffix auto (depth 8, adaptive)", _decoder(lambda m: SuffixDrafter(max_depth=8), True))]
 # the drafters' rows beyond OURS, each with the model it needs loaded (None: nothing beyond the target): a new
 # drafter is one more entry here, and its row names in BATCHED and SAMPLED
-MORE_ROWS = [("mtp", MTP_ROWS), (None, SUFFIX_ROWS)]
+MORE_ROWS = [("mtp", MTP_ROWS), ("parallel", PARALLEL_ROWS), (None, SUFFIX_ROWS)]
 AUTO_ROWS = ["ours spec auto (chain:8, adaptive)", "ours mtp auto (chain:8, adaptive)",
+             "ours parallel auto (chain:8, adaptive)",
              "ours prompt lookup auto (chain:8, adaptive)", "ours suffix auto (depth 8, adaptive)"]
 BATCHED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours prompt lookup chain:8", "ours mtp chain:6",
-           "ours suffix tree (depth 8, 16 nodes)"] + AUTO_ROWS
+           "ours parallel chain:4", "ours suffix tree (depth 8, 16 nodes)"] + AUTO_ROWS
 SAMPLED = ["ours AR", "ours spec chain:3", "ours spec chain:4", "ours spec chain:6", "ours spec chain:8",
            "ours mtp chain:2", "ours mtp chain:3", "ours mtp chain:4", "ours mtp chain:6",
-           "ours prompt lookup chain:8", "ours suffix tree (depth 8, 16 nodes)"] + AUTO_ROWS
+           "ours parallel chain:4", "ours prompt lookup chain:8", "ours suffix tree (depth 8, 16 nodes)"] + AUTO_ROWS
 FILTERED = ["ours AR", "ours spec chain:4"]
 # on a GPU every row replays its steps as CUDA graphs (the default there); these also run eagerly, marked [eager]
 EAGER = ["ours AR", "ours spec chain:4", "ours spec chain:8", "ours spec auto (chain:8, adaptive)", "ours mtp chain:6",
@@ -372,6 +379,7 @@ def main(argv=None):
     ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
     ap.add_argument("--draft", default=os.path.join(ASSETS, "draft"))
     ap.add_argument("--mtp", default=os.path.join(ASSETS, "mtp"), help="the target's MTP module folder")
+    ap.add_argument("--parallel", default=os.path.join(ASSETS, "parallel"), help="the parallel drafter's folder")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-bytes", type=int, default=300)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -397,7 +405,8 @@ def main(argv=None):
     graphed = graph_class is not None
     target, draft = load_model(args.target, device=dev), load_model(args.draft, device=dev)
     models = {"target": target, "draft": draft, "compile": args.compile,
-              "mtp": load_mtp(args.mtp, target.cfg, device=dev) if os.path.isdir(args.mtp) else None}
+              "mtp": load_mtp(args.mtp, target.cfg, device=dev) if os.path.isdir(args.mtp) else None,
+              "parallel": load_model(args.parallel, device=dev) if os.path.isdir(args.parallel) else None}
     ours = OURS + [row for need, rows in MORE_ROWS if need is None or models[need] is not None for row in rows]
     tok = ByteTokenizer()
     prompts = [tok.encode(p) for p in held_out_prompts(args.prompts, args.prompt_bytes)]
@@ -498,6 +507,7 @@ def main(argv=None):
            "config": {"target": args.target, "draft": args.draft, "target_params": target.num_params(),
                       "draft_params": draft.num_params(), "mtp": args.mtp if models["mtp"] is not None else None,
                       "mtp_params": sum(p.numel() for p in models["mtp"].parameters()) if models["mtp"] else 0,
+                      "parallel": args.parallel if models["parallel"] is not None else None,
                       "prompts": len(prompts), "prompt_bytes": args.prompt_bytes,
                       "max_new_tokens": args.max_new_tokens, "value_checks": args.value_checks,
                       "repeats": args.repeats, "sample_temperature": args.sample_temperature, "compile": args.compile,

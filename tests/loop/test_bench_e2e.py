@@ -20,17 +20,19 @@ def test_e2e_replays_steps_as_graphs_runs_some_rows_eagerly_and_keeps_other_scri
     (tmp_path / "e2e.md").write_text("# an older table\n\n| x |\n\n## Verifiers (bench.verifiers) (then)\n\n| a |\n")
     with specdec.value_checks(True):  # (main turns them off for the thread: the previous setting comes back)
         e2e.main(["--prompts", "2", "--max-new-tokens", "10", "--repeats", "1", "--no-transformers",
-                  "--methods", r"spec chain:4( \[eager\])?$|lookup chain:8( \[eager\])?$", "--out", str(tmp_path)])
+                  "--methods", r"spec chain:4( \[eager\])?$|lookup chain:8( \[eager\])?$|parallel chain:4$", "--out",
+                  str(tmp_path)])
     assert value_checks_enabled()  # (the tests after this one check values)
     res = json.loads((tmp_path / "e2e.json").read_text())
     rows = {r["method"]: r for r in res["rows"]}
     assert set(rows) == {f"ours {name}{how}" for name in ("AR", "spec chain:4", "prompt lookup chain:8")
-                         for how in ("", " [eager]")}
+                         for how in ("", " [eager]")} | {"ours parallel chain:4"}
     assert all(r["identical"] for r in rows.values()) and res["config"]["cuda_graphs"]
     for how in ("", " [eager]"):  # (prompt lookup's widths vary per step: its forward's time is not known)
         assert rows["ours spec chain:4" + how]["outside_target_ms_per_step"] is not None
         assert rows["ours prompt lookup chain:8" + how]["outside_target"] is None
         assert rows["ours spec chain:4" + how]["tau"] > 1
+    assert rows["ours parallel chain:4"]["tau"] > 1 and res["config"]["parallel"].endswith("parallel")
     md = (tmp_path / "e2e.md").read_text()
     assert md.startswith("# End-to-end") and "older table" not in md and "replayed as CUDA graphs" in md
     assert md.count("## Verifiers (bench.verifiers)") == 1 and md.rstrip().endswith("| a |")
