@@ -28,8 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     g.add_argument("--target", default=os.path.join(ASSETS, "target"), help="target checkpoint folder (HF format)")
-    g.add_argument("--drafter", choices=("model", "mtp", "parallel", "ngram", "suffix", "none"), default="model",
-                   help="a separate draft model (--draft), the target's own MTP module (--mtp), a parallel drafter "
+    g.add_argument("--drafter", choices=("model", "mtp", "eagle3", "parallel", "ngram", "suffix", "none"),
+                   default="model",
+                   help="a separate draft model (--draft), the target's own MTP module (--mtp), an EAGLE-3 head "
+                        "(--eagle3), a parallel drafter "
                         "(--parallel: one forward drafts every level), prompt lookup, "
                         "suffix decoding (trees from the request's and earlier outputs' matched suffixes), or none "
                         "(plain decoding: with --jump-forward, the grammar's forced tokens alone are drafted)")
@@ -38,9 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parallel drafter checkpoint folder (a draft model plus a mask token, HF format)")
     g.add_argument("--mtp", help="MTP module folder (DeepSeek-V3 or Qwen3-Next names; default: the --target folder "
                                  "when it holds MTP layers, else the shipped specdec/loop/assets/mtp)")
+    g.add_argument("--eagle3", default=os.path.join(ASSETS, "eagle3"),
+                   help="EAGLE-3 head folder (the EAGLE authors' or vLLM speculators' layout; default: the shipped "
+                        "specdec/loop/assets/eagle3)")
     g.add_argument("--tree", default=DEFAULT_TREE,
                    help="draft tree: chain:K, tree:b1,b2,..., parents:-1,0,0,..., dynamic:N,D,k "
-                        "(drafters model, mtp and parallel); "
+                        "(drafters model, mtp, eagle3 and parallel); "
                         "auto (= chain:8 --adaptive); "
                         "chain:K for ngram, and for suffix its trees' depth (default %(default)s)")
     g.add_argument("--suffix-tokens", type=int, default=16,
@@ -120,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_drafter(args, target):
-    from .drafters import DraftModelDrafter, MTPDrafter, NgramDrafter, ParallelDrafter, SuffixDrafter, parse_tree
+    from .drafters import (DraftModelDrafter, Eagle3Drafter, MTPDrafter, NgramDrafter, ParallelDrafter, SuffixDrafter,
+                           parse_tree)
+    from .models.eagle3 import load_eagle3
     from .models.hf import load_model
     from .models.mtp import load_mtp, mtp_folder
     if args.drafter == "none":
@@ -140,6 +147,9 @@ def make_drafter(args, target):
         folder = args.mtp or (args.target if mtp_folder(args.target) else os.path.join(ASSETS, "mtp"))
         mtp = load_mtp(folder, target.cfg, dtype=DTYPES[args.dtype], device=args.device)
         return MTPDrafter(target, mtp, tree, kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
+    if args.drafter == "eagle3":
+        head = load_eagle3(args.eagle3, target, dtype=DTYPES[args.dtype], device=args.device)
+        return Eagle3Drafter(target, head, tree, kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     if args.drafter == "parallel":
         parallel = load_model(args.parallel, dtype=DTYPES[args.dtype], device=args.device)
         if parallel.cfg.vocab_size != target.cfg.vocab_size + 1:

@@ -131,7 +131,9 @@ class SpeculativeDecoder:
         if adaptive and vocab_shard is not None:
             raise ValueError("adaptive: not with vocab_shard (every rank would have to choose the same depths)")
         self.adaptive = self._default_policy if adaptive is True else adaptive or None
-        self.features = self.drafter.uses_target_hidden  # the drafter reads the target's hidden states
+        # the drafter reads the target's hidden states: what the target's forwards return (return_hidden): True,
+        # the last layer's output (MTP); layer ids, those layers' residual streams (EAGLE-3)
+        self.features = self.drafter.uses_target_hidden
         self.compile = compile
         if compile and vocab_shard is not None:
             raise ValueError("compile: not with vocab_shard (the shards' collectives run eagerly)")

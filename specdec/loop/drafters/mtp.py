@@ -9,6 +9,11 @@ growth of DraftModelDrafter is reused; a level's nodes condition on their parent
 After verification only the root's entry is exact (the target's hidden state and a real token): it is kept,
 and the accepted path's entries are recomputed from the target's hidden states at the next proposal (the
 "pending" entries, at most depth + 1), so the cache always equals a fresh run over the accepted tokens.
+
+`FeatureHeadDrafter` holds that machinery; a head supplies `condition` (the target's hidden states -> an entry's
+hidden input), `_layer` (its decoder layer over new nodes on its cache), `_step` (their CachedStep), `head_logits`
+and `recycled` (its output -> the next level's hidden input). MTPDrafter and the EAGLE-3 drafter (eagle3.py) are
+two such heads.
 """
 from __future__ import annotations
 
@@ -26,16 +31,38 @@ from .draft_model import DraftModelDrafter, TreeSpec
 PREFILL_CHUNK = 256  # prompt positions per chain-shaped chunk of the heads' prefill
 
 
-class MTPDrafter(DraftModelDrafter):
+class FeatureHeadDrafter(DraftModelDrafter):
+    """A one-layer head conditioned on the target's hidden states, with its own KV cache (see the module's
+    docstring); self.model is the target. head_cfg: the head layer's config (its cache's rows), head_dtype its
+    dtype. `uses_target_hidden` is what the loop asks the target's forwards for (their return_hidden)."""
     uses_target_hidden = True
 
-    def __init__(self, target: Llama, mtp: MTP, tree: TreeSpec | str = "chain:4", *,
+    def __init__(self, target: Llama, head_cfg, head_dtype: torch.dtype, tree: TreeSpec | str = "chain:4", *,
                  kv_dtype: Optional[torch.dtype] = None):
-        if mtp.num_modules != 1:
-            raise ValueError(f"mtp: {mtp.num_modules} modules; the drafter runs one module (reused past depth 1)")
         super().__init__(target, tree, kv_dtype=kv_dtype)
-        self.mtp, self.layer = mtp, mtp.layers[0]
+        self.head_cfg, self.head_dtype = head_cfg, head_dtype
         self.max_pending = self.max_depth + 1  # the accepted path's entries, recomputed at the next proposal
+
+    # what a head supplies
+    def condition(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states (..., target width) -> an entry's hidden input (..., head dim)."""
+        raise NotImplementedError
+
+    def _layer(self, tokens, hidden, k_cache, v_cache, step):
+        """The head's layer over new nodes tokens (B, F) with hidden inputs (B, F, dim) -> its output (B, F, dim)."""
+        raise NotImplementedError
+
+    def _step(self, depth, mask, num_nodes, start):
+        """The CachedStep of new nodes on self.cache (the head's rotary)."""
+        raise NotImplementedError
+
+    def head_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output (..., dim) -> logits over the target's vocabulary (..., V)."""
+        raise NotImplementedError
+
+    def recycled(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output (..., dim) -> the hidden input of the nodes below it."""
+        raise NotImplementedError
 
     max_skips = MAX_SKIPS  # (a skipped step's entry is the target's hidden state then: only MAX_SKIPS are kept)
 
@@ -53,13 +80,13 @@ class MTPDrafter(DraftModelDrafter):
         B, dev = tokens.shape[0], tokens.device
         self._last_depth = 0  # (the prompt leaves the root's entry alone)
         self._start_sampling(temperature, seeds, params, dev)
-        cfg = dataclasses.replace(self.model.cfg, n_layers=1)
+        cfg = dataclasses.replace(self.head_cfg, n_layers=1)
         self.cache = KVCache.reused(getattr(self, "cache", None), cfg, B,
                                     max_len + max(self.num_fed, self.max_pending) + 2 + MAX_SKIPS,
-                                    dtype=self.kv_dtype or self.model.dtype, device=dev)
+                                    dtype=self.kv_dtype or self.head_dtype, device=dev)
         # width -> its chain (_root_logits); a compiled or captured step's widths built here, outside any graph
         self.pending_trees = {w: chain_tree(B, w, device=dev) for w in (self.max_pending, self.max_pending + MAX_SKIPS)}
-        h = self.model.model.norm(target_hidden)  # (B, n_max - 1, dim): positions 0 .. seq_lens - 2
+        h = self.condition(target_hidden)  # (B, n_max - 1, dim): positions 0 .. seq_lens - 2
         lengths = (seq_lens - 2).clamp(min=0).to(torch.int32)  # positions 0 .. n-3 are committed now
         for c0, T, n, tree in self.model.prefill_chunks(lengths, PREFILL_CHUNK):
             self._run(tokens[:, c0 + 1:c0 + 1 + T], h[:, c0:c0 + T], tree.depth, tree.mask, tree.num_nodes)
@@ -88,11 +115,9 @@ class MTPDrafter(DraftModelDrafter):
             self._last_depth = self.max_depth if depth is None else depth
 
     def _run(self, tokens, hidden, depth, mask, num_nodes=None, start=0):
-        """The module over new tree nodes tokens (B, F) conditioned on hidden (B, F, dim) (post-norm)."""
-        step = self.model.cached_step(self.cache, depth, mask, num_nodes, start)
+        """The head over new tree nodes tokens (B, F) conditioned on hidden (B, F, dim) (`condition`, `recycled`)."""
         v_cache = None if self.cache.v is None else self.cache.v[0]  # (an MLA module: the latents alone)
-        return self.layer.forward_cached(self.model.model.embed_tokens(tokens), hidden, self.cache.k[0], v_cache,
-                                         step)
+        return self._layer(tokens, hidden, self.cache.k[0], v_cache, self._step(depth, mask, num_nodes, start))
 
     def _root_logits(self, tokens, seq_lens):
         """Run the pending entries (positions cache.lens .. n-2, tokens x_{j+1}), commit all but the root's."""
@@ -107,14 +132,14 @@ class MTPDrafter(DraftModelDrafter):
         root_out = out.gather(1, at)
         self.cache.commit((c - 1).clamp(min=0))
         self.has_root = c >= 1
-        self.level_hidden = self.layer.shared_head.norm(root_out)
-        return self.mtp.logits(self.model, 0, root_out[:, 0])
+        self.level_hidden = self.recycled(root_out)
+        return self.head_logits(root_out[:, 0])
 
     def _expand(self, tokens, parent, depth, mask, start):
         hidden = self.level_hidden.gather(1, parent.long().unsqueeze(-1).expand(-1, -1, self.level_hidden.shape[-1]))
         out = self._run(tokens, hidden, depth, mask, start=start)
-        self.level_hidden = self.layer.shared_head.norm(out)
-        return self.mtp.logits(self.model, 0, out)
+        self.level_hidden = self.recycled(out)
+        return self.head_logits(out)
 
     def propose(self, tokens, seq_lens, temperature, depth=None):
         prop = super().propose(tokens, seq_lens, temperature, depth)
@@ -126,7 +151,7 @@ class MTPDrafter(DraftModelDrafter):
         nodes = accepted_nodes[:, :self.max_pending].long().clamp(min=0)
         path = target_hidden.gather(1, nodes.unsqueeze(-1).expand(-1, -1, target_hidden.shape[-1]))
         # in place (state across steps); a shallow proposal's path is narrower: entries past num_pending are padding
-        self.pending[:, :path.shape[1]].copy_(self.model.model.norm(path))
+        self.pending[:, :path.shape[1]].copy_(self.condition(path))
         self.num_pending.copy_(num_accepted + 1)
 
     def skip(self, *, target_hidden):
@@ -134,5 +159,32 @@ class MTPDrafter(DraftModelDrafter):
         pending too."""
         B, dim = self.pending.shape[0], self.pending.shape[-1]
         at = self.num_pending.long().view(B, 1, 1).expand(B, 1, dim)
-        self.pending.scatter_(1, at, self.model.model.norm(target_hidden[:, :1]))
+        self.pending.scatter_(1, at, self.condition(target_hidden[:, :1]))
         self.num_pending += 1
+
+
+class MTPDrafter(FeatureHeadDrafter):
+    """DeepSeek-V3's MTP module (its first; reused past depth 1) on the target's last hidden state, through the
+    target's final norm, embedding and LM head; recycled through the module's own final norm."""
+
+    def __init__(self, target: Llama, mtp: MTP, tree: TreeSpec | str = "chain:4", *,
+                 kv_dtype: Optional[torch.dtype] = None):
+        if mtp.num_modules != 1:
+            raise ValueError(f"mtp: {mtp.num_modules} modules; the drafter runs one module (reused past depth 1)")
+        super().__init__(target, target.cfg, target.dtype, tree, kv_dtype=kv_dtype)
+        self.mtp, self.layer = mtp, mtp.layers[0]
+
+    def condition(self, target_hidden):
+        return self.model.model.norm(target_hidden)
+
+    def _layer(self, tokens, hidden, k_cache, v_cache, step):
+        return self.layer.forward_cached(self.model.model.embed_tokens(tokens), hidden, k_cache, v_cache, step)
+
+    def _step(self, depth, mask, num_nodes, start):
+        return self.model.cached_step(self.cache, depth, mask, num_nodes, start)
+
+    def head_logits(self, out):
+        return self.mtp.logits(self.model, 0, out)
+
+    def recycled(self, out):
+        return self.layer.shared_head.norm(out)

@@ -184,6 +184,16 @@ def yarn_mscale(factor: float, m: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, dtype: torch.dtype):
+    """cos and signed sin (-sin, sin) (B, T, 2 * len(inv_freq)) in dtype for integer positions (B, T) (apply_rope's
+    inputs), scaled by attention_factor (`rope_attention_factor`)."""
+    angles = positions.float().unsqueeze(-1) * inv_freq  # (B, T, D/2)
+    cos, sin = torch.cat((angles, angles), dim=-1).cos(), angles.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x (B, T, H, D); cos, signed_sin (B, T, D) from `Llama.rope`. The Hugging Face (half-split) rotary
     convention x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, D/2) * (-sin1, sin2)."""
@@ -432,11 +442,7 @@ class Llama(nn.Module):
     def rope(self, positions: torch.Tensor):
         """cos and signed sin (-sin, sin) (B, T, head_dim) for integer positions (B, T) (see apply_rope), scaled by
         YaRN's attention factor."""
-        angles = positions.float().unsqueeze(-1) * self.inv_freq  # (B, T, D/2)
-        cos, sin = torch.cat((angles, angles), dim=-1).cos(), angles.sin()
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos.to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
+        return rotary(positions, self.inv_freq, self.attention_factor, self.dtype)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -453,24 +459,44 @@ class Llama(nn.Module):
     def head(self, x):
         return F.linear(self.model.norm(x), self.output_weight)
 
-    def forward(self, tokens: torch.Tensor, *, return_hidden: bool = False):
+    def hidden_layers(self, return_hidden) -> tuple:
+        """What a forward's return_hidden asks for, as the ids of the residual streams it returns: () for False,
+        (n_layers,) for True (the last layer's output), else return_hidden itself: layer ids in [0, n_layers], each
+        the stream entering that layer (n_layers: the last layer's output), as vLLM's and EAGLE-3's targets
+        collect their auxiliary hidden states; they are concatenated in increasing order."""
+        if return_hidden is False:
+            return ()
+        if return_hidden is True:
+            return (self.cfg.n_layers,)
+        ids = tuple(return_hidden)
+        if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] > self.cfg.n_layers:
+            raise ValueError(f"return_hidden: layer ids {ids!r} must be increasing, distinct and in "
+                             f"[0, {self.cfg.n_layers}]")
+        return ids
+
+    def forward(self, tokens: torch.Tensor, *, return_hidden=False):
         """Logits (B, T, V) of a causal forward over whole sequences tokens (B, T) from position 0; with
-        return_hidden, (logits, hidden (B, T, dim)): the last layer's output before the final norm."""
+        return_hidden, (logits, hidden): True, hidden (B, T, dim) is the last layer's output before the final norm;
+        layer ids (`hidden_layers`), hidden (B, T, len(ids) * dim) their residual streams concatenated."""
         B, T = tokens.shape
         cos, sin = self.rope(torch.arange(T, device=tokens.device).expand(B, T))
-        x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
+        ids = self.hidden_layers(return_hidden)
+        x, taken = self.model.embed_tokens(tokens), []
+        for i, layer in enumerate(self.model.layers):
+            if i in ids:
+                taken.append(x)
             x = layer(x, cos, sin)
-        return (self.head(x), x) if return_hidden else self.head(x)
+        return (self.head(x), _joined(taken, x, ids, self.cfg.n_layers)) if ids else self.head(x)
 
     def forward_cached(self, tokens: torch.Tensor, cache: KVCache, depth: torch.Tensor, tree_mask: torch.Tensor,
                        num_nodes: Optional[torch.Tensor] = None, *, start: int = 0,
-                       at: Optional[torch.Tensor] = None, return_hidden: bool = False):
+                       at: Optional[torch.Tensor] = None, return_hidden=False):
         """Run new tokens (B, F) of a tree against the cache; returns their logits (B, F, V), or with
         `at` (B,) the logits (B, V) of new token at[b] only (the head runs on those rows alone). With
         return_hidden, (logits, hidden) where hidden (B, F, dim) (or (B, dim) with `at`) is the last layer's
-        output before the final norm, what DeepSeek-V3's MTP modules (through their own `hnorm`) and EAGLE
-        drafters condition on; it is computed anyway, so asking costs nothing.
+        output before the final norm, what DeepSeek-V3's MTP modules (through their own `hnorm`) condition on;
+        with layer ids (`hidden_layers`), hidden (B, F, len(ids) * dim) holds those layers' residual streams, what
+        EAGLE-3 heads condition on. They are computed anyway, so asking costs no more than the concatenation.
 
         The tree has T = start + F nodes; the new tokens are nodes start .. T-1, and nodes < start are
         already in the cache (a drafter growing its tree level by level). Node i's K/V lives at slot
@@ -483,10 +509,12 @@ class Llama(nn.Module):
         return run(tokens, cache, depth, tree_mask, num_nodes, start, at, return_hidden)
 
     def _forward_cached(self, tokens, cache, depth, tree_mask, num_nodes, start, at, return_hidden):
-        x = self._run_layers(tokens, cache, depth, tree_mask, num_nodes, start)
+        ids = self.hidden_layers(return_hidden)
+        x, hidden = self._run_layers(tokens, cache, depth, tree_mask, num_nodes, start, ids)
         if at is not None:
-            x = x.gather(1, at.long().view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
-        return (self.head(x), x) if return_hidden else self.head(x)
+            x, hidden = (t if t is None else t.gather(1, at.long().view(-1, 1, 1).expand(-1, 1, t.shape[-1])).squeeze(1)
+                         for t in (x, hidden))
+        return (self.head(x), hidden) if ids else self.head(x)
 
     def compile_cached(self, enabled: bool = True) -> "Llama":
         """forward_cached through torch.compile (compile_static: one graph per shape, e.g. per tree level of a
@@ -499,20 +527,21 @@ class Llama(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int = 256, *,
-                return_hidden: bool = False) -> Optional[torch.Tensor]:
+                return_hidden=False) -> Optional[torch.Tensor]:
         """Run tokens[b, :lengths[b]] into `cache` and commit them, in chain-shaped chunks of <= chunk. With
         return_hidden, the hidden states (B, max(lengths), dim) of those tokens (the last layer's output before
         the final norm, as forward_cached returns them; rows past lengths[b] are padding), what a drafter that
-        conditions on the target's features (MTP, EAGLE) prefills its own cache from."""
-        B = tokens.shape[0]
+        conditions on the target's features (MTP, EAGLE-3) prefills its own cache from; with layer ids, those
+        layers' residual streams (B, max(lengths), len(ids) * dim) (`hidden_layers`)."""
+        B, ids = tokens.shape[0], self.hidden_layers(return_hidden)
         hidden = []
         for c0, T, n, tree in self.prefill_chunks(lengths, chunk):
-            x = self._run_layers(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes)
-            if return_hidden:
-                hidden.append(x)
+            _, h = self._run_layers(tokens[:, c0:c0 + T], cache, tree.depth, tree.mask, tree.num_nodes, 0, ids)
+            hidden.append(h)
             cache.commit(n)
-        if return_hidden:
-            return torch.cat(hidden, dim=1) if hidden else tokens.new_zeros(B, 0, self.cfg.dim, dtype=self.dtype)
+        if ids:
+            return torch.cat(hidden, dim=1) if hidden else \
+                tokens.new_zeros(B, 0, len(ids) * self.cfg.dim, dtype=self.dtype)
         return None
 
     def prefill_chunks(self, lengths: torch.Tensor, chunk: int):
@@ -529,19 +558,19 @@ class Llama(nn.Module):
     def cached_step(self, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0) -> CachedStep:
         """What every layer of a cached forward over new tree nodes needs (see forward_cached); also used by
         modules that run on their own cache with this model's rotary (MTP)."""
-        cos, sin = self.rope(cache.lens.unsqueeze(1).long() + depth.long())
-        calls = specdec.ops.LayerCalls(cache.lens, tree_mask, write_start=cache.lens + start, num_nodes=num_nodes,
-                                       block_table=cache.block_table, **cache.scales)
-        return CachedStep(cos, sin, first_new=start, calls=calls)
+        return cached_step(self.rope, cache, depth, tree_mask, num_nodes, start)
 
-    def _run_layers(self, tokens, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0) -> torch.Tensor:
-        """The decoder layers over new tree tokens (see forward_cached); returns hidden states (B, F, dim)."""
+    def _run_layers(self, tokens, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0, ids=()):
+        """The decoder layers over new tree tokens (see forward_cached); returns the last layer's output (B, F, dim)
+        and the residual streams of layers `ids` concatenated (None without ids)."""
         step = self.cached_step(cache, depth, tree_mask, num_nodes, start)
-        x = self.model.embed_tokens(tokens)
+        x, taken = self.model.embed_tokens(tokens), []
         v_caches = [None] * len(cache.k) if cache.v is None else cache.v  # (MLA: the latents alone)
-        for layer, k_cache, v_cache in zip(self.model.layers, cache.k, v_caches):
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.model.layers, cache.k, v_caches)):
+            if i in ids:
+                taken.append(x)
             x = layer.forward_cached(x, k_cache, v_cache, step)
-        return x
+        return x, _joined(taken, x, ids, self.cfg.n_layers) if ids else None
 
     def new_cache(self, batch_size: int, max_len: int, block_size: Optional[int] = None,
                   kv_dtype: Optional[torch.dtype] = None, reuse: Optional[KVCache] = None) -> KVCache:
@@ -553,6 +582,21 @@ class Llama(nn.Module):
             return KVCache.reused(reuse, self.cfg, batch_size, max_len, dtype=kv_dtype or self.dtype, device=self.device)
         return KVCache(self.cfg, batch_size, max_len, dtype=kv_dtype or self.dtype, device=self.device,
                        block_size=block_size)
+
+
+def _joined(taken: list, last: torch.Tensor, ids: tuple, n_layers: int) -> torch.Tensor:
+    """The residual streams entering layers ids (taken, in order; id n_layers: the last layer's output), one tensor."""
+    streams = taken + [last] if ids[-1] == n_layers else taken
+    return streams[0] if len(streams) == 1 else torch.cat(streams, dim=-1)
+
+
+def cached_step(rope, cache: KVCache, depth, tree_mask, num_nodes=None, start: int = 0) -> CachedStep:
+    """The CachedStep of new tree nodes (see Llama.forward_cached) on `cache`, with the rotary `rope` (positions
+    (B, F) -> cos, signed sin: `Llama.rope`, or a head's own, as an EAGLE-3 head's)."""
+    cos, sin = rope(cache.lens.unsqueeze(1).long() + depth.long())
+    calls = specdec.ops.LayerCalls(cache.lens, tree_mask, write_start=cache.lens + start, num_nodes=num_nodes,
+                                   block_table=cache.block_table, **cache.scales)
+    return CachedStep(cos, sin, first_new=start, calls=calls)
 
 
 def compile_static(fn, device: torch.device):
