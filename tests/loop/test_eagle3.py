@@ -126,10 +126,16 @@ def _random_checkpoint(cfg, layout, gen, *, target_dim, n_aux=3, draft_vocab=16,
     return w, layer
 
 
-def _write(path, layout, w, cfg, *, target_dim, draft_vocab, aux=None, norm_before_residual=None, dtype=None):
+def _write(path, layout, w, cfg, *, target_dim, draft_vocab, aux=None, norm_before_residual=None, dtype=None,
+           pickled=False):
+    """The tensors w as model.safetensors (or, pickled, pytorch_model.bin as the authors' first heads) and the
+    layout's config.json."""
     os.makedirs(path, exist_ok=True)
-    save_file({k: v if dtype is None or not v.is_floating_point() else v.to(dtype) for k, v in w.items()},
-              os.path.join(path, "model.safetensors"))
+    w = {k: v if dtype is None or not v.is_floating_point() else v.to(dtype) for k, v in w.items()}
+    if pickled:
+        torch.save(w, os.path.join(path, "pytorch_model.bin"))
+    else:
+        save_file(w, os.path.join(path, "model.safetensors"))
     layer = {"model_type": "llama", "hidden_size": cfg.dim, "num_attention_heads": cfg.n_heads,
              "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.intermediate_size,
              "num_hidden_layers": 1, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
@@ -200,18 +206,19 @@ def _reference_eagle3(w, p, cfg, target, tokens, aux, norm_before_residual, swap
     return full
 
 
-@pytest.mark.parametrize("layout, aux, norm_before_residual, own_embedding", [
-    ("eagle", None, None, False),          # the authors' defaults: vLLM's aux layers, residual = the hidden state
-    ("eagle", [1, 3, 8], None, True),      # aux ids in eagle_config (8: the last layer's output), its own embedding
-    ("speculators", [2, 5, 6], False, True),
-    ("speculators", None, None, False),    # no norm_before_residual: vLLM reads a speculators config as True
+@pytest.mark.parametrize("layout, aux, norm_before_residual, own_embedding, pickled", [
+    ("eagle", None, None, False, True),      # the authors' defaults: vLLM's aux layers, residual the hidden state
+    ("eagle", [1, 3, 8], None, True, False),  # aux ids in eagle_config (8: the last layer's output), own embedding
+    ("speculators", [2, 5, 6], False, True, False),
+    ("speculators", None, None, False, False),  # no norm_before_residual: vLLM reads a speculators config as True
 ])
 def test_public_layouts_load_and_match_a_forward_from_their_tensors(tmp_path, layout, aux, norm_before_residual,
-                                                                    own_embedding):
+                                                                    own_embedding, pickled):
     target = tiny(1, layers=8)
     cfg, gen = head_config(), torch.Generator().manual_seed(5)
     w, p = _random_checkpoint(cfg, layout, gen, target_dim=32, own_embedding=own_embedding)
-    _write(tmp_path, layout, w, cfg, target_dim=32, draft_vocab=16, aux=aux, norm_before_residual=norm_before_residual)
+    _write(tmp_path, layout, w, cfg, target_dim=32, draft_vocab=16, aux=aux, norm_before_residual=norm_before_residual,
+           pickled=pickled)
     head = load_eagle3(str(tmp_path), target)
     expected_aux = tuple(aux) if aux else default_aux_layers(8)
     before_residual = layout == "speculators" if norm_before_residual is None else norm_before_residual
@@ -440,3 +447,28 @@ def test_cli_eagle3_drafter(capsys, tmp_path):
     rc, out, err = run_cli(capsys, "--prompt", "x", "--drafter", "eagle3", "--eagle3", str(tmp_path / "eagle"),
                            "--target", os.path.join(ASSETS, "draft"), "--max-new-tokens", "4")
     assert rc == 2 and "EAGLE-3" in err and out == ""
+
+
+def test_replayed_eagle3_steps_equal_eager_steps(target_and_head):
+    """Replayed steps (emulated CUDA graphs: the drafter's state written in place, no host read) over skipped,
+    shallow and full steps give the eager loop's output and acceptance, and AR's output."""
+    from helpers import ReplayGraph
+    target, head = target_and_head
+    script = (0, 2, 0, 0, 9, 1, 0, 3)
+    eager = SpeculativeDecoder(target, Eagle3Drafter(target, head, "tree:2,2,1"),
+                               adaptive=scripted(script)).generate(PROMPTS4, 24)
+    out = SpeculativeDecoder(target, Eagle3Drafter(target, head, "tree:2,2,1"), cuda_graphs=ReplayGraph,
+                             adaptive=scripted(script)).generate(PROMPTS4, 24)
+    assert out.tokens == eager.tokens == generate_ar(target, PROMPTS4, 24).tokens
+    assert [s["acceptance_by_depth"] for s in out.stats] == [s["acceptance_by_depth"] for s in eager.stats]
+
+
+def test_compiled_eagle3_drafter_equals_ar(target_and_head):
+    """compile=True: the step (the target's aux streams, the head's pending entries and levels, accept, commit) is
+    one graph."""
+    from torch._dynamo.utils import counters
+    target, head = target_and_head
+    ar = generate_ar(target, PROMPTS, 10).tokens
+    counters.clear()
+    out = SpeculativeDecoder(target, Eagle3Drafter(target, head, "chain:2"), compile=True).generate(PROMPTS, 10)
+    assert out.tokens == ar and counters["stats"]["unique_graphs"] == 1
