@@ -818,11 +818,22 @@ struct Accept {
     if (presence != nullptr) p.presence = static_cast<acc_t>(presence[b]);
     return p;
   }
+  // a step-0 result `after` on `before`, saturated (specdec.reference.saturated): clamped to acc_t's finite range
+  // where before > -inf (an overflow would make the law NaN), -inf kept
+  static acc_t saturated(acc_t before, acc_t after) {
+    constexpr acc_t top = std::numeric_limits<acc_t>::max();
+    return before > -kInf ? std::min(std::max(after, -top), top) : before;
+  }
   // steps a-c on one value whose token appears `count` times (output and path) and in the prompt or not
   static acc_t penalize_value(acc_t x, int64_t count, bool in_prompt, const Penalty& p) {
-    if (p.repetition != 1 && (in_prompt || count > 0)) x = x * (x > 0 ? p.inv_repetition : p.repetition);
-    if (p.frequency != 0) x = x - unfused(p.frequency * static_cast<acc_t>(count));
-    if (p.presence != 0) x = x - unfused(p.presence * static_cast<acc_t>(count > 0));
+    constexpr acc_t top = std::numeric_limits<acc_t>::max();
+    if (p.repetition != 1 && (in_prompt || count > 0)) {
+      x = saturated(x, x * (x > 0 ? p.inv_repetition : p.repetition));
+    }
+    if (p.frequency != 0) {
+      x = saturated(x, x - std::min(std::max(unfused(p.frequency * static_cast<acc_t>(count)), -top), top));
+    }
+    if (p.presence != 0) x = saturated(x, x - unfused(p.presence * static_cast<acc_t>(count > 0)));
     return x;
   }
   bool in_prompt(int64_t b, int64_t v) const {
@@ -953,7 +964,8 @@ struct Accept {
       if (v < 0) continue;  // (padding)
       acc_t x = static_cast<acc_t>(src[v]);
       for (int64_t k = 0; k < num_bias; ++k) {
-        if (bias_ids[b * num_bias + k] == v) x = x + static_cast<acc_t>(bias_values[b * num_bias + k]);
+        if (bias_ids[b * num_bias + k] != v) continue;
+        x = saturated(x, x + static_cast<acc_t>(bias_values[b * num_bias + k]));
       }
       for (int64_t k = 0; stopping && k < num_stop; ++k) {
         if (stop_ids[b * num_stop + k] == v) x = -kInf;

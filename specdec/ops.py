@@ -405,7 +405,7 @@ def accept(target_logits: Optional[torch.Tensor] = None, tokens: Optional[torch.
     request's nodes (the launch configuration depends on it, never on the data). The kernels read the packed
     rows in place; the results are the padded form's, (B, max_nodes) with indices within the request.
     Penalties, logit bias and min-tokens (step 0 of the processed law, before the mask; vLLM's meanings, order
-    and float32 arithmetic: specdec.reference.penalized_row), per request, each None (or a number meaning off)
+    and float32 arithmetic, saturated where it would overflow: specdec.reference.penalized_row), per request, each None (or a number meaning off)
     = off for the batch: repetition_penalty (> 0; 1: off), frequency_penalty, presence_penalty (0: off): floats
     or (B,) float tensors. The state they read, in vLLM's layouts: output_token_counts (B, V) int32, the counts
     of each token in request b's output so far (its last committed token, the tree's root, included), required

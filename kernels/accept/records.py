@@ -96,6 +96,7 @@ U_DRAW = tl.constexpr(1)  # the draw at a node (counter 0: the node)
 U_CANDIDATE = tl.constexpr(2)  # + j: candidate j at a node
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
+F32_MAX = tl.constexpr(3.4028234663852886e38)  # the largest float32: step 0 saturates there (reference.saturated)
 INT_MAX = tl.constexpr(2147483647)
 
 # a row's threshold search (`Search`): the goal, then how the next pass over the row serves it

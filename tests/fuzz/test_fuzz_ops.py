@@ -237,7 +237,9 @@ def test_greedy_accept_is_the_reference(backend, data):
 @given(data=st.data())
 def test_greedy_accept_with_sampling_parameters_is_the_reference(backend, data):
     """Penalties, logit bias, min-tokens, a filter order and logprobs on greedy requests: the reference's paths,
-    next tokens and logprobs (the rows' extremes left out: a penalty may overflow float32 there)."""
+    next tokens and logprobs (the rows' extremes left out: the Triton launcher ranks a float64 row's top logprobs
+    in float32, shifted into its range, and ties the entries that only float64 tells apart; step 0's own overflow
+    is drawn: biases and a frequency penalty of 3e38, which saturate)."""
     args = data.draw(accept_cases(backend=backend, sampled=False, extremes=False))
     law = args.get("target_logits", args.get("target_probs"))
     args.update(data.draw(sampling_params(args["seeds"].shape[0], law.shape[-1])))

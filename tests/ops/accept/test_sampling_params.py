@@ -25,6 +25,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (the interp
 V = 19  # <= 20 = the most logprobs: return_logprobs=V shows a position's whole law
 NAN = float("nan")
 LOGPROB_TOL = 1e-5
+# the fields of a normalized SamplingParams that are step 0's arguments of reference.accept
+STEP0_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "output_token_counts",
+                "prompt_token_mask", "logit_bias_ids", "logit_bias_values", "min_tokens", "stop_token_ids")
 
 
 def _accept(backend, **args):
@@ -206,6 +209,56 @@ def test_penalized_row_arithmetic_is_vllms_float32():
     assert ref.penalized_row(x, pen)[:4].tolist() == [float(w) for w in want]
 
 
+def test_penalized_row_saturates_where_float32_overflows():
+    """A huge finite logit biased or scaled past float32's range becomes its largest value, not +inf (which would
+    make the law NaN); one pushed below becomes the lowest finite value; a frequency penalty whose f * count
+    overflows subtracts the clamped product; an impossible token (-inf) stays impossible whatever the step adds
+    (-inf - (-inf) would be NaN); nothing that stays in range changes."""
+    top = torch.finfo(torch.float32).max
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    x = f32([3e38, -3e38, -math.inf, 2e38, 1.0] + [0.0] * (V - 5))
+    big, small, mid = (float(v) for v in x[[0, 1, 3]])
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[[0, 1, 2, 4]] = 1
+
+    def step0(counts=None, repetition=1.0, frequency=0.0, bias=()):
+        return ref.penalized_row(x, ref.NodePenalties(counts=counts, in_prompt=None, repetition=repetition,
+                                                      frequency=frequency, presence=0.0, bias=bias))[:5].tolist()
+    assert step0(bias=((0, 3e38), (2, 3e38), (4, 2.0))) == [top, small, -math.inf, mid, 3.0]
+    assert step0(counts, repetition=0.5) == [top, float(f32(small) * 0.5), -math.inf, mid, 2.0]
+    assert step0(counts, repetition=2.0)[:2] == [float(f32(big) * f32(0.5)), -top]
+    counts[[0, 1, 2]] = 2  # f * count = 6e38: clamped to the largest float32 before it is subtracted
+    assert step0(counts, frequency=-3e38) == [top, float(f32(small) + top), -math.inf, mid, float(1.0 + f32(3e38))]
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_overflowing_penalties_give_the_references_tokens_inside_the_grammar(backend, temperature):
+    """Rows whose step 0 overflows float32 (a bias or a repetition penalty on a logit near 3e38): every backend
+    samples from the saturated law, the reference's (a point mass on the saturated token: its draft is accepted),
+    and never a token the grammar forbids (a NaN law on the C++ and Triton backends emitted token 0 here)."""
+    B, T = 2, 3
+    logits = torch.randn(B, T, V, generator=torch.Generator().manual_seed(7))
+    logits[:, :, 3] = 3e38
+    allowed = torch.zeros(B, T, V, dtype=torch.bool)
+    allowed[:, :, [3, 5, 6]] = True
+    counts = torch.zeros(B, V, dtype=torch.int32)
+    counts[:, 3] = 1
+    args = dict(target_logits=logits, tokens=torch.tensor([[0, 3, 5], [0, 5, 3]]),
+                parents=torch.tensor([[-1, 0, 1], [-1, 0, 1]]), temperature=temperature,
+                seeds=torch.arange(B, dtype=torch.int64), token_bitmask=pack_bitmask(allowed))
+    for step0 in (dict(repetition_penalty=0.5, output_token_counts=counts),
+                  dict(logit_bias=(torch.tensor([[3], [3]]), torch.tensor([[3e38], [3e38]])))):
+        got = _accept(backend, **args, **step0)
+        assert torch.equal(got[0], torch.tensor([[0, 1, -1], [0, -1, -1]])) and got[2].tolist() == [3, 3]
+        norm = val.check_sampling_params(V, B, logits.device, **step0)
+        want = ref.accept(logits, args["tokens"], args["parents"], None, torch.full((B,), float(temperature)),
+                          args["seeds"], torch.full((B,), T, dtype=torch.int32), 0, token_bitmask=args["token_bitmask"],
+                          **{k: getattr(norm, k) for k in STEP0_FIELDS})
+        assert all(torch.equal(g, w.cpu()) for g, w in zip(got[:3], want[:3]))
+
+
+
 # ------------------------------------------------------------------------------------------------
 # every backend against the reference on random trees
 # ------------------------------------------------------------------------------------------------
@@ -214,9 +267,7 @@ def _law_at(batch, params, b, node, mode):
     probs = "target_probs" in batch
     rows = batch["target_probs"].double().log() if probs else batch["target_logits"]
     norm = val.check_sampling_params(V, rows.shape[0], rows.device, **params)
-    step0 = {k: getattr(norm, k) for k in ("repetition_penalty", "frequency_penalty", "presence_penalty",
-                                           "output_token_counts", "prompt_token_mask", "logit_bias_ids",
-                                           "logit_bias_values", "min_tokens", "stop_token_ids")}
+    step0 = {k: getattr(norm, k) for k in STEP0_FIELDS}
     path = ref.path_tokens(batch["parents"][b].tolist(), batch["tokens"][b].tolist(), node)
     pen = ref.node_penalties(b, path, V, **step0)
     top_k, top_p, min_p = (batch.get(k) for k in ("top_k", "top_p", "min_p"))
