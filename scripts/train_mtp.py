@@ -96,10 +96,9 @@ def setup(args):
 
 
 def train(args, target, head, train_bytes, held, rng, save, return_hidden=True):
-    """The training loop shared by the heads: AdamW (no decay on norms), warmup then cosine to 10%, bf16 autocast,
-    the mean of the steps' cross-entropies; held-out checkpoints every args.checkpoint_minutes written by
-    save(head, folder)."""
-    init_weights(head)
+    """The training loop shared by the heads (initialized by the caller, `init_weights`): AdamW (no decay on norms),
+    warmup then cosine to 10%, bf16 autocast, the mean of the steps' cross-entropies; held-out checkpoints every
+    args.checkpoint_minutes written by save(head, folder)."""
     print(args.corpus_note, flush=True)
     budget = 60 * args.minutes
     decay = [p for p in head.parameters() if p.dim() >= 2]
@@ -151,6 +150,7 @@ def main():
     args = parser("the MTP module", os.path.join(ASSETS, "mtp")).parse_args()
     target, train_bytes, held, rng = setup(args)
     mtp = MTP(target.cfg, 1)
+    init_weights(mtp)
     n_params = sum(p.numel() for p in mtp.parameters())
     print(f"# train_mtp: 1 module, {n_params / 1e6:.2f}M params (target {args.target} frozen, "
           f"{target.num_params() / 1e6:.2f}M), loss over {args.depth} step(s)", flush=True)
