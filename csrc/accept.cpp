@@ -818,22 +818,19 @@ struct Accept {
     if (presence != nullptr) p.presence = static_cast<acc_t>(presence[b]);
     return p;
   }
-  // a step-0 result `after` on `before`, saturated (specdec.reference.saturated): clamped to acc_t's finite range
-  // where before > -inf (an overflow would make the law NaN), -inf kept
-  static acc_t saturated(acc_t before, acc_t after) {
+  // step 0's result x of a logit `given`, saturated (specdec.reference.saturated): clamped to acc_t's finite range
+  // where `given` is finite (an overflow's infinity would make the law NaN), -inf kept
+  static acc_t saturated(acc_t given, acc_t x) {
     constexpr acc_t top = std::numeric_limits<acc_t>::max();
-    return before > -kInf ? std::min(std::max(after, -top), top) : before;
+    return given > -kInf ? std::min(std::max(x, -top), top) : x;
   }
-  // steps a-c on one value whose token appears `count` times (output and path) and in the prompt or not
+  // steps a-c on one value whose token appears `count` times (output and path) and in the prompt or not; f * count
+  // clamped to the finite range (inf - inf would be NaN)
   static acc_t penalize_value(acc_t x, int64_t count, bool in_prompt, const Penalty& p) {
     constexpr acc_t top = std::numeric_limits<acc_t>::max();
-    if (p.repetition != 1 && (in_prompt || count > 0)) {
-      x = saturated(x, x * (x > 0 ? p.inv_repetition : p.repetition));
-    }
-    if (p.frequency != 0) {
-      x = saturated(x, x - std::min(std::max(unfused(p.frequency * static_cast<acc_t>(count)), -top), top));
-    }
-    if (p.presence != 0) x = saturated(x, x - unfused(p.presence * static_cast<acc_t>(count > 0)));
+    if (p.repetition != 1 && (in_prompt || count > 0)) x = x * (x > 0 ? p.inv_repetition : p.repetition);
+    if (p.frequency != 0) x = x - std::min(std::max(unfused(p.frequency * static_cast<acc_t>(count)), -top), top);
+    if (p.presence != 0) x = x - unfused(p.presence * static_cast<acc_t>(count > 0));
     return x;
   }
   bool in_prompt(int64_t b, int64_t v) const {
@@ -953,7 +950,8 @@ struct Accept {
     int64_t touched_argmax = -1;  // the token of new_max among the output's (its value may be replaced below)
     for (int64_t k = 0; k < num_touched; ++k) {
       const int32_t v = out.touched[k];
-      const acc_t x = penalize_value(static_cast<acc_t>(src[v]), out.touched_counts[k], out.touched_in_prompt[k], p);
+      const acc_t given = static_cast<acc_t>(src[v]);
+      const acc_t x = saturated(given, penalize_value(given, out.touched_counts[k], out.touched_in_prompt[k], p));
       if (!(x <= new_max) && !std::isnan(new_max)) touched_argmax = v;
       changed(v, x);
     }
@@ -962,17 +960,19 @@ struct Accept {
     }
     for (const int32_t v : special) {
       if (v < 0) continue;  // (padding)
-      acc_t x = static_cast<acc_t>(src[v]);
+      const acc_t given = static_cast<acc_t>(src[v]);
+      acc_t x = given;
       for (int64_t k = 0; k < num_bias; ++k) {
-        if (bias_ids[b * num_bias + k] != v) continue;
-        x = saturated(x, x + static_cast<acc_t>(bias_values[b * num_bias + k]));
-      }
-      for (int64_t k = 0; stopping && k < num_stop; ++k) {
-        if (stop_ids[b * num_stop + k] == v) x = -kInf;
+        if (bias_ids[b * num_bias + k] == v) x = x + static_cast<acc_t>(bias_values[b * num_bias + k]);
       }
       if (counted) {
         const auto on_path = std::equal_range(path.begin(), path.end(), v);
         x = penalize_value(x, int64_t{count[v]} + (on_path.second - on_path.first), in_prompt(b, v), p);
+      }
+      x = saturated(given, x);
+      // (the stop tokens after the penalties, which keep a -inf as it is: the same as vLLM's order)
+      for (int64_t k = 0; stopping && k < num_stop; ++k) {
+        if (stop_ids[b * num_stop + k] == v) x = -kInf;
       }
       changed(v, x);
     }

@@ -197,36 +197,40 @@ def penalized_row(row: torch.Tensor, pen: NodePenalties) -> torch.Tensor:
     the penalties: repetition on the tokens in the prompt or the output so far, x * (1 / r) above 0 and x * r
     otherwise, frequency x -= f * count, presence x -= p * [count > 0]). The bias comes first: a repetition
     penalty scales the biased logit. Each step is one rounded operation in float32 for 16- and 32-bit rows
-    (vLLM's dtype: every backend gets the same bits) and in float64 for float64 rows, saturated (`saturated`; the
-    product f * count clamped to the dtype's range too): a finite logit stays finite, -inf stays -inf.
-    -> float64 (V,)."""
+    (vLLM's dtype: every backend gets the same bits) and in float64 for float64 rows, with the product f * count
+    clamped to the dtype's range and the result `saturated`: a finite logit stays finite where the arithmetic
+    overflowed, -inf stays -inf. -> float64 (V,)."""
     dtype = torch.float64 if row.dtype == torch.float64 else torch.float32
-    x = row.to("cpu", dtype, copy=True)  # (the bias writes into it)
+    top = torch.finfo(dtype).max
+    given = row.to("cpu", dtype)
+    x = given.clone()  # (the bias writes into it)
     for token, value in pen.bias:
-        x[token] = saturated(x[token], x[token] + torch.tensor(value, dtype=dtype))
-    if pen.stop is not None:
-        x = x.masked_fill(pen.stop, -math.inf)
+        x[token] = x[token] + torch.tensor(value, dtype=dtype)
     if pen.counts is not None:
         present = pen.counts > 0
         if pen.repetition != 1.0:
             rep = torch.tensor(pen.repetition, dtype=dtype)
             seen = present if pen.in_prompt is None else present | pen.in_prompt
-            x = torch.where(seen, saturated(x, x * torch.where(x > 0, 1.0 / rep, rep)), x)
+            x = torch.where(seen, x * torch.where(x > 0, 1.0 / rep, rep), x)
         if pen.frequency != 0.0:
-            penalty = torch.tensor(pen.frequency, dtype=dtype) * pen.counts.to(dtype)
-            x = saturated(x, x - penalty.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max))
+            x = x - (torch.tensor(pen.frequency, dtype=dtype) * pen.counts.to(dtype)).clamp(-top, top)
         if pen.presence != 0.0:
-            x = saturated(x, x - torch.tensor(pen.presence, dtype=dtype) * present.to(dtype))
+            x = x - torch.tensor(pen.presence, dtype=dtype) * present.to(dtype)
+    x = saturated(given, x)
+    if pen.stop is not None:  # (after the penalties, which keep a -inf as it is: the same as vLLM's order)
+        x = x.masked_fill(pen.stop, -math.inf)
     return x.double()
 
 
-def saturated(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """A step-0 operation's result `after` on values `before`, saturated: where it overflowed (a huge logit scaled
-    or biased past the dtype's range), the range's end, so that the law stays defined (an infinite logit would make
-    it NaN, and a kernel's sampling of a NaN law can land on a token the grammar forbids); -inf (a token that was
-    already impossible) stays -inf. Equal to `after` wherever nothing overflowed: vLLM's arithmetic is unchanged."""
-    top = torch.finfo(after.dtype).max
-    return torch.where(before > -math.inf, after.clamp(-top, top), before)
+def saturated(given: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Step 0's result x of logits `given`, saturated: clamped to the dtype's finite range where the given logit was
+    finite, so that an overflow (a huge logit biased or scaled past the range: +-inf) leaves the law defined (an
+    infinite logit makes it NaN, and a kernel's sampling of a NaN law can land on a token the grammar forbids);
+    -inf (an impossible token) stays -inf. x itself wherever nothing overflowed: vLLM's arithmetic is unchanged.
+    (No NaN reaches it: the products f * count are clamped before they are subtracted, so inf - inf never
+    happens.)"""
+    top = torch.finfo(x.dtype).max
+    return torch.where(given > -math.inf, x.clamp(-top, top), x)
 
 
 def path_tokens(parents_row: list[int], tokens_row: list[int], i: int) -> list[int]:

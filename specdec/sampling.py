@@ -63,40 +63,41 @@ def penalized_logits(logits: torch.Tensor, counts: Optional[torch.Tensor] = None
     (N,) float32; logit_bias_ids (N, K) int (-1 = padding) with logit_bias_values (N, K) float32; min_tokens (N,)
     int with stop_token_ids (N, S) int (-1 = padding). Returns (N, V) float32, float64 for float64 rows: each
     step one rounded operation in that dtype, in vLLM's order (bias, min-tokens, repetition, frequency,
-    presence), saturated as the reference's (`reference.saturated`)."""
+    presence; min-tokens' stop tokens applied last, the same), f * count clamped and the result saturated as the
+    reference's (`reference.saturated`)."""
     N, V = logits.shape
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    x = logits.to(dtype, copy=True)
+    given = logits.to(dtype)
+    x = given.clone()
     if logit_bias_ids is not None:  # entries in order, each one rounded add; padding adds -0.0 (an exact no-op)
         valid = logit_bias_ids >= 0
         ids = torch.where(valid, logit_bias_ids, 0).long()
         values = torch.where(valid, logit_bias_values.to(dtype), -0.0)
         for k in range(ids.shape[1]):
             at = ids[:, k:k + 1]
-            before = x.gather(1, at)
-            x.scatter_(1, at, saturated(before, before + values[:, k:k + 1]))
+            x.scatter_(1, at, x.gather(1, at) + values[:, k:k + 1])
     if counts is None and any(a is not None for a in (repetition_penalty, frequency_penalty, presence_penalty,
                                                        min_tokens)):
         raise ValueError("counts: required with a penalty or min_tokens")
-    if min_tokens is not None:
+    if counts is not None:
+        present = counts > 0
+        if repetition_penalty is not None:
+            rep = repetition_penalty.to(dtype).unsqueeze(1)
+            seen = present if prompt_token_mask is None else present | unpack_bitmask(prompt_token_mask, V)
+            x = torch.where(seen & (rep != 1.0), x * torch.where(x > 0, 1.0 / rep, rep), x)
+        if frequency_penalty is not None:
+            freq = frequency_penalty.to(dtype).unsqueeze(1)
+            top = torch.finfo(dtype).max
+            x = torch.where(freq != 0.0, x - (freq * counts.to(dtype)).clamp(-top, top), x)
+        if presence_penalty is not None:
+            pres = presence_penalty.to(dtype).unsqueeze(1)
+            x = torch.where(pres != 0.0, x - pres * present.to(dtype), x)
+    x = saturated(given, x)
+    if min_tokens is not None:  # (after the penalties, which keep a -inf as it is: the same as vLLM's order)
         masking = counts.sum(-1) < min_tokens  # (N,): fewer tokens generated than min_tokens
         ids = torch.where((stop_token_ids >= 0) & masking.unsqueeze(1), stop_token_ids, V).long()
         stop = torch.zeros(N, V + 1, dtype=torch.bool, device=x.device).scatter_(1, ids, True)[:, :V]
         x = x.masked_fill(stop, -math.inf)
-    if counts is None:
-        return x
-    present = counts > 0
-    if repetition_penalty is not None:
-        rep = repetition_penalty.to(dtype).unsqueeze(1)
-        seen = present if prompt_token_mask is None else present | unpack_bitmask(prompt_token_mask, V)
-        x = torch.where(seen & (rep != 1.0), saturated(x, x * torch.where(x > 0, 1.0 / rep, rep)), x)
-    top = torch.finfo(dtype).max
-    if frequency_penalty is not None:
-        freq = frequency_penalty.to(dtype).unsqueeze(1)
-        x = torch.where(freq != 0.0, saturated(x, x - (freq * counts.to(dtype)).clamp(-top, top)), x)
-    if presence_penalty is not None:
-        pres = presence_penalty.to(dtype).unsqueeze(1)
-        x = torch.where(pres != 0.0, saturated(x, x - pres * present.to(dtype)), x)
     return x
 
 

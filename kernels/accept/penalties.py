@@ -82,27 +82,30 @@ def _penalized(pen, node, cols, x):
 @triton.jit
 def _steps(pen, cols, depth, count, seen, x, DTYPE: tl.constexpr):
     """Step 0 on values x (DTYPE: float32 logits, or float64 logs of probabilities, upcast through float32: exact,
-    where the interpreter's 16-bit arithmetic is not), each step one rounded DTYPE operation, saturated at float32's
-    range (reference.saturated; the float64 path's result is a float32 too); -> float32."""
+    where the interpreter's 16-bit arithmetic is not), each step one rounded DTYPE operation, f * count clamped and
+    the result saturated (reference.saturated); -> float32."""
+    given = x
     for k in range(pen.K):  # (one entry at a time, in order: duplicates add up as the reference adds them)
-        biased = _saturated(x, x + tl.load(pen.bias_values + k).to(DTYPE), F32_MAX)
-        x = tl.where(cols == tl.load(pen.bias_ids + k), biased, x)
-    x = _stopped(pen, cols, depth, x)
+        x = tl.where(cols == tl.load(pen.bias_ids + k), x + tl.load(pen.bias_values + k).to(DTYPE), x)
     rep = pen.rep.to(DTYPE)
     inv_rep = pen.inv_rep.to(DTYPE)
     if DTYPE == tl.float64:
         inv_rep = 1.0 / rep
-    x = tl.where(seen, _saturated(x, tl.where(x > 0, x * inv_rep, x * rep), F32_MAX), x)
+    x = tl.where(seen, tl.where(x > 0, x * inv_rep, x * rep), x)
     penalty = pen.freq.to(DTYPE) * count.to(DTYPE)
-    x = _saturated(x, x - tl.minimum(tl.maximum(penalty, -F32_MAX), F32_MAX), F32_MAX)
-    x = _saturated(x, x - pen.pres.to(DTYPE) * (count > 0).to(DTYPE), F32_MAX)
-    return x.to(tl.float32)
+    if DTYPE == tl.float32:  # (a float32 f times a count never overflows float64)
+        penalty = _clamped(penalty, F32_MAX)
+    x = x - penalty
+    x = x - pen.pres.to(DTYPE) * (count > 0).to(DTYPE)
+    # saturated (at float32's range: the float64 path's result is a float32 too), then the stop tokens (after the
+    # penalties, which keep a -inf as it is: the same as the reference's order)
+    x = tl.where(given > NEG_INF, _clamped(x, F32_MAX), x)
+    return _stopped(pen, cols, depth, x).to(tl.float32)
 
 
 @triton.jit
-def _saturated(before, after, top):
-    """specdec.reference.saturated: `after` clamped to [-top, top] where `before` > -inf, else `before`."""
-    return tl.where(before > NEG_INF, tl.minimum(tl.maximum(after, -top), top), before)
+def _clamped(x, top):
+    return tl.minimum(tl.maximum(x, -top), top)
 
 
 @triton.jit
@@ -180,14 +183,15 @@ def penalized_rows(rows, pen, tokens, parents, row_offsets=None):
     seen = count > 0
     if prompt.shape[1] > 0:
         seen |= ((prompt[b][:, cols // 32] >> (cols % 32)) & 1) != 0
+    given = x
     for k in range(bias_ids.shape[1]):  # in order: duplicates add up as the reference adds them
-        x = torch.where(cols == bias_ids[b, k, None], saturated(x, x + bias_values[b, k, None].to(dtype)), x)
-    stopped = (generated[b] + depth < min_tokens[b])[:, None]
+        x = torch.where(cols == bias_ids[b, k, None], x + bias_values[b, k, None].to(dtype), x)
+    r = rep.to(dtype)[b, None]
+    x = torch.where(seen, torch.where(x > 0, x * (1.0 / r), x * r), x)
+    top = torch.finfo(dtype).max
+    x = x - (freq.to(dtype)[b, None] * count.to(dtype)).clamp(-top, top)
+    x = saturated(given, x - pres.to(dtype)[b, None] * (count > 0).to(dtype))
+    stopped = (generated[b] + depth < min_tokens[b])[:, None]  # (after the penalties: they keep -inf as it is)
     for s in range(stop_ids.shape[1]):
         x = torch.where(stopped & (cols == stop_ids[b, s, None]), -torch.inf, x)
-    r = rep.to(dtype)[b, None]
-    x = torch.where(seen, saturated(x, torch.where(x > 0, x * (1.0 / r), x * r)), x)
-    top = torch.finfo(dtype).max
-    x = saturated(x, x - (freq.to(dtype)[b, None] * count.to(dtype)).clamp(-top, top))
-    x = saturated(x, x - pres.to(dtype)[b, None] * (count > 0).to(dtype))
     return x.reshape(rows.shape[:-1] + (V,))

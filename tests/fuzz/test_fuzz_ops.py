@@ -237,9 +237,9 @@ def test_greedy_accept_is_the_reference(backend, data):
 @given(data=st.data())
 def test_greedy_accept_with_sampling_parameters_is_the_reference(backend, data):
     """Penalties, logit bias, min-tokens, a filter order and logprobs on greedy requests: the reference's paths,
-    next tokens and logprobs (the rows' extremes left out: the Triton launcher ranks a float64 row's top logprobs
-    in float32, shifted into its range, and ties the entries that only float64 tells apart; step 0's own overflow
-    is drawn: biases and a frequency penalty of 3e38, which saturate)."""
+    next tokens and logprobs (the rows' extremes left out: the Triton kernels rank top logprobs in float32, and
+    tie by id the entries whose logprobs only float64 tells apart, beside a logit near 3e38 or a float64 row's
+    range; step 0's saturation is tested in tests/ops/accept/test_sampling_params.py)."""
     args = data.draw(accept_cases(backend=backend, sampled=False, extremes=False))
     law = args.get("target_logits", args.get("target_probs"))
     args.update(data.draw(sampling_params(args["seeds"].shape[0], law.shape[-1])))
