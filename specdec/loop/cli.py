@@ -40,9 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parallel drafter checkpoint folder (a draft model plus a mask token, HF format)")
     g.add_argument("--mtp", help="MTP module folder (DeepSeek-V3 or Qwen3-Next names; default: the --target folder "
                                  "when it holds MTP layers, else the shipped specdec/loop/assets/mtp)")
-    g.add_argument("--eagle3", default=os.path.join(ASSETS, "eagle3"),
-                   help="EAGLE-3 head folder (the EAGLE authors' or vLLM speculators' layout; default: the shipped "
-                        "specdec/loop/assets/eagle3)")
+    g.add_argument("--eagle3", help="EAGLE-3 head folder for --drafter eagle3 (the EAGLE authors' or vLLM "
+                                    "speculators' layout; none is shipped: scripts/train_eagle3.py trains one)")
     g.add_argument("--tree", default=DEFAULT_TREE,
                    help="draft tree: chain:K, tree:b1,b2,..., parents:-1,0,0,..., dynamic:N,D,k "
                         "(drafters model, mtp, eagle3 and parallel); "
@@ -148,6 +147,8 @@ def make_drafter(args, target):
         mtp = load_mtp(folder, target.cfg, dtype=DTYPES[args.dtype], device=args.device)
         return MTPDrafter(target, mtp, tree, kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     if args.drafter == "eagle3":
+        if args.eagle3 is None:
+            raise ValueError("--drafter eagle3: give the head's folder with --eagle3 DIR (none is shipped)")
         head = load_eagle3(args.eagle3, target, dtype=DTYPES[args.dtype], device=args.device)
         return Eagle3Drafter(target, head, tree, kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     if args.drafter == "parallel":

@@ -426,7 +426,7 @@ def test_heads_that_do_not_fit_the_target_are_refused(target_and_head):
 
 def test_cli_eagle3_drafter(capsys, tmp_path):
     """--drafter eagle3 --eagle3 DIR on the shipped target, with a random head saved in each public layout: greedy
-    output identical to AR (chain and --tree auto); a head for another target is refused by name."""
+    output identical to AR (chain and --tree auto); a head for another target, or no --eagle3, is refused by name."""
     from specdec.loop.models.hf import load_model
     from specdec.loop.cli import ASSETS
     from test_loop import run_cli
@@ -447,6 +447,8 @@ def test_cli_eagle3_drafter(capsys, tmp_path):
     rc, out, err = run_cli(capsys, "--prompt", "x", "--drafter", "eagle3", "--eagle3", str(tmp_path / "eagle"),
                            "--target", os.path.join(ASSETS, "draft"), "--max-new-tokens", "4")
     assert rc == 2 and "EAGLE-3" in err and out == ""
+    rc, out, err = run_cli(capsys, "--prompt", "x", "--drafter", "eagle3", "--max-new-tokens", "4")
+    assert rc == 2 and "--eagle3 DIR" in err and out == ""
 
 
 def test_replayed_eagle3_steps_equal_eager_steps(target_and_head):
