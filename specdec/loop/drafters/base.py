@@ -9,7 +9,7 @@ loops need, each with defaults that do nothing:
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -60,8 +60,9 @@ class Drafter:
     (compile=True) or, for a drafter with `StepState`, captures it: no host reads, and state carried across steps
     lives in tensors written in place. What commit needs to know about a proposal travels in the proposal
     itself (`cache_slots`), so nothing is kept between the two calls. A drafter with `uses_target_hidden` gets the
-    target's hidden states as the keyword target_hidden: in start (B, n_max - 1, dim) those of the prompts'
-    positions 0 .. seq_lens - 2, in commit and skip (B, T, dim) those of the verified nodes.
+    target's hidden states as the keyword target_hidden: in start (B, n_max - 1, width) those of the prompts'
+    positions 0 .. seq_lens - 2, in commit and skip (B, T, width) those of the verified nodes; width is dim (the
+    last layer's output), or dim times the number of layer ids it gives (the residual streams entering them).
 
     Attributes: `max_nodes` bounds T of every proposal (the loop sizes caches with it), `max_depth` the depth of its
     trees (the longest path the target can accept)."""
@@ -74,8 +75,9 @@ class Drafter:
     samples_children: bool = False
     # proposes with host code (prompt lookup): the loop compiles or captures its verification only
     proposes_on_host: bool = False
-    # start, commit and skip take the target's hidden states (target_hidden=)
-    uses_target_hidden: bool = False
+    # start, commit and skip take the target's hidden states (target_hidden=): True (the last layer's output) or a
+    # tuple of layer ids (the residual streams entering them, concatenated: EAGLE-3's aux hidden states)
+    uses_target_hidden: Union[bool, tuple] = False
     # a proposal of any depth costs one forward (a parallel drafter), not one per level: the adaptive policy's model
     one_forward_proposals: bool = False
     # set by the loop for each batch: the grammars' per-node masks (grammar.TreeMasks), None when every request is
