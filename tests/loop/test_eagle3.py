@@ -21,7 +21,7 @@ from specdec.loop.models.llama import LlamaConfig
 
 from test_adaptive import PROMPTS4, scripted
 from test_loop import PROMPTS, chi_square_two_tokens, exact_filtered_two_token_law, tiny
-from test_mtp import _rms
+from test_mtp import _rms, assert_heads_cache_matches_a_fresh_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,18 +78,25 @@ def test_draft_law_is_exact_over_the_target_vocabulary(target_and_head):
     assert torch.isneginf(full[:, outside]).all() and torch.isfinite(full[:, DRAFT_IDS]).all()
 
 
-def test_target_streams_are_the_residuals_entering_the_layers(target_and_head):
-    """return_hidden=layer ids: the residual streams entering those layers (n_layers: the last layer's output), as
-    vLLM's targets collect them, concatenated in layer order; the same from the cached forward and the prefill."""
-    target, _ = target_and_head
-    tokens = torch.tensor([PROMPTS[0]])
+def _streams_entering_layers(target, tokens):
+    """The target's residual stream entering each layer, run layer by layer, then its last layer's output:
+    n_layers + 1 tensors (1, T, dim)."""
     T = tokens.shape[1]
     cos, sin = target.rope(torch.arange(T).expand(1, T))
     x, entering = target.model.embed_tokens(tokens), []
     for layer in target.model.layers:
         entering.append(x)
         x = layer(x, cos, sin)
-    entering.append(x)
+    return entering + [x]
+
+
+def test_target_streams_are_the_residuals_entering_the_layers(target_and_head):
+    """return_hidden=layer ids: the residual streams entering those layers (n_layers: the last layer's output), as
+    vLLM's targets collect them, concatenated in layer order; the same from the cached forward and the prefill."""
+    target, _ = target_and_head
+    tokens = torch.tensor([PROMPTS[0]])
+    T = tokens.shape[1]
+    entering = _streams_entering_layers(target, tokens)
     _, hidden = target(tokens, return_hidden=AUX)
     torch.testing.assert_close(hidden, torch.cat([entering[i] for i in AUX], dim=-1))
     _, last = target(tokens, return_hidden=True)
@@ -165,12 +172,7 @@ def _reference_eagle3(w, p, cfg, target, tokens, aux, norm_before_residual, swap
     hidden_norm(hidden)) with the hidden state as residual, final norm, lm_head, and the draft logits placed at
     their target ids (-inf elsewhere). Position j reads the streams at j and the embedding of tokens[j + 1]."""
     T = tokens.shape[1]
-    cos, sin = target.rope(torch.arange(T).expand(1, T))
-    x, entering = target.model.embed_tokens(tokens), []
-    for layer in target.model.layers:
-        entering.append(x)
-        x = layer(x, cos, sin)
-    entering.append(x)
+    entering = _streams_entering_layers(target, tokens)
     streams = torch.cat([entering[i] for i in aux], dim=-1)[:, :T - 1]
     embedding = w.get("embed_tokens.weight", target.model.embed_tokens.weight)[tokens[:, 1:]]
     eps, hd, n = cfg.norm_eps, cfg.head_dim, T - 1
@@ -362,20 +364,7 @@ def test_eagle3_state_after_rejections_equals_a_fresh_run(target_and_head, tree)
     out = SpeculativeDecoder(target, drafter).generate(PROMPTS, 24)
     hist = out.summary["acceptance_by_depth"]
     assert 0.0 < hist[-1] < 1.0 and hist[0] > 0.0 and len(compared) > 3 * len(PROMPTS)
-    for b, prompt in enumerate(PROMPTS):
-        seq = prompt + out.tokens[b]
-        n = int(drafter.cache.lens[b])
-        fresh = Eagle3Drafter(target, head, tree)
-        x = torch.tensor([seq + [0] * 8])
-        lens = torch.tensor([n + 2], dtype=torch.int32)  # its cache commits positions 0 .. lens - 3
-        with torch.no_grad():
-            streams = target.prefill(target.new_cache(1, 96), x, lens - 1, return_hidden=AUX)
-            fresh.start(x, lens, 96, torch.zeros(1), [0], target_hidden=streams)
-        assert int(fresh.cache.lens[0]) == n
-        m = min(n, len(seq) - 1)  # (a finished request rides along past its cut output: compare what it shows)
-        assert m > len(prompt)
-        torch.testing.assert_close(drafter.cache.k[:, b, :m], fresh.cache.k[:, 0, :m], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(drafter.cache.v[:, b, :m], fresh.cache.v[:, 0, :m], atol=1e-5, rtol=1e-5)
+    assert_heads_cache_matches_a_fresh_run(target, head, drafter, tree, PROMPTS, out.tokens)
 
 
 class TopCandidatesAsDraws(Eagle3Drafter):

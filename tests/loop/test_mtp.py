@@ -69,18 +69,18 @@ def test_mtp_cache_after_rejections_equals_a_fresh_run(target_and_mtp, tree):
     assert_heads_cache_matches_a_fresh_run(target, mtp, drafter, tree, PROMPTS, out.tokens)
 
 
-def assert_heads_cache_matches_a_fresh_run(target, mtp, drafter, tree, prompts, outputs):
-    """The heads' committed K/V of each request equal those of a drafter started from scratch on its
-    committed tokens."""
+def assert_heads_cache_matches_a_fresh_run(target, head, drafter, tree, prompts, outputs):
+    """The heads' committed K/V of each request equal those of a drafter of its kind (MTP, EAGLE-3: `head` its
+    module) started from scratch on its committed tokens."""
     for b, prompt in enumerate(prompts):
         seq = prompt + outputs[b]
         n = int(drafter.cache.lens[b])
         assert n >= len(prompt) - 1
-        fresh = MTPDrafter(target, mtp, tree)
+        fresh = type(drafter)(target, head, tree)
         x = torch.tensor([seq + [0] * 8])
         lens = torch.tensor([n + 2], dtype=torch.int32)  # its cache commits positions 0 .. lens - 3
         with torch.no_grad():
-            hidden = target.prefill(target.new_cache(1, 96), x, lens - 1, return_hidden=True)
+            hidden = target.prefill(target.new_cache(1, 96), x, lens - 1, return_hidden=drafter.uses_target_hidden)
             fresh.start(x, lens, 96, torch.zeros(1), [0], target_hidden=hidden)
         assert int(fresh.cache.lens[0]) == n
         m = min(n, len(seq) - 1)  # (a finished request rides along past its cut output: compare what it shows)
