@@ -835,27 +835,29 @@ def normalize_penalty(name, x, B, device, *, off):
     return x
 
 
-def _token_ids(name, x, B, V, device, values):
-    """(B, K) int ids, -1 = padding, else in [0, V) -> int32."""
+def _token_ids(name, x, B, V, device, values, to_cpp=False):
+    """(B, K) int ids, -1 = padding, else in [0, V) -> int32 (as given for the C++ op: `_narrowed`)."""
     _tensor(name, x, dim=2, dtypes=INT_DTYPES, device=device)
     if x.shape[0] != B:
         raise ValueError(f"{name}: expected shape (B, K) with B = {B}, got {tuple(x.shape)}")
     if values:
         _fail_if(name, (x < -1) | (x >= V), f"ids must be in [0, {V}) or -1 (padding)")
-    return _narrowed(x, values)
+    return _narrowed(x, to_cpp)
 
 
-def _narrowed(x: torch.Tensor, checked: bool) -> torch.Tensor:
-    """x as int32 once its values are checked; unchecked, as it came: the C++ op checks them itself, and narrowing
-    2**40 to int32 first would hand it a valid-looking 0."""
-    return x.to(torch.int32) if checked else x
+def _narrowed(x: torch.Tensor, to_cpp: bool) -> torch.Tensor:
+    """x as int32, or as it came for the C++ op: it checks the values itself (its value checks on or off, as it
+    narrows them after), and narrowing 2**40 to int32 here would hand it a valid-looking 0."""
+    return x if to_cpp else x.to(torch.int32)
 
 
 def check_sampling_params(V, B, device, repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
                           output_token_counts=None, prompt_token_mask=None, logit_bias=None, min_tokens=None,
                           stop_token_ids=None, filter_order="hf", return_logprobs=None, logprobs_mode="raw",
                           values=True) -> SamplingParams:
-    """The checks of accept's step-0 and logprob arguments (specdec.accept's docstring) -> SamplingParams."""
+    """The checks of accept's step-0 and logprob arguments (specdec.accept's docstring) -> SamplingParams. values
+    False: the C++ op takes them, and checks their values itself."""
+    to_cpp = not values
     values = values and value_checks_enabled()
     _choice("filter_order", filter_order, FILTER_ORDERS)
     _choice("logprobs_mode", logprobs_mode, LOGPROBS_MODES)
@@ -880,13 +882,13 @@ def check_sampling_params(V, B, device, repetition_penalty=None, frequency_penal
         _shape("min_tokens", min_tokens, (B,))
         if values:
             _fail_if("min_tokens", (min_tokens < 0) | (min_tokens > INT32_MAX), "must be in [0, 2**31) (0: off)")
-        min_tokens = _narrowed(min_tokens, values)
+        min_tokens = _narrowed(min_tokens, to_cpp)
     else:
         raise TypeError(f"min_tokens: expected None, an int or a (B,) int tensor, got {type(min_tokens).__name__}")
     if min_tokens is not None:
         if stop_token_ids is None:
             raise TypeError("stop_token_ids: required with min_tokens")
-        stop_token_ids = _token_ids("stop_token_ids", stop_token_ids, B, V, device, values)
+        stop_token_ids = _token_ids("stop_token_ids", stop_token_ids, B, V, device, values, to_cpp)
     else:
         stop_token_ids = None
     needs_counts = [n for n, x in (("repetition_penalty", rep), ("frequency_penalty", freq),
@@ -898,7 +900,7 @@ def check_sampling_params(V, B, device, repetition_penalty=None, frequency_penal
             counts = output_token_counts
             _fail_if("output_token_counts", (counts.amin() < 0) | (counts.amax() > INT32_MAX),
                      "counts must be in [0, 2**31)")
-        output_token_counts = _narrowed(output_token_counts, values).contiguous() if needs_counts else None
+        output_token_counts = _narrowed(output_token_counts, to_cpp).contiguous() if needs_counts else None
     elif needs_counts:
         raise TypeError(f"output_token_counts: required with {needs_counts[0]} (the counts the penalties read)")
     if prompt_token_mask is not None:
@@ -912,7 +914,7 @@ def check_sampling_params(V, B, device, repetition_penalty=None, frequency_penal
     if logit_bias is not None:
         if not (isinstance(logit_bias, (tuple, list)) and len(logit_bias) == 2):
             raise TypeError("logit_bias: expected (ids (B, K) int, values (B, K) float)")
-        bias_ids = _token_ids("logit_bias[0]", logit_bias[0], B, V, device, values)
+        bias_ids = _token_ids("logit_bias[0]", logit_bias[0], B, V, device, values, to_cpp)
         _tensor("logit_bias[1]", logit_bias[1], dim=2, dtypes=FLOAT_DTYPES, device=device)
         _shape("logit_bias[1]", logit_bias[1], tuple(bias_ids.shape))
         bias_values = logit_bias[1].to(torch.float32)
